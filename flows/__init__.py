@@ -1,0 +1,1 @@
+"""Prefect flows, one per pipeline stage, and the ``diffret`` command line."""

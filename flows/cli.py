@@ -1,0 +1,169 @@
+"""``diffret``: the command line. Each subcommand runs one flow (or opens SQL over the store).
+
+A flow runs through Prefect (tracked in the UI, resumable as a deployment) when a Prefect API is
+configured (``PREFECT_API_URL``) or ``--prefect`` is given; otherwise the same work runs in-process
+without starting Prefect's temporary server, which costs ~15 s per command.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+app = typer.Typer(
+    name="diffret",
+    help="Representative-token retrieval experiments (DiffRetriever and baselines) over an artifact store.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+RootOpt = Annotated[
+    str,
+    typer.Option("--root", "-r", envvar="DIFFRET_ROOT", help="Artifact store root (local folder or fsspec URL)."),
+]
+PrefectOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--prefect/--no-prefect",
+        help="Run as a Prefect flow run. Default: only when PREFECT_API_URL is set.",
+        show_default=False,
+    ),
+]
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def _use_prefect(flag: bool | None) -> bool:
+    return flag if flag is not None else bool(os.environ.get("PREFECT_API_URL"))
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+    raise typer.Exit(code=2)
+
+
+def _known_errors() -> tuple[type[Exception], ...]:
+    from retrieval.datasets import DatasetError
+    from storage import StoreError
+
+    return (DatasetError, StoreError, ValueError)
+
+
+@app.command()
+def download(
+    name: Annotated[str, typer.Argument(help="Collection name: scifact, nfcorpus, msmarco-passage, trec-dl-2019, ...")],
+    source: Annotated[
+        str | None,
+        typer.Option("--source", "-s", help="Mirror in BEIR layout: folder, .zip/.tar.gz, or URL. Default: official."),
+    ] = None,
+    root: RootOpt = "./diffret-store",
+    cache_dir: Annotated[str, typer.Option(help="Where downloads are cached.")] = "~/.cache/diffret/downloads",
+    force: Annotated[bool, typer.Option("--force", help="Replace a stored copy built from another source.")] = False,
+    prefect: PrefectOpt = None,
+) -> None:
+    """Materialise a test collection as corpus / queries / qrels Parquet in the store."""
+    from flows.download import DownloadConfig, download_flow, run_download
+
+    config = DownloadConfig(name=name, source=source, root=root, cache_dir=cache_dir, force=force)
+    try:
+        if _use_prefect(prefect):
+            summary = download_flow(config)
+            lines = summary["report"]
+        else:
+            with Progress(
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                console=console, transient=True,
+            ) as bar:
+                tasks: dict[str, int] = {}
+
+                def progress(label: str, done: int, total: int | None) -> None:
+                    if label not in tasks:
+                        tasks[label] = bar.add_task(f"download {label}", total=total)
+                    bar.update(tasks[label], completed=done)
+
+                with console.status(f"reading {name}…"):
+                    result = run_download(config, progress=progress)
+            lines = result.report_lines
+    except _known_errors() as exc:
+        _fail(exc)
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL over the views corpus, queries, qrels, manifests, ...")],
+    root: RootOpt = "./diffret-store",
+    fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
+    verify: Annotated[bool, typer.Option("--verify", help="Check every file's sha256 before querying.")] = False,
+) -> None:
+    """Run DuckDB SQL over the store's views (defined in queries/*.sql) and print the result."""
+    import duckdb
+
+    from storage import ArtifactStore
+    from storage.sql import StoreSQL
+
+    try:
+        with StoreSQL(ArtifactStore(root), verify=verify) as db:
+            cols, rows = db.query(query)
+    except duckdb.Error as exc:
+        _fail(ValueError(f"SQL error: {exc}"))
+    except _known_errors() as exc:
+        _fail(exc)
+    _print_rows(cols, rows, fmt)
+
+
+def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat) -> None:
+    if fmt is OutputFormat.csv:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+        sys.stdout.write(buf.getvalue())
+    elif fmt is OutputFormat.json:
+        sys.stdout.write(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=1) + "\n")
+    else:
+        table = Table(*cols, show_lines=False)
+        for r in rows:
+            table.add_row(*("NULL" if v is None else str(v) for v in r))
+        out.print(table)
+
+
+@app.command()
+def views(root: RootOpt = "./diffret-store") -> None:
+    """List the SQL views and their columns."""
+    from storage import ArtifactStore
+    from storage.sql import StoreSQL
+
+    try:
+        with StoreSQL(ArtifactStore(root)) as db:
+            for name in db.views:
+                cols, rows = db.query(f"DESCRIBE {name}")
+                out.print(f"[bold]{name}[/]: " + ", ".join(f"{r[0]} {r[1]}" for r in rows), highlight=False)
+    except _known_errors() as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

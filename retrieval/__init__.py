@@ -1,0 +1,1 @@
+"""The domain of diffret, importable without Prefect: collections, representations, scoring, evaluation."""

@@ -1,0 +1,99 @@
+"""The one place that knows where artifacts live and what their Arrow schemas are.
+
+Every path below is relative to the store root; ``ArtifactStore`` joins it with the root (a local
+folder or an fsspec URL). Stage folders are hive-partitioned (``key=value``) so that DuckDB reads any
+slice with ``hive_partitioning=true``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+MANIFEST_NAME = "_manifest.json"
+STAGING_DIR = "_staging"  # same filesystem as the store: a staged folder is renamed into place
+LOCKS_DIR = "_locks"
+
+# ----------------------------------------------------------------------------------------- schemas
+
+CORPUS_SCHEMA = pa.schema(
+    [
+        pa.field("doc_id", pa.string(), nullable=False),
+        pa.field("title", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("metadata", pa.string()),  # the source's metadata object as JSON text, or null
+    ]
+)
+
+QUERIES_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        # One row per (query, split) for every split whose qrels judge the query; a query judged in
+        # no split keeps one row with split = null (it is still encodable).
+        pa.field("split", pa.string()),
+        pa.field("metadata", pa.string()),
+    ]
+)
+
+QRELS_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("doc_id", pa.string(), nullable=False),
+        pa.field("relevance", pa.int32(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+    ]
+)
+
+DATASET_TABLES: dict[str, pa.Schema] = {
+    "corpus": CORPUS_SCHEMA,
+    "queries": QUERIES_SCHEMA,
+    "qrels": QRELS_SCHEMA,
+}
+
+# ------------------------------------------------------------------------------------------- paths
+
+_VALUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+def check_partition_value(key: str, value: object) -> str:
+    """A partition value becomes a folder name: keep it to a safe alphabet so paths never escape."""
+    text = str(value)
+    if not _VALUE_RE.match(text) or len(text) > 200:
+        raise ValueError(
+            f"invalid {key} {text!r}: use letters, digits and . _ + - (starting with a letter or digit)"
+        )
+    return text
+
+
+def partition(stage: str, **parts: object) -> str:
+    """``stage/k1=v1/k2=v2`` with every value checked."""
+    segs = [stage] + [f"{k}={check_partition_value(k, v)}" for k, v in parts.items()]
+    return "/".join(segs)
+
+
+def dataset_dir(dataset: str) -> str:
+    return partition("datasets", dataset=dataset)
+
+
+def dataset_file(dataset: str, table: str) -> str:
+    if table not in DATASET_TABLES:
+        raise ValueError(f"unknown dataset table {table!r}; expected one of {sorted(DATASET_TABLES)}")
+    return f"{dataset_dir(dataset)}/{table}.parquet"
+
+
+def manifest_path(stage_dir: str) -> str:
+    return f"{stage_dir}/{MANIFEST_NAME}"
+
+
+def lock_name(stage_dir: str) -> str:
+    return stage_dir.replace("/", "__").replace("=", "-")
+
+
+# Schema of each file name that a SQL view reads (used for typed zero-row placeholders).
+FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
+
+
+def schema_for_file(name: str) -> pa.Schema | None:
+    return FILE_SCHEMAS.get(name)

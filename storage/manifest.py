@@ -1,0 +1,135 @@
+"""Stage manifests: what produced a folder of artifacts, and the checksums that say it is whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from datetime import UTC, datetime
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+MANIFEST_VERSION = 1
+_VERSIONED_PACKAGES = ("diffret", "pyarrow", "duckdb", "prefect", "torch", "transformers", "lancedb")
+
+
+class StoreError(RuntimeError):
+    """Base class for every artifact-store error; the message names the artifact and the fix."""
+
+
+class ChecksumError(StoreError):
+    """A file's bytes differ from the sha256 recorded in its stage manifest."""
+
+
+class IncompleteArtifactError(StoreError):
+    """A stage folder without a manifest (or a file without a manifest entry): never read."""
+
+
+class ConfigDriftError(StoreError):
+    """Two configs that must agree do not; ``differences`` lists (field, stored, requested)."""
+
+    def __init__(self, where: str, differences: list[tuple[str, Any, Any]], hint: str = ""):
+        self.where = where
+        self.differences = differences
+        lines = "\n".join(f"  - {f}: stored {a!r} != requested {b!r}" for f, a, b in differences)
+        super().__init__(
+            f"{where} was produced by a different config; differing fields:\n{lines}"
+            + (f"\n{hint}" if hint else "")
+        )
+
+
+class FileEntry(BaseModel):
+    sha256: str
+    bytes: int
+    rows: int | None = None
+
+
+class Manifest(BaseModel):
+    manifest_version: int = MANIFEST_VERSION
+    stage: str
+    partition: dict[str, str] = Field(default_factory=dict)
+    config: dict[str, Any]
+    config_hash: str
+    created_at: str
+    versions: dict[str, str] = Field(default_factory=dict)
+    files: dict[str, FileEntry] = Field(default_factory=dict)
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def new(
+        cls, stage: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None
+    ) -> Manifest:
+        return cls(
+            stage=stage,
+            partition=partition,
+            config=config,
+            config_hash=config_hash(config),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            versions=library_versions(),
+            stats=stats or {},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "manifest") -> Manifest:
+        try:
+            return cls.model_validate_json(text)
+        except ValueError as exc:
+            raise StoreError(f"{where}: unreadable manifest ({exc.__class__.__name__}: {exc})") from exc
+
+    def total_rows(self) -> int:
+        return sum(e.rows or 0 for e in self.files.values())
+
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.files.values())
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        if not obj and prefix:
+            out[prefix] = {}
+        return out
+    return {prefix: obj}
+
+
+_MISSING = "<absent>"
+
+
+def diff_configs(stored: dict[str, Any], requested: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Dotted field names whose values differ between two configs (nested dicts are flattened)."""
+    a, b = _flatten(stored), _flatten(requested)
+    return [
+        (k, a.get(k, _MISSING), b.get(k, _MISSING))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, _MISSING) != b.get(k, _MISSING)
+    ]
+
+
+def require_same_config(where: str, stored: dict[str, Any], requested: dict[str, Any], hint: str = "") -> None:
+    if config_hash(stored) != config_hash(requested):
+        raise ConfigDriftError(where, diff_configs(stored, requested), hint)
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            out[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return out

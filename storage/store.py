@@ -1,0 +1,324 @@
+"""The artifact store: one root (a local folder or any fsspec URL), atomic writes, verified reads.
+
+Rules (DESIGN.md, "The artifact store"):
+- every write is atomic: a file is written under a temporary name and renamed into place (on object
+  stores, where a single PUT is already atomic, the object is uploaded whole);
+- a stage folder is trusted only through its ``_manifest.json``: the producing config and its hash,
+  row counts, sha256 and size of every file, library versions. The manifest is written last;
+- a reader verifies checksums and refuses artifacts whose config differs from the one it expects,
+  naming the differing fields.
+
+Whole stage folders (a dataset's three tables) are built in ``_staging/`` and renamed into place in
+one step on local filesystems, so a killed run leaves nothing under the stage's glob that DuckDB or a
+reader would pick up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from . import layout
+from .manifest import (
+    ChecksumError,
+    ConfigDriftError,
+    FileEntry,
+    IncompleteArtifactError,
+    Manifest,
+    StoreError,
+    config_hash,
+    diff_configs,
+)
+
+PARQUET_COMPRESSION = "zstd"
+ROW_GROUP_ROWS = 100_000
+_HASH_CHUNK = 8 << 20
+
+
+def sha256_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    opener = fs.open if fs is not None else open
+    with opener(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class ArtifactStore:
+    """All artifact I/O of diffret goes through one of these."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        root = os.fspath(root)
+        if not root:
+            raise StoreError("store root is empty")
+        self.root = root
+        self.fs, base = fsspec.core.url_to_fs(root)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
+        self._verified: dict[tuple[str, int, int], str] = {}
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.root!r})"
+
+    # ----------------------------------------------------------------------------------- paths
+    def abspath(self, rel: str) -> str:
+        return f"{self.base}/{rel}" if rel else self.base
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.abspath(rel))
+
+    def local_path(self, rel: str) -> str:
+        """Absolute local path (DuckDB reads the store directly when it is local)."""
+        if not self.is_local:
+            raise StoreError(f"{self.root} is not a local store; DuckDB views need a local root")
+        return self.abspath(rel)
+
+    # ----------------------------------------------------------------------------- atomic writes
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a small file atomically (temporary name in the same folder, then rename)."""
+        path = self.abspath(rel)
+        if self.is_local:
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        else:  # one PUT: the object appears whole or not at all
+            self.fs.pipe_file(path, data)
+
+    def write_manifest(self, stage_dir: str, manifest: Manifest) -> None:
+        self.write_bytes(layout.manifest_path(stage_dir), manifest.to_json().encode())
+
+    # ------------------------------------------------------------------------------------ reads
+    def read_manifest(self, stage_dir: str) -> Manifest | None:
+        path = self.abspath(layout.manifest_path(stage_dir))
+        try:
+            with self.fs.open(path, "rb") as f:
+                text = f.read().decode()
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(text, where=path)
+
+    def require_manifest(self, stage_dir: str) -> Manifest:
+        m = self.read_manifest(stage_dir)
+        if m is None:
+            hint = ""
+            if self.exists(stage_dir):
+                hint = " (the folder exists but has no manifest: an interrupted run; run the stage again)"
+            raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
+        return m
+
+    def verify_file(self, stage_dir: str, name: str, entry: FileEntry) -> None:
+        path = self.abspath(f"{stage_dir}/{name}")
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            raise ChecksumError(f"{path}: listed in the manifest but missing") from None
+        size = int(info.get("size") or 0)
+        mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+        key = (path, size, int(float(mtime.timestamp() if hasattr(mtime, "timestamp") else mtime) * 1e9))
+        if self._verified.get(key) == entry.sha256:
+            return
+        if size != entry.bytes:
+            raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}")
+        digest, _ = sha256_file(path, self.fs)
+        if digest != entry.sha256:
+            raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…)")
+        self._verified[key] = digest
+
+    def verify(self, stage_dir: str, expect_config: dict[str, Any] | None = None) -> Manifest:
+        """The stage's manifest after checking every file (and the config, when one is expected)."""
+        m = self.require_manifest(stage_dir)
+        if expect_config is not None and m.config_hash != config_hash(expect_config):
+            raise ConfigDriftError(self.abspath(stage_dir), diff_configs(m.config, expect_config))
+        for name, entry in m.files.items():
+            self.verify_file(stage_dir, name, entry)
+        return m
+
+    def read_table(
+        self,
+        stage_dir: str,
+        name: str,
+        columns: list[str] | None = None,
+        expect_config: dict[str, Any] | None = None,
+    ) -> pa.Table:
+        m = self.require_manifest(stage_dir)
+        if expect_config is not None and m.config_hash != config_hash(expect_config):
+            raise ConfigDriftError(self.abspath(stage_dir), diff_configs(m.config, expect_config))
+        entry = m.files.get(name)
+        if entry is None:
+            raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
+        self.verify_file(stage_dir, name, entry)
+        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+            return pq.read_table(f, columns=columns)
+
+    # ------------------------------------------------------------------------------------ locks
+    @contextlib.contextmanager
+    def lock(self, stage_dir: str) -> Iterator[None]:
+        """Exclusive lock for one stage folder (local stores; released by the OS if the process dies).
+
+        On object stores there is no lock: the flow assigns each partition to one task.
+        """
+        if not self.is_local:
+            yield
+            return
+        folder = self.abspath(layout.LOCKS_DIR)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, layout.lock_name(stage_dir) + ".lock"), "w") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(
+                    f"{self.abspath(stage_dir)} is being written by another process; wait for it to finish"
+                ) from None
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    # --------------------------------------------------------------------------- staged stages
+    @contextlib.contextmanager
+    def stage_writer(self, stage_dir: str, manifest: Manifest) -> Iterator[StageWriter]:
+        """Build a whole stage folder; it replaces ``stage_dir`` only when the block finishes cleanly.
+
+        Holds the stage lock for the whole build and clears what an earlier killed run left behind.
+        """
+        with self.lock(stage_dir):
+            writer = StageWriter(self, stage_dir, manifest)
+            try:
+                yield writer
+                writer._commit()
+            finally:
+                writer._cleanup()
+
+    def clear_stale_staging(self, stage_dir: str) -> int:
+        """Remove staging folders of ``stage_dir`` left by killed runs (call with the lock held)."""
+        if not self.is_local:
+            return 0
+        folder = self.abspath(layout.STAGING_DIR)
+        if not os.path.isdir(folder):
+            return 0
+        prefix = layout.lock_name(stage_dir) + "."
+        n = 0
+        for entry in os.listdir(folder):
+            if entry.startswith(prefix):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+                n += 1
+        return n
+
+    def remove_stage(self, stage_dir: str) -> None:
+        path = self.abspath(stage_dir)
+        if self.fs.exists(path):
+            # manifest first: from this instant nothing in the folder is accepted
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.abspath(layout.manifest_path(stage_dir)))
+            self.fs.rm(path, recursive=True)
+
+    def list_partitions(self, stage: str, key: str) -> list[str]:
+        """Values of the first partition key under ``stage`` that have a manifest."""
+        base = self.abspath(stage)
+        if not self.fs.exists(base):
+            return []
+        out = []
+        for p in self.fs.ls(base, detail=False):
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith(f"{key}=") and self.fs.exists(f"{p.rstrip('/')}/{layout.MANIFEST_NAME}"):
+                out.append(name.split("=", 1)[1])
+        return sorted(out)
+
+
+class StageWriter:
+    """Writes the files of one stage folder; see ``ArtifactStore.stage_writer``."""
+
+    def __init__(self, store: ArtifactStore, stage_dir: str, manifest: Manifest):
+        self.store = store
+        self.stage_dir = stage_dir
+        self.manifest = manifest
+        self._token = uuid.uuid4().hex[:12]
+        if store.is_local:
+            store.clear_stale_staging(stage_dir)
+            self.work_dir = store.abspath(f"{layout.STAGING_DIR}/{layout.lock_name(stage_dir)}.{self._token}")
+            os.makedirs(self.work_dir)
+        else:
+            self.work_dir = tempfile.mkdtemp(prefix="diffret-stage-")
+            # the old manifest goes first, so the old files are never mistaken for the new ones
+            store.remove_stage(stage_dir)
+        self._done = False
+
+    def write_parquet(
+        self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch | pa.Table]
+    ) -> FileEntry:
+        """Stream record batches into ``name`` (zstd Parquet) and record it in the manifest."""
+        path = os.path.join(self.work_dir, name)
+        rows = 0
+        with pq.ParquetWriter(path, schema, compression=PARQUET_COMPRESSION) as w:
+            for b in batches:
+                if isinstance(b, pa.RecordBatch):
+                    b = pa.Table.from_batches([b])
+                if b.schema != schema:
+                    b = b.cast(schema)
+                w.write_table(b, row_group_size=ROW_GROUP_ROWS)
+                rows += b.num_rows
+        digest, size = sha256_file(path)
+        entry = FileEntry(sha256=digest, bytes=size, rows=rows)
+        self.manifest.files[name] = entry
+        if not self.store.is_local:
+            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+        return entry
+
+    def _commit(self) -> None:
+        store = self.store
+        if store.is_local:
+            with open(os.path.join(self.work_dir, layout.MANIFEST_NAME), "w") as f:
+                f.write(self.manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            final = store.abspath(self.stage_dir)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            old = None
+            if os.path.exists(final):
+                old = f"{self.work_dir}.old"
+                os.rename(final, old)
+            os.rename(self.work_dir, final)
+            _fsync_dir(os.path.dirname(final))
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            store.write_manifest(self.stage_dir, self.manifest)
+        self._done = True
+
+    def _cleanup(self) -> None:
+        if os.path.isdir(self.work_dir):
+            shutil.rmtree(self.work_dir, ignore_errors=True)
