@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -27,8 +28,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
 
 RootOpt = Annotated[
     str,
@@ -55,7 +56,7 @@ def _use_prefect(flag: bool | None) -> bool:
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -104,7 +105,7 @@ def download(
     except _known_errors() as exc:
         _fail(exc)
     for line in lines:
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

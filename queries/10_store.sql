@@ -12,7 +12,8 @@ SELECT
     content::JSON -> 'versions' AS versions,
     content::JSON -> 'stats' AS stats,
     content::JSON -> 'files' AS files
-FROM read_text(@files);
+FROM read_text(@files)
+WHERE content::JSON ->> 'stage' IS NOT NULL;
 
 -- view: artifact_files
 -- One row per file listed in a manifest: the store's footprint, by stage and partition.
