@@ -12,7 +12,7 @@ import io
 import json
 import os
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -45,7 +45,7 @@ PrefectOpt = Annotated[
 ]
 
 
-class OutputFormat(str, Enum):
+class OutputFormat(StrEnum):
     table = "table"
     csv = "csv"
     json = "json"
@@ -89,8 +89,12 @@ def download(
             lines = summary["report"]
         else:
             with Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                console=console, transient=True,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                console=console,
+                transient=True,
             ) as bar:
                 tasks: dict[str, int] = {}
 

@@ -37,12 +37,15 @@ def test_scifact_nfcorpus_cranfield(tmp_path, shared_data):
         run("download", name, "--source", str(shared_data / name), "--root", str(root))
     rows = sql_json(
         root,
-        "select split, count(distinct query_id) q, count(*) n from qrels where dataset = 'scifact' group by 1 order by 1",
+        "select split, count(distinct query_id) q, count(*) n from qrels "
+        "where dataset = 'scifact' group by 1 order by 1",
     )
     assert rows == [{"split": "test", "q": 300, "n": 339}, {"split": "train", "q": 809, "n": 919}]
     counts = {r["dataset"]: r["n"] for r in sql_json(root, "select dataset, count(*) n from corpus group by 1")}
     assert counts == {"scifact": 5183, "nfcorpus": 3633, "cranfield": 1400}
-    nf = sql_json(root, "select count(distinct query_id) q, count(*) n from qrels where dataset='nfcorpus' and split='test'")
+    nf = sql_json(
+        root, "select count(distinct query_id) q, count(*) n from qrels where dataset='nfcorpus' and split='test'"
+    )
     assert nf == [{"q": 323, "n": 12334}]
     cran = sql_json(root, "select count(distinct query_id) q from queries where dataset = 'cranfield'")
     assert cran == [{"q": 225}]
@@ -109,7 +112,10 @@ def test_kill_9_mid_download_then_rerun(tmp_path, shared_data):
     root = tmp_path / "store"
     proc = subprocess.Popen(
         [*DIFFRET, "download", "big", "--source", str(src), "--root", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        start_new_session=True,
     )
     staging = root / "_staging"
     deadline = time.monotonic() + 120
