@@ -61,14 +61,21 @@ class DatasetReport:
 
     def summary_lines(self) -> list[str]:
         if self.has_corpus:
-            out = [f"corpus: {self.corpus_rows:,} documents"
-                   + (f" ({self.corpus_empty_text} with empty text, e.g. {self.corpus_empty_examples})"
-                      if self.corpus_empty_text else "")]
+            out = [
+                f"corpus: {self.corpus_rows:,} documents"
+                + (
+                    f" ({self.corpus_empty_text} with empty text, e.g. {self.corpus_empty_examples})"
+                    if self.corpus_empty_text
+                    else ""
+                )
+            ]
         else:
             out = ["corpus: none in this source"]
-        out.append(f"queries: {self.queries:,}"
-                   + (f" ({self.queries_empty_text} with empty text)" if self.queries_empty_text else "")
-                   + (f", {self.unjudged_queries:,} judged in no split" if self.unjudged_queries else ""))
+        out.append(
+            f"queries: {self.queries:,}"
+            + (f" ({self.queries_empty_text} with empty text)" if self.queries_empty_text else "")
+            + (f", {self.unjudged_queries:,} judged in no split" if self.unjudged_queries else "")
+        )
         for name, s in sorted(self.splits.items()):
             line = f"qrels[{name}]: {s.rows:,} judgments over {s.queries:,} queries"
             dropped = []

@@ -86,7 +86,9 @@ def materialise(store: ArtifactStore, name: str, files: SourceFiles, force: bool
         doc_ids: set[str] | None
         if files.corpus is not None:
             doc_ids = set()
-            w.write_parquet("corpus.parquet", CORPUS_SCHEMA, read_corpus(files.corpus, files.corpus_format, report, doc_ids))
+            w.write_parquet(
+                "corpus.parquet", CORPUS_SCHEMA, read_corpus(files.corpus, files.corpus_format, report, doc_ids)
+            )
         elif files.corpus_from:
             doc_ids = _doc_ids_of(store, files.corpus_from)
             if doc_ids is None:

@@ -218,7 +218,9 @@ def read_beir_folder(folder: Path, into: SourceFiles) -> None:
     folder = _beir_root(folder)
     queries = _first_existing(folder / "queries.jsonl", folder / "queries.jsonl.gz")
     if queries is None:
-        raise DatasetError(f"{folder}: no queries.jsonl (expected BEIR layout: corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
+        raise DatasetError(
+            f"{folder}: no queries.jsonl (expected BEIR layout: corpus.jsonl, queries.jsonl, qrels/<split>.tsv)"
+        )
     into.queries.append((queries, "jsonl"))
     corpus = _first_existing(folder / "corpus.jsonl", folder / "corpus.jsonl.gz")
     if corpus is not None:
@@ -254,9 +256,7 @@ def _local_source(name: str, folder: Path, entry: CatalogEntry | None) -> Source
         if not subdirs and (folder / name).is_dir():
             subdirs = [name]
         if not subdirs:
-            raise DatasetError(
-                f"{folder}: not a BEIR-layout folder (no queries.jsonl) and no sub-folder for {name!r}"
-            )
+            raise DatasetError(f"{folder}: not a BEIR-layout folder (no queries.jsonl) and no sub-folder for {name!r}")
         for d in subdirs:
             read_beir_folder(folder / d, files)
         files.notes.append(f"read from sub-folders {', '.join(subdirs)} of {folder}")

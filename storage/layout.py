@@ -61,9 +61,7 @@ def check_partition_value(key: str, value: object) -> str:
     """A partition value becomes a folder name: keep it to a safe alphabet so paths never escape."""
     text = str(value)
     if not _VALUE_RE.match(text) or len(text) > 200:
-        raise ValueError(
-            f"invalid {key} {text!r}: use letters, digits and . _ + - (starting with a letter or digit)"
-        )
+        raise ValueError(f"invalid {key} {text!r}: use letters, digits and . _ + - (starting with a letter or digit)")
     return text
 
 

@@ -35,8 +35,7 @@ class ConfigDriftError(StoreError):
         self.differences = differences
         lines = "\n".join(f"  - {f}: stored {a!r} != requested {b!r}" for f, a, b in differences)
         super().__init__(
-            f"{where} was produced by a different config; differing fields:\n{lines}"
-            + (f"\n{hint}" if hint else "")
+            f"{where} was produced by a different config; differing fields:\n{lines}" + (f"\n{hint}" if hint else "")
         )
 
 
@@ -58,9 +57,7 @@ class Manifest(BaseModel):
     stats: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
-    def new(
-        cls, stage: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None
-    ) -> Manifest:
+    def new(cls, stage: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None) -> Manifest:
         return cls(
             stage=stage,
             partition=partition,

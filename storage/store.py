@@ -277,9 +277,7 @@ class StageWriter:
             store.remove_stage(stage_dir)
         self._done = False
 
-    def write_parquet(
-        self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch | pa.Table]
-    ) -> FileEntry:
+    def write_parquet(self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch | pa.Table]) -> FileEntry:
         """Stream record batches into ``name`` (zstd Parquet) and record it in the manifest."""
         path = os.path.join(self.work_dir, name)
         rows = 0

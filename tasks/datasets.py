@@ -9,9 +9,9 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from retrieval.ingest import IngestResult, materialise
-from tasks.keys import artifact_key
 from retrieval.sources import SourceFiles, resolve_source
 from storage import ArtifactStore
+from tasks.keys import artifact_key
 
 
 class _ArtifactProgress:

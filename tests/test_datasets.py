@@ -31,10 +31,17 @@ def test_tiny_collection_tables(tmp_path, tiny_beir):
     assert [d["doc_id"] for d in corpus] == ["d1", "d2", "d3"]
     assert json.loads(corpus[1]["metadata"]) == {"year": 2020} and corpus[0]["metadata"] is None
     queries = pq.read_table(base / "queries.parquet").to_pylist()
-    assert {(q["query_id"], q["split"]) for q in queries} == {("q1", "test"), ("q2", "test"), ("q2", "train"), ("q3", None)}
+    assert {(q["query_id"], q["split"]) for q in queries} == {
+        ("q1", "test"),
+        ("q2", "test"),
+        ("q2", "train"),
+        ("q3", None),
+    }
     qrels = pq.read_table(base / "qrels.parquet").to_pylist()
     assert {(r["query_id"], r["doc_id"], r["relevance"], r["split"]) for r in qrels} == {
-        ("q1", "d1", 1, "test"), ("q2", "d2", 2, "test"), ("q2", "d1", 0, "train"),
+        ("q1", "d1", 1, "test"),
+        ("q2", "d2", 2, "test"),
+        ("q2", "d1", 0, "train"),
     }
     # empty texts are kept, counted and reported
     assert any("1 with empty text" in line and "d3" in line for line in res.report_lines)
@@ -75,8 +82,10 @@ def test_damaged_copy_is_rebuilt(tmp_path, tiny_beir):
         (['{"_id": "a", "text": "x"}', '{"title": "no id", "text": "y"}'], r"corpus.jsonl:2: missing field '_id'"),
         (['{"_id": "a", "title": "no text"}'], r"corpus.jsonl:1: missing field 'text'"),
         (['{"_id": "a", "text": 5}'], r"corpus.jsonl:1: field 'text' must be a string"),
-        (['{"_id": "a", "text": "x"}', '{"_id": "b", "text": "y"}', '{"_id": "a", "text": "z"}'],
-         r"corpus.jsonl:3: duplicate document id 'a' \(first at line 1\)"),
+        (
+            ['{"_id": "a", "text": "x"}', '{"_id": "b", "text": "y"}', '{"_id": "a", "text": "z"}'],
+            r"corpus.jsonl:3: duplicate document id 'a' \(first at line 1\)",
+        ),
         (['["not", "an", "object"]'], r"corpus.jsonl:1: expected a JSON object"),
     ],
 )
@@ -89,7 +98,9 @@ def test_malformed_corpus_names_file_line_field(tmp_path, corpus_lines, message)
 
 
 def test_invalid_utf8_names_line(tmp_path):
-    folder = write_beir(tmp_path / "bad", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]})
+    folder = write_beir(
+        tmp_path / "bad", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]}
+    )
     with open(folder / "queries.jsonl", "ab") as f:
         f.write(b'{"_id": "q2", "text": "caf\xe9"}\n')
     with pytest.raises(DatasetError, match=r"queries.jsonl:2: invalid UTF-8"):
@@ -98,8 +109,10 @@ def test_invalid_utf8_names_line(tmp_path):
 
 def test_duplicate_query_id_in_one_file(tmp_path):
     folder = write_beir(
-        tmp_path / "bad", [{"_id": "a", "text": "x"}],
-        [{"_id": "q", "text": "q"}, {"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]},
+        tmp_path / "bad",
+        [{"_id": "a", "text": "x"}],
+        [{"_id": "q", "text": "q"}, {"_id": "q", "text": "q"}],
+        {"test": [("q", "a", 1)]},
     )
     with pytest.raises(DatasetError, match=r"queries.jsonl:2: duplicate query id 'q' \(first at .*queries.jsonl:1\)"):
         _ingest(tmp_path, folder, name="bad")
@@ -107,7 +120,9 @@ def test_duplicate_query_id_in_one_file(tmp_path):
 
 def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
     folder = write_beir(
-        tmp_path / "c", [{"_id": "a", "text": "x"}, {"_id": "b", "text": "y"}], [{"_id": "q", "text": "q"}],
+        tmp_path / "c",
+        [{"_id": "a", "text": "x"}, {"_id": "b", "text": "y"}],
+        [{"_id": "q", "text": "q"}],
         {"test": [("q", "a", 1), ("q", "zzz", 1), ("nope", "a", 1), ("q", "a", 1), ("q", "b", 0)]},
     )
     res = _ingest(tmp_path, folder, name="c")
@@ -119,7 +134,12 @@ def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
 
 
 def test_qrels_conflicting_grades_and_bad_rows(tmp_path):
-    folder = write_beir(tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1), ("q", "a", 2)]})
+    folder = write_beir(
+        tmp_path / "c",
+        [{"_id": "a", "text": "x"}],
+        [{"_id": "q", "text": "q"}],
+        {"test": [("q", "a", 1), ("q", "a", 2)]},
+    )
     with pytest.raises(DatasetError, match=r"test.tsv:3: query 'q' / document 'a' judged 2 here and 1 at line 2"):
         _ingest(tmp_path, folder, name="c")
     (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\thigh\n")
@@ -131,7 +151,9 @@ def test_qrels_conflicting_grades_and_bad_rows(tmp_path):
 
 
 def test_split_with_no_known_ids_is_an_error(tmp_path):
-    folder = write_beir(tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "other", 1)]})
+    folder = write_beir(
+        tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "other", 1)]}
+    )
     with pytest.raises(DatasetError, match="right corpus"):
         _ingest(tmp_path, folder, name="c")
 
@@ -181,5 +203,7 @@ def test_sql_views_see_only_complete_stages(tmp_path, tiny_beir):
         cols, rows = db.query("select split, judged_queries, judgments from dataset_summary order by 1")
         assert rows == [("test", 2, 2), ("train", 1, 1)]
         assert db.query("select stage, file, rows from artifact_files order by file")[1] == [
-            ("datasets", "corpus.parquet", 3), ("datasets", "qrels.parquet", 3), ("datasets", "queries.parquet", 4),
+            ("datasets", "corpus.parquet", 3),
+            ("datasets", "qrels.parquet", 3),
+            ("datasets", "queries.parquet", 4),
         ]

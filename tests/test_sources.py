@@ -56,7 +56,9 @@ def test_url_zip_and_url_folder(tmp_path, tiny_beir, http_root):
     b = materialise(store, "viafolder", resolve_source("viafolder", f"{base}/tiny/", tmp_path / "cache"))
     for res in (a, b):
         assert {k: v.rows for k, v in res.manifest.files.items()} == {
-            "corpus.parquet": 3, "qrels.parquet": 3, "queries.parquet": 4,
+            "corpus.parquet": 3,
+            "qrels.parquet": 3,
+            "queries.parquet": 4,
         }
     assert a.manifest.config["source"] == f"{base}/tiny.zip"
 
@@ -101,8 +103,20 @@ def test_zip_slip_refused(tmp_path):
 
 def test_catalog_names():
     cat = sources.catalog()
-    for name in ["scifact", "nfcorpus", "arguana", "fiqa", "trec-covid", "nq", "hotpotqa", "quora", "scidocs",
-                 "msmarco-passage", "trec-dl-2019", "trec-dl-2020"]:
+    for name in [
+        "scifact",
+        "nfcorpus",
+        "arguana",
+        "fiqa",
+        "trec-covid",
+        "nq",
+        "hotpotqa",
+        "quora",
+        "scidocs",
+        "msmarco-passage",
+        "trec-dl-2019",
+        "trec-dl-2020",
+    ]:
         assert name in cat
     assert cat["trec-dl-2019"].corpus_from == "msmarco-passage"
     assert all(f.md5 and len(f.md5) == 32 for f in cat["scifact"].files)

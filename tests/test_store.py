@@ -24,7 +24,12 @@ STAGE = "datasets/dataset=toy"
 
 def _corpus(n: int) -> pa.Table:
     return pa.table(
-        {"doc_id": [str(i) for i in range(n)], "title": [""] * n, "text": [f"t{i}" for i in range(n)], "metadata": [None] * n},
+        {
+            "doc_id": [str(i) for i in range(n)],
+            "title": [""] * n,
+            "text": [f"t{i}" for i in range(n)],
+            "metadata": [None] * n,
+        },
         schema=CORPUS_SCHEMA,
     )
 
@@ -77,7 +82,9 @@ def test_config_drift_refused_naming_fields(tmp_path):
     store = ArtifactStore(tmp_path)
     _write(store, {"model": "m1", "max_length": 512, "prompt": {"variant": "few"}})
     with pytest.raises(ConfigDriftError) as err:
-        store.read_table(STAGE, "corpus.parquet", expect_config={"model": "m1", "max_length": 256, "prompt": {"variant": "one"}})
+        store.read_table(
+            STAGE, "corpus.parquet", expect_config={"model": "m1", "max_length": 256, "prompt": {"variant": "one"}}
+        )
     fields = [f for f, _, _ in err.value.differences]
     assert fields == ["max_length", "prompt.variant"]
     assert "max_length: stored 512 != requested 256" in str(err.value)
