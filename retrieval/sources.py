@@ -20,6 +20,11 @@ from pathlib import Path
 
 from .datasets import DatasetError
 
+
+class DownloadError(DatasetError):
+    """A network / remote-storage failure: worth retrying, unlike malformed input."""
+
+
 BEIR_BASE_URL = "https://public.ukp.informatik.tu-darmstadt.de/thakur/BEIR/datasets"
 MSMARCO_BASE_URL = "https://msmarco.z22.web.core.windows.net/msmarcoranking"
 TREC_DL_BASE_URL = "https://trec.nist.gov/data/deep"
@@ -156,7 +161,7 @@ def download(url: str, dest: Path, md5: str | None = None, progress: Progress | 
                 shutil.copyfileobj(src, out, 1 << 20)
     except OSError as exc:
         part.unlink(missing_ok=True)
-        raise DatasetError(f"could not download {url}: {exc}") from exc
+        raise DownloadError(f"could not download {url}: {exc}") from exc
     if md5 is not None:
         got = file_digest(part, "md5")
         if got != md5:
@@ -315,7 +320,7 @@ def resolve_source(
     for split in ("train", "dev", "test"):
         try:
             download(f"{base}/qrels/{split}.tsv", folder / "qrels" / f"{split}.tsv", progress=progress)
-        except DatasetError:
+        except DownloadError:
             continue
     files = _local_source(name, folder, entry)
     files.origin = source

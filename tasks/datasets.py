@@ -9,7 +9,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from retrieval.ingest import IngestResult, materialise
-from retrieval.sources import SourceFiles, resolve_source
+from retrieval.sources import DownloadError, SourceFiles, resolve_source
 from storage import ArtifactStore
 from tasks.keys import artifact_key
 
@@ -34,7 +34,24 @@ class _ArtifactProgress:
             update_progress_artifact(self.artifact_id, pct)
 
 
-@task(name="fetch-source", retries=2, retry_delay_seconds=30, tags=["download"])
+def _network_errors_only(task, task_run, state) -> bool:
+    """Retry downloads that failed on the network, never malformed input or a wrong name."""
+    try:
+        state.result()
+    except DownloadError:
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+    return False
+
+
+@task(
+    name="fetch-source",
+    retries=2,
+    retry_delay_seconds=30,
+    retry_condition_fn=_network_errors_only,
+    tags=["download"],
+)
 def fetch_source(name: str, source: str | None, cache_dir: str, beir_base_url: str) -> SourceFiles:
     progress = _ArtifactProgress(key=artifact_key("download", name))
     return resolve_source(name, source, Path(cache_dir).expanduser(), beir_base_url, progress=progress)
