@@ -89,6 +89,43 @@ def lock_name(stage_dir: str) -> str:
     return stage_dir.replace("/", "__").replace("=", "-")
 
 
+TOKENS_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),  # text only, truncated to max_length
+        pa.field("n_tokens", pa.int32(), nullable=False),  # length before truncation
+        pa.field("truncated", pa.bool_(), nullable=False),
+    ]
+)
+
+
+def encodings_schema(hidden_size: int) -> pa.Schema:
+    """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length."""
+    return pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("n_reps", pa.int16(), nullable=False),
+            pa.field("dense", pa.list_(pa.list_(pa.float16(), hidden_size)), nullable=False),
+            pa.field("sparse_ids", pa.list_(pa.int32())),
+            pa.field("sparse_weights", pa.list_(pa.float32())),
+            pa.field("n_tokens", pa.int32(), nullable=False),
+            pa.field("stopped", pa.bool_()),  # promptreps: stopped at the closing quote
+        ]
+    )
+
+
+def shard_name(index: int) -> str:
+    return f"shard={index:05d}.parquet"
+
+
+def tokens_dir(tokenizer: str, dataset: str, side: str) -> str:
+    return partition("tokens", tokenizer=tokenizer, dataset=dataset, side=side)
+
+
+def encodings_dir(model: str, dataset: str, side: str, k: int) -> str:
+    return partition("encodings", model=model, dataset=dataset, side=side, k=k)
+
+
 # Schema of each file name that a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 
