@@ -18,8 +18,18 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(
     name="diffret",
@@ -61,10 +71,11 @@ def _fail(exc: Exception) -> None:
 
 
 def _known_errors() -> tuple[type[Exception], ...]:
+    from retrieval.backbones import BackboneError
     from retrieval.datasets import DatasetError
     from storage import StoreError
 
-    return (DatasetError, StoreError, ValueError)
+    return (DatasetError, StoreError, BackboneError, ValueError)
 
 
 @app.command()
@@ -110,6 +121,105 @@ def download(
         _fail(exc)
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+class DocsPerSecond(ProgressColumn):
+    def render(self, task):  # noqa: ANN001, ANN201
+        return Text(f"{task.speed:,.0f} docs/s" if task.speed else "… docs/s")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@app.command()
+def encode(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="A dataset in the store.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="HF hub id or local folder.")] = (
+        "dllm-hub/ModernBERT-base-chat-v0.1"
+    ),
+    side: Annotated[list[str], typer.Option("--side", help="query and/or passage (repeatable).")] = None,  # type: ignore[assignment]
+    k: Annotated[str, typer.Option("--k", help="Budgets K, comma-separated.")] = "1,2,4,8,16",
+    readout: Annotated[str, typer.Option(help="diffretriever | promptreps | diffembed | repllama")] = "diffretriever",
+    family: Annotated[str, typer.Option(help="Backbone family: auto | mlm | dream | llada | causal")] = "auto",
+    gguf_file: Annotated[str | None, typer.Option(help="GGUF file inside the model folder.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own code (Dream, LLaDA).")] = False,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    attn_implementation: Annotated[str | None, typer.Option(help="eager | sdpa | flash_attention_2")] = None,
+    prompt: Annotated[str, typer.Option(help="auto | one_word | few_words | three_words | path.yaml")] = "auto",
+    denoise_steps: Annotated[int, typer.Option(help="S: forward passes of the mask readout.")] = 1,
+    sparse_topk: Annotated[int, typer.Option(help="Sparse entries kept per text.")] = 256,
+    max_length: Annotated[int, typer.Option(help="Text tokens kept per text.")] = 512,
+    batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = 32,
+    shard_size: Annotated[int, typer.Option(help="Texts per shard (unit of resume).")] = 1000,
+    workers: Annotated[int, typer.Option(help="Local Dask workers (0: in this process).")] = 0,
+    dask_address: Annotated[str | None, typer.Option(help="Existing Dask scheduler, e.g. tcp://host:8786.")] = None,
+    root: RootOpt = "./diffret-store",
+    prefect: PrefectOpt = None,
+) -> None:
+    """Encode a dataset's queries / passages for every K: dense multi-vectors + sparse weights."""
+    import transformers
+
+    from flows.encode import EncodeConfig, encode_flow, run_encode
+    from retrieval.backbones import BackboneConfig
+    from retrieval.readouts import ReadoutConfig
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        config = EncodeConfig(
+            root=root,
+            dataset=dataset,
+            sides=side or ["query", "passage"],
+            k=_int_list(k),
+            backbone=BackboneConfig(
+                model=model,
+                family=family,
+                gguf_file=gguf_file,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype,
+                device=device,
+                attn_implementation=attn_implementation,
+            ),
+            readout=ReadoutConfig(readout=readout, prompt=prompt, denoise_steps=denoise_steps, sparse_topk=sparse_topk),
+            max_length=max_length,
+            batch_size=batch_size,
+            shard_size=shard_size,
+            workers=workers,
+            dask_address=dask_address,
+        )
+        if _use_prefect(prefect) or workers or dask_address:
+            summary = encode_flow(config)
+            console.print(
+                f"{summary['model']}: {summary['encoded']} shard(s) encoded, {summary['skipped']} already done"
+            )
+            return
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            DocsPerSecond(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar:
+            state: dict[str, int] = {}
+
+            def start(plan):  # noqa: ANN001
+                total = sum(j.rows for j in plan.jobs)
+                state["task"] = bar.add_task(f"encode {plan.slug}", total=total)
+                return lambda n: bar.advance(state["task"], n)
+
+            plan = run_encode(config, progress=start, log=lambda m: console.print(m, highlight=False, soft_wrap=True))
+        console.print(
+            f"{plan.slug}: {len(plan.jobs)} shard(s) encoded, {plan.skipped} already done ({plan.total_shards} in all)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    except _known_errors() as exc:
+        _fail(exc)
 
 
 @app.command()

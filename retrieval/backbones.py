@@ -88,6 +88,15 @@ def detect_family(model_config: Any) -> str:
         return "mlm"
     if "CausalLM" in archs or "LMHead" in archs or getattr(model_config, "is_decoder", False):
         return "causal"
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if mtype in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # e.g. GGUF configs carry no architectures
+        return "causal"
+    if mtype in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "mlm"
     raise BackboneError(
         f"cannot tell the backbone family of model_type {mtype!r} (architectures: {archs or 'none'}); "
         f"set family to one of {', '.join(FAMILIES)}"
@@ -118,6 +127,7 @@ class Backbone:
         self._mask_token = mask_token
         self._turn_end = turn_end
         self.trunk, self.head = _split_head(model)
+        self._projection = _vocab_projection(model)
         self.pad_id = _pad_id(tokenizer)
 
     # ------------------------------------------------------------------------------- tokens
@@ -167,15 +177,40 @@ class Backbone:
         """Last hidden states [B, L, H]; ``bidirectional`` forces full attention on causal architectures."""
         kwargs: dict[str, Any] = {}
         mask: torch.Tensor = attention_mask
+        back: torch.Tensor | None = None
         if bidirectional and _is_causal_arch(self.model):
             mask = bidirectional_mask(attention_mask, self.dtype)
             # positions count real tokens only, so left padding does not shift them
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            # the model numbers positions from the first column (absolute position embeddings: BERT), so left
+            # padding would shift them: run left-padded rows rotated to right padding and rotate the states back
+            width = input_ids.shape[1]
+            lead = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True) % width  # [B, 1] leading pads
+            if bool(lead.any()):
+                cols = torch.arange(width, device=input_ids.device)[None, :]
+                fwd, back = (cols + lead) % width, (cols - lead) % width
+                input_ids, mask = input_ids.gather(1, fwd), attention_mask.gather(1, fwd)
         out = self.trunk(input_ids=input_ids, attention_mask=mask, **kwargs)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if back is not None:
+            hidden = hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def logits_at(self, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the vocabulary ids ``vocab_ids`` only: [..., H] -> [..., len(vocab_ids)].
+
+        Equal to ``logits(hidden)[..., vocab_ids]`` but multiplies by those rows of the output matrix
+        only, so the cost no longer grows with the vocabulary (152k for Qwen-based LMs).
+        """
+        if self._projection is None:
+            return self.head(hidden)[..., vocab_ids]
+        pre, weight, bias = self._projection
+        out = pre(hidden) @ weight[vocab_ids].T
+        return out + bias[vocab_ids] if bias is not None else out
 
 
 def bidirectional_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,6 +257,24 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
         f"{name}: do not know how to apply its LM head to selected positions only; "
         "add the family to retrieval.backbones._split_head"
     )
+
+
+def _vocab_projection(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any, Any] | None:
+    """(pre, weight, bias) with head(h) == pre(h) @ weight.T + bias, when the head has that form."""
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None  # a non-linear or scaled output: use the full head
+    if hasattr(model, "cls") and hasattr(model, "bert") and hasattr(model.cls, "predictions"):
+        pred = model.cls.predictions
+        dec = pred.decoder
+        bias = dec.bias if getattr(dec, "bias", None) is not None else getattr(pred, "bias", None)
+        return pred.transform, dec.weight, bias
+    if hasattr(model, "head") and hasattr(model, "decoder") and hasattr(model, "model"):
+        return model.head, model.decoder.weight, model.decoder.bias
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, torch.nn.Linear) and hasattr(model, "model"):
+        return (lambda h: h), lm_head.weight, lm_head.bias
+    return None
 
 
 # ------------------------------------------------------------------------------------------- loading

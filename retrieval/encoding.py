@@ -217,9 +217,9 @@ def tokenize_side(store: ArtifactStore, tokenizer: Any, plan: TokensPlan, ids: l
 
 
 # ----------------------------------------------------------------------------------------- encode
-def length_sorted_batches(lengths: list[int], batch_size: int) -> Iterator[list[int]]:
+def length_sorted_batches(lengths: list[int], batch_size: int, sort: bool = True) -> Iterator[list[int]]:
     """Indices in batches of similar length (longest first: memory peaks show up at once)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if sort else list(range(len(lengths)))
     for s in range(0, len(order), batch_size):
         yield order[s : s + batch_size]
 
@@ -258,11 +258,12 @@ def encode_rows(
     k: int,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
+    sort_by_length: bool = True,
 ) -> pa.Table:
     """Encode texts in length-sorted batches and return them in their original order."""
     texts = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True) if reader.filter else None
     out: list[Encoded | None] = [None] * len(ids)
-    for batch in length_sorted_batches([len(t) for t in token_ids], batch_size):
+    for batch in length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length):
         encs = reader.encode([token_ids[i] for i in batch], [texts[i] for i in batch] if texts else None, side, k)
         for i, e in zip(batch, encs, strict=True):
             out[i] = e

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from .backbones import Backbone, BackboneError
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
-from .sparse import ContentFilter, pooled_weights, topk_sparse
+from .sparse import ContentFilter, pooled_weights, topk_pairs, topk_sparse
 
 READOUTS = ("diffretriever", "promptreps", "diffembed", "repllama")
 
@@ -111,6 +111,7 @@ class Reader:
         if not token_ids:
             return []
         r = self.cfg.readout
+        token_ids = self._fit(token_ids, side, k)
         if r == "diffretriever":
             return self._mask_readout(token_ids, texts, side, k)
         if r == "promptreps":
@@ -118,6 +119,27 @@ class Reader:
         if k != 1:
             raise ValueError(f"the {r} readout has one vector per text; use K = 1 (got {k})")
         return self._diffembed(token_ids) if r == "diffembed" else self._repllama(token_ids, side)
+
+    def max_positions(self) -> int | None:
+        cfg = self.bb.model.config
+        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+    def _fit(self, token_ids: list[list[int]], side: str, k: int) -> list[list[int]]:
+        """Cut texts so that prompt + text + masks fit the model's positions (BERT: 512)."""
+        limit = self.max_positions()
+        if not limit:
+            return token_ids
+        r = self.cfg.readout
+        if r in ("diffretriever", "promptreps"):
+            p = self.pieces(side, k)
+            overhead = len(p.prefix) + len(p.suffix) + k + (len(p.closing) if r == "diffretriever" else 0)
+        else:
+            head, tail = special_wrapping(self.bb.tokenizer)
+            overhead = len(head) + len(tail) + (8 if r == "repllama" else 0)
+        room = limit - overhead
+        if room <= 0:
+            raise ValueError(f"{self.bb.name}: the prompt and K={k} masks alone exceed its {limit} positions")
+        return [t if len(t) <= room else list(t[:room]) for t in token_ids]
 
     def _sparse(self, logits_k_v: torch.Tensor, text: str | None) -> tuple[np.ndarray, np.ndarray]:
         allowed = self.filter.allowed_ids(text) if (self.filter is not None and text is not None) else None
@@ -139,14 +161,25 @@ class Reader:
         if steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             h = hidden[rows, b.positions]  # [B, K, H]
-            logits = self.bb.logits(h)  # [B, K, V] (the head at the mask positions only)
+            # the head at the mask positions only; restricted to content words when the filter applies
+            logits = None if (self.filter is not None and texts is not None) else self.bb.logits(h)
         else:
             h, logits = self._denoise(b, k, steps)
         out = []
         for i in range(len(token_ids)):
-            ids, w = self._sparse(logits[i], texts[i] if texts else None)
+            if logits is None:  # the head only at the K masks and only over the text's content words
+                ids, w = self._sparse_restricted(h[i], texts[i])  # type: ignore[index]
+            else:
+                ids, w = self._sparse(logits[i], texts[i] if texts else None)
             out.append(Encoded(h[i].float().cpu().numpy().astype(np.float16), ids, w, b.lengths[i]))
         return out
+
+    def _sparse_restricted(self, h_k: torch.Tensor, text: str) -> tuple[np.ndarray, np.ndarray]:
+        assert self.filter is not None
+        allowed = torch.as_tensor(self.filter.allowed_ids(text), dtype=torch.long, device=h_k.device)
+        if allowed.numel() == 0:
+            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+        return topk_pairs(allowed, pooled_weights(self.bb.logits_at(h_k, allowed)), self.cfg.sparse_topk)
 
     def _denoise(self, b: _Batch, k: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Confidence-based unmasking over ``steps`` passes; revealed positions are frozen."""

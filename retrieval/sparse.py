@@ -79,6 +79,11 @@ def topk_sparse(weights: torch.Tensor, allowed: Iterable[int] | None, k: int) ->
     else:
         idx = torch.arange(w.shape[-1], device=w.device)
         vals = w
+    return topk_pairs(idx, vals, k)
+
+
+def topk_pairs(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` heaviest positive (id, weight) pairs, heaviest first."""
     keep = vals > 0
     idx, vals = idx[keep], vals[keep]
     if vals.numel() > k:

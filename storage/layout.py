@@ -126,9 +126,15 @@ def encodings_dir(model: str, dataset: str, side: str, k: int) -> str:
     return partition("encodings", model=model, dataset=dataset, side=side, k=k)
 
 
-# Schema of each file name that a SQL view reads (used for typed zero-row placeholders).
+# Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 
 
-def schema_for_file(name: str) -> pa.Schema | None:
-    return FILE_SCHEMAS.get(name)
+def schema_for_pattern(pattern: str) -> pa.Schema | None:
+    """The Arrow schema of the files a view's glob matches."""
+    stage = pattern.split("/", 1)[0]
+    if stage == "encodings":
+        return encodings_schema(1)
+    if stage == "tokens":
+        return TOKENS_SCHEMA
+    return FILE_SCHEMAS.get(pattern.rsplit("/", 1)[-1])

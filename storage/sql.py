@@ -98,9 +98,9 @@ def _placeholder(pattern: str, tmp: str) -> str:
         with open(path, "w") as f:
             json.dump({"stage": None, "files": {}}, f)
         return path
-    schema = layout.schema_for_file(name)
+    schema = layout.schema_for_pattern(pattern)
     if schema is None:
-        raise StoreError(f"no schema known for {name!r}; add it to storage.layout.FILE_SCHEMAS")
+        raise StoreError(f"no schema known for {pattern!r}; add it to storage.layout.schema_for_pattern")
     pq.write_table(schema.empty_table(), path)
     return path
 

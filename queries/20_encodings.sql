@@ -1,0 +1,16 @@
+-- view: tokens
+-- files: tokens/tokenizer=*/dataset=*/side=*/shard=*.parquet
+-- Text token ids per (tokenizer, dataset, side); n_tokens is the length before truncation.
+CREATE OR REPLACE VIEW tokens AS
+SELECT tokenizer, dataset, side, id, n_tokens, truncated, len(token_ids) AS kept_tokens
+FROM read_parquet(@files, hive_partitioning = true,
+                  hive_types = {'tokenizer': VARCHAR, 'dataset': VARCHAR, 'side': VARCHAR});
+
+-- view: encodings
+-- files: encodings/model=*/dataset=*/side=*/k=*/shard=*.parquet
+-- One row per (model, dataset, side, K, text). `dense` is [n_reps][H] float16; select it only when needed.
+CREATE OR REPLACE VIEW encodings AS
+SELECT model, dataset, side, k, id, n_reps, n_tokens, stopped,
+       len(sparse_ids) AS sparse_nnz, sparse_ids, sparse_weights, dense
+FROM read_parquet(@files, hive_partitioning = true,
+                  hive_types = {'model': VARCHAR, 'dataset': VARCHAR, 'side': VARCHAR, 'k': INTEGER});

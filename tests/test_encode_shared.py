@@ -1,0 +1,148 @@
+"""End-to-end encoding with the real small checkpoints in ../shared/models (skipped when absent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SHARED
+
+DIFFRET = [sys.executable, "-m", "flows.cli"]
+ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
+SPLADE = SHARED / "models" / "splade-tiny-mlm"
+SMOL = SHARED / "models" / "smollm2-135m-instruct-gguf"
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=ENV, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture
+def scifact_store(tmp_path, shared_data) -> Path:
+    if not (SPLADE / "model.safetensors").exists():
+        pytest.skip("../shared/models/splade-tiny-mlm is absent")
+    root = tmp_path / "store"
+    run("download", "scifact", "--source", str(shared_data / "scifact"), "--root", str(root))
+    return root
+
+
+def _manifests(root: Path) -> dict[str, dict]:
+    return {
+        str(p.parent.relative_to(root)): json.loads(p.read_text())["files"]
+        for p in sorted((root / "encodings").rglob("_manifest.json"))
+    }
+
+
+ARGS = [
+    "--model",
+    str(SPLADE),
+    "--dataset",
+    "scifact",
+    "--side",
+    "passage",
+    "--max-length",
+    "96",
+    "--shard-size",
+    "500",
+]
+
+
+@pytest.mark.e2e
+def test_encode_kill_9_resumes_with_identical_shards(tmp_path, scifact_store, shared_data):
+    # an uninterrupted run as the reference
+    ref_root = tmp_path / "ref"
+    run("download", "scifact", "--source", str(shared_data / "scifact"), "--root", str(ref_root))
+    run("encode", *ARGS, "--k", "1,4", "--root", str(ref_root))
+    reference = _manifests(ref_root)
+    assert sorted(reference) == [
+        f"encodings/{m}/dataset=scifact/side=passage/k={k}"
+        for m in [next((ref_root / "encodings").iterdir()).name]
+        for k in (1, 4)
+    ]
+    assert all(len(files) == 11 for files in reference.values())  # 5,183 passages in shards of 500
+    assert sum(e["rows"] for e in next(iter(reference.values())).values()) == 5183
+
+    # the same run, killed with SIGKILL once a few shards are recorded, then run again
+    proc = subprocess.Popen(
+        [*DIFFRET, "encode", *ARGS, "--k", "1,4", "--root", str(scifact_store)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            ms = _manifests(scifact_store) if (scifact_store / "encodings").exists() else {}
+            if sum(len(f) for f in ms.values()) >= 3:
+                break
+            assert proc.poll() is None, "encode finished before it could be killed"
+            time.sleep(0.2)
+        else:
+            pytest.fail("no shard was recorded in time")
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    done_before = sum(len(f) for f in _manifests(scifact_store).values())
+    assert 3 <= done_before < 22
+
+    again = run("encode", *ARGS, "--k", "1,4", "--root", str(scifact_store))
+    m = re.search(r"(\d+) shard\(s\) encoded, (\d+) already done \((\d+) in all\)", again.stderr)
+    assert m, again.stderr
+    encoded, skipped, total = map(int, m.groups())
+    assert (skipped, encoded, total) == (done_before, 22 - done_before, 22)
+    assert _manifests(scifact_store) == reference  # same sha256 per shard as the uninterrupted run
+
+    # a third run does no model work
+    third = run("encode", *ARGS, "--k", "1,4", "--root", str(scifact_store))
+    assert "0 shard(s) encoded, 22 already done" in third.stderr
+
+
+@pytest.mark.e2e
+def test_encode_errors_are_clear(tmp_path, scifact_store):
+    root = str(scifact_store)
+    cases = [
+        (["--model", str(tmp_path / "nope"), "--dataset", "scifact"], "does not exist"),
+        (["--model", str(SPLADE), "--dataset", "scifact", "--k", "0,4"], "K must be positive"),
+        (["--model", str(SPLADE), "--dataset", "scifact", "--family", "transformer-xl"], "unknown backbone family"),
+        (["--model", str(SPLADE), "--dataset", "nosuch"], "no complete artifact"),
+    ]
+    if SMOL.exists():
+        cases += [
+            (
+                ["--model", str(SMOL), "--gguf-file", "missing.gguf", "--dataset", "scifact"],
+                "GGUF file 'missing.gguf' not found",
+            ),
+            (
+                [
+                    "--model",
+                    str(SMOL),
+                    "--gguf-file",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "--dataset",
+                    "scifact",
+                    "--side",
+                    "query",
+                    "--k",
+                    "1",
+                    "--max-length",
+                    "8",
+                ],
+                "no mask token",
+            ),
+        ]
+    for args, message in cases:
+        p = run("encode", *args, "--root", root, check=False)
+        assert p.returncode == 2, (args, p.stderr)
+        assert message in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr
