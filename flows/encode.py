@@ -158,6 +158,8 @@ def encode_flow(config: EncodeConfig) -> dict:
         if config.dask_address or config.workers:
             from prefect_dask import DaskTaskRunner
 
+            _expose_packages_to_workers()
+
             runner = (
                 DaskTaskRunner(address=config.dask_address)
                 if config.dask_address
@@ -168,6 +170,28 @@ def encode_flow(config: EncodeConfig) -> dict:
             written = _encode_jobs(config, plan.jobs)
     create_markdown_artifact(summary_markdown(config, plan, written), key="encode-summary", description="encode")
     return {"model": plan.slug, "encoded": written, "skipped": plan.skipped, "total": plan.total_shards}
+
+
+def _expose_packages_to_workers() -> None:
+    """Put this checkout on PYTHONPATH for the Dask worker processes we start.
+
+    A Dask worker puts its scratch folder, which holds a ``storage/`` spill folder, first on
+    ``sys.path``; with an editable install (a meta-path finder, consulted after the path) that
+    folder would shadow our ``storage`` package as an empty namespace. A path entry for the checkout
+    wins over that (a regular package found anywhere on the path beats a namespace portion).
+    """
+    import os
+    import sys
+    from pathlib import Path
+
+    import storage
+
+    top = str(Path(storage.__file__).resolve().parents[1])
+    if top not in sys.path:
+        sys.path.append(top)  # spawned worker processes start from a copy of this sys.path
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if top not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([top, *parts])
 
 
 @flow(name="encode-shards")

@@ -146,3 +146,32 @@ def test_encode_errors_are_clear(tmp_path, scifact_store):
         assert p.returncode == 2, (args, p.stderr)
         assert message in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.e2e
+def test_dask_workers_write_the_same_shards_as_in_process(tmp_path, shared_data):
+    """--workers 2: a local Dask cluster through Prefect (temporary server) gives byte-identical shards."""
+    if not (SPLADE / "model.safetensors").exists():
+        pytest.skip("../shared/models/splade-tiny-mlm is absent")
+    args = ["--model", str(SPLADE), "--dataset", "cranfield", "--side", "query", "--k", "1,2", "--shard-size", "100"]
+    roots = {}
+    for mode, extra in (("local", []), ("dask", ["--workers", "2"])):
+        root = tmp_path / mode
+        run("download", "cranfield", "--source", str(shared_data / "cranfield"), "--root", str(root))
+        env_home = tmp_path / f"prefect-{mode}"
+        p = subprocess.run(
+            [*DIFFRET, "encode", *args, *extra, "--root", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={
+                **ENV,
+                "PREFECT_HOME": str(env_home),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1",
+            },
+        )
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "6 shard(s) encoded, 0 already done" in p.stdout + p.stderr
+        roots[mode] = root
+    assert _manifests(roots["local"]) == _manifests(roots["dask"])
