@@ -240,8 +240,10 @@ def test_download_deployment_runs_on_a_process_worker(
 
     server = prefect_server
     server.cli("work-pool", "create", POOL, "--type", "process")
-    out = server.cli("--no-prompt", "deploy", "--name", "download", cwd=REPO)
+    out = server.cli("--no-prompt", "deploy", "--all", cwd=REPO)
     assert "download/download" in out, out
+    encode = server.api("GET", "/deployments/name/encode/encode")  # every deployment of prefect.yaml deploys
+    assert encode["parameters"]["config"]["k"] == [1, 2, 4, 8, 16]  # type: ignore[index]
 
     deployment = server.api("GET", "/deployments/name/download/download")
     assert deployment["work_pool_name"] == POOL  # type: ignore[index]
