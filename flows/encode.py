@@ -88,10 +88,10 @@ def plan_encode(config: EncodeConfig, log: Callable[[str], None] = print) -> Enc
     tokenizer = load_tokenizer(config.backbone)
     plan = EncodePlan(slug=model_slug(settings))
     for side in config.sides:
-        tplan, ids, texts = plan_tokens(store, tokenizer, settings, config.dataset, side, config.shard_size)
-        n = tokenize_side(store, tokenizer, tplan, ids, texts)
+        tplan = plan_tokens(store, tokenizer, settings, config.dataset, side, config.shard_size)
+        n = tokenize_side(store, tokenizer, tplan)
         if n:
-            log(f"tokenized {config.dataset}/{side}: {n} shard(s), {len(ids):,} texts")
+            log(f"tokenized {config.dataset}/{side}: {n} shard(s), {tplan.config['rows']:,} texts")
         rows = {name: e - s for name, s, e in tplan.shards}
         for k in config.k:
             stage = encodings_dir(plan.slug, config.dataset, side, k)

@@ -103,6 +103,21 @@ def side_texts(store: ArtifactStore, dataset: str, side: str) -> tuple[list[str]
     return ids, texts, m.config_hash
 
 
+def side_size(store: ArtifactStore, dataset: str, side: str) -> tuple[int, str]:
+    """(number of texts, dataset config hash) of one side, without reading the texts."""
+    stage = dataset_dir(dataset)
+    m = store.require_manifest(stage)
+    if side == "passage":
+        entry = m.files.get("corpus.parquet")
+        if entry is None:
+            raise ValueError(f"dataset {dataset!r} has no corpus in the store (queries and qrels only)")
+        return int(entry.rows or 0), m.config_hash
+    if side == "query":
+        qids = store.read_table(stage, "queries.parquet", columns=["query_id"]).column("query_id").to_pylist()
+        return len(dict.fromkeys(qids)), m.config_hash
+    raise ValueError(f"unknown side {side!r}; expected query or passage")
+
+
 def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + shard_size, n)) for s in range(0, n, shard_size)] or [(0, 0)]
 
@@ -178,8 +193,8 @@ class TokensPlan:
 
 def plan_tokens(
     store: ArtifactStore, tokenizer: Any, settings: EncodeSettings, dataset: str, side: str, shard_size: int
-) -> tuple[TokensPlan, list[str], list[str]]:
-    ids, texts, ds_hash = side_texts(store, dataset, side)
+) -> TokensPlan:
+    n, ds_hash = side_size(store, dataset, side)
     slug = tokenizer_slug(settings.backbone.model, settings.backbone.gguf_file, settings.max_length, tokenizer)
     config = {
         "tokenizer": slug,
@@ -188,15 +203,15 @@ def plan_tokens(
         "side": side,
         "max_length": settings.max_length,
         "shard_size": shard_size,
-        "rows": len(ids),
+        "rows": n,
     }
     stage = tokens_dir(slug, dataset, side)
-    shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(len(ids), shard_size))]
-    return TokensPlan(stage, slug, shards, config), ids, texts
+    shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, shard_size))]
+    return TokensPlan(stage, slug, shards, config)
 
 
-def tokenize_side(store: ArtifactStore, tokenizer: Any, plan: TokensPlan, ids: list[str], texts: list[str]) -> int:
-    """Tokenize the shards not yet done; returns how many were written."""
+def tokenize_side(store: ArtifactStore, tokenizer: Any, plan: TokensPlan) -> int:
+    """Tokenize the shards not yet done (the texts are read only when one is missing); returns how many."""
     m = open_stage(
         store,
         plan.stage,
@@ -205,15 +220,19 @@ def tokenize_side(store: ArtifactStore, tokenizer: Any, plan: TokensPlan, ids: l
         plan.config,
     )
     done = done_shards(store, plan.stage, m)
-    n = 0
-    for name, s, e in plan.shards:
-        if name in done:
-            continue
+    todo = [(name, s, e) for name, s, e in plan.shards if name not in done]
+    if not todo:
+        return 0
+    ids, texts, _ = side_texts(store, plan.config["dataset"], plan.config["side"])
+    if len(ids) != plan.config["rows"]:
+        raise ValueError(
+            f"{plan.config['dataset']}/{plan.config['side']}: {len(ids)} texts, manifest says {plan.config['rows']}"
+        )
+    for name, s, e in todo:
         t = tokenize_texts(tokenizer, texts[s:e], plan.config["max_length"])
         t = t.add_column(0, "id", pa.array(ids[s:e], pa.string())).cast(TOKENS_SCHEMA)
         record_shard(store, plan.stage, name, write_shard(store, plan.stage, name, t))
-        n += 1
-    return n
+    return len(todo)
 
 
 # ----------------------------------------------------------------------------------------- encode
