@@ -126,8 +126,62 @@ def encodings_dir(model: str, dataset: str, side: str, k: int) -> str:
     return partition("encodings", model=model, dataset=dataset, side=side, k=k)
 
 
+# ------------------------------------------------------------------------- runs, metrics, index
+MODES = ("single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max")
+BASE_MODES = MODES[:3]
+FUSIONS = {
+    "fusion_single_sparse_max": ("single_dense", "sparse_max"),
+    "fusion_multi_sparse_max": ("multi_dense", "sparse_max"),
+}
+
+RUN_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("doc_id", pa.string(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),  # 1-based, by score descending then doc_id
+        pa.field("score", pa.float32(), nullable=False),
+    ]
+)
+
+METRICS_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("measure", pa.string(), nullable=False),  # ndcg_cut_10, mrr_10, recall_100, ...
+        pa.field("value", pa.float64(), nullable=False),
+    ]
+)
+
+RUN_FILE = "run.parquet"
+METRICS_FILE = "per_query.parquet"
+
+
+def run_dir(model: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
+    """One run folder per (system, dataset, split, K_q, K_p, mode); BM25 (no budget) uses kq = kp = 0, mode=bm25."""
+    return partition("runs", model=model, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
+
+
+def metrics_dir(model: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
+    return partition("metrics", model=model, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
+
+
+def index_dir(model: str, dataset: str, kp: int) -> str:
+    """A LanceDB database folder holding one multivector table (``docs``) of a passage encoding."""
+    return partition("index", model=model, dataset=dataset, kp=kp)
+
+
+def summary_dir(model: str, dataset: str, split: str) -> str:
+    """The pipeline's leaderboard, heatmaps and summary markdown for one system, dataset and split."""
+    return partition("summaries", model=model, dataset=dataset, split=split)
+
+
+def report_dir(name: str) -> str:
+    return partition("reports", report=name)
+
+
 # Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
+FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
+FILE_SCHEMAS[METRICS_FILE] = METRICS_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:

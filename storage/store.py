@@ -296,6 +296,18 @@ class StageWriter:
             self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
         return entry
 
+    def write_file(self, name: str, data: bytes) -> FileEntry:
+        """A non-Parquet file of the stage (a figure, a markdown summary), recorded in the manifest."""
+        path = os.path.join(self.work_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        entry = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        self.manifest.files[name] = entry
+        if not self.store.is_local:
+            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+        return entry
+
     def _commit(self) -> None:
         store = self.store
         if store.is_local:
