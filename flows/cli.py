@@ -394,7 +394,6 @@ def export_run(
 ) -> None:
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
     from retrieval.evaluation import write_trec_run
-
     from storage import ArtifactStore
     from storage.layout import RUN_FILE, run_dir
 
