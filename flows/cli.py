@@ -516,6 +516,47 @@ def _wide() -> Console:
     return out if out.is_terminal else Console(emoji=False, width=100_000)
 
 
+@app.command()
+def report(
+    root: RootOpt = "./diffret-store",
+    name: Annotated[str, typer.Option(help="Report name (reports/report=<name>/ in the store).")] = "default",
+    out_dir: Annotated[str | None, typer.Option("--out", "-o", help="Also copy the report here.")] = None,
+    ref: Annotated[
+        list[str], typer.Option("--ref", help="Reference system(s) for the † / ‡ markers (default: bm25).")
+    ] = None,  # type: ignore[assignment]
+    finetuned: Annotated[
+        list[str], typer.Option("--finetuned", help="BASE=FT: a fine-tuned system's score beside the oracle.")
+    ] = None,  # type: ignore[assignment]
+    n_boot: Annotated[int, typer.Option(help="Bootstrap resamples for the correlation CIs.")] = 1000,
+    hidden: Annotated[int, typer.Option(help="Footprint projection: hidden size.")] = 3584,
+    backbones: Annotated[int, typer.Option(help="Footprint projection: backbones.")] = 4,
+    settings: Annotated[int, typer.Option(help="Footprint projection: settings per backbone.")] = 2,
+    prefect: PrefectOpt = None,
+) -> None:
+    """Budget selection, landscapes, oracle, feature correlation, paper tables, footprint: markdown + PNG + CSV."""
+    from flows.report import ReportConfig, report_flow, run_report
+
+    try:
+        pairs = {}
+        for item in finetuned or []:
+            base, sep, ft = item.partition("=")
+            if not sep or not base or not ft:
+                raise ValueError(f"--finetuned expects BASE=FT, got {item!r}")
+            pairs[base] = ft
+        config = ReportConfig(
+            root=root, name=name, out_dir=out_dir, refs=ref or None, finetuned=pairs, n_boot=n_boot, hidden=hidden,
+            backbones=backbones, settings=settings,
+        )  # fmt: skip
+        if _use_prefect(prefect):
+            res = report_flow(config)
+            folder = res["folder"]
+        else:
+            _, folder = run_report(config, _log)
+    except _known_errors() as exc:
+        _fail(exc)
+    console.print(f"report written: {folder}/report.md", highlight=False, soft_wrap=True)
+
+
 def _log(message: str) -> None:
     console.print(message, highlight=False, markup=False, soft_wrap=True)
 

@@ -390,6 +390,13 @@ def paired_ttest(a: pa.Table, b: pa.Table, measure: str | None = None, *, allow_
     """
     measure, sa = _per_query(a, measure, "a")
     _, sb = _per_query(b, measure, "b")
+    return paired_ttest_values(sa, sb, measure, allow_subset=allow_subset)
+
+
+def paired_ttest_values(
+    sa: Mapping[str, float], sb: Mapping[str, float], measure: str = "value", *, allow_subset: bool = False
+) -> TTest:
+    """``paired_ttest`` on two {query_id: score} maps."""
     only_a, only_b = sa.keys() - sb.keys(), sb.keys() - sa.keys()
     common = sorted(sa.keys() & sb.keys())
     if (only_a or only_b) and not allow_subset:
