@@ -7,6 +7,7 @@ intervals, paired t-test markers for the paper tables, and the footprint project
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,36 +38,47 @@ class Correlation:
 
 
 def rank_correlation(x: list[float], y: list[float], n_boot: int = 1000, seed: int = 0) -> Correlation:
-    """Spearman rho and Kendall tau (tau-b) with 95% percentile-bootstrap intervals (resampling queries).
+    """Spearman rho and Kendall tau-b with 95% bootstrap intervals (queries resampled in pairs; BCa, which
+    corrects the bias that resampling introduces through extra ties; when BCa is undefined, the percentile
+    interval over the resamples where the statistic is defined, if at least half are).
 
-    NaN when a variable is constant (no ranking to correlate); resamples where one is constant are skipped.
+    NaN when a variable is constant (no ranking to correlate).
     """
     xa, ya = np.asarray(x, float), np.asarray(y, float)
     if xa.shape != ya.shape:
         raise ValueError(f"x and y differ in length ({len(xa)} vs {len(ya)})")
     n = len(xa)
+    nan = float("nan")
     if n < 3 or np.ptp(xa) == 0 or np.ptp(ya) == 0:
-        nan = float("nan")
         return Correlation(n, nan, (nan, nan), nan, (nan, nan))
-    rho = float(stats.spearmanr(xa, ya).statistic)
-    tau = float(stats.kendalltau(xa, ya).statistic)
-    rng = np.random.default_rng(seed)
-    boot_r, boot_t = [], []
-    for _ in range(n_boot):
-        i = rng.integers(0, n, n)
-        bx, by = xa[i], ya[i]
-        if np.ptp(bx) == 0 or np.ptp(by) == 0:
-            continue
-        boot_r.append(stats.spearmanr(bx, by).statistic)
-        boot_t.append(stats.kendalltau(bx, by).statistic)
 
-    def ci(v: list[float]) -> tuple[float, float]:
-        if not v:
-            return (float("nan"), float("nan"))
-        lo, hi = np.percentile(v, [2.5, 97.5])
-        return (float(lo), float(hi))
+    def spearman(a: np.ndarray, b: np.ndarray) -> float:
+        return float(stats.spearmanr(a, b).statistic) if np.ptp(a) and np.ptp(b) else nan
 
-    return Correlation(n, rho, ci(boot_r), tau, ci(boot_t))
+    def kendall(a: np.ndarray, b: np.ndarray) -> float:
+        return float(stats.kendalltau(a, b).statistic) if np.ptp(a) and np.ptp(b) else nan
+
+    def ci(fn) -> tuple[float, float]:  # noqa: ANN001
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = stats.bootstrap(
+                (xa, ya), fn, paired=True, vectorized=False, n_resamples=n_boot, confidence_level=0.95,
+                method="BCa", rng=np.random.default_rng(seed),
+            )  # fmt: skip
+        lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+        if np.isfinite(lo) and np.isfinite(hi):
+            return (lo, hi)
+        # BCa is undefined when resamples are degenerate (a constant variable in some of them, e.g. few
+        # queries off the modal peak): percentile interval over the resamples where it is defined
+        dist = np.asarray(res.bootstrap_distribution, float)
+        dist = dist[np.isfinite(dist)]
+        if len(dist) < n_boot / 2:
+            return (nan, nan)
+        if np.ptp(dist) == 0:
+            return (float(dist[0]), float(dist[0]))
+        return (float(np.percentile(dist, 2.5)), float(np.percentile(dist, 97.5)))
+
+    return Correlation(n, spearman(xa, ya), ci(spearman), kendall(xa, ya), ci(kendall))
 
 
 def feature_correlations(db: StoreSQL, n_boot: int = 1000) -> list[dict[str, Any]]:
@@ -78,12 +90,13 @@ def feature_correlations(db: StoreSQL, n_boot: int = 1000) -> list[dict[str, Any
     out = []
     for (model, dataset, split, mode), rs in sorted(groups.items()):
         peak = [r["peak_kq"] for r in rs]
+        off_mode = len(peak) - max(peak.count(v) for v in set(peak))
         for feature in ("length", "entropy"):
             c = rank_correlation([r[feature] for r in rs], peak, n_boot)
             out.append(
                 {
                     "model": model, "dataset": dataset, "split": split, "mode": mode, "feature": feature,
-                    "n": c.n, "spearman": c.spearman, "spearman_lo": c.spearman_ci[0],
+                    "n": c.n, "off_mode": off_mode, "spearman": c.spearman, "spearman_lo": c.spearman_ci[0],
                     "spearman_hi": c.spearman_ci[1], "kendall": c.kendall, "kendall_lo": c.kendall_ci[0],
                     "kendall_hi": c.kendall_ci[1],
                 }
@@ -125,7 +138,9 @@ class PaperTable:
                 text = f"{c.value:.4f}{c.markers}"
                 vals.append(f"**{text}**" if c.best else text)
             lines.append(f"| {system} | {budget} | " + " | ".join(vals) + " |")
-        marks = ", ".join(f"{m} p < 0.05 against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False))
+        marks = ", ".join(
+            f"{m} p < 0.05 (two-sided) against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False)
+        )
         lines += ["", "NDCG@10 on test at each model's train-selected budget; D = multi_dense, S = sparse_max "
                   "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + (f"; {marks} (paired "
                   "t-test on per-query NDCG@10, same dataset and column)." if marks else ".")]  # fmt: skip

@@ -214,9 +214,12 @@ def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
         "Per query, the peak K_q (argmax of NDCG@10 over K_q at K_p = K_p*; ties: the smallest) against the "
         "query's length in model-tokenizer subwords and the Shannon entropy (bits) of its token distribution "
         f"(view `query_peaks`); Spearman rho and Kendall tau-b with 95% percentile-bootstrap CIs ({n_boot} "
-        "resamples of queries). D = multi_dense, S = sparse_max. nan: a constant variable (e.g. every query "
-        "peaks at the same K_q).\n\n"
-        + _md_table(corr, ["model", "dataset", "split", "mode", "feature", "n", "rho [95% CI]", "tau [95% CI]"])
+        "resamples of queries). D = multi_dense, S = sparse_max. off_mode: queries whose peak is not the most "
+        "common one; with few of them the interval only reflects resamples that contain them. nan: a constant "
+        "variable (e.g. every query peaks at the same K_q).\n\n"
+        + _md_table(
+            corr, ["model", "dataset", "split", "mode", "feature", "n", "off_mode", "rho [95% CI]", "tau [95% CI]"]
+        )
     )
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for p in peaks:
@@ -276,8 +279,8 @@ def _resolve_system(db: StoreSQL, name: str) -> str:
 def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
     fp = rows(
         db,
-        "select stage, count(distinct coalesce(model, '') || coalesce(dataset, '')) partitions, sum(files) files, "
-        "sum(bytes)::BIGINT bytes from footprint group by stage order by bytes desc",
+        "select stage, count(distinct folder) folders, count(*) files, sum(bytes)::BIGINT bytes "
+        "from artifact_files group by stage order by bytes desc",
     )
     detail = rows(db, "select * from footprint order by bytes desc")
     for r in detail:
@@ -291,7 +294,7 @@ def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, se
         r["size"] = human_bytes(r["bytes"])
     body = (
         "This store, per stage (view `footprint`, from the manifests):\n\n"
-        + _md_table(fp, ["stage", "partitions", "files", "bytes", "size"])
+        + _md_table(fp, ["stage", "folders", "files", "bytes", "size"])
         + "\nProjection of the encodings to MS MARCO scale. Assumptions: "
         f"{a['passages']:,} passages + {a['queries']:,} queries (dev + DL19 + DL20); hidden size {a['hidden']}; "
         f"one pass per K in {a['grid']} per side, so {a['vectors_per_text']} dense vectors per text; float16 "

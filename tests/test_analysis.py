@@ -156,7 +156,7 @@ def test_paper_table_markers_and_best(store: ArtifactStore) -> None:
         assert t.rows["same-as-bm25-0000000000"][("toy", col)].markers == ""
         assert t.rows[MODEL][("avg", col)].value == pytest.approx(good.value)  # one dataset: avg = it
     md = t.markdown()
-    assert "**0." in md and "†" in md and "p < 0.05 against `bm25-abcdef0123`" in md
+    assert "**0." in md and "†" in md and "p < 0.05 (two-sided) against `bm25-abcdef0123`" in md
     with StoreSQL(store) as db, pytest.raises(ValueError, match="reference system"):
         paper_table(db, ["nope"])
 

@@ -37,7 +37,20 @@ def sql(root: Path, query: str) -> list[dict]:
     return json.loads(run("sql", "--root", str(root), "-f", "json", query).stdout)
 
 
-GRID = ["--kq", "1,2", "--kp", "1,2", "--max-length", "128", "--shard-size", "2000"]
+GRID = [
+    "--kq",
+    "1,2",
+    "--kp",
+    "1,2",
+    "--max-length",
+    "128",
+    "--shard-size",
+    "2000",
+    "--split",
+    "train",
+    "--split",
+    "test",
+]
 
 
 def pipeline_args(root: Path) -> list[str]:
@@ -58,7 +71,11 @@ def pipeline_root(tmp_path_factory) -> Path:
 def test_pipeline_writes_every_cell_metrics_and_summary(pipeline_root: Path) -> None:
     out = (pipeline_root.parent / "first.out").read_text()
     assert "best (K_q, K_p) per mode" in out and "bm25" in out
-    cells = sql(pipeline_root, "select model, kq, kp, mode, queries, ndcg_10 from cells order by all")
+    cells = sql(
+        pipeline_root, "select model, kq, kp, mode, queries, ndcg_10 from cells where split = 'test' order by all"
+    )
+    train = sql(pipeline_root, "select distinct queries from cells where split = 'train' and mode <> 'bm25'")
+    assert train == [{"queries": 809}]
     dense = [c for c in cells if c["mode"] != "bm25"]
     assert len(dense) == 2 * 2 * 5
     assert {(c["kq"], c["kp"]) for c in dense} == {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -152,7 +169,7 @@ def test_score_errors_and_resume(pipeline_root: Path) -> None:
     good = metrics.read_bytes()
     metrics.write_bytes(good[:-10] + b"0123456789")
     p = run("evaluate", "--root", str(pipeline_root))
-    assert "1 run(s) evaluated, 20 already up to date" in p.stderr
+    assert "1 run(s) evaluated, 41 already up to date" in p.stderr
     assert metrics.read_bytes() != good[:-10] + b"0123456789"
 
 
@@ -165,3 +182,31 @@ def test_bm25_nfcorpus(tmp_path: Path) -> None:
     cells = sql(root, "select ndcg_10, queries from cells where mode = 'bm25'")
     assert cells[0]["queries"] == 323
     assert 0.315 <= cells[0]["ndcg_10"] <= 0.330  # pyserini BM25-flat: 0.322
+
+
+def test_report_on_the_scifact_run(pipeline_root: Path, tmp_path: Path) -> None:
+    """Every item of the report, PNGs that open, and numbers equal to `diffret sql` over the same views."""
+    out = tmp_path / "report"
+    run("report", "--root", str(pipeline_root), "--out", str(out), "--n-boot", "200")
+    text = (out / "report.md").read_text()
+    for title in ("Budget selection", "Landscapes", "Per-query oracle", "Feature correlation", "Paper tables",
+                  "Footprint"):  # fmt: skip
+        assert f"## {title}" in text, title
+    sel = sql(pipeline_root, "select * from budget_selection")
+    assert len(sel) == 1 and sel[0]["train_on"] == "scifact"
+    assert f"| {sel[0]['kq_star']} | {sel[0]['kp_star']} | {sel[0]['train_ndcg_10']:.4f} |" in text
+    orc = sql(pipeline_root, "select * from oracle where mode = 'fusion_multi_sparse_max'")[0]
+    assert orc["joint"] >= orc["kq_oracle"] >= orc["fixed"] and orc["joint"] >= orc["kp_oracle"] >= orc["fixed"]
+    assert f"{orc['fixed']:.4f} | {orc['kq_oracle']:.4f} | {orc['kp_oracle']:.4f} | {orc['joint']:.4f}" in text
+    peaks = sql(pipeline_root, "select count(*) n from query_peaks where mode = 'multi_dense'")[0]["n"]
+    assert peaks == 300
+    import matplotlib.image as mpimg
+
+    pngs = sorted(out.glob("*.png"))
+    assert len([p for p in pngs if p.name.startswith("landscape_")]) == 5  # one dataset: one landscape per mode
+    for p in pngs:
+        assert mpimg.imread(p).ndim == 3  # opens as an image
+    table = (out / "paper_table.csv").read_text().splitlines()
+    assert table[0].startswith("system,kq,kp,scifact:D") and any(line.startswith("bm25-") for line in table)
+    stored = next((pipeline_root / "reports").rglob("report.md"))
+    assert stored.read_text() == text
