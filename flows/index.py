@@ -37,7 +37,6 @@ class IndexConfig(BaseModel):
     system: str | None = Field(default=None, description="Model slug of the encodings (overrides the model fields).")
     index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(default="IVF_PQ", description="none: flat table.")
     overfetch: int | None = Field(default=None, ge=1, description="Candidates per result = k x overfetch.")
-    device: str = Field(default="auto", description="Unused by LanceDB (CPU); kept for symmetry with score.")
 
     @field_validator("kq", "kp")
     @classmethod

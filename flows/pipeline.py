@@ -120,7 +120,6 @@ class PipelineConfig(BaseModel):
         return IndexConfig(
             root=self.root, dataset=self.dataset, corpus=self.corpus(), split=self.splits[0], kq=self.kq, kp=self.kp,
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, index_type=self.index,
-            device=self.device,
         )  # fmt: skip
 
 

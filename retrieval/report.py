@@ -125,7 +125,7 @@ def section_landscapes(db: StoreSQL, rep: Report) -> None:
                     by[(model, "avg", mode)] = {k: float(np.mean([g[k] for g in grids])) for k in common}
     lines = [
         "NDCG@10 over (K_q, K_p) on test, per model, dataset (and the average over datasets) and mode "
-        "(view `cells`). Red box: the best cell on test; white dashed box: the train-selected cell.",
+        "(view `cells`). Red box: the best cell on test; cyan dashed box: the train-selected cell.",
         "",
     ]
     for (model, dataset, mode), grid in sorted(by.items()):

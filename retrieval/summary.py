@@ -130,12 +130,15 @@ def heatmap_png(
     ax.set_title(title, fontsize=10)
     finite = grid[np.isfinite(grid)]
     mid = float(finite.mean()) if finite.size else 0.0
+    fmt = "{:.3f}" if finite.size and float(np.abs(finite).max()) >= 0.05 else "{:.4f}"
     for i in range(len(kqs)):
         for j in range(len(kps)):
             v = grid[i, j]
             if np.isfinite(v):
-                ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=8, color="black" if v > mid else "white")
-    styles = [("red", "-"), ("white", "--")]
+                ax.text(
+                    j, i, fmt.format(v), ha="center", va="center", fontsize=8, color="black" if v > mid else "white"
+                )
+    styles = [("red", "-"), ("cyan", "--")]
     for (label, (kq, kp)), (color, ls) in zip((marks or {}).items(), styles, strict=False):
         if kq in kqs and kp in kps:
             ax.add_patch(

@@ -188,3 +188,22 @@ def test_report_writes_every_section(store: ArtifactStore, tmp_path: Path) -> No
     with StoreSQL(store) as db:
         fixed = rows(db, "select fixed from oracle where mode = ?", [H])[0]["fixed"]
     assert f"{fixed:.4f}" in text
+
+
+@pytest.mark.prefect
+def test_report_flow_publishes_markdown_artifacts(store: ArtifactStore) -> None:
+    """Run as a Prefect flow (a temporary server), the report publishes one markdown artifact per section."""
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.report import ReportConfig, report_flow
+
+    with prefect_test_harness(server_startup_timeout=120):
+        res = report_flow(ReportConfig(root=store.root, name="toy", n_boot=50))
+        with get_client(sync_client=True) as client:
+            arts = client.read_artifacts()
+    keys = {a.key for a in arts}
+    assert {"report-toy-budget-selection", "report-toy-per-query-oracle", "report-toy-footprint"} <= keys
+    oracle = next(a for a in arts if a.key == "report-toy-per-query-oracle")
+    assert f"]({res['folder']}/oracle.png)" in oracle.data  # figure links point into the store
+    assert oracle.type == "markdown"
