@@ -178,9 +178,12 @@ def maxsim(q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p
     nq, kq, h = q_multi.shape
     n, kp, _ = p_multi.shape
     sim = (q_multi.reshape(nq * kq, h) @ p_multi.reshape(n * kp, h).T).reshape(nq * kq, n, kp)
-    sim = sim.masked_fill(~p_mask[None, :, :], NEG)
+    if not bool(p_mask.all()):  # padding vectors exist (variable n_reps): they must never be the max
+        sim.masked_fill_(~p_mask[None, :, :], NEG)
     best = sim.amax(-1).reshape(nq, kq, n)
-    best = best.masked_fill(~q_mask[:, :, None], 0.0)
+    if bool(q_mask.all()):
+        return best.mean(1)
+    best.masked_fill_(~q_mask[:, :, None], 0.0)
     return best.sum(1) / q_mask.sum(1, keepdim=True).clamp_min(1).float()
 
 

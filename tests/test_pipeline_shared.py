@@ -138,7 +138,8 @@ def test_export_run_writes_a_trec_file(pipeline_root: Path, tmp_path: Path) -> N
     assert lines[0].split()[1] == "Q0" and lines[0].split()[3] == "1"
     stored = sql(
         pipeline_root,
-        f"select count(*) n from runs where model = '{system}' and kq = 2 and kp = 1 and mode = 'multi_dense'",
+        f"select count(*) n from runs where model = '{system}' and kq = 2 and kp = 1 and mode = 'multi_dense' "
+        "and split = 'test'",
     )[0]["n"]
     assert len(lines) == stored and sum(len(v) for v in read_trec_run(out).values()) == stored
 
