@@ -37,11 +37,12 @@ INDEX_TYPES = ("none", "IVF_PQ", "IVF_HNSW_SQ")
 IndexType = Literal["none", "IVF_PQ", "IVF_HNSW_SQ"]
 
 # Candidates fetched from LanceDB per query: min(max(k * overfetch, MIN_CANDIDATES), max(MAX_CANDIDATES, k)).
-# Measured with benchmarks/search_lance.py (IVF_PQ, H=128, K_p=4, K_q=8): 50 candidates already give recall@10 0.993
-# at 1M docs and 100 give 1.000 at 100k and 1M, so k=10 fetches 100 (a 2x margin). Beyond ~1000 candidates
+# Measured with benchmarks/search_lance.py (IVF_PQ, H=128, K_p=4): recall@10 against exact MaxSim with 50 / 100 / 200
+# candidates was 0.993 / 1.000 / 1.000 at 1M docs (K_q=8) and 0.987 / 0.9965 / 0.999 at 100k docs with 1..4
+# vectors per doc (K_q=16); 100 candidates is too thin a margin, so k=10 fetches 200. Beyond ~1000 candidates
 # (LanceDB then searches >10k vectors per query vector) LanceDB's multivector recall turned erratic (it fell as the
 # limit grew), hence the cap.
-DEFAULT_OVERFETCH = 10
+DEFAULT_OVERFETCH = 20
 MIN_CANDIDATES = 100
 MAX_CANDIDATES = 1000
 # LanceDB searches each query vector for limit * LANCE_XTR_OVERFETCH (default 10) nearest vectors; probe enough
