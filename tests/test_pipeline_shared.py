@@ -211,3 +211,17 @@ def test_report_on_the_scifact_run(pipeline_root: Path, tmp_path: Path) -> None:
     assert table[0].startswith("system,kq,kp,scifact:D") and any(line.startswith("bm25-") for line in table)
     stored = next((pipeline_root / "reports").rglob("report.md"))
     assert stored.read_text() == text
+
+
+def test_index_recall_against_exact_and_resume(pipeline_root: Path) -> None:
+    system = sql(pipeline_root, "select distinct model from runs where mode = 'multi_dense'")[0]["model"]
+    args = ["index", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--kq", "1,2", "--kp", "2"]
+    p = run(*args, "--type", "IVF_PQ")
+    assert "1 index(es) built" in p.stderr
+    manifest = json.loads(next((pipeline_root / "index").rglob("_manifest.json")).read_text())
+    checks = manifest["stats"]["check"]
+    assert set(checks) == {"1", "2"}
+    for c in checks.values():
+        assert c["recall_10"] >= 0.99 and c["queries"] == 300 and c["latency_ms_mean"] > 0
+    assert "| 2 | 1 |" in p.stdout  # the recall table is printed
+    assert "0 index(es) built, 1 already built" in run(*args, "--type", "IVF_PQ").stderr
