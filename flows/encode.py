@@ -167,7 +167,10 @@ def encode_flow(config: EncodeConfig) -> dict:
             )
             written = _encode_jobs.with_options(task_runner=runner)(config, plan.jobs)
         else:
-            written = _encode_jobs(config, plan.jobs)
+            # in-process: one shard at a time (threads would only contend for the same model and device)
+            from prefect.task_runners import ThreadPoolTaskRunner
+
+            written = _encode_jobs.with_options(task_runner=ThreadPoolTaskRunner(max_workers=1))(config, plan.jobs)
     create_markdown_artifact(summary_markdown(config, plan, written), key="encode-summary", description="encode")
     return {"model": plan.slug, "encoded": written, "skipped": plan.skipped, "total": plan.total_shards}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -13,15 +14,21 @@ from retrieval.readouts import Reader
 from storage import ArtifactStore, FileEntry
 
 _READERS: dict[str, Reader] = {}
+_LOAD_LOCK = threading.Lock()
 
 
 def reader_for(settings: EncodeSettings) -> Reader:
-    """One loaded model per worker process and settings (a Dask worker keeps it across shards)."""
+    """One loaded model per worker process and settings (a Dask worker keeps it across shards).
+
+    Loading is serialised: transformers builds a model under process-global state (the meta device
+    context), so two threads loading at once can hand each other meta tensors.
+    """
     key = settings.model_dump_json()
-    if key not in _READERS:
-        _READERS.clear()  # one model at a time: free the previous one's memory
-        _READERS[key] = Reader(load_backbone(settings.backbone), settings.readout)
-    return _READERS[key]
+    with _LOAD_LOCK:
+        if key not in _READERS:
+            _READERS.clear()  # one model at a time: free the previous one's memory
+            _READERS[key] = Reader(load_backbone(settings.backbone), settings.readout)
+        return _READERS[key]
 
 
 def encode_job(
