@@ -207,3 +207,24 @@ def test_report_flow_publishes_markdown_artifacts(store: ArtifactStore) -> None:
     oracle = next(a for a in arts if a.key == "report-toy-per-query-oracle")
     assert f"]({res['folder']}/oracle.png)" in oracle.data  # figure links point into the store
     assert oracle.type == "markdown"
+
+
+def test_average_landscape_and_finetuned_column(store: ArtifactStore) -> None:
+    # a second test dataset (every cell 0.1 higher) and a fine-tuned model at the selected budget
+    for kq, kp in itertools.product(GRID, GRID):
+        for mode in (D, S, H):
+            put_metrics(
+                store, MODEL, "toy2", "test", kq, kp, mode, {q: grid_value(q, kq, kp, mode) + 0.1 for q in TEST_Q}
+            )
+    put_metrics(store, "toy-finetuned-0000000000", "toy", "test", 2, 4, H, {q: 0.9 for q in TEST_Q})
+    rep = build_report(store, "toy", finetuned={MODEL: "toy-finetuned-0000000000"}, n_boot=50)
+    avg = [n for n in rep.files if n.startswith(f"landscape_{MODEL}_avg_")]
+    assert len(avg) == 3  # one per mode present (D, S, H)
+    landscapes = next(body for title, body in rep.sections if title == "Landscapes")
+    mean_best = np.mean([grid_value(q, 2, 4, H) for q in TEST_Q]) + 0.05  # the average of toy and toy2
+    assert f"{MODEL} / avg / {H}: best (2, 4) = {mean_best:.4f}" in landscapes
+    orc = next(body for title, body in rep.sections if title == "Per-query oracle")
+    row = next(line for line in orc.splitlines() if f"| {MODEL} | toy | test | {H} |" in line)
+    assert row.split("|")[9].strip() == "0.9000"  # the finetuned column
+    tables = next(body for title, body in rep.sections if title.startswith("Paper tables"))
+    assert "toy2 H" in tables and "avg H" in tables
