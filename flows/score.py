@@ -80,8 +80,12 @@ def run_score(config: ScoreConfig, log: Callable[[str], None] = print) -> dict:
     from retrieval.scoring import score
 
     system = config.slug()
+    modes = config.modes
+    if not config.system and config.readout.readout in ("diffembed", "repllama"):
+        # single-vector readouts have no sparse vector: sparse_max and the fusions would be empty runs
+        modes = [m for m in modes if m in ("single_dense", "multi_dense")] or ["single_dense"]
     plan = score(
-        ArtifactStore(config.root), system, config.dataset, config.splits, config.kq, config.kp, config.modes,
+        ArtifactStore(config.root), system, config.dataset, config.splits, config.kq, config.kp, modes,
         corpus=config.corpus, topk=config.topk, fusion_depth=config.fusion_depth,
         ignore_identical_ids=config.ignore_identical_ids, device=config.device, log=log,
     )  # fmt: skip
