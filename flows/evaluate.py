@@ -10,8 +10,8 @@ from collections.abc import Callable
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
-from retrieval.evaluation import DEFAULT_MEASURES
 
+from retrieval.evaluation import DEFAULT_MEASURES
 from storage import ArtifactStore
 
 
