@@ -15,12 +15,13 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from retrieval.backbones import BackboneConfig, load_tokenizer
 from retrieval.encoding import (
     GRID_K,
     EncodeSettings,
+    KList,
     check_k,
     done_shards,
     encodings_config,
@@ -41,7 +42,7 @@ class EncodeConfig(BaseModel):
     root: str = Field(default="./diffret-store", description="Artifact store root.")
     dataset: str = Field(description="A dataset already in the store (diffret download).")
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
-    k: list[int] = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
+    k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model="dllm-hub/ModernBERT-base-chat-v0.1"))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
     max_length: int = Field(default=512, ge=1, description="Text tokens kept per text (512 zero-shot).")
@@ -49,13 +50,6 @@ class EncodeConfig(BaseModel):
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
     workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
-
-    @field_validator("k")
-    @classmethod
-    def _positive_k(cls, v: list[int]) -> list[int]:
-        if not v or any(k <= 0 for k in v):
-            raise ValueError(f"K must be positive integers, got {v}")
-        return sorted(set(v))
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)

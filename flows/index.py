@@ -11,15 +11,15 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from retrieval.backbones import BackboneConfig
-from retrieval.encoding import GRID_K, EncodeSettings, model_slug
+from retrieval.encoding import GRID_K, KList
 from retrieval.readouts import ReadoutConfig
 from storage import ArtifactStore
 from tasks.keys import artifact_key
 
-from .score import DEFAULT_MODEL
+from .score import DEFAULT_MODEL, system_slug
 
 
 class IndexConfig(BaseModel):
@@ -29,8 +29,8 @@ class IndexConfig(BaseModel):
     dataset: str = Field(description="Dataset whose queries check the index against exact search.")
     corpus: str | None = Field(default=None, description="Passages (default: the dataset's own corpus).")
     split: str = Field(default="test", description="Query split of the recall check.")
-    kq: list[int] = Field(default=list(GRID_K), description="Query budgets of the recall check.")
-    kp: list[int] = Field(default=list(GRID_K), description="Passage budgets to index (one table each).")
+    kq: KList = Field(default=list(GRID_K), description="Query budgets of the recall check.")
+    kp: KList = Field(default=list(GRID_K), description="Passage budgets to index (one table each).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
     max_length: int = Field(default=512, ge=1)
@@ -38,17 +38,8 @@ class IndexConfig(BaseModel):
     index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(default="IVF_PQ", description="none: flat table.")
     overfetch: int | None = Field(default=None, ge=1, description="Candidates per result = k x overfetch.")
 
-    @field_validator("kq", "kp")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(k <= 0 for k in v):
-            raise ValueError(f"K must be positive integers, got {v}")
-        return sorted(set(v))
-
     def slug(self) -> str:
-        if self.system:
-            return self.system
-        return model_slug(EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length))
+        return system_slug(self.system, self.backbone, self.readout, self.max_length)
 
 
 def run_index(config: IndexConfig, log: Callable[[str], None] = print) -> dict:

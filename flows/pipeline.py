@@ -14,20 +14,19 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from retrieval.backbones import BackboneConfig
 from retrieval.bm25 import BM25Settings
-from retrieval.encoding import GRID_K
+from retrieval.encoding import GRID_K, KList
 from retrieval.readouts import ReadoutConfig
-from retrieval.search import check_modes
 from storage.layout import MODES
 
 from .download import DownloadConfig
 from .encode import EncodeConfig
 from .evaluate import EvaluateConfig
 from .index import IndexConfig
-from .score import DEFAULT_MODEL, BM25Config, ScoreConfig
+from .score import DEFAULT_MODEL, BM25Config, ModeList, ScoreConfig
 
 # A CPU-only laptop: a 3 x 3 grid and shorter texts (pass --model for a small checkpoint too).
 LAPTOP_PRESET: dict[str, Any] = {"kq": [1, 4, 16], "kp": [1, 4, 16], "max_length": 256, "batch_size": 16}
@@ -47,9 +46,9 @@ class PipelineConfig(BaseModel):
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
     max_length: int = Field(default=512, ge=1)
-    kq: list[int] = Field(default=list(GRID_K), description="Query budgets K_q.")
-    kp: list[int] = Field(default=list(GRID_K), description="Passage budgets K_p.")
-    modes: list[str] = Field(default=list(MODES))
+    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
+    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
+    modes: ModeList = Field(default=list(MODES))
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="skip",
@@ -61,18 +60,6 @@ class PipelineConfig(BaseModel):
     workers: int = Field(default=0, ge=0, description="Local Dask workers for encoding (0: in-process).")
     dask_address: str | None = None
     device: str = Field(default="auto", description="Scoring device: auto | cpu | cuda | cuda:N.")
-
-    @field_validator("kq", "kp")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(k <= 0 for k in v):
-            raise ValueError(f"K must be positive integers, got {v}")
-        return sorted(set(v))
-
-    @field_validator("modes")
-    @classmethod
-    def _modes(cls, v: list[str]) -> list[str]:
-        return check_modes(v)
 
     # ------------------------------------------------------------------------- stage configs
     def corpus(self) -> str:

@@ -7,14 +7,15 @@ already in the store with the same config are skipped, so a re-run resumes a kil
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 from retrieval.backbones import BackboneConfig
 from retrieval.bm25 import BM25Settings
-from retrieval.encoding import GRID_K, EncodeSettings, model_slug
+from retrieval.encoding import GRID_K, EncodeSettings, KList, model_slug
 from retrieval.readouts import ReadoutConfig
 from retrieval.search import check_modes
 from storage import ArtifactStore
@@ -22,6 +23,14 @@ from storage.layout import MODES
 from tasks.keys import artifact_key
 
 DEFAULT_MODEL = "dllm-hub/ModernBERT-base-chat-v0.1"
+ModeList = Annotated[list[str], AfterValidator(check_modes)]
+
+
+def system_slug(system: str | None, backbone: BackboneConfig, readout: ReadoutConfig, max_length: int) -> str:
+    """The model slug of the encodings a stage reads: given, or derived like the encode flow does."""
+    if system:
+        return system
+    return model_slug(EncodeSettings(backbone=backbone, readout=readout, max_length=max_length))
 
 
 class ScoreConfig(BaseModel):
@@ -32,9 +41,9 @@ class ScoreConfig(BaseModel):
     corpus: str | None = Field(default=None, description="Passages (default: the dataset's own corpus; TREC DL ->"
                                " msmarco-passage).")  # fmt: skip
     splits: list[str] = Field(default=["test"], description="Query splits to score.")
-    kq: list[int] = Field(default=list(GRID_K), description="Query budgets K_q.")
-    kp: list[int] = Field(default=list(GRID_K), description="Passage budgets K_p.")
-    modes: list[str] = Field(default=list(MODES), description="Scoring modes (paper section 3.3).")
+    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
+    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
+    modes: ModeList = Field(default=list(MODES), description="Scoring modes (paper section 3.3).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
     max_length: int = Field(default=512, ge=1)
@@ -46,22 +55,8 @@ class ScoreConfig(BaseModel):
     )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
 
-    @field_validator("kq", "kp")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(k <= 0 for k in v):
-            raise ValueError(f"K must be positive integers, got {v}")
-        return sorted(set(v))
-
-    @field_validator("modes")
-    @classmethod
-    def _modes(cls, v: list[str]) -> list[str]:
-        return check_modes(v)
-
     def slug(self) -> str:
-        if self.system:
-            return self.system
-        return model_slug(EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length))
+        return system_slug(self.system, self.backbone, self.readout, self.max_length)
 
 
 class BM25Config(BaseModel):

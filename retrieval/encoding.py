@@ -16,12 +16,12 @@ import hashlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from storage import ArtifactStore, ConfigDriftError, FileEntry, Manifest, config_hash, diff_configs
 from storage.layout import (
@@ -36,6 +36,16 @@ from .backbones import BackboneConfig
 from .readouts import Encoded, Reader, ReadoutConfig
 
 GRID_K = (1, 2, 4, 8, 16)
+
+
+def sorted_positive_ks(v: list[int]) -> list[int]:
+    """A budget list as the flows take it: positive, deduplicated, sorted."""
+    if not v or any(k <= 0 for k in v):
+        raise ValueError(f"K must be positive integers, got {v}")
+    return sorted(set(v))
+
+
+KList = Annotated[list[int], AfterValidator(sorted_positive_ks)]
 
 
 class EncodeSettings(BaseModel):
