@@ -7,6 +7,7 @@ without starting Prefect's temporary server, which costs ~15 s per command.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -128,6 +129,24 @@ class DocsPerSecond(ProgressColumn):
         return Text(f"{task.speed:,.0f} docs/s" if task.speed else "… docs/s")
 
 
+@contextlib.contextmanager
+def _encode_progress(transient: bool):  # noqa: ANN202 - yields run_encode's ``progress`` callback
+    """A docs/s bar per encode plan with work to do (run_encode calls the yielded function with its plan)."""
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), DocsPerSecond(), TimeRemainingColumn(),
+        console=console, transient=transient,
+    ) as bar:  # fmt: skip
+
+        def start(plan):  # noqa: ANN001, ANN202
+            total = sum(j.rows for j in plan.jobs)
+            if not total:
+                return None
+            task = bar.add_task(f"encode {plan.slug}", total=total)
+            return lambda n: bar.advance(task, n)
+
+        yield start
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -212,22 +231,8 @@ def encode(
                 f"{summary['model']}: {summary['encoded']} shard(s) encoded, {summary['skipped']} already done"
             )
             return
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            DocsPerSecond(),
-            TimeRemainingColumn(),
-            console=console,
-        ) as bar:
-            state: dict[str, int] = {}
-
-            def start(plan):  # noqa: ANN001
-                total = sum(j.rows for j in plan.jobs)
-                state["task"] = bar.add_task(f"encode {plan.slug}", total=total)
-                return lambda n: bar.advance(state["task"], n)
-
-            plan = run_encode(config, progress=start, log=lambda m: console.print(m, highlight=False, soft_wrap=True))
+        with _encode_progress(transient=False) as start:
+            plan = run_encode(config, progress=start, log=_log)
         console.print(
             f"{plan.slug}: {len(plan.jobs)} shard(s) encoded, {plan.skipped} already done ({plan.total_shards} in all)",
             highlight=False,
@@ -477,18 +482,7 @@ def run(
                 sums = {sp: build_summary(db, res["system"], dataset, sp, res["bm25"]) for sp in config.splits}
             folders = res["summaries"]
         else:
-            with Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), DocsPerSecond(),
-                TimeRemainingColumn(), console=console, transient=True,
-            ) as bar:  # fmt: skip
-
-                def start(plan):  # noqa: ANN001
-                    total = sum(j.rows for j in plan.jobs)
-                    if not total:
-                        return None
-                    task = bar.add_task(f"encode {plan.slug}", total=total)
-                    return lambda n: bar.advance(task, n)
-
+            with _encode_progress(transient=True) as start:
                 result = run_pipeline(config, _log, start)
             sums, folders = result.summaries, result.folders
     except _known_errors() as exc:

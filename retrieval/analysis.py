@@ -158,11 +158,12 @@ class PaperTable:
         return out
 
 
-def _per_query(db: StoreSQL, model: str, dataset: str, mode: str, kq: int, kp: int) -> dict[str, float]:
+def per_query_ndcg(db: StoreSQL, model: str, dataset: str, split: str, mode: str, kq: int, kp: int) -> dict[str, float]:
+    """{query_id: NDCG@10} of one cell (view ``metrics``): the input of the paired t-tests."""
     r = db.con.execute(
-        "select query_id, value from metrics where model = ? and dataset = ? and split = 'test' and mode = ? "
+        "select query_id, value from metrics where model = ? and dataset = ? and split = ? and mode = ? "
         "and kq = ? and kp = ? and measure = 'ndcg_cut_10'",
-        [model, dataset, mode, kq, kp],
+        [model, dataset, split, mode, kq, kp],
     ).fetchall()
     return dict(r)
 
@@ -198,7 +199,6 @@ def paper_table(db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05
         if col is not None:
             value[(c["model"], c["dataset"], col)] = c["ndcg_10"]
     systems = sorted({m for m, _, _ in value}, key=lambda s: (not s.startswith("bm25"), s))
-    mode_of = {col: m for col, m in TABLE_MODES.items()}
     for system in systems:
         table.budgets[system] = budgets[system]
         row: dict[tuple[str, str], TableCell] = {}
@@ -222,10 +222,10 @@ def paper_table(db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05
             for (d, col), cell in row.items():
                 if d == "avg":
                     continue
-                ref_mode = "bm25" if ref.startswith("bm25") else mode_of[col]
-                mode = "bm25" if system.startswith("bm25") else mode_of[col]
-                a = _per_query(db, system, d, mode, kq, kp)
-                b = _per_query(db, ref, d, ref_mode, rkq, rkp)
+                ref_mode = "bm25" if ref.startswith("bm25") else TABLE_MODES[col]
+                mode = "bm25" if system.startswith("bm25") else TABLE_MODES[col]
+                a = per_query_ndcg(db, system, d, "test", mode, kq, kp)
+                b = per_query_ndcg(db, ref, d, "test", ref_mode, rkq, rkp)
                 if not a or not b:
                     continue
                 t = paired_ttest_values(a, b)

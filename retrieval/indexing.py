@@ -9,6 +9,7 @@ recall@10 / @100 of the index against exact MaxSim and its latency, per K_q of t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from storage import ArtifactStore, FileEntry, Manifest, config_hash
-from storage.layout import encodings_dir, index_dir
+from storage.layout import dataset_dir, encodings_dir, index_dir
 
 from . import lance_index
 from .scoring import complete_encoding, iter_encodings, read_encodings, split_queries
@@ -80,7 +81,6 @@ def build_index(
     """Build the index of one K_p unless it exists with the same config; returns (built, stats)."""
     if index_type not in lance_index.INDEX_TYPES:
         raise ValueError(f"unknown index type {index_type!r}; expected one of {list(lance_index.INDEX_TYPES)}")
-    from storage.layout import dataset_dir
 
     n_passages = int(store.require_manifest(dataset_dir(corpus)).files["corpus.parquet"].rows or 0)
     p_stage = encodings_dir(system, corpus, "passage", kp)
@@ -102,14 +102,15 @@ def build_index(
             return False, old.stats
         except Exception:  # noqa: BLE001 - a damaged index is rebuilt
             log(f"{store.abspath(stage)}: damaged, rebuilding")
-    first = next(iter(_passage_batches(store, p_stage, p_man)), None)
+    batches = _passage_batches(store, p_stage, p_man)
+    first = next(batches, None)
     if first is None:
         raise ValueError(f"{store.abspath(p_stage)}: no passages to index")
     hidden = int(first[1][0].shape[1])
     part = {"model": system, "dataset": corpus, "kp": str(kp)}
     m = Manifest.new("index", part, config)
     with store.stage_writer(stage, m) as w:
-        rows = lance_index.build_table(w.work_dir, _passage_batches(store, p_stage, p_man), hidden)
+        rows = lance_index.build_table(w.work_dir, itertools.chain([first], batches), hidden)
         info = lance_index.create_index(w.work_dir, index_type) if index_type != "none" else None
         ids = split_queries(store, dataset, split)
         queries = {}

@@ -56,14 +56,12 @@ def list_runs(
     return out
 
 
-def metrics_config(store: ArtifactStore, run: RunRef, measures: list[str], relevance_level: int) -> dict[str, Any]:
-    ds = run.partition["dataset"]
-    qrels_entry = store.require_manifest(dataset_dir(ds)).files["qrels.parquet"]
+def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int) -> dict[str, Any]:
     return {
         "run": run.stage,
         "run_config_hash": run.manifest.config_hash,
         "run_sha256": run.manifest.files[RUN_FILE].sha256,
-        "qrels_sha256": qrels_entry.sha256,
+        "qrels_sha256": qrels_sha256,
         "split": run.partition["split"],
         "measures": list(measures),
         "relevance_level": relevance_level,
@@ -82,11 +80,15 @@ def evaluate_runs(
     """Write metrics for every run whose metrics are missing or stale; returns (evaluated, up to date)."""
     measures = list(measures or DEFAULT_MEASURES)
     qrels_cache: dict[tuple[str, str], dict] = {}
+    qrels_sha: dict[str, str] = {}
     done = kept = 0
     for run in runs:
         p = run.partition
         level = relevance_level if relevance_level is not None else default_relevance_level(p["dataset"])
-        cfg = metrics_config(store, run, measures, level)
+        ds = p["dataset"]
+        if ds not in qrels_sha:  # one manifest read per dataset, not per run
+            qrels_sha[ds] = store.require_manifest(dataset_dir(ds)).files["qrels.parquet"].sha256
+        cfg = metrics_config(run, qrels_sha[ds], measures, level)
         stage = metrics_dir(p["model"], p["dataset"], p["split"], int(p["kq"]), int(p["kp"]), p["mode"])
         old = store.read_manifest(stage)
         if old is not None and old.config_hash == config_hash(cfg):

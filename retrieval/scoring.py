@@ -248,16 +248,16 @@ def score(
     row = {q: i for i, q in enumerate(all_ids)}
     split_rows = {s: [row[q] for q in split_ids[s]] for s in splits}
     settings = SearchSettings(topk=topk, ignore_identical_ids=ignore)
+    loaded: dict[int, Encodings] = {}  # query encodings, read once for every K_p pass
+    for kq in sorted({c.kq for c in plan.todo}):
+        enc = read_encodings(store, q_stages[kq], q_man[kq], device)
+        try:
+            loaded[kq] = select(enc, all_ids)
+        except KeyError as exc:
+            raise IncompleteArtifactError(f"{store.abspath(q_stages[kq])}: {exc.args[0]}") from None
     for kp in plan.passes():
         cells = [c for c in plan.todo if c.kp == kp]
-        need_kq = sorted({c.kq for c in cells})
-        queries = {}
-        for kq in need_kq:
-            enc = read_encodings(store, q_stages[kq], q_man[kq], device)
-            try:
-                queries[kq] = select(enc, all_ids)
-            except KeyError as exc:
-                raise IncompleteArtifactError(f"{store.abspath(q_stages[kq])}: {exc.args[0]}") from None
+        queries = {kq: loaded[kq] for kq in sorted({c.kq for c in cells})}
         log(f"scoring K_p={kp}: {len(cells)} cell(s) over {n_passages:,} passages on {device}")
         search_and_write(
             store, cells, queries, split_rows, iter_encodings(store, p_stages[kp], p_man[kp], device), settings,

@@ -67,7 +67,8 @@ class Summary:
 
 
 def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str | None = None) -> Summary:
-    from .evaluation import paired_ttest
+    from .analysis import per_query_ndcg
+    from .evaluation import paired_ttest_values
 
     s = Summary(system, dataset, split)
     cols = "mode, kq, kp, ndcg_10, mrr_10, recall_100, recall_1000, queries"
@@ -82,10 +83,11 @@ def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str
         ).fetchall()
         rows += [Row(bm25, *r) for r in b]
     if bm25 and any(r.mode == "bm25" for r in rows):
-        base = _per_query(db, bm25, dataset, split, "bm25", 0, 0)
+        base = per_query_ndcg(db, bm25, dataset, split, "bm25", 0, 0)
         for r in rows:
             if r.mode != "bm25":
-                r.p_vs_bm25 = paired_ttest(_per_query(db, system, dataset, split, r.mode, r.kq, r.kp), base).p_value
+                a = per_query_ndcg(db, system, dataset, split, r.mode, r.kq, r.kp)
+                r.p_vs_bm25 = paired_ttest_values(a, base).p_value
     s.rows = sorted(rows, key=lambda r: -(r.ndcg_10 or 0.0))
     for mode in MODES:
         cells = db.con.execute(
@@ -100,15 +102,6 @@ def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str
             grid[kqs.index(kq), kps.index(kp)] = np.nan if v is None else v
         s.grids[mode] = (kqs, kps, grid)
     return s
-
-
-def _per_query(db: StoreSQL, system: str, dataset: str, split: str, mode: str, kq: int, kp: int):  # noqa: ANN202
-    rel = db.con.sql(
-        "select query_id, measure, value from metrics where model = $1 and dataset = $2 and split = $3 "
-        "and mode = $4 and kq = $5 and kp = $6 and measure = 'ndcg_cut_10'",
-        params=[system, dataset, split, mode, kq, kp],
-    )
-    return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()  # duckdb 2 renamed it
 
 
 def heatmap_png(
