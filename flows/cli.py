@@ -610,8 +610,50 @@ def views(root: RootOpt = "./diffret-store") -> None:
         _fail(exc)
 
 
+def _exit_now(code: int) -> None:
+    """Leave the process without C++ static destructors.
+
+    pyarrow's and DuckDB's native thread pools can be torn down at interpreter exit while a worker is
+    still joinable, and ``std::terminate`` then aborts a command that had finished its work
+    ("terminate called without an active exception", exit -6; apache/arrow#34314, duckdb/duckdb#13904).
+    Everything Python's own shutdown does first still happens: non-daemon threads are joined, atexit
+    handlers run (Prefect's log and event workers flush there), and stdio is flushed.
+    """
+    import atexit
+    import threading
+
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
+    return 1
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # an unexpected error: the traceback, then exit 1 like Python would
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit_now(code)
 
 
 if __name__ == "__main__":
