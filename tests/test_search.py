@@ -38,9 +38,16 @@ def _random_encoded(rng: np.random.Generator, n: int, k: int, vary: bool = False
     return out
 
 
+def _table(rng, n, k, prefix, vary=False) -> pa.Table:
+    return encoded_table([f"{prefix}{i}" for i in range(n)], _random_encoded(rng, n, k, vary), H)
+
+
 def _encodings(rng, n, k, prefix, vary=False) -> Encodings:
-    encs = _random_encoded(rng, n, k, vary)
-    return encodings_from_table(encoded_table([f"{prefix}{i}" for i in range(n)], encs, H))
+    return encodings_from_table(_table(rng, n, k, prefix, vary))
+
+
+# exact search runs where the encodings live: the CPU always, a GPU where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
 def _brute_scores(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
@@ -101,19 +108,24 @@ def _assert_same_top(top: TopK, ref: list[list[tuple[int, float]]], k: int) -> N
             assert strict_ref == strict_got, qi
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vary", [False, True])
-def test_exact_search_equals_brute_force_all_modes(vary: bool) -> None:
+def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str) -> None:
     rng = np.random.default_rng(7)
-    queries = {kq: _encodings(rng, 23, kq, "q", vary) for kq in (1, 3)}
-    passages = _encodings(rng, 400, 4, "d", vary)
+    q_tables = {kq: _table(rng, 23, kq, "q", vary) for kq in (1, 3)}
+    p_table = _table(rng, 400, 4, "d", vary)
+    on_device = encodings_from_table(p_table, device)
     # tiny chunk budget: many sub-blocks and query blocks, to exercise the running top-k
     st = SearchSettings(topk=150, chunk_elems=5000, query_block=7)
-    blocks = [select(passages, passages.ids[s : s + 90]) for s in range(0, 400, 90)]
+    blocks = [select(on_device, on_device.ids[s : s + 90]) for s in range(0, 400, 90)]
+    queries = {kq: encodings_from_table(t, device) for kq, t in q_tables.items()}
     base, doc_ids = search_pass(queries, blocks, settings=st)
+    passages = encodings_from_table(p_table)  # the brute force reads CPU copies
     assert doc_ids == passages.ids
     runs = all_modes(base, depth=150)
     assert {m for _, m in runs} == set(MODES)
-    for kq, q in queries.items():
+    for kq, t in q_tables.items():
+        q = encodings_from_table(t)
         full = {m: _brute_scores(q, passages, m) for m in ("single_dense", "multi_dense", "sparse_max")}
         for mode in MODES:
             if mode.startswith("fusion_"):
