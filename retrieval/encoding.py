@@ -182,7 +182,19 @@ def write_shard(store: ArtifactStore, stage: str, name: str, table: pa.Table) ->
 
 # --------------------------------------------------------------------------------------- tokenize
 def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Table:
-    enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
+    """Token ids cut at ``max_length``, with each text's full length and whether it was cut.
+
+    The texts are tokenized whole on purpose (to record ``n_tokens``), so transformers' warning that a
+    sequence is longer than the model's maximum is silenced here: nothing that long reaches the model.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
+    finally:
+        hf_logging.set_verbosity(level)
     lengths = [len(e) for e in enc]
     return pa.table(
         {

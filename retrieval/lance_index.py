@@ -409,7 +409,7 @@ def search(
     for q in normed:
         t0 = time.perf_counter()
         builder = tbl.search(q, vector_column_name=VECTOR).distance_type("cosine").limit(limit)
-        builder = builder.select(["doc_id", VECTOR])
+        builder = builder.select(["doc_id", VECTOR, "_distance"])  # naming _distance: no per-query warning
         if nprobes is not None:
             builder = builder.nprobes(nprobes)
         if refine_factor is not None:

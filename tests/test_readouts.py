@@ -540,3 +540,22 @@ def test_content_filter_ids(backbones, arch):
     assert checked >= 4
     assert not allowed & set(tok.all_special_ids)
     assert filt.allowed_ids("the and , !") == []
+
+
+def test_tokenize_records_full_length_and_cuts_without_a_warning(capfd) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from retrieval.encoding import tokenize_texts
+
+    tok = word_chat_tokenizer()
+    tok.model_max_length = 8
+    long = " ".join(["cats"] * 20)
+    before = hf_logging.get_verbosity()
+    capfd.readouterr()
+    t = tokenize_texts(tok, [long, "cats purr"], max_length=8)
+    assert t.column("n_tokens").to_pylist() == [20, 2]
+    assert t.column("truncated").to_pylist() == [True, False]
+    assert [len(x) for x in t.column("token_ids").to_pylist()] == [8, 2]
+    # transformers' "longer than the specified maximum" warning would mislead: the model never sees it
+    assert "longer than the specified maximum" not in capfd.readouterr().err
+    assert hf_logging.get_verbosity() == before  # the caller's verbosity is restored
