@@ -173,25 +173,77 @@ class _SparseQueries:
         return (csr @ self.matrix).T
 
 
-def maxsim(q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p_mask: torch.Tensor) -> torch.Tensor:
-    """[Q, N] MaxSim scores: (1/K_q) sum over real query vectors of the max over real passage vectors."""
+class Workspace:
+    """Reused score buffers: a fresh [Q*K_q, N] matrix per block costs page faults (~2x the GEMM on CPU)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.device != like.device or buf.dtype != like.dtype:
+            buf = self._bufs[name] = torch.empty(rows * cols, dtype=like.dtype, device=like.device)
+        return buf[: rows * cols].view(rows, cols)
+
+
+# On CPU the documents are scored in tiles whose score buffers stay in cache (2 MB each): 1.26x faster than
+# one [Q*K_q, N] buffer per block on a 2-core AVX-512 machine. A GPU gets whole blocks (fewer, larger GEMMs).
+CPU_TILE_ELEMS = 1 << 19
+
+
+def maxsim(
+    q_multi: torch.Tensor,
+    q_mask: torch.Tensor,
+    p_multi: torch.Tensor,
+    p_mask: torch.Tensor,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """[Q, N] MaxSim scores: (1/K_q) sum over real query vectors of the max over real passage vectors.
+
+    One GEMM per passage slot j (``[Q*K_q, H] x [H, N]``) folded into a running element-wise max, so the
+    [Q*K_q, N*K_p] similarity matrix is never materialised (K_p times less memory, no separate amax pass).
+    A passage's padding slots (beyond its n_reps) are -inf before the max.
+    """
+    nq, kq, _ = q_multi.shape
+    n = p_multi.shape[0]
+    ws = workspace or Workspace()
+    tile = n if q_multi.device.type != "cpu" else max(1, CPU_TILE_ELEMS // max(1, nq * kq))
+    if tile >= n:
+        return _maxsim_tile(q_multi, q_mask, p_multi, p_mask, ws)
+    out = torch.empty(nq, n, dtype=q_multi.dtype, device=q_multi.device)
+    for s in range(0, n, tile):
+        out[:, s : s + tile] = _maxsim_tile(q_multi, q_mask, p_multi[s : s + tile], p_mask[s : s + tile], ws)
+    return out
+
+
+def _maxsim_tile(
+    q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p_mask: torch.Tensor, ws: Workspace
+) -> torch.Tensor:
     nq, kq, h = q_multi.shape
     n, kp, _ = p_multi.shape
-    sim = (q_multi.reshape(nq * kq, h) @ p_multi.reshape(n * kp, h).T).reshape(nq * kq, n, kp)
-    if not bool(p_mask.all()):  # padding vectors exist (variable n_reps): they must never be the max
-        sim.masked_fill_(~p_mask[None, :, :], NEG)
-    best = sim.amax(-1).reshape(nq, kq, n)
+    qf = q_multi.reshape(nq * kq, h)
+    best = ws.get("best", nq * kq, n, qf)
+    tmp = ws.get("tmp", nq * kq, n, qf) if kp > 1 else best
+    pad = None if bool(p_mask.all()) else ~p_mask  # [N, K_p]: True where a slot is padding
+    for j in range(kp):
+        out = best if j == 0 else tmp
+        torch.mm(qf, p_multi[:, j, :].T, out=out)
+        if pad is not None and bool(pad[:, j].any()):
+            out.masked_fill_(pad[None, :, j], NEG)
+        if j:
+            torch.maximum(best, tmp, out=best)
+    b = best.view(nq, kq, n)
     if bool(q_mask.all()):
-        return best.mean(1)
-    best.masked_fill_(~q_mask[:, :, None], 0.0)
-    return best.sum(1) / q_mask.sum(1, keepdim=True).clamp_min(1).float()
+        return b.mean(1)
+    b.masked_fill_(~q_mask[:, :, None], 0.0)
+    return b.sum(1) / q_mask.sum(1, keepdim=True).clamp_min(1).to(b.dtype)
 
 
 @dataclass
 class SearchSettings:
     topk: int = 1000
     ignore_identical_ids: bool = False  # BEIR drops a document whose id equals the query id (ArguAna, Quora)
-    chunk_elems: int = 1 << 26  # similarity-matrix entries per block (bounds memory: 4 bytes each)
+    chunk_elems: int = 1 << 26  # score-buffer entries per block (bounds memory: 4 bytes each)
     query_block: int = 512
 
 
@@ -218,6 +270,7 @@ def search_pass(
     sparse_q = {kq: _SparseQueries(q, device) for kq, q in queries.items()} if "sparse_max" in modes else {}
     qpos = {kq: _query_positions(q.ids) for kq, q in queries.items()} if st.ignore_identical_ids else {}
     doc_ids: list[str] = []
+    ws = Workspace()
     for block in passages:
         offset = len(doc_ids)
         doc_ids.extend(block.ids)
@@ -231,7 +284,7 @@ def search_pass(
                         sc = sparse_q[kq].scores(p)
                         sc = sc.masked_fill(sc <= 0, NEG)
                     else:
-                        sc = _blocked_maxsim(q, p, st.query_block)
+                        sc = _blocked_maxsim(q, p, st.query_block, ws)
                     if st.ignore_identical_ids and self_hits[kq][0].numel():
                         sc[self_hits[kq][0], self_hits[kq][1]] = NEG
                     tops[(kq, mode)].update(sc, offset + p.offset)
@@ -253,10 +306,9 @@ class _Sub:
 
 
 def _split_block(block: Encodings, queries: dict[int, Encodings], st: SearchSettings) -> Iterator[_Sub]:
-    """Sub-blocks of passages small enough that a [Q*K_q, N*K_p] similarity matrix fits the budget."""
-    kp = block.multi.shape[1]
+    """Sub-blocks of passages small enough that maxsim's two [Q*K_q, N] buffers fit the budget."""
     widest = max(min(len(q), st.query_block) * q.multi.shape[1] for q in queries.values())
-    step = max(1, st.chunk_elems // max(1, widest * kp))
+    step = max(1, st.chunk_elems // max(1, 2 * widest))
     for s in range(0, len(block), step):
         e = min(s + step, len(block))
         yield _Sub(
@@ -270,9 +322,9 @@ def _split_block(block: Encodings, queries: dict[int, Encodings], st: SearchSett
         )
 
 
-def _blocked_maxsim(q: Encodings, p: _Sub, query_block: int) -> torch.Tensor:
+def _blocked_maxsim(q: Encodings, p: _Sub, query_block: int, ws: Workspace) -> torch.Tensor:
     parts = [
-        maxsim(q.multi[s : s + query_block], q.mask[s : s + query_block], p.multi, p.mask)
+        maxsim(q.multi[s : s + query_block], q.mask[s : s + query_block], p.multi, p.mask, ws)
         for s in range(0, len(q), query_block)
     ]
     return torch.cat(parts, 0)

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from retrieval import search
 from retrieval.encoding import encoded_table
 from retrieval.readouts import Encoded
 from retrieval.search import (
@@ -108,9 +109,12 @@ def _assert_same_top(top: TopK, ref: list[list[tuple[int, float]]], k: int) -> N
             assert strict_ref == strict_got, qi
 
 
+@pytest.mark.parametrize("tile_elems", [None, 40], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vary", [False, True])
-def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str) -> None:
+def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile_elems, monkeypatch) -> None:
+    if tile_elems is not None:  # CPU MaxSim in tiles of 40 // (Q*K_q) documents: 1 to 5 per tile here
+        monkeypatch.setattr(search, "CPU_TILE_ELEMS", tile_elems)
     rng = np.random.default_rng(7)
     q_tables = {kq: _table(rng, 23, kq, "q", vary) for kq in (1, 3)}
     p_table = _table(rng, 400, 4, "d", vary)
