@@ -128,7 +128,7 @@ class PaperTable:
         lines = [head, sep]
         for system, cells in self.rows.items():
             kq, kp = self.budgets.get(system, (None, None))
-            budget = "–" if kq is None else f"{kq}, {kp}"
+            budget = "–" if kq is None or (kq, kp) == (0, 0) else f"{kq}, {kp}"  # BM25 runs are kq = kp = 0
             vals = []
             for col in self.columns():
                 c = cells.get(col)

@@ -157,6 +157,7 @@ def test_paper_table_markers_and_best(store: ArtifactStore) -> None:
         assert t.rows[MODEL][("avg", col)].value == pytest.approx(good.value)  # one dataset: avg = it
     md = t.markdown()
     assert "**0." in md and "†" in md and "p < 0.05 (two-sided) against `bm25-abcdef0123`" in md
+    assert f"| {BM25} | – |" in md and f"| {MODEL} | 2, 4 |" in md  # BM25 has no (K_q, K_p) budget
     with StoreSQL(store) as db, pytest.raises(ValueError, match="reference system"):
         paper_table(db, ["nope"])
 
