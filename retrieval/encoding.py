@@ -185,16 +185,13 @@ def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Tabl
     """Token ids cut at ``max_length``, with each text's full length and whether it was cut.
 
     The texts are tokenized whole on purpose (to record ``n_tokens``), so transformers' warning that a
-    sequence is longer than the model's maximum is silenced here: nothing that long reaches the model.
+    sequence is longer than the model's maximum would mislead: nothing that long reaches the model. It is
+    marked as already shown on this tokenizer (transformers' own once-per-tokenizer flag; no global state).
     """
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
-    finally:
-        hf_logging.set_verbosity(level)
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(shown, dict):
+        shown["sequence-length-is-longer-than-the-specified-maximum"] = True
+    enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
     lengths = [len(e) for e in enc]
     return pa.table(
         {

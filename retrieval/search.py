@@ -224,11 +224,12 @@ def _maxsim_tile(
     qf = q_multi.reshape(nq * kq, h)
     best = ws.get("best", nq * kq, n, qf)
     tmp = ws.get("tmp", nq * kq, n, qf) if kp > 1 else best
-    pad = None if bool(p_mask.all()) else ~p_mask  # [N, K_p]: True where a slot is padding
+    pad = ~p_mask  # [N, K_p]: True where a slot is padding
+    padded_slots = pad.any(0).tolist()  # one host sync per tile, not one per slot
     for j in range(kp):
         out = best if j == 0 else tmp
         torch.mm(qf, p_multi[:, j, :].T, out=out)
-        if pad is not None and bool(pad[:, j].any()):
+        if padded_slots[j]:
             out.masked_fill_(pad[None, :, j], NEG)
         if j:
             torch.maximum(best, tmp, out=best)
@@ -306,9 +307,11 @@ class _Sub:
 
 
 def _split_block(block: Encodings, queries: dict[int, Encodings], st: SearchSettings) -> Iterator[_Sub]:
-    """Sub-blocks of passages small enough that maxsim's two [Q*K_q, N] buffers fit the budget."""
+    """Sub-blocks of passages small enough that a [Q*K_q, N*K_p] block fits the budget (maxsim's two
+    [Q*K_q, N] buffers fit in it for K_p >= 2; the other modes' [Q, N] scores scale with it)."""
+    kp = block.multi.shape[1]
     widest = max(min(len(q), st.query_block) * q.multi.shape[1] for q in queries.values())
-    step = max(1, st.chunk_elems // max(1, 2 * widest))
+    step = max(1, st.chunk_elems // max(1, widest * kp))
     for s in range(0, len(block), step):
         e = min(s + step, len(block))
         yield _Sub(
