@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from retrieval.backbones import BackboneConfig, load_backbone
-from retrieval.encoding import encode_rows
-from retrieval.readouts import Reader, ReadoutConfig
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.encoding import encode_rows
+from retrieval.models.readouts import ReadoutConfig, make_reader
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype))
-    reader = Reader(bb, ReadoutConfig(padding_side="right"))
+    reader = make_reader(bb, ReadoutConfig(padding_side="right"))
     tok = bb.tokenizer
     texts = load_texts(Path(args.corpus), args.docs)
     ids = [str(i) for i in range(len(texts))]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.datasets import DatasetReport, read_corpus
+from retrieval.data.collections import DatasetReport, read_corpus
 from storage import ArtifactStore, Manifest
 from storage.layout import CORPUS_SCHEMA
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrieval import lance_index as li
+from retrieval.search import lance as li
 
 
 class Corpus:

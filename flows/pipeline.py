@@ -1,5 +1,5 @@
 """The pipeline flow (`diffret run`): download -> tokenize/encode the grid -> (index) -> score -> BM25 ->
-evaluate -> leaderboard, heatmaps and summary in the store.
+evaluate -> summary (leaderboard, heatmaps, summary page in the store).
 
 Every stage is idempotent over the store (a stage finds its finished artifacts by config hash and
 skips them), so re-running the pipeline, or `prefect deployment run` after a failure, resumes where
@@ -9,33 +9,44 @@ the last run stopped and a finished run does no model work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from retrieval.backbones import BackboneConfig
-from retrieval.bm25 import BM25Settings
-from retrieval.encoding import GRID_K, KList
-from retrieval.readouts import ReadoutConfig
-from storage.layout import MODES
+from retrieval.data.sources import corpus_of
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.readouts import ReadoutConfig
+from retrieval.search.bm25 import BM25Settings
+from retrieval.search.modes import MODE_NAMES
+from stages import bm25, evaluate, index, ingest, score, summary
+from stages.base import GRID_K, KList, ModeList, StageConfig
+from stages.bm25 import BM25Config
+from stages.encode import EncodeConfig
+from stages.evaluate import EvaluateConfig
+from stages.index import IndexConfig
+from stages.ingest import DownloadConfig
+from stages.score import ScoreConfig
+from stages.summary import SummaryConfig
+from stages.systems import SystemRef
+from stages.tokenize import DEFAULT_MODEL
+from storage import ArtifactStore
 
-from .download import DownloadConfig
-from .encode import EncodeConfig
-from .evaluate import EvaluateConfig
-from .index import IndexConfig
-from .score import DEFAULT_MODEL, BM25Config, ModeList, ScoreConfig
+from .encode import run_encode
+from .runner import run_stage
 
-# A CPU-only laptop: a 3 x 3 grid and shorter texts (pass --model for a small checkpoint too).
-LAPTOP_PRESET: dict[str, Any] = {"kq": [1, 4, 16], "kp": [1, 4, 16], "max_length": 256, "batch_size": 16}
+# `diffret run --preset`: the paper's 5 x 5 grid, or for a CPU-only laptop a 3 x 3 grid and shorter texts
+# (pass --model for a small checkpoint too).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"kq": "1,2,4,8,16", "kp": "1,2,4,8,16", "batch_size": 32},
+    "laptop": {"kq": "1,4,16", "kp": "1,4,16", "max_length": 256, "batch_size": 16},
+}
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(StageConfig):
     """Parameters of the whole zero-shot experiment on one dataset (the Prefect UI renders them as a form)."""
 
-    root: str = Field(default="./diffret-store", description="Artifact store root.")
     dataset: str = Field(default="scifact", description="Collection (see `diffret download --help`).")
     source: str | None = Field(default=None, description="Mirror of the dataset (folder, archive or URL).")
     corpus_source: str | None = Field(
@@ -48,7 +59,7 @@ class PipelineConfig(BaseModel):
     max_length: int = Field(default=512, ge=1)
     kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
-    modes: ModeList = Field(default=list(MODES))
+    modes: ModeList = Field(default=list(MODE_NAMES))
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="skip",
@@ -62,25 +73,25 @@ class PipelineConfig(BaseModel):
     device: str = Field(default="auto", description="Scoring device: auto | cpu | cuda | cuda:N.")
 
     # ------------------------------------------------------------------------- stage configs
-    def corpus(self) -> str:
-        from retrieval.scoring import corpus_of
+    def _common(self) -> dict[str, Any]:
+        return {"root": self.root, "force": self.force}
 
+    def corpus(self) -> str:
         return corpus_of(self.dataset)
 
     def downloads(self) -> list[DownloadConfig]:
-        out = [DownloadConfig(name=self.dataset, source=self.source, root=self.root, cache_dir=self.cache_dir)]
+        def dl(name: str, source: str | None) -> DownloadConfig:
+            return DownloadConfig(name=name, source=source, cache_dir=self.cache_dir, **self._common())
+
+        out = [dl(self.dataset, self.source)]
         if self.corpus() != self.dataset:
-            out.insert(
-                0,
-                DownloadConfig(name=self.corpus(), source=self.corpus_source, root=self.root, cache_dir=self.cache_dir),
-            )
+            out.insert(0, dl(self.corpus(), self.corpus_source))
         return out
 
     def encodes(self) -> list[EncodeConfig]:
         common = dict(
-            root=self.root, backbone=self.backbone, readout=self.readout, max_length=self.max_length,
-            batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address,
+            backbone=self.backbone, readout=self.readout, max_length=self.max_length, batch_size=self.batch_size,
+            shard_size=self.shard_size, workers=self.workers, dask_address=self.dask_address, **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))
@@ -90,126 +101,75 @@ class PipelineConfig(BaseModel):
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
         ]
 
-    def score(self) -> ScoreConfig:
+    def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
-            root=self.root, dataset=self.dataset, corpus=self.corpus(), splits=self.splits, kq=self.kq, kp=self.kp,
-            modes=self.modes, backbone=self.backbone, readout=self.readout, max_length=self.max_length,
-            topk=self.topk, device=self.device,
+            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
+            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, device=self.device, **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
-        return BM25Config(
-            root=self.root, dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
-            bm25=BM25Settings(),
-        )  # fmt: skip
+        return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
+                          bm25=BM25Settings(), **self._common())  # fmt: skip
 
-    def index_config(self) -> IndexConfig:
+    def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
-            root=self.root, dataset=self.dataset, corpus=self.corpus(), split=self.splits[0], kq=self.kq, kp=self.kp,
-            backbone=self.backbone, readout=self.readout, max_length=self.max_length, index_type=self.index,
+            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
+            kq=self.kq, kp=self.kp, index_type=self.index, **self._common(),
         )  # fmt: skip
 
+    def evaluate(self, systems: list[str]) -> EvaluateConfig:
+        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, **self._common())
 
-@dataclass
-class PipelineResult:
-    system: str
-    bm25: str | None
-    summaries: dict[str, Any]  # split -> retrieval.summary.Summary
-    folders: dict[str, str]  # split -> summary folder
-    steps: list[str]
-
-
-def _summaries(config: PipelineConfig, system: str, bm25: str | None) -> tuple[dict, dict]:
-    from retrieval.summary import build_summary, write_summary
-    from storage import ArtifactStore
-    from storage.sql import StoreSQL
-
-    store = ArtifactStore(config.root)
-    sums, folders = {}, {}
-    with StoreSQL(store) as db:
-        for split in config.splits:
-            s = build_summary(db, system, config.dataset, split, bm25)
-            sums[split] = s
-            cfg = {
-                "system": system,
-                "bm25": bm25,
-                "split": split,
-                "score": config.score().model_dump(mode="json", exclude={"root"}),
-            }
-            folders[split] = write_summary(store, s, cfg)
-    return sums, folders
+    def summary(self, system: str, bm25: str | None) -> SummaryConfig:
+        return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())
 
 
 def run_pipeline(
     config: PipelineConfig,
+    *,
+    prefect: bool = False,
     log: Callable[[str], None] = print,
-    encode_progress: Callable | None = None,
-) -> PipelineResult:
-    """The whole experiment in this process (the CLI's default)."""
-    from .download import run_download
-    from .encode import run_encode
-    from .evaluate import run_evaluate
-    from .index import run_index
-    from .score import run_bm25, run_score
+    report: Callable | None = None,
+) -> dict[str, Any]:
+    """Every stage in order, each through ``run_stage`` (sub-flow runs under Prefect); the result lines,
+    the system, and the leaderboard and summary folder of each split."""
+    steps: list[str] = []
 
-    steps = []
+    def step(name: str, line: str) -> None:
+        steps.append(f"{name}: {line}")
+        log(steps[-1])
+
     for d in config.downloads():
-        res = run_download(d)
-        steps.append(f"download {d.name}: {res.status}")
-        log(steps[-1])
+        res = run_stage(ingest.stage, d, prefect=prefect, log=log, report=report)
+        step(f"download {d.name}", res.details.get("status", "done"))
+    system = ""
     for e in config.encodes():
-        plan = run_encode(e, progress=encode_progress, log=log)
-        steps.append(f"encode {e.dataset} {'+'.join(e.sides)}: {len(plan.jobs)} shard(s) encoded, {plan.skipped} done")
-        log(steps[-1])
+        res = run_encode(e, prefect=prefect, log=log, report=report)
+        system = res.system or system
+        step(f"encode {e.dataset} {'+'.join(e.sides)}", res.line())
     if config.index != "skip":
-        res = run_index(config.index_config(), log)
-        steps.append(f"index: {res['built']} built, {res['skipped']} already built")
-        log(steps[-1])
-    sc = run_score(config.score(), log)
-    steps.append(f"score: {sc['scored']} cell(s) scored, {sc['skipped']} already done")
-    log(steps[-1])
-    bm25 = None
+        step("index", run_stage(index.stage, config.index_config(system), prefect=prefect, log=log).line())
+    step("score", run_stage(score.stage, config.score(system), prefect=prefect, log=log, report=report).line())
+    bm25_system = None
     if config.bm25:
-        b = run_bm25(config.bm25_config(), log)
-        bm25 = b["system"]
-        steps.append(f"bm25: {b['scored']} run(s), {b['skipped']} already done")
-        log(steps[-1])
-    models = [sc["system"]] + ([bm25] if bm25 else [])
-    ev = run_evaluate(
-        EvaluateConfig(root=config.root, models=models, datasets=[config.dataset], splits=config.splits), log
-    )
-    steps.append(f"evaluate: {ev['evaluated']} run(s) evaluated, {ev['up_to_date']} up to date")
-    log(steps[-1])
-    sums, folders = _summaries(config, sc["system"], bm25)
-    return PipelineResult(sc["system"], bm25, sums, folders, steps)
+        res = run_stage(bm25.stage, config.bm25_config(), prefect=prefect, log=log)
+        bm25_system = res.system
+        step("bm25", res.line())
+    systems = [system] + ([bm25_system] if bm25_system else [])
+    ev = run_stage(evaluate.stage, config.evaluate(systems), prefect=prefect, log=log, report=report)
+    step("evaluate", ev.line())
+    sm = run_stage(summary.stage, config.summary(system, bm25_system), prefect=prefect, log=log)
+    step("summary", sm.line())
+    return {"system": system, "bm25": bm25_system, "steps": steps, **sm.details}
 
 
 @flow(name="pipeline", description="Zero-shot DiffRetriever grid on one dataset, end to end, with BM25.")
 def pipeline_flow(config: PipelineConfig) -> dict:
     """The same stages as sub-flow runs (each visible in the UI; each skips what the store already has)."""
-    from .download import download_flow
-    from .encode import encode_flow
-    from .evaluate import evaluate_flow
-    from .index import index_flow
-    from .score import bm25_flow, score_flow
-
-    logger = get_run_logger()
-    for d in config.downloads():
-        download_flow(d)
-    for e in config.encodes():
-        encode_flow(e)
-    if config.index != "skip":
-        index_flow(config.index_config())
-    sc = score_flow(config.score())
-    bm25 = bm25_flow(config.bm25_config())["system"] if config.bm25 else None
-    models = [sc["system"]] + ([bm25] if bm25 else [])
-    evaluate_flow(EvaluateConfig(root=config.root, models=models, datasets=[config.dataset], splits=config.splits))
-    sums, folders = _summaries(config, sc["system"], bm25)
-    for split, s in sums.items():
-        create_markdown_artifact(
-            s.markdown({m: f"{folders[split]}/heatmap_{m}.png" for m in s.grids}),
-            key=f"leaderboard-{split}",
-            description=f"{config.dataset} {split} leaderboard",
-        )
-    logger.info(f"summaries: {', '.join(folders.values())}")
-    return {"system": sc["system"], "bm25": bm25, "summaries": folders}
+    res = run_pipeline(config, prefect=True, log=get_run_logger().info)
+    store = ArtifactStore(config.root)
+    for split, folder in res["folders"].items():
+        with store.fs.open(f"{folder}/summary.md", "rb") as f:
+            text = f.read().decode().replace("](heatmap_", f"]({folder}/heatmap_")  # figures live in the store
+        create_markdown_artifact(text, key=f"leaderboard-{split}", description=f"{config.dataset} {split} leaderboard")
+    return res

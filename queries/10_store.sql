@@ -39,3 +39,16 @@ WITH q AS (
 SELECT q.dataset, q.split, q.judged_queries, q.judgments, q.relevant, c.documents
 FROM q LEFT JOIN c USING (dataset)
 ORDER BY q.dataset, q.split;
+
+-- view: systems
+-- One row per system in the registry (systems/system=<slug>/_manifest.json): what it is and every setting
+-- that made it. `diffret systems` prints this view.
+CREATE OR REPLACE VIEW systems AS
+SELECT partition ->> 'system' AS system,
+       config ->> 'kind' AS kind,
+       config ->> 'model' AS model,
+       config ->> 'readout' AS readout,
+       config -> 'settings' AS settings,
+       created_at
+FROM manifests
+WHERE stage = 'systems';

@@ -1,1 +1,2 @@
-"""The domain of diffret, importable without Prefect: collections, representations, scoring, evaluation."""
+"""The domain of diffret as pure libraries, importable without Prefect and without the store layout:
+``data`` (collections), ``models`` (representations), ``search`` (scoring), ``evaluation``, ``analysis``."""

@@ -9,9 +9,8 @@ from .manifest import (
     StoreError,
     config_hash,
     diff_configs,
-    require_same_config,
 )
-from .store import ArtifactStore, StageWriter
+from .store import ArtifactStore, StageState, StageWriter
 
 __all__ = [
     "ArtifactStore",
@@ -20,9 +19,9 @@ __all__ = [
     "FileEntry",
     "IncompleteArtifactError",
     "Manifest",
+    "StageState",
     "StageWriter",
     "StoreError",
     "config_hash",
     "diff_configs",
-    "require_same_config",
 ]

@@ -2,15 +2,18 @@
 
 Every path below is relative to the store root; ``ArtifactStore`` joins it with the root (a local
 folder or an fsspec URL). Stage folders are hive-partitioned (``key=value``) so that DuckDB reads any
-slice with ``hive_partitioning=true``.
+slice with ``hive_partitioning=true``. A *system* (an encoder with all its settings, or BM25) is named
+by its slug, the ``system=`` partition of every folder it produced.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import pyarrow as pa
 
+DEFAULT_ROOT = "./diffret-store"  # the store root when none is given (CLI --root / $DIFFRET_ROOT, flow configs)
 MANIFEST_NAME = "_manifest.json"
 STAGING_DIR = "_staging"  # same filesystem as the store: a staged folder is renamed into place
 LOCKS_DIR = "_locks"
@@ -122,17 +125,16 @@ def tokens_dir(tokenizer: str, dataset: str, side: str) -> str:
     return partition("tokens", tokenizer=tokenizer, dataset=dataset, side=side)
 
 
-def encodings_dir(model: str, dataset: str, side: str, k: int) -> str:
-    return partition("encodings", model=model, dataset=dataset, side=side, k=k)
+def encodings_dir(system: str, dataset: str, side: str, k: int) -> str:
+    return partition("encodings", system=system, dataset=dataset, side=side, k=k)
+
+
+def system_dir(system: str) -> str:
+    """The registry record of a system: ``systems/system=<slug>/_manifest.json`` (its full settings)."""
+    return partition("systems", system=system)
 
 
 # ------------------------------------------------------------------------- runs, metrics, index
-MODES = ("single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max")
-BASE_MODES = MODES[:3]
-FUSIONS = {
-    "fusion_single_sparse_max": ("single_dense", "sparse_max"),
-    "fusion_multi_sparse_max": ("multi_dense", "sparse_max"),
-}
 
 RUN_SCHEMA = pa.schema(
     [
@@ -151,27 +153,47 @@ METRICS_SCHEMA = pa.schema(
     ]
 )
 
+
+@dataclass(frozen=True)
+class Measure:
+    """One evaluation measure under its three names."""
+
+    pytrec: str  # the ``measure`` value in the metrics table (pytrec_eval's name, or mrr_<k>)
+    short: str  # its column in the ``cells`` view, the leaderboard CSV and the CLI's JSON
+    label: str  # its header in tables and reports
+
+
+# The headline measures: what evaluate computes by default, the columns of the ``cells`` view, the
+# leaderboard and the CLI. The first one ranks cells (``best_cells``) and fills the paper tables.
+MEASURES: tuple[Measure, ...] = (
+    Measure("ndcg_cut_10", "ndcg_10", "NDCG@10"),
+    Measure("mrr_10", "mrr_10", "MRR@10"),
+    Measure("recall_100", "recall_100", "R@100"),
+    Measure("recall_1000", "recall_1000", "R@1000"),
+)
+PRIMARY = MEASURES[0]
+
 RUN_FILE = "run.parquet"
 METRICS_FILE = "per_query.parquet"
 
 
-def run_dir(model: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
+def run_dir(system: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
     """One run folder per (system, dataset, split, K_q, K_p, mode); BM25 (no budget) uses kq = kp = 0, mode=bm25."""
-    return partition("runs", model=model, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
+    return partition("runs", system=system, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
 
 
-def metrics_dir(model: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
-    return partition("metrics", model=model, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
+def metrics_dir(system: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
+    return partition("metrics", system=system, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
 
 
-def index_dir(model: str, dataset: str, kp: int) -> str:
+def index_dir(system: str, dataset: str, kp: int) -> str:
     """A LanceDB database folder holding one multivector table (``docs``) of a passage encoding."""
-    return partition("index", model=model, dataset=dataset, kp=kp)
+    return partition("index", system=system, dataset=dataset, kp=kp)
 
 
-def summary_dir(model: str, dataset: str, split: str) -> str:
+def summary_dir(system: str, dataset: str, split: str) -> str:
     """The pipeline's leaderboard, heatmaps and summary markdown for one system, dataset and split."""
-    return partition("summaries", model=model, dataset=dataset, split=split)
+    return partition("summaries", system=system, dataset=dataset, split=split)
 
 
 def report_dir(name: str) -> str:

@@ -39,6 +39,16 @@ class ConfigDriftError(StoreError):
         )
 
 
+# A stage config may hold the fingerprints of what it was computed from (upstream config hashes, file
+# checksums) under this key. When only those differ, the artifact is stale: it is recomputed from the new
+# inputs. Any other difference is drift: a setting the user changed, refused unless forced.
+INPUTS_KEY = "inputs"
+
+
+def is_input_field(name: str) -> bool:
+    return name == INPUTS_KEY or name.startswith(INPUTS_KEY + ".")
+
+
 class FileEntry(BaseModel):
     sha256: str
     bytes: int
@@ -115,11 +125,6 @@ def diff_configs(stored: dict[str, Any], requested: dict[str, Any]) -> list[tupl
         for k in sorted(set(a) | set(b))
         if a.get(k, _MISSING) != b.get(k, _MISSING)
     ]
-
-
-def require_same_config(where: str, stored: dict[str, Any], requested: dict[str, Any], hint: str = "") -> None:
-    if config_hash(stored) != config_hash(requested):
-        raise ConfigDriftError(where, diff_configs(stored, requested), hint)
 
 
 def library_versions() -> dict[str, str]:

@@ -3,7 +3,8 @@
 A view reads exactly the files that complete stage manifests list (``@files`` in the view SQL is
 replaced by that list), so an interrupted write or a stray file never reaches a query. When no file
 exists yet, the view reads a zero-row placeholder with the right schema, so every view always
-exists and ``SELECT count(*) FROM corpus`` on an empty store answers 0.
+exists and ``SELECT count(*) FROM corpus`` on an empty store answers 0. ``@measure_columns`` becomes
+one mean column per headline measure (``storage.layout.MEASURES``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
     return out
 
 
+def measure_columns() -> str:
+    """``avg(value) FILTER (WHERE measure = 'ndcg_cut_10') AS ndcg_10, ...`` for the headline measures."""
+    return ",\n       ".join(
+        f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in layout.MEASURES
+    )
+
+
 def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
@@ -118,7 +126,7 @@ class StoreSQL:
         self.con = duckdb.connect()
         self.views: list[str] = []
         for view in load_view_defs():
-            sql = view.sql
+            sql = view.sql.replace("@measure_columns", measure_columns())
             if view.files:
                 files = listed_files(store, view.files, verify=verify) or [_placeholder(view.files, self._tmp.name)]
                 sql = sql.replace("@files", _sql_list(files))

@@ -1,6 +1,6 @@
 """The artifact store: one root (a local folder or any fsspec URL), atomic writes, verified reads.
 
-Rules (DESIGN.md, "The artifact store"):
+Rules (docs/ARCHITECTURE.md, "The store"):
 - every write is atomic: a file is written under a temporary name and renamed into place (on object
   stores, where a single PUT is already atomic, the object is uploaded whole);
 - a stage folder is trusted only through its ``_manifest.json``: the producing config and its hash,
@@ -16,8 +16,10 @@ reader would pick up.
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -40,6 +42,7 @@ from .manifest import (
     StoreError,
     config_hash,
     diff_configs,
+    is_input_field,
 )
 
 PARQUET_COMPRESSION = "zstd"
@@ -56,6 +59,18 @@ def sha256_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> tuple
             h.update(chunk)
             n += len(chunk)
     return h.hexdigest(), n
+
+
+class StageState(enum.StrEnum):
+    """What a stage folder holds for a config (see :meth:`ArtifactStore.state`)."""
+
+    ABSENT = "absent"  # nothing complete there: build it
+    CURRENT = "current"  # the same config and every listed file verifies: nothing to do
+    STALE = "stale"  # built from other inputs (or replaced with --force): rebuild it
+    DAMAGED = "damaged"  # the same config, but a listed file is missing or fails its checksum: rebuild it
+
+
+DRIFT_HINT = "Pass --force to replace it, or use another store root."
 
 
 def _fsync_dir(path: str) -> None:
@@ -158,25 +173,92 @@ class ArtifactStore:
             raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…)")
         self._verified[key] = digest
 
-    def verify(self, stage_dir: str, expect_config: dict[str, Any] | None = None) -> Manifest:
-        """The stage's manifest after checking every file (and the config, when one is expected)."""
+    def verify(self, stage_dir: str) -> Manifest:
+        """The stage's manifest after checking every file it lists."""
         m = self.require_manifest(stage_dir)
-        if expect_config is not None and m.config_hash != config_hash(expect_config):
-            raise ConfigDriftError(self.abspath(stage_dir), diff_configs(m.config, expect_config))
         for name, entry in m.files.items():
             self.verify_file(stage_dir, name, entry)
         return m
+
+    def state(
+        self, stage_dir: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
+    ) -> StageState:
+        """The one drift policy of every stage: the state of ``stage_dir`` for ``config``.
+
+        A folder built from different settings raises :class:`ConfigDriftError` naming the fields, unless
+        ``force`` (then it is ``STALE``: the caller replaces it). Different ``inputs`` alone (upstream
+        fingerprints, see :data:`storage.manifest.INPUTS_KEY`) make it ``STALE``. ``verify=False`` skips the
+        checksums (sharded folders verify shard by shard).
+        """
+        m = self.read_manifest(stage_dir)
+        if m is None:
+            return StageState.ABSENT
+        stored = config_hash(m.config)  # the config itself, not the hash recorded beside it
+        if stored != config_hash(config):
+            settings = [d for d in diff_configs(m.config, config) if not is_input_field(d[0])]
+            if settings and not force:
+                raise ConfigDriftError(self.abspath(stage_dir), settings, hint or DRIFT_HINT)
+            return StageState.STALE
+        if m.config_hash != stored:  # a manifest edited by hand: nothing in the folder is trusted
+            return StageState.DAMAGED
+        if verify:
+            try:
+                for name, entry in m.files.items():
+                    self.verify_file(stage_dir, name, entry)
+            except ChecksumError:
+                return StageState.DAMAGED
+        return StageState.CURRENT
+
+    # ---------------------------------------------------------------------------- sharded stages
+    def open_sharded(
+        self, stage_dir: str, stage: str, partition: dict[str, str], config: dict[str, Any], *, force: bool = False
+    ) -> tuple[Manifest, set[str]]:
+        """A folder filled shard by shard: its manifest (created when absent) and the shards already done.
+
+        A shard is done when the manifest lists it and its file verifies. A folder of other inputs (or of
+        other settings, with ``force``) is removed first; other settings without ``force`` raise
+        :class:`ConfigDriftError`.
+        """
+        st = self.state(stage_dir, config, force=force, verify=False)
+        if st in (StageState.STALE, StageState.DAMAGED):  # other inputs, forced, or a hand-edited manifest
+            self.remove_stage(stage_dir)
+        m = self.read_manifest(stage_dir)
+        if m is None:
+            m = Manifest.new(stage, partition, config)
+            self.write_manifest(stage_dir, m)
+            return m, set()
+        done = set()
+        for name, entry in m.files.items():
+            try:
+                self.verify_file(stage_dir, name, entry)
+                done.add(name)
+            except ChecksumError:  # a damaged shard is redone
+                pass
+        return m, done
+
+    def write_shard(self, stage_dir: str, name: str, table: pa.Table) -> FileEntry:
+        """Atomically write one shard file (not yet recorded: see :meth:`record_shard`)."""
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression=PARQUET_COMPRESSION)
+        data = buf.getvalue()
+        self.write_bytes(f"{stage_dir}/{name}", data)
+        return FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=table.num_rows)
+
+    def record_shard(self, stage_dir: str, name: str, entry: FileEntry) -> None:
+        """Add one finished shard to its folder's manifest (one writer: the flow or the CLI process)."""
+        with self.lock(stage_dir + "/_manifest"):
+            m = self.require_manifest(stage_dir)
+            m.files[name] = entry
+            self.write_manifest(stage_dir, m)
 
     def read_table(
         self,
         stage_dir: str,
         name: str,
         columns: list[str] | None = None,
-        expect_config: dict[str, Any] | None = None,
     ) -> pa.Table:
+        """One file of a complete stage folder, verified against its manifest entry."""
         m = self.require_manifest(stage_dir)
-        if expect_config is not None and m.config_hash != config_hash(expect_config):
-            raise ConfigDriftError(self.abspath(stage_dir), diff_configs(m.config, expect_config))
         entry = m.files.get(name)
         if entry is None:
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
@@ -245,6 +327,28 @@ class ArtifactStore:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.abspath(layout.manifest_path(stage_dir)))
             self.fs.rm(path, recursive=True)
+
+    def stage_dirs(self, pattern: str) -> list[str]:
+        """Stage folders (relative to the root) matching a glob of folders that have a manifest, sorted.
+
+        ``store.stage_dirs("runs/*/*/*/*/*/*")`` lists every run folder.
+        """
+        base = self.abspath("")
+        paths = self.fs.glob(self.abspath(f"{pattern}/{layout.MANIFEST_NAME}"))
+        return sorted(p[len(base) :].lstrip("/").rsplit("/", 1)[0] for p in paths)
+
+    def fingerprint(self, *patterns: str) -> str:
+        """A hash of every stage folder matching ``patterns``: their config hashes and file checksums.
+
+        A stage built from those folders records it among its inputs, so it is rebuilt when they change.
+        """
+        parts = []
+        for pattern in patterns:
+            for stage in self.stage_dirs(pattern):
+                m = self.read_manifest(stage)
+                if m is not None:
+                    parts.append([stage, m.config_hash, sorted((k, e.sha256) for k, e in m.files.items())])
+        return config_hash({"folders": parts})
 
     def list_partitions(self, stage: str, key: str) -> list[str]:
         """Values of the first partition key under ``stage`` that have a manifest."""

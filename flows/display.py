@@ -1,0 +1,102 @@
+"""What the CLI shows: progress bars, result tables (table / CSV / JSON), the leaderboard, index checks."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any
+
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from storage.layout import MEASURES
+
+console = Console(stderr=True, emoji=False)  # logs, progress, result lines
+out = Console(emoji=False)  # results
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def log(message: str) -> None:
+    console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+class RateColumn(ProgressColumn):
+    def render(self, task: Any) -> Text:
+        unit = task.fields.get("unit", "units")
+        if not task.speed:
+            return Text(f"… {unit}/s")
+        return Text(f"{decimal(int(task.speed))}/s" if unit == "bytes" else f"{task.speed:,.0f} {unit}/s")
+
+
+@contextlib.contextmanager
+def progress(transient: bool = False) -> Iterator[Any]:
+    """A rich bar per labelled task; yields the ``report(label, done, total, unit)`` the stages call."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=transient) as bar:
+        tasks: dict[str, Any] = {}
+
+        def report(label: str, done: int, total: int | None, unit: str) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total, unit=unit)
+            bar.update(tasks[label], completed=done, total=total)
+
+        yield report
+
+
+def wide() -> Console:
+    """stdout; when piped, wide enough that no value is cut (a terminal keeps its own width)."""
+    return out if out.is_terminal else Console(emoji=False, width=100_000)
+
+
+def print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat) -> None:
+    if fmt is OutputFormat.csv:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+        sys.stdout.write(buf.getvalue())
+    elif fmt is OutputFormat.json:
+        sys.stdout.write(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=1) + "\n")
+    else:
+        table = Table(*cols, show_lines=False)
+        for r in rows:
+            table.add_row(*("NULL" if v is None else str(v) for v in r))
+        wide().print(table, crop=False)  # piped output is not squeezed to 80 columns
+
+
+def print_leaderboard(dataset: str, split: str, rows: list[dict]) -> None:
+    """The best cell per mode and BM25, with the headline measures (``storage.layout.MEASURES``)."""
+    table = Table(title=f"{dataset} / {split}: best (K_q, K_p) per mode by {MEASURES[0].label}", title_justify="left")
+    for c in ("system", "mode", "K_q", "K_p", *(m.label for m in MEASURES), "queries", "p vs BM25"):
+        table.add_column(c, justify="left" if c in ("system", "mode") else "right", no_wrap=True)
+    for r in rows:
+        vals = ["–" if r[m.short] is None else f"{r[m.short]:.4f}" for m in MEASURES]
+        kq, kp = ("–", "–") if r["mode"] == "bm25" else (str(r["kq"]), str(r["kp"]))
+        p = "–" if r["p_vs_bm25"] is None else f"{r['p_vs_bm25']:.2g}"
+        table.add_row(r["system"], r["mode"], kq, kp, *vals, str(r["queries"]), p)
+    wide().print(table, crop=False)
+
+
+def index_checks(checks: dict[Any, dict[Any, dict]]) -> str:
+    """Recall of each index against exact search, per K_p and K_q, as a markdown table."""
+    lines = ["| K_p | K_q | recall@10 | recall@100 | mean ms | p95 ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for kp, by_kq in sorted(checks.items(), key=lambda x: int(x[0])):
+        for kq, c in sorted(by_kq.items(), key=lambda x: int(x[0])):
+            lines.append(
+                f"| {kp} | {kq} | {c['recall_10']:.4f} | {c['recall_100']:.4f} | "
+                f"{c['latency_ms_mean']:.1f} | {c['latency_ms_p95']:.1f} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""One way to run any stage: :func:`run_stage`, in this process or as a Prefect flow run.
+
+In this process it is ``stages.execute``. Under Prefect, each stage has a flow (``flows/<stage>.py``) whose
+body is :func:`run_in_flow`: the same plan, units run in the flow (or, for a distributed stage, as Prefect
+tasks on a thread, a local Dask cluster or an existing one), commits in the flow process, a progress
+artifact and a markdown summary. Both return one :class:`stages.StageResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.futures import as_completed
+
+from stages import Context, Stage, StageConfig, StageResult, execute
+from storage import ArtifactStore
+from tasks.keys import artifact_key
+
+# stage name -> (module of flows/, flow function)
+FLOWS: dict[str, tuple[str, str]] = {
+    "download": ("flows.download", "download_flow"),
+    "tokenize": ("flows.encode", "tokenize_flow"),
+    "encode": ("flows.encode", "encode_flow"),
+    "index": ("flows.index", "index_flow"),
+    "score": ("flows.score", "score_flow"),
+    "bm25": ("flows.bm25", "bm25_flow"),
+    "evaluate": ("flows.evaluate", "evaluate_flow"),
+    "summary": ("flows.summary", "summary_flow"),
+    "report": ("flows.report", "report_flow"),
+}
+
+
+def use_prefect(flag: bool | None = None) -> bool:
+    """Run through Prefect when asked, or by default when a Prefect API is configured (``PREFECT_API_URL``)."""
+    return flag if flag is not None else bool(os.environ.get("PREFECT_API_URL"))
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[None]:
+    """A Prefect API for the flow runs started inside: the configured one, else one temporary server.
+
+    Prefect would start its temporary server lazily, and a Dask worker that runs a task would then start one
+    of its own (the worker inherits the flow's settings, which name no API); a worker killed before its
+    server stops leaves that server holding the parent's output pipes. Naming the server in the settings
+    up front gives every process of the run the same one.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()  # stopped at exit
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        yield
+
+
+def run_stage(
+    stage: Stage,
+    config: StageConfig,
+    *,
+    prefect: bool = False,
+    log: Callable[[str], None] = print,
+    report: Callable[[str, int, int | None, str], None] | None = None,
+) -> StageResult:
+    """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress) or as its Prefect flow."""
+    if prefect:
+        module, name = FLOWS[stage.name]
+        flow_fn = getattr(importlib.import_module(module), name)
+        with prefect_api():
+            return StageResult.model_validate(flow_fn(config))
+    return execute(stage, config, log=log, report=report)
+
+
+# ------------------------------------------------------------------------------------------- Prefect
+class ArtifactProgress:
+    """Progress as Prefect progress artifacts, one per label, updated at most once a second."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, Any] = {}
+        self._last: dict[str, float] = {}
+
+    def __call__(self, label: str, done: int, total: int | None, unit: str) -> None:
+        now = time.monotonic()
+        finished = total is not None and done >= total
+        if total is None or (label in self._ids and now - self._last.get(label, 0.0) < 1.0 and not finished):
+            return
+        self._last[label] = now
+        pct = 100.0 * done / total if total else 100.0
+        if label not in self._ids:
+            self._ids[label] = create_progress_artifact(pct, key=artifact_key(label, "progress"), description=label)
+        else:
+            update_progress_artifact(self._ids[label], pct)
+
+
+def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
+    """The body of every stage flow: plan, run the units (as tasks when the stage is distributed), commit."""
+    ctx = Context(ArtifactStore(config.root), get_run_logger().info, ArtifactProgress())
+    plan = stage.plan(config, ctx)
+    ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) to run, {plan.skipped} already done")
+    results: list[Any] = []
+    if plan.units and stage.distributed:
+        results = _units_flow.with_options(task_runner=_task_runner(config))(stage.name, config.root, plan.units)
+    elif plan.units:
+        total = plan.work if plan.work is not None else len(plan.units)
+        advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+        if stage.reports_progress:
+            ctx.advance = advance
+        for unit in plan.units:
+            results.append(stage.run(unit, ctx))
+            stage.commit(unit, results[-1], ctx)
+            if not stage.reports_progress:
+                advance(stage.work_of(unit))
+    result = stage.result(plan, stage.finish(config, plan, results, ctx))
+    create_markdown_artifact(result.markdown(), key=artifact_key(stage.name, plan.system or "summary"),
+                             description=stage.name)  # fmt: skip
+    return result.model_dump(mode="json")
+
+
+def _task_runner(config: StageConfig) -> Any:
+    """Dask when the config asks for workers or names a scheduler; else one unit at a time in this process
+    (threads would only contend for the same model and device)."""
+    workers, address = getattr(config, "workers", 0), getattr(config, "dask_address", None)
+    if workers or address:
+        from prefect_dask import DaskTaskRunner
+
+        _expose_packages_to_workers()
+        if address:
+            return DaskTaskRunner(address=address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1})
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=1)
+
+
+@flow(name="stage-units")
+def _units_flow(stage_name: str, root: str, units: list[Any]) -> list[Any]:
+    """Submit one task per unit; commit each in this (the flow's) process as it completes (one writer)."""
+    import stages
+    from tasks.units import run_unit_task
+
+    stage = stages.stages()[stage_name]
+    ctx = Context(ArtifactStore(root), get_run_logger().info, ArtifactProgress())
+    total = sum(stage.work_of(u) for u in units)
+    advance = ctx.progress(f"{stage_name} units", total, "work")
+    task = run_unit_task.with_options(name=f"{stage_name}-unit", tags=["diffret", stage_name, *stage.task_tags])
+    futures = {task.submit(stage_name, root, u): u for u in units}
+    results = []
+    for fut in as_completed(list(futures)):
+        unit = futures[fut]
+        results.append(fut.result())
+        stage.commit(unit, results[-1], ctx)
+        advance(stage.work_of(unit))
+    return results
+
+
+def _expose_packages_to_workers() -> None:
+    """Put this checkout on PYTHONPATH for the Dask worker processes we start.
+
+    A Dask worker puts its scratch folder, which holds a ``storage/`` spill folder, first on
+    ``sys.path``; with an editable install (a meta-path finder, consulted after the path) that
+    folder would shadow our ``storage`` package as an empty namespace. A path entry for the checkout
+    wins over that (a regular package found anywhere on the path beats a namespace portion).
+    """
+    import storage
+
+    top = str(Path(storage.__file__).resolve().parents[1])
+    if top not in sys.path:
+        sys.path.append(top)  # spawned worker processes start from a copy of this sys.path
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if top not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([top, *parts])

@@ -1,0 +1,103 @@
+"""Figures (PNG bytes, matplotlib's Agg backend): (K_q, K_p) heatmaps, oracle bars, peak-K_q scatter plots."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+
+def _png(fig: Any) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heatmap_png(
+    kqs: list[int], kps: list[int], grid: np.ndarray, title: str, marks: dict[str, tuple] | None = None
+) -> bytes:
+    """A (K_q rows, K_p columns) heatmap with the values written in; ``marks``: label -> (kq, kp) boxed."""
+    from matplotlib.patches import Rectangle
+
+    fig, ax = _pyplot().subplots(figsize=(1.1 * len(kps) + 2.2, 0.9 * len(kqs) + 1.6), dpi=110)
+    im = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
+    ax.set_xticks(range(len(kps)), [str(k) for k in kps])
+    ax.set_yticks(range(len(kqs)), [str(k) for k in kqs])
+    ax.set_xlabel("K_p (passage budget)")
+    ax.set_ylabel("K_q (query budget)")
+    ax.set_title(title, fontsize=10)
+    finite = grid[np.isfinite(grid)]
+    mid = float(finite.mean()) if finite.size else 0.0
+    fmt = "{:.3f}" if finite.size and float(np.abs(finite).max()) >= 0.05 else "{:.4f}"
+    for i in range(len(kqs)):
+        for j in range(len(kps)):
+            v = grid[i, j]
+            if np.isfinite(v):
+                ax.text(
+                    j, i, fmt.format(v), ha="center", va="center", fontsize=8, color="black" if v > mid else "white"
+                )
+    styles = [("red", "-"), ("cyan", "--")]
+    for (label, (kq, kp)), (color, ls) in zip((marks or {}).items(), styles, strict=False):
+        if kq in kqs and kp in kps:
+            ax.add_patch(
+                Rectangle(
+                    (kps.index(kp) - 0.5, kqs.index(kq) - 0.5), 1, 1, fill=False, ec=color, lw=2.2, ls=ls, label=label
+                )
+            )
+    if marks:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0), fontsize=7, frameon=False)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return _png(fig)
+
+
+def oracle_png(data: list[dict[str, Any]]) -> bytes:
+    """Bars per (dataset, mode): fixed budget, K_q / K_p / joint oracles and the fine-tuned system (Figure 8)."""
+    keys = ["fixed", "kq_oracle", "kp_oracle", "joint", "finetuned"]
+    labels = [f"{r['dataset']}\n{r['mode'].replace('fusion_', 'f_')}" for r in data]
+    x = np.arange(len(data))
+    w = 0.16
+    fig, ax = _pyplot().subplots(figsize=(max(6, 0.9 * len(data) + 2), 3.8), dpi=110)
+    for i, k in enumerate(keys):
+        vals = [np.nan if r.get(k) is None else r[k] for r in data]
+        if all(np.isnan(v) for v in vals):
+            continue
+        ax.bar(x + (i - 2) * w, vals, w, label=k)
+    ax.set_xticks(x, labels, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("NDCG@10")
+    ax.legend(fontsize=7, ncol=5, loc="upper left", bbox_to_anchor=(0, 1.15), frameon=False)
+    return _png(fig)
+
+
+def correlation_png(peaks: list[dict[str, Any]], title: str) -> bytes:
+    """Peak K_q per query against its length and entropy, for D and S (paper section 6.4)."""
+    fig, axes = _pyplot().subplots(2, 2, figsize=(8, 6), dpi=110, squeeze=False)
+    rng = np.random.default_rng(0)
+    for i, (mode, label) in enumerate((("multi_dense", "dense (D)"), ("sparse_max", "sparse (S)"))):
+        ps = [p for p in peaks if p["mode"] == mode]
+        for j, feature in enumerate(("length", "entropy")):
+            ax = axes[i][j]
+            if ps:
+                y = np.log2([p["peak_kq"] for p in ps]) + rng.uniform(-0.15, 0.15, len(ps))
+                ax.scatter([p[feature] for p in ps], y, s=6, alpha=0.5)
+                ks = sorted({p["peak_kq"] for p in ps})
+                ax.set_yticks(np.log2(ks), [str(k) for k in ks])
+            ax.set_xlabel("length (subwords)" if feature == "length" else "entropy (bits)")
+            ax.set_ylabel(f"peak K_q, {label}")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+

@@ -1,0 +1,281 @@
+"""The paper's analyses as one report: markdown sections, PNG figures and CSV tables.
+
+Every number is read from a view of ``queries/`` (named in the report next to each table), so
+``diffret sql`` over the same store gives the same numbers. The report stage (stages/report.py) writes it
+into the store under ``reports/report=<name>/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage.sql import StoreSQL
+
+from ..search.modes import MODE_NAMES
+from .correlation import feature_correlations
+from .figures import correlation_png, heatmap_png, oracle_png
+from .footprint import footprint_projection, human_bytes
+from .tables import paper_table
+from .views import rows
+
+
+@dataclass
+class Report:
+    name: str
+    sections: list[tuple[str, str]] = field(default_factory=list)  # (title, markdown body)
+    files: dict[str, bytes] = field(default_factory=dict)  # name -> bytes (PNG, CSV)
+
+    def markdown(self) -> str:
+        out = [f"# diffret report `{self.name}`", ""]
+        out += [f"- [{t}](#{_anchor(t)})" for t, _ in self.sections]
+        for title, body in self.sections:
+            out += ["", f"## {title}", "", body.rstrip()]
+        return "\n".join(out) + "\n"
+
+
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+def _csv(data: list[list[Any]]) -> bytes:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(data)
+    return buf.getvalue().encode()
+
+
+def _dicts_csv(data: list[dict[str, Any]]) -> bytes:
+    if not data:
+        return b""
+    cols = list(data[0])
+    return _csv([cols] + [[r[c] for c in cols] for r in data])
+
+
+def _fmt(v: Any, nd: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return "nan" if np.isnan(v) else f"{v:.{nd}f}"
+    return str(v)
+
+
+def _md_table(data: list[dict[str, Any]], cols: list[str] | None = None) -> str:
+    if not data:
+        return "_(no rows)_\n"
+    cols = cols or list(data[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in data]
+    return "\n".join(lines) + "\n"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", name)
+
+
+# ---------------------------------------------------------------------------------------- sections
+def section_selection(db: StoreSQL, rep: Report) -> None:
+    sel = rows(db, "select * from budget_selection order by system")
+    test = rows(
+        db,
+        "select system, dataset, split, kq, kp, mode, ndcg_10 from selected_cells "
+        "where mode in ('multi_dense', 'sparse_max', 'fusion_multi_sparse_max') order by system, dataset, mode",
+    )
+    rep.files["budget_selection.csv"] = _dicts_csv(sel)
+    rep.files["selected_cells.csv"] = _dicts_csv(test)
+    if not sel:
+        body = (
+            "No system has train-split metrics, so no budget is selected. Score a train split too, e.g. "
+            "`diffret run --split train --split test` (SciFact has train 809 / test 300 queries).\n"
+        )
+    else:
+        body = (
+            "(K_q*, K_p*) per system: the best mean H (fusion_multi_sparse_max) NDCG@10 over its train split(s), "
+            "applied unchanged to every test split (views `budget_selection`, `selected_cells`).\n\n"
+            + _md_table(sel)
+            + "\nAt the selected budget on the other splits:\n\n"
+            + _md_table(test)
+        )
+    rep.sections.append(("Budget selection", body))
+
+
+def section_landscapes(db: StoreSQL, rep: Report) -> None:
+    cells = rows(db, "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' and mode <> 'bm25'")
+    sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
+    by: dict[tuple[str, str, str], dict[tuple[int, int], float]] = {}
+    for c in cells:
+        by.setdefault((c["system"], c["dataset"], c["mode"]), {})[(c["kq"], c["kp"])] = c["ndcg_10"]
+    # the average over datasets, on the cells every dataset has
+    systems = sorted({m for m, _, _ in by})
+    for system in systems:
+        dsets = sorted({d for m, d, _ in by if m == system})
+        if len(dsets) > 1:
+            for mode in MODE_NAMES:
+                grids = [by.get((system, d, mode), {}) for d in dsets]
+                common = set.intersection(*(set(g) for g in grids)) if all(grids) else set()
+                if common:
+                    by[(system, "avg", mode)] = {k: float(np.mean([g[k] for g in grids])) for k in common}
+    lines = [
+        "NDCG@10 over (K_q, K_p) on test, per system, dataset (and the average over datasets) and mode "
+        "(view `cells`). Red box: the best cell on test; cyan dashed box: the train-selected cell.",
+        "",
+    ]
+    for (system, dataset, mode), grid in sorted(by.items()):
+        kqs = sorted({k for k, _ in grid})
+        kps = sorted({p for _, p in grid})
+        arr = np.full((len(kqs), len(kps)), np.nan)
+        for (kq, kp), v in grid.items():
+            arr[kqs.index(kq), kps.index(kp)] = np.nan if v is None else v
+        best = max(grid, key=lambda k: (grid[k] if grid[k] is not None else -1, -(k[0] + k[1])))
+        marks = {"best on test": best}
+        if system in sel:
+            marks["train-selected"] = sel[system]
+        name = f"landscape_{_safe(system)}_{_safe(dataset)}_{mode}.png"
+        rep.files[name] = heatmap_png(kqs, kps, arr, f"{dataset} test: {mode} NDCG@10\n{system}", marks)
+        lines.append(f"- {system} / {dataset} / {mode}: best ({best[0]}, {best[1]}) = {_fmt(grid[best])} — ![]({name})")
+    if not by:
+        lines.append("_(no grid metrics on a test split)_")
+    rep.sections.append(("Landscapes", "\n".join(lines) + "\n"))
+
+
+def section_oracle(db: StoreSQL, rep: Report, finetuned: dict[str, str]) -> None:
+    data = rows(db, "select * from oracle order by system, dataset, split, mode")
+    sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
+    for r in data:
+        r["finetuned"] = None
+        ft = finetuned.get(r["system"])
+        if ft and r["system"] in sel:
+            kq, kp = sel[r["system"]]
+            v = rows(
+                db,
+                "select ndcg_10 from cells where system = ? and dataset = ? and split = ? and mode = ? and kq = ? "
+                "and kp = ?",
+                [ft, r["dataset"], r["split"], r["mode"], kq, kp],
+            )
+            r["finetuned"] = v[0]["ndcg_10"] if v else None
+    rep.files["oracle.csv"] = _dicts_csv(data)
+    body = (
+        "Mean NDCG@10 per query at the selected budget (fixed) and with a per-query oracle over K_q "
+        "(K_p = K_p*), over K_p (K_q = K_q*) and over both (joint) (view `oracle`); `finetuned`: the "
+        "fine-tuned model at the same budget when given with --finetuned BASE=FT.\n\n"
+        + _md_table(
+            data,
+            ["system", "dataset", "split", "mode", "fixed", "kq_oracle", "kp_oracle", "joint", "finetuned", "queries"],
+        )  # fmt: skip
+    )
+    if data:
+        rep.files["oracle.png"] = oracle_png(data)
+        body += "\n![oracle](oracle.png)\n"
+    rep.sections.append(("Per-query oracle", body))
+
+
+def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
+    corr = feature_correlations(db, n_boot)
+    rep.files["feature_correlation.csv"] = _dicts_csv(corr)
+    peaks = rows(db, "select * from query_peaks order by system, dataset, split, mode, query_id")
+    rep.files["query_peaks.csv"] = _dicts_csv(peaks)
+    for r in corr:
+        r["rho [95% CI]"] = f"{_fmt(r['spearman'], 3)} [{_fmt(r['spearman_lo'], 3)}, {_fmt(r['spearman_hi'], 3)}]"
+        r["tau [95% CI]"] = f"{_fmt(r['kendall'], 3)} [{_fmt(r['kendall_lo'], 3)}, {_fmt(r['kendall_hi'], 3)}]"
+    body = (
+        "Per query, the peak K_q (argmax of NDCG@10 over K_q at K_p = K_p*; ties: the smallest) against the "
+        "query's length in model-tokenizer subwords and the Shannon entropy (bits) of its token distribution "
+        f"(view `query_peaks`); Spearman rho and Kendall tau-b with 95% percentile-bootstrap CIs ({n_boot} "
+        "resamples of queries). D = multi_dense, S = sparse_max. off_mode: queries whose peak is not the most "
+        "common one; with few of them the interval only reflects resamples that contain them. nan: a constant "
+        "variable (e.g. every query peaks at the same K_q).\n\n"
+        + _md_table(
+            corr, ["system", "dataset", "split", "mode", "feature", "n", "off_mode", "rho [95% CI]", "tau [95% CI]"]
+        )
+    )
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for p in peaks:
+        groups.setdefault((p["system"], p["dataset"], p["split"]), []).append(p)
+    for (system, dataset, split), ps in sorted(groups.items()):
+        name = f"correlation_{_safe(system)}_{_safe(dataset)}_{split}.png"
+        rep.files[name] = correlation_png(ps, f"{dataset} {split}: peak K_q vs query features\n{system}")
+        body += f"\n![{system} {dataset}]({name})\n"
+    rep.sections.append(("Feature correlation", body))
+
+
+def section_tables(db: StoreSQL, rep: Report, refs: list[str]) -> None:
+    resolved = [_resolve_system(db, r) for r in refs]
+    t = paper_table(db, resolved)
+    rep.files["paper_table.csv"] = _csv(t.csv_rows())
+    rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
+
+
+def _resolve_system(db: StoreSQL, name: str) -> str:
+    """A system slug, or `bm25` for the store's one BM25 system."""
+    systems = [r["system"] for r in rows(db, "select distinct system from cells order by 1")]
+    if name in systems:
+        return name
+    hits = [s for s in systems if s.startswith(name)]
+    if len(hits) == 1:
+        return hits[0]
+    raise ValueError(f"unknown reference system {name!r}; systems with metrics: {systems}")
+
+
+def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
+    fp = rows(
+        db,
+        "select stage, count(distinct folder) folders, count(*) files, sum(bytes)::BIGINT bytes "
+        "from artifact_files group by stage order by bytes desc",
+    )
+    detail = rows(db, "select * from footprint order by bytes desc")
+    for r in detail:
+        r["bytes"] = int(r["bytes"] or 0)
+        r["rows"] = None if r["rows"] is None else int(r["rows"])
+    rep.files["footprint.csv"] = _dicts_csv(detail)
+    proj = footprint_projection(hidden=hidden, backbones=backbones, settings=settings)
+    fp32 = footprint_projection(hidden=hidden, backbones=backbones, settings=settings, bytes_per_value=4)
+    a = proj["assumptions"]
+    for r in fp:
+        r["size"] = human_bytes(r["bytes"])
+    body = (
+        "This store, per stage (view `footprint`, from the manifests):\n\n"
+        + _md_table(fp, ["stage", "folders", "files", "bytes", "size"])
+        + "\nProjection of the encodings to MS MARCO scale. Assumptions: "
+        f"{a['passages']:,} passages + {a['queries']:,} queries (dev + DL19 + DL20); hidden size {a['hidden']}; "
+        f"one pass per K in {a['grid']} per side, so {a['vectors_per_text']} dense vectors per text; float16 "
+        f"({a['bytes_per_value']:g} bytes/value, Parquet zstd barely compresses activations); sparse top-"
+        f"{a['sparse_topk']} (int32 id + float32 weight) per pass; {a['backbones']} backbones x {a['settings']} "
+        "settings (e.g. zero-shot and fine-tuned); no index or runs.\n\n"
+        f"- dense per backbone and setting: {human_bytes(proj['dense_bytes_per_setting'])}\n"
+        f"- sparse per backbone and setting: {human_bytes(proj['sparse_bytes_per_setting'])}\n"
+        f"- **total: {human_bytes(proj['total_bytes'])}** (float32 vectors: {human_bytes(fp32['total_bytes'])}); "
+        "the paper reports ~20 TB of intermediate artifacts.\n"
+    )
+    rep.files["footprint_projection.csv"] = _dicts_csv(
+        [{"bytes_per_value": p["assumptions"]["bytes_per_value"], "total_bytes": p["total_bytes"],
+          "total_tb": p["total_tb"], **{k: v for k, v in p["assumptions"].items() if k != "bytes_per_value"}}
+         for p in (proj, fp32)]
+    )  # fmt: skip
+    rep.sections.append(("Footprint", body))
+
+
+def build_report(
+    db: StoreSQL,
+    name: str = "default",
+    refs: list[str] | None = None,
+    finetuned: dict[str, str] | None = None,
+    n_boot: int = 1000,
+    hidden: int = 3584,
+    backbones: int = 4,
+    settings: int = 2,
+) -> Report:
+    """Every section of the report from the views of ``db`` (markdown bodies, PNG and CSV files)."""
+    rep = Report(name)
+    has_bm25 = rows(db, "select count(*) n from cells where mode = 'bm25' and split = 'test'")[0]["n"] > 0
+    refs = list(refs) if refs is not None else (["bm25"] if has_bm25 else [])
+    section_selection(db, rep)
+    section_landscapes(db, rep)
+    section_oracle(db, rep, finetuned or {})
+    section_correlation(db, rep, n_boot)
+    section_tables(db, rep, refs)
+    section_footprint(db, rep, hidden, backbones, settings)
+    return rep

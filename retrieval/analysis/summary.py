@@ -1,0 +1,136 @@
+"""The pipeline's result summary: leaderboard, (K_q, K_p) heatmaps per mode and a markdown page.
+
+Every number comes from the SQL views of ``queries/`` (``cells``, ``best_cells``, ``metrics``), so
+``diffret sql`` shows exactly what the summary prints. Columns follow the measure table
+(``storage.layout.MEASURES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage.layout import MEASURES
+from storage.sql import StoreSQL
+
+from ..evaluation import paired_ttest_values
+from ..search.modes import MODE_NAMES
+from .figures import heatmap_png
+from .views import per_query
+
+SHORT = tuple(m.short for m in MEASURES)
+
+
+@dataclass
+class Row:
+    """One leaderboard line: a system's best cell in one mode (or BM25)."""
+
+    system: str
+    mode: str
+    kq: int
+    kp: int
+    values: dict[str, float | None]  # measure short name -> mean
+    queries: int
+    p_vs_bm25: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"system": self.system, "mode": self.mode, "kq": self.kq, "kp": self.kp, **self.values,
+                "queries": self.queries, "p_vs_bm25": self.p_vs_bm25}  # fmt: skip
+
+
+@dataclass
+class Summary:
+    system: str
+    dataset: str
+    split: str
+    rows: list[Row] = field(default_factory=list)
+    grids: dict[str, tuple[list[int], list[int], np.ndarray]] = field(default_factory=dict)  # mode -> kq, kp, ndcg
+
+    def markdown(self, figures: dict[str, str] | None = None) -> str:
+        labels = " | ".join(m.label for m in MEASURES)
+        head = f"| system | mode | K_q | K_p | {labels} | queries | p vs BM25 |"
+        sep = "|---|---|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|"
+        lines = [f"# {self.dataset} / {self.split}: `{self.system}`", "", head, sep]
+        for r in self.rows:
+            vals = " | ".join("–" if r.values[m] is None else f"{r.values[m]:.4f}" for m in SHORT)
+            p = "–" if r.p_vs_bm25 is None else f"{r.p_vs_bm25:.3g}"
+            kq, kp = ("–", "–") if r.mode == "bm25" else (r.kq, r.kp)
+            lines.append(f"| {r.system} | {r.mode} | {kq} | {kp} | {vals} | {r.queries} | {p} |")
+        lines += [
+            "",
+            f"Best (K_q, K_p) per mode by mean {MEASURES[0].label} on this split (ties: the smaller budget); p: paired "
+            f"t-test on per-query {MEASURES[0].label} against BM25.",
+            "",
+            "```sql",
+            f"select mode, kq, kp, {', '.join(SHORT)} from best_cells "
+            f"where system = '{self.system}' and dataset = '{self.dataset}' and split = '{self.split}'",
+            f"order by {SHORT[0]} desc",
+            "```",
+        ]
+        for mode, name in (figures or {}).items():
+            lines += ["", f"## {mode}", "", f"![{mode} {MEASURES[0].label} over (K_q, K_p)]({name})"]
+        return "\n".join(lines) + "\n"
+
+    def leaderboard_csv(self) -> bytes:
+        lines = ["system,mode,kq,kp," + ",".join(SHORT) + ",queries,p_vs_bm25"]
+        for r in self.rows:
+            vals = [r.system, r.mode, r.kq, r.kp, *(r.values[m] for m in SHORT), r.queries, r.p_vs_bm25]
+            lines.append(",".join("" if v is None else str(v) for v in vals))
+        return ("\n".join(lines) + "\n").encode()
+
+    def files(self) -> dict[str, bytes]:
+        """Every file of the summary folder: one heatmap PNG per mode, leaderboard.csv and summary.md."""
+        out: dict[str, bytes] = {}
+        figures: dict[str, str] = {}
+        for mode, (kqs, kps, grid) in self.grids.items():
+            best = next((r for r in self.rows if r.mode == mode and r.system == self.system), None)
+            marks = {"best": (best.kq, best.kp)} if best else None
+            name = f"heatmap_{mode}.png"
+            title = f"{self.dataset} {self.split}: {mode} {MEASURES[0].label}"
+            out[name] = heatmap_png(kqs, kps, grid, title, marks)
+            figures[mode] = name
+        out["leaderboard.csv"] = self.leaderboard_csv()
+        out["summary.md"] = self.markdown(figures).encode()
+        return out
+
+
+def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str | None = None) -> Summary:
+    """The best cell per mode (view ``best_cells``), BM25, paired t-tests against it, and the grids per mode."""
+    s = Summary(system, dataset, split)
+    cols = f"mode, kq, kp, {', '.join(SHORT)}, queries"
+    where = "system = ? and dataset = ? and split = ?"
+
+    def row(sys_: str, r: tuple) -> Row:
+        return Row(sys_, r[0], r[1], r[2], dict(zip(SHORT, r[3 : 3 + len(SHORT)], strict=True)), r[-1])
+
+    best = db.con.execute(
+        f"select {cols} from best_cells where {where} order by {SHORT[0]} desc", [system, dataset, split]
+    )
+    rows = [row(system, r) for r in best.fetchall()]
+    if bm25:
+        b = db.con.execute(
+            f"select {cols} from cells where {where} and mode = 'bm25'", [bm25, dataset, split]
+        ).fetchall()
+        rows += [row(bm25, r) for r in b]
+    if bm25 and any(r.mode == "bm25" for r in rows):
+        base = per_query(db, bm25, dataset, split, "bm25", 0, 0)
+        for r in rows:
+            if r.mode != "bm25":
+                a = per_query(db, system, dataset, split, r.mode, r.kq, r.kp)
+                r.p_vs_bm25 = paired_ttest_values(a, base).p_value
+    s.rows = sorted(rows, key=lambda r: -(r.values[SHORT[0]] or 0.0))
+    for mode in MODE_NAMES:
+        cells = db.con.execute(
+            f"select kq, kp, {SHORT[0]} from cells where {where} and mode = ?", [system, dataset, split, mode]
+        ).fetchall()
+        if not cells:
+            continue
+        kqs = sorted({c[0] for c in cells})
+        kps = sorted({c[1] for c in cells})
+        grid = np.full((len(kqs), len(kps)), np.nan)
+        for kq, kp, v in cells:
+            grid[kqs.index(kq), kps.index(kp)] = np.nan if v is None else v
+        s.grids[mode] = (kqs, kps, grid)
+    return s

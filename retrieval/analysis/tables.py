@@ -1,0 +1,143 @@
+"""The paper tables (Tables 2-3): D / S / H NDCG@10 per test dataset at each system's selected budget, best per
+column, paired t-test markers against reference systems."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage.sql import StoreSQL
+
+from ..evaluation import paired_ttest_values
+from .views import per_query, rows
+
+D, S, H = "multi_dense", "sparse_max", "fusion_multi_sparse_max"
+TABLE_MODES = {"D": D, "S": S, "H": H}
+
+
+@dataclass
+class TableCell:
+    value: float | None
+    markers: str = ""
+    best: bool = False
+
+
+@dataclass
+class PaperTable:
+    datasets: list[str]
+    refs: list[str]
+    rows: dict[str, dict[tuple[str, str], TableCell]] = field(default_factory=dict)  # system -> (dataset, col)
+    budgets: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def columns(self) -> list[tuple[str, str]]:
+        return [(d, c) for d in [*self.datasets, "avg"] for c in TABLE_MODES]
+
+    def markdown(self) -> str:
+        head = "| system | K_q*, K_p* | " + " | ".join(f"{d} {c}" for d, c in self.columns()) + " |"
+        sep = "|---|---|" + "---:|" * len(self.columns())
+        lines = [head, sep]
+        for system, cells in self.rows.items():
+            kq, kp = self.budgets.get(system, (None, None))
+            budget = "–" if kq is None or (kq, kp) == (0, 0) else f"{kq}, {kp}"  # BM25 runs are kq = kp = 0
+            vals = []
+            for col in self.columns():
+                c = cells.get(col)
+                if c is None or c.value is None:
+                    vals.append("–")
+                    continue
+                text = f"{c.value:.4f}{c.markers}"
+                vals.append(f"**{text}**" if c.best else text)
+            lines.append(f"| {system} | {budget} | " + " | ".join(vals) + " |")
+        marks = ", ".join(
+            f"{m} p < 0.05 (two-sided) against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False)
+        )
+        lines += ["", "NDCG@10 on test at each system's train-selected budget; D = multi_dense, S = sparse_max "
+                  "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + (f"; {marks} (paired "
+                  "t-test on per-query NDCG@10, same dataset and column)." if marks else ".")]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    def csv_rows(self) -> list[list[Any]]:
+        out: list[list[Any]] = [["system", "kq", "kp", *[f"{d}:{c}" for d, c in self.columns()]]]
+        for system, cells in self.rows.items():
+            kq, kp = self.budgets.get(system, (None, None))
+            vals = []
+            for col in self.columns():
+                c = cells.get(col)
+                vals.append("" if c is None or c.value is None else f"{c.value:.6f}{c.markers}")
+            out.append([system, kq, kp, *vals])
+        return out
+
+
+def system_budgets(db: StoreSQL) -> dict[str, tuple[int, int]]:
+    """The budget at which each system enters the tables: its train selection; a system with one cell
+    per mode (BM25, single-vector readouts) uses that cell; systems with a grid but no train split are left out."""
+    out = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
+    single = rows(
+        db,
+        "select system, min(kq) kq, min(kp) kp from cells where split = 'test' group by system "
+        "having count(distinct (kq, kp)) = 1",
+    )
+    for r in single:
+        out.setdefault(r["system"], (r["kq"], r["kp"]))
+    return out
+
+
+def paper_table(db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05) -> PaperTable:
+    """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, t-test markers."""
+    budgets = system_budgets(db)
+    cells = rows(db, "select system, dataset, mode, kq, kp, ndcg_10 from cells where split = 'test'")
+    datasets = sorted({c["dataset"] for c in cells})
+    table = PaperTable(datasets, list(refs or [])[:2])
+    value: dict[tuple[str, str, str], float] = {}
+    for c in cells:
+        b = budgets.get(c["system"])
+        if b is None or (c["kq"], c["kp"]) != b:
+            continue
+        col = "S" if c["mode"] == "bm25" else next((k for k, m in TABLE_MODES.items() if m == c["mode"]), None)
+        if col is not None:
+            value[(c["system"], c["dataset"], col)] = c["ndcg_10"]
+    systems = sorted({m for m, _, _ in value}, key=lambda s: (not s.startswith("bm25"), s))
+    for system in systems:
+        table.budgets[system] = budgets[system]
+        row: dict[tuple[str, str], TableCell] = {}
+        for col in TABLE_MODES:
+            per_ds = [value.get((system, d, col)) for d in datasets]
+            for d, v in zip(datasets, per_ds, strict=True):
+                if v is not None:
+                    row[(d, col)] = TableCell(v)
+            if per_ds and all(v is not None for v in per_ds):
+                row[("avg", col)] = TableCell(float(np.mean(per_ds)))
+        table.rows[system] = row
+    # markers: paired t-tests against each named reference, same dataset and column
+    for mark, ref in zip(("†", "‡"), table.refs, strict=False):
+        if ref not in budgets:
+            raise ValueError(f"reference system {ref!r} has no test metrics at a selected budget; systems: {systems}")
+        rkq, rkp = budgets[ref]
+        for system, row in table.rows.items():
+            if system == ref:
+                continue
+            kq, kp = budgets[system]
+            for (d, col), cell in row.items():
+                if d == "avg":
+                    continue
+                ref_mode = "bm25" if ref.startswith("bm25") else TABLE_MODES[col]
+                mode = "bm25" if system.startswith("bm25") else TABLE_MODES[col]
+                a = per_query(db, system, d, "test", mode, kq, kp)
+                b = per_query(db, ref, d, "test", ref_mode, rkq, rkp)
+                if not a or not b:
+                    continue
+                t = paired_ttest_values(a, b)
+                if t.p_value < alpha:
+                    cell.markers += mark
+    for col in table.columns():
+        vals = [(s, r[col].value) for s, r in table.rows.items() if col in r and r[col].value is not None]
+        if vals:
+            top = max(v for _, v in vals)
+            for s, v in vals:
+                if v == top:
+                    table.rows[s][col].best = True
+    return table
+
+

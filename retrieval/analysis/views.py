@@ -1,0 +1,26 @@
+"""Reading the SQL views: rows as dicts, and per-query scores of one cell."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.layout import PRIMARY
+from storage.sql import StoreSQL
+
+
+def rows(db: StoreSQL, sql: str, params: list | None = None) -> list[dict[str, Any]]:
+    rel = db.con.execute(sql, params or [])
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, r, strict=True)) for r in rel.fetchall()]
+
+
+
+def per_query(db: StoreSQL, system: str, dataset: str, split: str, mode: str, kq: int, kp: int,
+              measure: str = PRIMARY.pytrec) -> dict[str, float]:  # fmt: skip
+    """{query_id: value} of one cell and measure (view ``metrics``; default NDCG@10): the t-tests' input."""
+    r = db.con.execute(
+        "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
+        "and kq = ? and kp = ? and measure = ?",
+        [system, dataset, split, mode, kq, kp, measure],
+    ).fetchall()
+    return dict(r)

@@ -1,0 +1,94 @@
+"""Batch encoding: texts -> token ids (once per tokenizer), token ids -> encodings tables (one per K).
+
+Pure functions over a tokenizer or a readout; the tokenize and encode stages store what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from storage.layout import encodings_schema
+
+from .readouts import Encoded, Readout
+
+
+def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Table:
+    """Token ids cut at ``max_length``, with each text's full length and whether it was cut.
+
+    The texts are tokenized whole on purpose (to record ``n_tokens``), so transformers' warning that a
+    sequence is longer than the model's maximum would mislead: nothing that long reaches the model. It is
+    marked as already shown on this tokenizer (transformers' own once-per-tokenizer flag; no global state).
+    """
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(shown, dict):
+        shown["sequence-length-is-longer-than-the-specified-maximum"] = True
+    enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
+    lengths = [len(e) for e in enc]
+    return pa.table(
+        {
+            "token_ids": [e[:max_length] for e in enc],
+            "n_tokens": lengths,
+            "truncated": [n > max_length for n in lengths],
+        }
+    )
+
+
+def length_sorted_batches(lengths: list[int], batch_size: int, sort: bool = True) -> Iterator[list[int]]:
+    """Indices in batches of similar length (longest first: memory peaks show up at once)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if sort else list(range(len(lengths)))
+    for s in range(0, len(order), batch_size):
+        yield order[s : s + batch_size]
+
+
+def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
+    schema = encodings_schema(hidden)
+    dense_type = schema.field("dense").type
+    flat = [np.asarray(e.dense, dtype=np.float16) for e in encs]
+    n_reps = [f.shape[0] for f in flat]
+    values = pa.array(np.concatenate([f.reshape(-1) for f in flat]) if flat else np.zeros(0, np.float16), pa.float16())
+    inner = pa.FixedSizeListArray.from_arrays(values, hidden)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(n_reps)]).astype(np.int32))
+    dense = pa.ListArray.from_arrays(offsets, inner).cast(dense_type)
+    has_sparse = any(e.sparse_ids is not None for e in encs)
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.string()),
+            "n_reps": pa.array(n_reps, pa.int16()),
+            "dense": dense,
+            "sparse_ids": pa.array([e.sparse_ids.tolist() if has_sparse else None for e in encs], pa.list_(pa.int32())),
+            "sparse_weights": pa.array(
+                [e.sparse_weights.tolist() if has_sparse else None for e in encs], pa.list_(pa.float32())
+            ),
+            "n_tokens": pa.array([e.n_tokens for e in encs], pa.int32()),
+            "stopped": pa.array([e.stopped for e in encs], pa.bool_()),
+        },
+        schema=schema,
+    )
+
+
+def encode_rows(
+    reader: Readout,
+    ids: list[str],
+    token_ids: list[list[int]],
+    side: str,
+    k: int,
+    batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+    sort_by_length: bool = True,
+) -> pa.Table:
+    """Encode texts in length-sorted batches and return them in their original order."""
+    texts = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True) if reader.filter else None
+    out: list[Encoded | None] = [None] * len(ids)
+    for batch in length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length):
+        encs = reader.encode([token_ids[i] for i in batch], [texts[i] for i in batch] if texts else None, side, k)
+        for i, e in zip(batch, encs, strict=True):
+            out[i] = e
+        if on_batch:
+            on_batch(len(batch))
+    return encoded_table(ids, out, reader.bb.hidden_size)  # type: ignore[arg-type]
+
+

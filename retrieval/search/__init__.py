@@ -1,0 +1,43 @@
+"""Search (paper section 3.3): the modes table, exact search with MaxSim, fusion, runs, LanceDB ANN, BM25."""
+
+from .encodings import Encodings, encodings_from_table, normalise, select
+from .exact import SearchSettings, search_pass
+from .modes import (
+    BASE_MODES,
+    FUSIONS,
+    MODE_NAMES,
+    MODES,
+    Mode,
+    all_modes,
+    base_modes_needed,
+    check_modes,
+    fuse_minmax,
+    modes_for,
+)
+from .runs import run_table
+from .scoring import NEG, SparseQueries, TopK, Workspace, maxsim
+
+__all__ = [
+    "BASE_MODES",
+    "FUSIONS",
+    "MODES",
+    "MODE_NAMES",
+    "NEG",
+    "Encodings",
+    "Mode",
+    "SearchSettings",
+    "SparseQueries",
+    "TopK",
+    "Workspace",
+    "all_modes",
+    "base_modes_needed",
+    "check_modes",
+    "encodings_from_table",
+    "fuse_minmax",
+    "maxsim",
+    "modes_for",
+    "normalise",
+    "run_table",
+    "search_pass",
+    "select",
+]

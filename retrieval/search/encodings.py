@@ -1,0 +1,110 @@
+"""Encoded texts as tensors ready to score: L2-normalised multi-vectors, their mean, sparse vectors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+
+@dataclass
+class Encodings:
+    """A block of encoded texts, ready to score (vectors L2-normalised, float32)."""
+
+    ids: list[str]
+    multi: torch.Tensor  # [N, K, H]; rows beyond a text's n_reps are zero
+    mask: torch.Tensor  # [N, K] bool: real vectors
+    single: torch.Tensor  # [N, H]: normalised mean of the normalised vectors
+    sparse_ids: list[np.ndarray]  # per text, int64 vocabulary ids
+    sparse_weights: list[np.ndarray]  # per text, float32 weights
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def rows(self, start: int, end: int) -> Encodings:
+        """The texts ``start:end`` (views, no copy)."""
+        return Encodings(
+            self.ids[start:end],
+            self.multi[start:end],
+            self.mask[start:end],
+            self.single[start:end],
+            self.sparse_ids[start:end],
+            self.sparse_weights[start:end],
+        )
+
+
+def normalise(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """L2-normalise along ``dim`` (a zero vector stays zero).
+
+    >>> normalise(torch.tensor([[3.0, 4.0], [0.0, 0.0]])).tolist()
+    [[0.6000000238418579, 0.800000011920929], [0.0, 0.0]]
+    """
+    return x / x.norm(dim=dim, keepdim=True).clamp_min(1e-12)
+
+
+def padded(vectors: list[np.ndarray], device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-text [n_i, H] arrays -> ([N, max n, H] float32 zero-padded, [N, max n] bool mask of real vectors).
+
+    >>> multi, mask = padded([np.ones((1, 2)), np.ones((3, 2))])
+    >>> tuple(multi.shape), mask.tolist()
+    ((2, 3, 2), [[True, False, False], [True, True, True]])
+    """
+    n = len(vectors)
+    width = max((len(v) for v in vectors), default=1)
+    hidden = vectors[0].shape[-1] if n else 1
+    multi = torch.zeros(n, width, hidden)
+    lengths = torch.as_tensor([len(v) for v in vectors], dtype=torch.long)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    if n:
+        multi[mask] = torch.from_numpy(np.concatenate(vectors).astype(np.float32, copy=False))
+    dev = torch.device(device)
+    return multi.to(dev), mask.to(dev)
+
+
+def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu") -> Encodings:
+    """Convert rows of the encodings schema (storage.layout.encodings_schema) into tensors."""
+    n = table.num_rows
+    ids = table.column("id").to_pylist()
+    n_reps = table.column("n_reps").to_numpy().astype(np.int64)
+    dense_col = table.column("dense").combine_chunks()
+    inner = dense_col.flatten()  # FixedSizeList per vector, respecting the list offsets
+    hidden = inner.type.list_size
+    flat = inner.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, hidden)
+    if flat.shape[0] != int(n_reps.sum()):
+        raise ValueError(f"encodings: {flat.shape[0]} vectors but n_reps sums to {int(n_reps.sum())}")
+    if n and int(n_reps.min()) < 1:
+        bad = ids[int(np.argmin(n_reps))]
+        raise ValueError(f"encodings: text {bad!r} has no vector (n_reps = 0)")
+    kmax = int(n_reps.max()) if n else 1
+    vecs = normalise(torch.from_numpy(flat))
+    multi = torch.zeros(n, kmax, hidden)
+    mask = torch.arange(kmax)[None, :] < torch.from_numpy(n_reps)[:, None]
+    multi[mask] = vecs
+    mean = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
+    single = normalise(mean)
+    sid = table.column("sparse_ids").to_pylist()
+    sw = table.column("sparse_weights").to_pylist()
+    sparse_ids = [np.asarray(x if x is not None else [], dtype=np.int64) for x in sid]
+    sparse_weights = [np.asarray(x if x is not None else [], dtype=np.float32) for x in sw]
+    dev = torch.device(device)
+    return Encodings(ids, multi.to(dev), mask.to(dev), single.to(dev), sparse_ids, sparse_weights)
+
+
+def select(enc: Encodings, ids: list[str]) -> Encodings:
+    """The rows of ``ids`` in that order (raises KeyError naming the first unknown id)."""
+    pos = {x: i for i, x in enumerate(enc.ids)}
+    missing = [x for x in ids if x not in pos]
+    if missing:
+        raise KeyError(f"{len(missing)} id(s) have no encoding, e.g. {missing[0]!r}")
+    idx = [pos[x] for x in ids]
+    t = torch.tensor(idx, dtype=torch.long, device=enc.multi.device)
+    return Encodings(
+        list(ids),
+        enc.multi[t],
+        enc.mask[t],
+        enc.single[t],
+        [enc.sparse_ids[i] for i in idx],
+        [enc.sparse_weights[i] for i in idx],
+    )

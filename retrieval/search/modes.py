@@ -1,0 +1,170 @@
+"""The scoring modes of the paper (section 3.3), as one table: each mode's name, scorer and needs.
+
+- ``single_dense``: each text's K vectors are L2-normalised, averaged, and the mean normalised again;
+  score = inner product (cosine of the means).
+- ``multi_dense``: MaxSim on L2-normalised vectors, (1/K_q) * sum_i max_j <q_i, p_j>, where K_q is the
+  query's number of vectors (its ``n_reps``).
+- ``sparse_max``: inner product of the max-pooled sparse vectors (the encoder already applied
+  log(1 + ReLU), max pooling over K and the content filter). A document sharing no term with the query
+  is not retrieved (score 0 means no match, as in an inverted index).
+- ``fusion_single_sparse_max`` / ``fusion_multi_sparse_max``: per query, min-max normalise each run's
+  top ``depth`` (1000), 0.5 / 0.5 over the union; a document missing from one run gets 0 there. When
+  all of a run's scores for a query are equal, they normalise to 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .encodings import Encodings
+from .scoring import NEG, SparseQueries, TopK, Workspace, maxsim
+
+
+@dataclass
+class ScoreContext:
+    """What scorers share within one pass: reused buffers and the query block size."""
+
+    workspace: Workspace
+    query_block: int = 512
+
+
+def _single(q: Encodings, p: Encodings, _prepared: Any, _ctx: ScoreContext) -> torch.Tensor:
+    return q.single @ p.single.T
+
+
+def _multi(q: Encodings, p: Encodings, _prepared: Any, ctx: ScoreContext) -> torch.Tensor:
+    b = ctx.query_block
+    parts = [maxsim(q.multi[s : s + b], q.mask[s : s + b], p.multi, p.mask, ctx.workspace) for s in range(0, len(q), b)]
+    return torch.cat(parts, 0)
+
+
+def _prepare_sparse(q: Encodings, device: torch.device) -> SparseQueries:
+    return SparseQueries(q.sparse_ids, q.sparse_weights, device)
+
+
+def _sparse(_q: Encodings, p: Encodings, prepared: SparseQueries, _ctx: ScoreContext) -> torch.Tensor:
+    sc = prepared.scores(p.sparse_ids, p.sparse_weights)
+    return sc.masked_fill(sc <= 0, NEG)  # no shared term: not retrieved
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A scoring mode: a base mode scores query and passage blocks; a fusion combines two base runs."""
+
+    name: str
+    needs_sparse: bool
+    score: Callable[[Encodings, Encodings, Any, ScoreContext], torch.Tensor] | None = None
+    prepare: Callable[[Encodings, torch.device], Any] | None = None  # once per query set, before the pass
+    fuses: tuple[str, str] | None = None
+
+    @property
+    def is_fusion(self) -> bool:
+        return self.fuses is not None
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("single_dense", needs_sparse=False, score=_single),
+        Mode("multi_dense", needs_sparse=False, score=_multi),
+        Mode("sparse_max", needs_sparse=True, score=_sparse, prepare=_prepare_sparse),
+        Mode("fusion_single_sparse_max", needs_sparse=True, fuses=("single_dense", "sparse_max")),
+        Mode("fusion_multi_sparse_max", needs_sparse=True, fuses=("multi_dense", "sparse_max")),
+    )
+}
+MODE_NAMES: tuple[str, ...] = tuple(MODES)
+BASE_MODES: tuple[str, ...] = tuple(n for n, m in MODES.items() if not m.is_fusion)
+FUSIONS: dict[str, tuple[str, str]] = {n: m.fuses for n, m in MODES.items() if m.fuses is not None}
+
+
+def check_modes(modes: Iterable[str]) -> list[str]:
+    """The modes as a list, or ValueError naming the unknown ones.
+
+    >>> check_modes(["multi_dense", "sparse_max"])
+    ['multi_dense', 'sparse_max']
+    """
+    modes = list(modes)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad or modes}; expected some of {list(MODES)}")
+    return modes
+
+
+def modes_for(modes: Iterable[str], has_sparse: bool) -> list[str]:
+    """The modes a representation supports (no sparse vector: the dense modes only), in table order.
+
+    >>> modes_for(MODE_NAMES, has_sparse=False)
+    ['single_dense', 'multi_dense']
+    """
+    wanted = set(modes)
+    return [n for n, m in MODES.items() if n in wanted and (has_sparse or not m.needs_sparse)]
+
+
+def base_modes_needed(modes: Iterable[str]) -> list[str]:
+    """The base modes to score so that every requested mode (fusions included) can be built, in table order."""
+    need = set()
+    for name in modes:
+        need.update(MODES[name].fuses or (name,))
+    return [n for n in BASE_MODES if n in need]
+
+
+# ----------------------------------------------------------------------------------- fusion
+def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float] = (0.5, 0.5)) -> TopK:
+    """Per query: min-max normalise each run's top ``depth``, weighted sum over the union (missing = 0).
+
+    Parameters
+    ----------
+    a, b : two runs over the same queries (``TopK.index`` -1 marks padding).
+    depth : documents of each run that are normalised, and documents kept.
+    weights : the weight of each run.
+
+    Examples
+    --------
+    >>> a = TopK(np.array([[3.0, 1.0]], np.float32), np.array([[7, 8]]))   # doc 7 best in a
+    >>> b = TopK(np.array([[5.0, 4.0]], np.float32), np.array([[8, 9]]))   # doc 8 best in b
+    >>> f = fuse_minmax(a, b)
+    >>> f.index.tolist(), f.scores.tolist()   # 8: 0.5*0 + 0.5*1; 7: 0.5*1; 9: 0
+    ([[7, 8, 9]], [[0.5, 0.5, 0.0]])
+    """
+    if a.scores.shape[0] != b.scores.shape[0]:
+        raise ValueError(f"fusion of runs over different query sets ({a.scores.shape[0]} vs {b.scores.shape[0]})")
+    out_s, out_i = [], []
+    for qi in range(a.scores.shape[0]):
+        acc: dict[int, float] = {}
+        for run, w in ((a, weights[0]), (b, weights[1])):
+            s, ix = run.scores[qi, :depth], run.index[qi, :depth]
+            keep = ix >= 0
+            s, ix = s[keep].astype(np.float64), ix[keep]
+            if not len(s):
+                continue
+            lo, hi = s.min(), s.max()
+            norm = (s - lo) / (hi - lo) if hi > lo else np.ones_like(s)
+            for d, v in zip(ix.tolist(), norm.tolist(), strict=True):
+                acc[d] = acc.get(d, 0.0) + w * v
+        docs = np.fromiter(acc.keys(), np.int64, len(acc))
+        vals = np.fromiter(acc.values(), np.float64, len(acc))
+        order = np.lexsort((docs, -vals))[:depth]
+        out_s.append(vals[order])
+        out_i.append(docs[order])
+    width = max([len(x) for x in out_s] + [1])
+    scores = np.full((len(out_s), width), NEG, np.float32)
+    index = np.full((len(out_s), width), -1, np.int64)
+    for qi, (s, ix) in enumerate(zip(out_s, out_i, strict=True)):
+        scores[qi, : len(s)] = s
+        index[qi, : len(ix)] = ix
+    return TopK(scores, index)
+
+
+def all_modes(base: dict[tuple[int, str], TopK], depth: int = 1000) -> dict[tuple[int, str], TopK]:
+    """The base runs plus every fusion whose two inputs are present (keys: (K_q, mode))."""
+    out = dict(base)
+    for kq in sorted({kq for kq, _ in base}):
+        for fused, (m1, m2) in FUSIONS.items():
+            if (kq, m1) in base and (kq, m2) in base:
+                out[(kq, fused)] = fuse_minmax(base[(kq, m1)], base[(kq, m2)], depth)
+    return out

@@ -1,0 +1,45 @@
+"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from storage.layout import RUN_SCHEMA
+
+from .scoring import TopK
+
+
+def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None) -> pa.Table:
+    """A run (RUN_SCHEMA): per query, rank by score descending then doc_id ascending; pads dropped.
+
+    ``query_rows`` selects (and orders) the queries of ``top`` to include (e.g. one split's).
+
+    >>> top = TopK(np.array([[0.5, 0.9, -np.inf]], np.float32), np.array([[0, 1, -1]]))
+    >>> run_table(top, ["q1"], ["d-a", "d-b"]).to_pylist()[0]
+    {'query_id': 'q1', 'doc_id': 'd-b', 'rank': 1, 'score': 0.8999999761581421}
+    """
+    doc_arr = np.asarray(doc_ids, dtype=object)
+    lex = np.empty(len(doc_ids), np.int64)
+    lex[np.argsort(doc_arr.astype(str), kind="stable")] = np.arange(len(doc_ids))
+    rows = range(len(query_ids)) if query_rows is None else query_rows
+    qcol, dcol, rcol, scol = [], [], [], []
+    for qi in rows:
+        s, ix = top.scores[qi], top.index[qi]
+        keep = ix >= 0
+        s, ix = s[keep], ix[keep]
+        order = np.lexsort((lex[ix], -s.astype(np.float64)))
+        s, ix = s[order], ix[order]
+        qcol.extend([query_ids[qi]] * len(ix))
+        dcol.extend(doc_arr[ix].tolist())
+        rcol.extend(range(1, len(ix) + 1))
+        scol.extend(s.tolist())
+    return pa.table(
+        {
+            "query_id": pa.array(qcol, pa.string()),
+            "doc_id": pa.array(dcol, pa.string()),
+            "rank": pa.array(rcol, pa.int32()),
+            "score": pa.array(scol, pa.float32()),
+        },
+        schema=RUN_SCHEMA,
+    )

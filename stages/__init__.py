@@ -1,0 +1,26 @@
+"""The pipeline's stages, importable without Prefect: each plans its units from the store, runs them, and
+records what it wrote (see stages/base.py). ``STAGES`` maps a stage's name to it; flows/ runs any of them
+in this process or under Prefect through one ``run_stage``.
+
+    download -> tokenize -> encode -> (index) -> score / bm25 -> evaluate -> summary -> report
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from .base import Context, Plan, Stage, StageConfig, StageResult, execute
+
+_MODULES = ("ingest", "tokenize", "encode", "index", "score", "bm25", "evaluate", "summary", "report")
+
+
+def stages() -> dict[str, Stage]:
+    """Every stage by name, in pipeline order (modules are imported on first use)."""
+    out = {}
+    for mod in _MODULES:
+        st = import_module(f"{__name__}.{mod}").stage
+        out[st.name] = st
+    return out
+
+
+__all__ = ["Context", "Plan", "Stage", "StageConfig", "StageResult", "execute", "stages"]

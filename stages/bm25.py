@@ -1,0 +1,79 @@
+"""The BM25 stage: runs of the lexical baseline (bm25s, Lucene variant), written like every other system's.
+
+Its runs have mode ``bm25`` and kq = kp = 0; the system ``bm25-<hash of its settings>`` is registered like
+an encoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from retrieval.search.bm25 import BM25Settings, bm25_search
+from storage.layout import run_dir
+
+from .base import Context, Plan, Stage
+from .readers import dataset_manifest, side_texts, split_queries
+from .runs import Cell, RetrievalConfig, write_runs
+from .systems import SystemRecord, bm25_slug, register
+
+
+class BM25Config(RetrievalConfig):
+    """Parameters of the BM25 flow."""
+
+    bm25: BM25Settings = Field(default_factory=BM25Settings)
+
+
+@dataclass
+class BM25Unit:
+    cells: list[Cell]  # their configs name the dataset, corpus, BM25 settings, depth and the self-hit rule
+    split_ids: dict[str, list[str]]
+
+
+class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written"):
+    """BM25 baseline runs (bm25s, Lucene k1=0.9 b=0.4)."""
+
+    def plan(self, config: BM25Config, ctx: Context) -> Plan:
+        store = ctx.store
+        corpus, ignore = config.corpus_name(), config.ignore_ids()
+        system = bm25_slug(config.bm25)
+        register(store, SystemRecord(system=system, kind="bm25", has_sparse=True, settings=config.bm25.model_dump()))
+        inputs = {
+            "queries": dataset_manifest(store, config.dataset).config_hash,
+            "corpus": dataset_manifest(store, corpus).config_hash,
+        }
+        split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
+        plan = Plan(system=system)
+        todo = []
+        for split in config.splits:
+            cfg = {
+                "system": system, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
+                "mode": "bm25", "topk": config.topk, "ignore_identical_ids": ignore, "bm25": config.bm25.model_dump(),
+                "inputs": inputs,
+            }  # fmt: skip
+            stage = run_dir(system, config.dataset, split, 0, 0, "bm25")
+            if plan.needs(ctx, stage, cfg, config.force):
+                todo.append(Cell(split, 0, 0, "bm25", stage, cfg))
+        if todo:
+            plan.units.append(BM25Unit(todo, split_ids))
+        plan.count = len(todo)
+        return plan
+
+    def run(self, unit: BM25Unit, ctx: Context) -> int:
+        cfg = unit.cells[0].config  # the same search for every split
+        doc_ids, doc_texts, _ = side_texts(ctx.store, cfg["corpus"], "passage")
+        q_ids, q_texts, _ = side_texts(ctx.store, cfg["dataset"], "query")
+        text_of = dict(zip(q_ids, q_texts, strict=True))
+        query_ids = list(dict.fromkeys(q for cell in unit.cells for q in unit.split_ids[cell.split]))
+        ctx.log(f"BM25 over {len(doc_ids):,} passages for {len(query_ids):,} queries")
+        settings = BM25Settings.model_validate(cfg["bm25"])
+        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], cfg["topk"], settings, query_ids, doc_ids,
+                          cfg["ignore_identical_ids"])  # fmt: skip
+        row = {q: i for i, q in enumerate(query_ids)}
+        split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}
+        write_runs(ctx.store, unit.cells, {(0, "bm25"): top}, query_ids, doc_ids, split_rows)
+        return len(unit.cells)
+
+
+stage = BM25()

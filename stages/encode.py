@@ -1,0 +1,145 @@
+"""The encode stage: stored token ids -> dense + sparse encodings, one folder per (side, K).
+
+    encodings/system=<slug>/dataset=<d>/side=<s>/k=<K>/shard=NNNNN.parquet
+
+K changes the input sequence, so each K is one encoding pass per side: 5 query passes and 5 passage passes
+serve all 25 (K_q, K_p) cells. A shard (the tokens stage's shards) is the unit of parallelism and of
+resume: it is done when its manifest entry exists and its checksum matches. Shard files are written
+atomically by the units; the planning process records each in the manifest as it completes, so a killed
+run loses at most the shards in flight. The system's full settings go to the registry (stages/systems.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
+
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.encoding import encode_rows
+from retrieval.models.readouts import Readout, ReadoutConfig, make_reader, readout_class
+from storage import FileEntry, IncompleteArtifactError
+from storage.layout import encodings_dir, tokens_dir
+
+from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
+from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokens_slug
+from .tokenize import DEFAULT_MODEL, TokenizeConfig
+
+
+class EncodeConfig(StageConfig):
+    """Parameters of the encode flow (the Prefect UI renders them as a form)."""
+
+    dataset: str = Field(description="A dataset already in the store (diffret download).")
+    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
+    k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
+    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
+    max_length: int = Field(default=512, ge=1, description="Text tokens kept per text (512 zero-shot).")
+    batch_size: int = Field(default=32, ge=1)
+    shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
+    workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
+    dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
+
+    def settings(self) -> EncodeSettings:
+        return EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)
+
+    def tokenize_config(self) -> TokenizeConfig:
+        return TokenizeConfig(
+            root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
+            max_length=self.max_length, shard_size=self.shard_size,
+        )  # fmt: skip
+
+
+def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int) -> dict[str, Any]:
+    return {**numeric_settings(settings), "k": k, "tokens": tokens, "inputs": {"tokens": tokens_hash}}
+
+
+@dataclass
+class EncodeUnit:
+    system: str
+    settings: dict[str, Any]
+    tokens_stage: str
+    shard: str
+    out_stage: str
+    side: str
+    k: int
+    rows: int
+    batch_size: int
+
+
+_READERS: dict[str, Readout] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def reader_for(settings: EncodeSettings) -> Readout:
+    """One loaded model per process and settings (a Dask worker keeps it across shards).
+
+    Loading is serialised: transformers builds a model under process-global state (the meta device
+    context), so two threads loading at once can hand each other meta tensors.
+    """
+    key = settings.model_dump_json()
+    with _LOAD_LOCK:
+        if key not in _READERS:
+            _READERS.clear()  # one model at a time: free the previous one's memory
+            _READERS[key] = make_reader(load_backbone(settings.backbone), settings.readout)
+        return _READERS[key]
+
+
+class Encode(
+    Stage, name="encode", config=EncodeConfig, noun="shard(s)", verb="encoded", distributed=True,
+    reports_progress=True, task_tags=("gpu",),
+):
+    """Encode a dataset's queries and passages for every K of the grid."""
+
+    def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
+        readout_class(config.readout.readout).check_k(config.k)
+        settings = config.settings()
+        record = encoder_record(settings)
+        tokens = tokens_slug(config.backbone, config.max_length)
+        plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
+        stored = settings.model_dump()
+        for side in config.sides:
+            t_stage = tokens_dir(tokens, config.dataset, side)
+            t_man = ctx.store.read_manifest(t_stage)
+            if t_man is None or t_man.total_rows() != t_man.config.get("inputs", {}).get("rows"):
+                raise IncompleteArtifactError(
+                    f"{ctx.store.abspath(t_stage)}: token ids are missing or incomplete; run `diffret encode` "
+                    "(which tokenizes first) or the tokenize stage"
+                )
+            for k in config.k:
+                stage = encodings_dir(record.system, config.dataset, side, k)
+                cfg = encodings_config(settings, tokens, t_man.config_hash, k)
+                part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
+                _, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force)
+                plan.details["stages"][f"{side}/k={k}"] = stage
+                for shard in sorted(t_man.files):
+                    if shard in done:
+                        plan.skipped += 1
+                        continue
+                    rows = int(t_man.files[shard].rows or 0)
+                    plan.units.append(
+                        EncodeUnit(record.system, stored, t_stage, shard, stage, side, k, rows, config.batch_size)
+                    )
+                    plan.work += rows
+        register(ctx.store, record)
+        return plan
+
+    def work_of(self, unit: EncodeUnit) -> int:
+        return unit.rows
+
+    def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
+        reader = reader_for(EncodeSettings.model_validate(unit.settings))
+        t = ctx.store.read_table(unit.tokens_stage, unit.shard)
+        table = encode_rows(
+            reader, t.column("id").to_pylist(), t.column("token_ids").to_pylist(), unit.side, unit.k,
+            unit.batch_size, ctx.advance,
+        )  # fmt: skip
+        return ctx.store.write_shard(unit.out_stage, unit.shard, table)
+
+    def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:
+        ctx.store.record_shard(unit.out_stage, unit.shard, result)
+
+
+stage = Encode()

@@ -1,0 +1,139 @@
+"""The evaluate stage: each run folder -> per-query metrics (pytrec_eval) in the store.
+
+    metrics/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=<K_p>/mode=<m>/per_query.parquet
+
+A metrics folder mirrors its run folder's partitions. Its config holds the measures and the relevance level
+(settings: changing them is drift, refused unless forced) and, as inputs, the run (config hash and file
+sha256) and the qrels file's sha256: when the run or the qrels change, the metrics are recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from retrieval.evaluation import DEFAULT_MEASURES, evaluate, qrels_from_table, run_from_table
+from storage import ArtifactStore, Manifest
+from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
+
+from .base import Context, Folder, Plan, Stage, StageConfig
+from .readers import dataset_manifest, qrels_table
+
+# TREC DL judges on a 0-3 scale; its binary measures (recall, MRR) count grade >= 2 as relevant
+GRADED_DATASETS = ("trec-dl-",)
+
+
+def default_relevance_level(dataset: str) -> int:
+    return 2 if dataset.startswith(GRADED_DATASETS) else 1
+
+
+class EvaluateConfig(StageConfig):
+    """Parameters of the evaluate flow."""
+
+    systems: list[str] | None = Field(default=None, description="Systems to evaluate (default: every run).")
+    datasets: list[str] | None = Field(default=None, description="Datasets to evaluate (default: all).")
+    splits: list[str] | None = Field(default=None, description="Splits to evaluate (default: all).")
+    measures: list[str] = Field(
+        default=list(DEFAULT_MEASURES), description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10."
+    )
+    relevance_level: int | None = Field(
+        default=None, ge=1, description="Grade counted relevant by binary measures (default: 2 for TREC DL, else 1)."
+    )
+
+
+@dataclass
+class RunRef:
+    stage: str
+    partition: dict[str, str]
+    manifest: Manifest
+
+
+def list_runs(
+    store: ArtifactStore,
+    systems: list[str] | None = None,
+    datasets: list[str] | None = None,
+    splits: list[str] | None = None,
+) -> list[RunRef]:
+    """Complete run folders in the store, optionally filtered."""
+    out = []
+    for stage in store.stage_dirs("runs/*/*/*/*/*/*"):
+        m = store.read_manifest(stage)
+        if m is None or RUN_FILE not in m.files:
+            continue
+        p = m.partition
+        if systems and p.get("system") not in systems:
+            continue
+        if datasets and p.get("dataset") not in datasets:
+            continue
+        if splits and p.get("split") not in splits:
+            continue
+        out.append(RunRef(stage, p, m))
+    return out
+
+
+def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int) -> dict[str, Any]:
+    return {
+        "run": run.stage,
+        "split": run.partition["split"],
+        "measures": list(measures),
+        "relevance_level": relevance_level,
+        "mrr_cutoff": 10,
+        "missing_queries": "score 0",
+        "inputs": {
+            "run_config_hash": run.manifest.config_hash,
+            "run_sha256": run.manifest.files[RUN_FILE].sha256,
+            "qrels_sha256": qrels_sha256,
+        },
+    }
+
+
+_QRELS: dict[tuple[str, str, str, str], dict] = {}  # (root, dataset, split, qrels sha256) -> qrels dict
+
+
+def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> dict:
+    key = (store.root, dataset, split, sha)
+    if key not in _QRELS:
+        _QRELS[key] = qrels_from_table(qrels_table(store, dataset, split))
+    return _QRELS[key]
+
+
+class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated"):
+    """Per-query metrics (pytrec_eval) for the runs in the store."""
+
+    def plan(self, config: EvaluateConfig, ctx: Context) -> Plan:
+        store = ctx.store
+        plan = Plan(work_unit="runs")
+        qrels_sha: dict[str, str] = {}
+        for run in list_runs(store, config.systems, config.datasets, config.splits):
+            p = run.partition
+            ds = p["dataset"]
+            level = config.relevance_level if config.relevance_level is not None else default_relevance_level(ds)
+            if ds not in qrels_sha:  # one manifest read per dataset, not per run
+                qrels_sha[ds] = dataset_manifest(store, ds).files["qrels.parquet"].sha256
+            cfg = metrics_config(run, qrels_sha[ds], config.measures, level)
+            stage = metrics_dir(p["system"], ds, p["split"], int(p["kq"]), int(p["kp"]), p["mode"])
+            plan.add_folder(ctx, stage, cfg, config.force)
+        return plan
+
+    def run(self, unit: Folder, ctx: Context) -> None:
+        store = ctx.store
+        p = store.require_manifest(unit.config["run"]).partition
+        qrels = _qrels(store, p["dataset"], p["split"], unit.config["inputs"]["qrels_sha256"])
+        if not qrels:
+            raise ValueError(f"dataset {p['dataset']!r} has no qrels for split {p['split']!r}")
+        measures = unit.config["measures"]
+        run = run_from_table(store.read_table(unit.config["run"], RUN_FILE))
+        table = evaluate(qrels, run, measures, unit.config["relevance_level"])
+        pairs = list(zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True))
+        means = {}
+        for name in measures:
+            vals = [v for m_, v in pairs if m_ == name]
+            means[name] = sum(vals) / len(vals) if vals else None
+        m = Manifest.new("metrics", dict(p), unit.config, stats={"queries": len(qrels), "means": means})
+        with store.stage_writer(unit.stage, m) as w:
+            w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
+
+
+stage = Evaluate()

@@ -1,0 +1,178 @@
+"""The ingest stage (``diffret download``): a collection into ``datasets/dataset=<name>/*.parquet``.
+
+The three tables and the manifest are built in a staging folder and moved into place together, so
+a collection is either entirely there (with checksums) or not there at all. The config names the source
+and the checksum of every source file: a changed source is drift, refused unless ``--force``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from retrieval.data.collections import (
+    DatasetError,
+    DatasetReport,
+    Query,
+    build_qrels,
+    build_queries,
+    read_corpus,
+    read_queries,
+)
+from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source
+from storage import ArtifactStore, Manifest, StageState
+from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
+
+from .base import Context, Plan, Stage, StageConfig
+
+INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifacts then count as drift
+
+
+class DownloadConfig(StageConfig):
+    """Parameters of the download flow (the Prefect UI renders them as a form)."""
+
+    name: str = Field(
+        description="Collection: a BEIR name (scifact, nfcorpus, arguana, fiqa, trec-covid, nq, hotpotqa, quora, "
+        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, or any name with a --source."
+    )
+    source: str | None = Field(
+        default=None,
+        description="Mirror in BEIR layout: a folder, a .zip/.tar.gz, or a URL of either. "
+        "Default: the official location.",
+    )
+    cache_dir: str = Field(default="~/.cache/diffret/downloads", description="Where downloaded archives are kept.")
+    beir_base_url: str = Field(
+        default=BEIR_BASE_URL, description="Base URL of the BEIR zips (for institutional mirrors)."
+    )
+
+
+@dataclass
+class IngestResult:
+    dataset: str
+    status: str  # "written" | "unchanged"
+    manifest: Manifest
+    report_lines: list[str]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "status": self.status,
+            "rows": {k: v.rows for k, v in self.manifest.files.items()},
+            "report": self.report_lines,
+        }
+
+
+def artifact_config(name: str, files: SourceFiles) -> dict[str, Any]:
+    """What identifies the content of a stored collection (the manifest's config)."""
+    return {
+        "dataset": name,
+        "source": files.origin,
+        "source_files": dict(sorted(files.inputs.items())),
+        "corpus_from": files.corpus_from,
+        "ingest_format": INGEST_FORMAT,
+    }
+
+
+DRIFT_HINT = "The store already holds {name!r} from another source; pass --force to replace it."
+
+
+def _doc_ids_of(store: ArtifactStore, dataset: str) -> set[str] | None:
+    if store.read_manifest(dataset_dir(dataset)) is None:
+        return None
+    table = store.read_table(dataset_dir(dataset), "corpus.parquet", columns=["doc_id"])
+    return set(table.column("doc_id").to_pylist())
+
+
+def materialise(
+    store: ArtifactStore, name: str, files: SourceFiles, force: bool = False, state: StageState | None = None
+) -> IngestResult:
+    """Validate and store a collection's files (unless the same source is already stored)."""
+    stage = dataset_dir(name)  # validates the name as a partition value
+    config = artifact_config(name, files)
+    if state is None:
+        state = store.state(stage, config, force=force, hint=DRIFT_HINT.format(name=name))
+    if state is StageState.CURRENT:
+        m = store.require_manifest(stage)
+        return IngestResult(name, "unchanged", m, [f"{name}: already in the store with the same source; nothing to do"])
+    report = DatasetReport(dataset=name, notes=list(files.notes))
+    if state is StageState.DAMAGED:
+        report.notes.append("the stored copy failed its checksums and was rebuilt")
+    manifest = Manifest.new("datasets", {"dataset": name}, config)
+    with store.stage_writer(stage, manifest) as w:
+        doc_ids: set[str] | None
+        if files.corpus is not None:
+            doc_ids = set()
+            w.write_parquet(
+                "corpus.parquet", CORPUS_SCHEMA, read_corpus(files.corpus, files.corpus_format, report, doc_ids)
+            )
+        elif files.corpus_from:
+            doc_ids = _doc_ids_of(store, files.corpus_from)
+            if doc_ids is None:
+                report.notes.append(
+                    f"no corpus here; the qrels judge {files.corpus_from!r}, which is not in the store, "
+                    "so their document ids were not checked"
+                )
+            else:
+                report.notes.append(f"document ids checked against the corpus of {files.corpus_from!r}")
+        else:
+            doc_ids = None
+            report.notes.append("no corpus.jsonl in the source: queries and qrels only; document ids not checked")
+
+        queries: dict[str, Query] = {}
+        for path, fmt in files.queries:
+            read_queries(path, fmt, queries, report)
+        qrels, judged = build_qrels(files.qrels, queries, doc_ids, report)
+        for split, rep in report.splits.items():
+            if rep.rows == 0:
+                raise DatasetError(
+                    f"{files.qrels[split]}: no judgment of split {split!r} names a known query and document "
+                    f"({rep.unknown_query_rows} unknown queries, {rep.unknown_doc_rows} unknown documents); "
+                    "is this the right corpus?"
+                )
+        w.write_parquet("qrels.parquet", QRELS_SCHEMA, [qrels])
+        w.write_parquet("queries.parquet", QUERIES_SCHEMA, [build_queries(queries, judged, report)])
+        manifest.stats = {"report": report.to_dict()}
+    return IngestResult(name, "written", manifest, report.summary_lines())
+
+
+@dataclass
+class IngestUnit:
+    name: str
+    files: SourceFiles
+    state: StageState
+
+
+class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
+    """Materialise a retrieval test collection into the artifact store."""
+
+    def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
+        progress = None
+        if ctx.report is not None:
+            report = ctx.report
+
+            def progress(label: str, done: int, total: int | None) -> None:
+                report(f"download {label}", done, total, "bytes")
+
+        files = resolve_source(
+            config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress
+        )
+        st = ctx.store.state(
+            dataset_dir(config.name), artifact_config(config.name, files), force=config.force,
+            hint=DRIFT_HINT.format(name=config.name),
+        )  # fmt: skip
+        if st is StageState.CURRENT:
+            lines = [f"{config.name}: already in the store with the same source; nothing to do"]
+            return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
+        return Plan(units=[IngestUnit(config.name, files, st)])
+
+    def run(self, unit: IngestUnit, ctx: Context) -> IngestResult:
+        return materialise(ctx.store, unit.name, unit.files, state=unit.state)
+
+    def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
+        return results[0].summary() if results else plan.details
+
+
+stage = Ingest()

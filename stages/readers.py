@@ -1,0 +1,116 @@
+"""Reading what earlier stages stored: a dataset's texts, splits and qrels, and encodings as tensors.
+
+Every stage reads the store through these functions, so each rule (a passage is "title text", queries in
+first-appearance order, an encoding is complete only with every text) is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from retrieval.search.encodings import Encodings, encodings_from_table, select
+from storage import ArtifactStore, IncompleteArtifactError, Manifest
+from storage.layout import dataset_dir
+
+SIDES = ("query", "passage")
+
+
+def dataset_manifest(store: ArtifactStore, dataset: str) -> Manifest:
+    """The manifest of a stored dataset (IncompleteArtifactError naming the folder when it is absent)."""
+    return store.require_manifest(dataset_dir(dataset))
+
+
+def corpus_size(store: ArtifactStore, corpus: str) -> int:
+    """Documents in a stored corpus (from its manifest; no read)."""
+    entry = dataset_manifest(store, corpus).files.get("corpus.parquet")
+    if entry is None:
+        raise ValueError(f"dataset {corpus!r} has no corpus in the store (queries and qrels only)")
+    return int(entry.rows or 0)
+
+
+def side_texts(store: ArtifactStore, dataset: str, side: str) -> tuple[list[str], list[str], str]:
+    """(ids, texts, dataset config hash) of one side; passages as "title text" when there is a title."""
+    stage = dataset_dir(dataset)
+    m = dataset_manifest(store, dataset)
+    if side == "passage":
+        corpus_size(store, dataset)
+        t = store.read_table(stage, "corpus.parquet", columns=["doc_id", "title", "text"])
+        ids = t.column("doc_id").to_pylist()
+        texts = [
+            f"{ti} {tx}".strip() if ti else tx
+            for ti, tx in zip(t.column("title").to_pylist(), t.column("text").to_pylist(), strict=True)
+        ]
+    elif side == "query":
+        t = store.read_table(stage, "queries.parquet", columns=["query_id", "text"])
+        seen: dict[str, str] = {}
+        for qid, tx in zip(t.column("query_id").to_pylist(), t.column("text").to_pylist(), strict=True):
+            seen.setdefault(qid, tx)
+        ids, texts = list(seen), list(seen.values())
+    else:
+        raise ValueError(f"unknown side {side!r}; expected query or passage")
+    return ids, texts, m.config_hash
+
+
+def side_size(store: ArtifactStore, dataset: str, side: str) -> tuple[int, str]:
+    """(number of texts, dataset config hash) of one side, without reading the texts."""
+    m = dataset_manifest(store, dataset)
+    if side == "passage":
+        return corpus_size(store, dataset), m.config_hash
+    if side == "query":
+        qids = store.read_table(dataset_dir(dataset), "queries.parquet", columns=["query_id"])
+        return len(dict.fromkeys(qids.column("query_id").to_pylist())), m.config_hash
+    raise ValueError(f"unknown side {side!r}; expected query or passage")
+
+
+def split_queries(store: ArtifactStore, dataset: str, split: str) -> list[str]:
+    """Query ids judged in ``split`` (in first-appearance order); a clear error for an unknown split."""
+    t = store.read_table(dataset_dir(dataset), "queries.parquet", columns=["query_id", "split"])
+    splits = sorted({s for s in t.column("split").to_pylist() if s is not None})
+    if split not in splits:
+        raise ValueError(f"dataset {dataset!r} has no split {split!r}; it has {splits}")
+    ids = t.filter(pc.equal(t.column("split"), split)).column("query_id").to_pylist()
+    return list(dict.fromkeys(ids))
+
+
+def qrels_table(store: ArtifactStore, dataset: str, split: str) -> pa.Table:
+    t = store.read_table(dataset_dir(dataset), "qrels.parquet")
+    return t.filter(pc.equal(t.column("split"), split))
+
+
+# ------------------------------------------------------------------------------------------ encodings
+def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | None = None) -> Manifest:
+    """The manifest of an encoding folder; with ``expected_rows``, only when it holds every text."""
+    m = store.read_manifest(stage)
+    if m is None:
+        raise IncompleteArtifactError(
+            f"{store.abspath(stage)}: no encodings; run `diffret encode` for this model, dataset and K first"
+        )
+    if expected_rows is not None and m.total_rows() != expected_rows:
+        raise IncompleteArtifactError(
+            f"{store.abspath(stage)}: {m.total_rows():,} of {expected_rows:,} texts encoded; "
+            "run `diffret encode` to finish it"
+        )
+    return m
+
+
+def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu") -> Iterator[Encodings]:
+    """The shards of an encoding folder in order, each verified against the manifest."""
+    for name in sorted(m.files):
+        yield encodings_from_table(store.read_table(stage, name), device)
+
+
+def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu") -> Encodings:
+    tables = [store.read_table(stage, name) for name in sorted(m.files)]
+    return encodings_from_table(pa.concat_tables(tables), device)
+
+
+def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu") -> Encodings:
+    """The encodings of the queries ``ids``, in that order (a clear error when one is missing)."""
+    enc = read_encodings(store, stage, encoding_manifest(store, stage), device)
+    try:
+        return select(enc, ids)
+    except KeyError as exc:
+        raise IncompleteArtifactError(f"{store.abspath(stage)}: {exc.args[0]}") from None

@@ -1,0 +1,76 @@
+"""The report stage: the paper's analyses from the metrics in the store, as ``reports/report=<name>/``
+(report.md, PNG figures, CSV tables), optionally copied to a folder.
+
+Its inputs are every metrics folder and the query token ids (the query features): when they change, the
+report is rebuilt; when they do not, it is left as it is (and only copied to ``out_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field
+
+from retrieval.analysis.report import Report, build_report
+from storage import Manifest
+from storage.layout import report_dir
+from storage.sql import StoreSQL
+
+from .base import Context, Folder, Plan, Stage, StageConfig
+
+
+class ReportConfig(StageConfig):
+    """Parameters of the report flow."""
+
+    name: str = Field(default="default", description="Report name: reports/report=<name>/ in the store.")
+    out_dir: str | None = Field(default=None, description="Also copy the report into this folder.")
+    refs: list[str] | None = Field(
+        default=None, description="Systems the tables' t-test markers compare with († first, ‡ second; default: bm25)."
+    )
+    finetuned: dict[str, str] = Field(default_factory=dict, description="BASE system slug -> fine-tuned slug.")
+    n_boot: int = Field(default=1000, ge=10, description="Bootstrap resamples of the correlation CIs.")
+    hidden: int = Field(default=3584, ge=1, description="Footprint projection: hidden size (Dream-7B: 3584).")
+    backbones: int = Field(default=4, ge=1, description="Footprint projection: backbones.")
+    settings: int = Field(default=2, ge=1, description="Footprint projection: settings per backbone.")
+
+
+class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", verb="written"):
+    """The paper's analyses and tables from the metrics in the store."""
+
+    def plan(self, config: ReportConfig, ctx: Context) -> Plan:
+        cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force"})
+        cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query")}
+        stage = report_dir(config.name)
+        plan = Plan()
+        plan.add_folder(ctx, stage, cfg, config.force)
+        return plan
+
+    def run(self, unit: Folder, ctx: Context) -> Report:
+        c = unit.config
+        with StoreSQL(ctx.store) as db:
+            rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
+                               c["settings"])  # fmt: skip
+        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections]})
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            for fname, data in sorted(rep.files.items()):
+                w.write_file(fname, data)
+            w.write_file("report.md", rep.markdown().encode())
+        ctx.log(f"report: {ctx.store.abspath(unit.stage)}/report.md ({len(rep.files)} files)")
+        return rep
+
+    def finish(self, config: ReportConfig, plan: Plan, results: list[Report], ctx: Context) -> dict[str, Any]:
+        stage = report_dir(config.name)
+        m = ctx.store.require_manifest(stage)
+        if config.out_dir:
+            os.makedirs(config.out_dir, exist_ok=True)
+            for fname in m.files:
+                with ctx.store.fs.open(ctx.store.abspath(f"{stage}/{fname}"), "rb") as src:
+                    data = src.read()
+                with open(os.path.join(config.out_dir, fname), "wb") as f:
+                    f.write(data)
+        sections = {t: body for t, body in results[0].sections} if results else {}
+        return {"folder": ctx.store.abspath(stage), "files": sorted(m.files), "sections": sections}
+
+
+stage = ReportStage()

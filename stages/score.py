@@ -1,0 +1,110 @@
+"""The score stage: stored encodings -> one run folder per (split, K_q, K_p, mode).
+
+    runs/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=<K_p>/mode=<m>/run.parquet
+
+A unit is one pass over a K_p passage encoding: shard by shard, every requested K_q and base mode is
+scored against it (``retrieval.search.search_pass``) and the fusions are built from those runs. A cell
+whose manifest has the same config and whose file verifies is done; a pass whose cells are all done is
+not planned (no encoding is read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from retrieval.devices import resolve_device
+from retrieval.search.exact import SearchSettings, search_pass
+from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
+from storage.layout import encodings_dir, run_dir
+
+from .base import GRID_K, Context, KList, ModeList, Plan, Stage
+from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, query_encodings, split_queries
+from .runs import Cell, RetrievalConfig, cell_config, write_runs
+from .systems import SystemRef, find_system
+
+
+class ScoreConfig(RetrievalConfig):
+    """Parameters of the score flow."""
+
+    system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose encodings to score.")
+    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
+    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
+    modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).")
+    fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+
+
+@dataclass
+class ScorePass:
+    """One pass over the K_p passage encoding for the cells still to score."""
+
+    kp: int
+    cells: list[Cell]
+    query_stages: dict[int, str]
+    passage_stage: str
+    query_ids: list[str]  # every requested split's queries, once
+    split_rows: dict[str, list[int]]  # split -> rows of query_ids
+    settings: SearchSettings
+    fusion_depth: int
+    device: str
+
+
+class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored"):
+    """Exact search for every (K_q, K_p, mode) cell of the grid."""
+
+    def plan(self, config: ScoreConfig, ctx: Context) -> Plan:
+        store = ctx.store
+        record = find_system(store, config.system)
+        # a representation without sparse vectors is scored in the dense modes only
+        modes = modes_for(config.modes, record.has_sparse) or ["single_dense"]
+        corpus, ignore = config.corpus_name(), config.ignore_ids()
+        ds_hash = dataset_manifest(store, config.dataset).config_hash
+        n_passages = corpus_size(store, corpus)
+        split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
+        q_stages = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
+        p_stages = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
+        q_man = {kq: encoding_manifest(store, s) for kq, s in q_stages.items()}
+        p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_stages.items()}
+        plan = Plan(system=record.system, work_unit="passes")
+        todo: list[Cell] = []
+        for kp in config.kp:
+            for split in config.splits:
+                for kq in config.kq:
+                    inputs = {"queries": ds_hash, "query_encodings": q_man[kq].config_hash,
+                              "passage_encodings": p_man[kp].config_hash}  # fmt: skip
+                    for mode in modes:
+                        cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode, config.topk,
+                                          config.fusion_depth, ignore, inputs)  # fmt: skip
+                        stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
+                        if plan.needs(ctx, stage, cfg, config.force):
+                            todo.append(Cell(split, kq, kp, mode, stage, cfg))
+        plan.count = len(todo)
+        query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
+        row = {q: i for i, q in enumerate(query_ids)}
+        split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
+        settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore)
+        device = str(resolve_device(config.device))
+        for kp in sorted({c.kp for c in todo}):
+            cells = [c for c in todo if c.kp == kp]
+            stages = {kq: q_stages[kq] for kq in sorted({c.kq for c in cells})}
+            plan.units.append(
+                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, settings, config.fusion_depth, device)
+            )
+        return plan
+
+    def run(self, unit: ScorePass, ctx: Context) -> int:
+        store = ctx.store
+        queries = {kq: query_encodings(store, st, unit.query_ids, unit.device) for kq, st in unit.query_stages.items()}
+        p_man = encoding_manifest(store, unit.passage_stage)
+        passages = iter_encodings(store, unit.passage_stage, p_man, unit.device)
+        n = p_man.total_rows()
+        ctx.log(f"scoring K_p={unit.kp}: {len(unit.cells)} cell(s) over {n:,} passages on {unit.device}")
+        base = base_modes_needed({c.mode for c in unit.cells})
+        tops, doc_ids = search_pass(queries, passages, base, unit.settings)
+        write_runs(store, unit.cells, all_modes(tops, unit.fusion_depth), unit.query_ids, doc_ids, unit.split_rows)
+        return len(unit.cells)
+
+
+stage = Score()

@@ -1,0 +1,76 @@
+"""The summary stage: a system's leaderboard (best cell per mode, BM25, t-tests), a heatmap per mode and a
+markdown page, per split, from the metrics in the store.
+
+    summaries/system=<slug>/dataset=<d>/split=<s>/{summary.md, leaderboard.csv, heatmap_<mode>.png}
+
+Its inputs are the metrics it reads (their manifests' config hashes and checksums): when they change, the
+summary is rewritten; when they do not, nothing is done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from retrieval.analysis.summary import build_summary
+from storage import Manifest
+from storage.layout import summary_dir
+from storage.sql import StoreSQL
+
+from .base import Context, Folder, Plan, Stage, StageConfig
+from .systems import SystemRef, find_system
+
+
+class SummaryConfig(StageConfig):
+    """Parameters of the summary stage (the last step of `diffret run`)."""
+
+    system: str | None = Field(default=None, description="The system to summarise (a slug or a unique prefix; "
+                               "default: the store's only encoder system).")  # fmt: skip
+    dataset: str
+    splits: list[str] = Field(default=["test"])
+    bm25: str | None = Field(default=None, description="The BM25 system to compare with (a slug or prefix), if any.")
+
+
+class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
+    """Leaderboard, heatmaps and summary markdown of one system on one dataset."""
+
+    def plan(self, config: SummaryConfig, ctx: Context) -> Plan:
+        system = find_system(ctx.store, SystemRef(system=config.system)).system
+        bm25 = find_system(ctx.store, SystemRef(system=config.bm25)).system if config.bm25 else None
+        plan = Plan(system=system, details={"bm25": bm25})
+        systems = [system] + ([bm25] if bm25 else [])
+        for split in config.splits:
+            cfg = {
+                "system": system, "bm25": bm25, "dataset": config.dataset, "split": split,
+                "inputs": {"metrics": ctx.store.fingerprint(
+                    *(f"metrics/system={s}/dataset={config.dataset}/split={split}/*/*/*" for s in systems)
+                )},
+            }  # fmt: skip
+            stage = summary_dir(system, config.dataset, split)
+            plan.add_folder(ctx, stage, cfg, config.force)
+        return plan
+
+    def run(self, unit: Folder, ctx: Context) -> None:
+        c = unit.config
+        with StoreSQL(ctx.store) as db:
+            s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"])
+        part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
+        board = [r.as_dict() for r in s.rows]
+        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board})
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            for name, data in s.files().items():
+                w.write_file(name, data)
+
+    def finish(self, config: SummaryConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """The leaderboard of each split (from the stored summaries) and where each summary folder is."""
+        out: dict[str, Any] = {"leaderboards": {}, "folders": {}}
+        for split in config.splits:
+            stage = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
+            m = ctx.store.require_manifest(stage)
+            out["leaderboards"][split] = m.stats.get("leaderboard", [])
+            out["folders"][split] = ctx.store.abspath(stage)
+        return out
+
+
+stage = Summary()

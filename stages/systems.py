@@ -1,0 +1,221 @@
+"""The systems registry: what each system slug in the store stands for.
+
+A *system* is everything that makes a set of runs: an encoder (backbone, readout and every setting that
+changes the numbers) or BM25 (its parameters). Its slug names the ``system=`` partition of every folder it
+produced, and ``systems/system=<slug>/_manifest.json`` records its full settings. Stages that read a
+system (score, index, evaluate, report) look it up here, by name or by model plus the settings that tell it
+apart; they never rebuild a slug from their own options.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from retrieval.models.backbones import BackboneConfig, load_tokenizer
+from retrieval.models.readouts import ReadoutConfig, readout_class
+from storage import ArtifactStore, Manifest, StoreError, config_hash
+from storage.layout import system_dir
+from storage.manifest import diff_configs
+
+SYSTEMS_STAGE = "systems"
+
+
+class EncodeSettings(BaseModel):
+    """Everything that determines the numbers of an encoder system (its slug hashes :func:`numeric_settings`)."""
+
+    backbone: BackboneConfig
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
+    max_length: int = Field(default=512, ge=1, description="Text tokens kept per text (before the prompt).")
+
+
+def _slug_base(model: str) -> str:
+    base = model.rstrip("/").split("/")[-1] or "model"
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", base).strip("-.")[:60] or "model"
+
+
+def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
+    """The settings that change the numbers (device, attention kernel and batch size do not)."""
+    b = s.backbone
+    return {
+        "model": b.model,
+        "gguf_file": b.gguf_file,
+        "family": b.family,
+        "dtype": b.dtype,
+        "mask_token": b.mask_token,
+        "turn_end": b.turn_end,
+        "readout": s.readout.model_dump(),
+        "max_length": s.max_length,
+    }
+
+
+def encoder_slug(s: EncodeSettings) -> str:
+    """``<model basename>-<readout>-<hash of numeric_settings>``.
+
+    >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
+    'tiny-bert-diffretriever-1421ca5bcb'
+    """
+    return f"{_slug_base(s.backbone.model)}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
+
+
+def bm25_slug(settings: BaseModel) -> str:
+    return f"bm25-{config_hash(settings.model_dump())[:10]}"
+
+
+def tokenizer_slug(model: str, gguf_file: str | None, max_length: int, tokenizer: Any) -> str:
+    """The tokens folder of a (tokenizer, max_length): the vocabulary is hashed, so a changed tokenizer is new."""
+    import hashlib
+
+    vocab = tokenizer.get_vocab()
+    vh = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:8]
+    h = config_hash({"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vh})[:10]
+    return f"{_slug_base(model)}-{h}"
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def tokenizer_of(backbone: BackboneConfig) -> Any:
+    """The backbone's tokenizer, loaded once per process."""
+    key = backbone.model_dump_json(include={"model", "gguf_file", "trust_remote_code"})
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(backbone)
+    return _TOKENIZERS[key]
+
+
+def tokens_slug(backbone: BackboneConfig, max_length: int) -> str:
+    """The ``tokenizer=`` partition of a backbone's token ids cut at ``max_length``."""
+    return tokenizer_slug(backbone.model, backbone.gguf_file, max_length, tokenizer_of(backbone))
+
+
+# ------------------------------------------------------------------------------------------- records
+class SystemRecord(BaseModel):
+    """One registered system (the ``config`` of its registry manifest)."""
+
+    system: str
+    kind: Literal["encoder", "bm25"]
+    model: str | None = None  # the backbone as given (HF id or path); None for BM25
+    readout: str | None = None
+    multi_vector: bool = False
+    has_sparse: bool = False
+    settings: dict[str, Any] = Field(default_factory=dict)  # exactly what the slug's hash covers
+
+    def flat_settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self.settings.items():
+            if isinstance(value, dict):
+                out.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                out[key] = value
+        return out
+
+
+def encoder_record(s: EncodeSettings) -> SystemRecord:
+    cls = readout_class(s.readout.readout)
+    return SystemRecord(
+        system=encoder_slug(s), kind="encoder", model=s.backbone.model, readout=cls.name,
+        multi_vector=cls.multi_vector, has_sparse=cls.has_sparse, settings=numeric_settings(s),
+    )  # fmt: skip
+
+
+def register(store: ArtifactStore, record: SystemRecord) -> None:
+    """Write the record unless the registry holds it already (a record never changes: its slug is its hash)."""
+    stage = system_dir(record.system)
+    config = record.model_dump()
+    old = store.read_manifest(stage)
+    if old is not None and old.config_hash == config_hash(config):
+        return
+    if old is not None:
+        raise StoreError(
+            f"{store.abspath(stage)}: another system is registered under {record.system!r} "
+            f"(fields {[d[0] for d in diff_configs(old.config, config)]} differ); remove that folder"
+        )
+    path = _local_path(record.model) if record.model else None
+    m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats={"model_path": path})
+    store.write_manifest(stage, m)
+
+
+def _local_path(model: str) -> str | None:
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else None
+
+
+def load(store: ArtifactStore, system: str) -> SystemRecord:
+    m = store.read_manifest(system_dir(system))
+    if m is None:
+        raise StoreError(f"no system {system!r} in {store.root}; {_known(store)}")
+    return SystemRecord.model_validate(m.config)
+
+
+def list_systems(store: ArtifactStore) -> list[tuple[SystemRecord, dict[str, Any]]]:
+    """Every registered system with its manifest stats (``model_path``), by slug."""
+    out = []
+    for slug in store.list_partitions(SYSTEMS_STAGE, "system"):
+        m = store.read_manifest(system_dir(slug))
+        if m is not None:
+            out.append((SystemRecord.model_validate(m.config), m.stats))
+    return out
+
+
+def _known(store: ArtifactStore) -> str:
+    names = [r.system for r, _ in list_systems(store)]
+    return f"systems in the store: {', '.join(names)}" if names else "the store has no systems yet (diffret encode)"
+
+
+class SystemRef(BaseModel):
+    """Which stored system a stage reads: its slug, or its model plus the settings that tell it apart.
+
+    With neither, the store's only encoder system is used.
+    """
+
+    system: str | None = Field(default=None, description="A system slug, as `diffret systems` lists it (a unique "
+                               "prefix is enough).")  # fmt: skip
+    model: str | None = Field(default=None, description="The HF id or local folder the system was encoded with.")
+    where: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Settings the system must have, by name: e.g. {'dtype': 'bfloat16', 'readout.prompt': "
+        "'few_words'}.",
+    )
+
+
+def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> SystemRecord:
+    """The one registered system that ``ref`` names; a clear error when none or several match."""
+    records = list_systems(store)
+    if ref.system:
+        exact = [r for r, _ in records if r.system == ref.system]
+        hits = exact or [r for r, _ in records if r.system.startswith(ref.system)]
+        if len(hits) == 1:
+            return hits[0]
+        what = "several systems start with" if hits else "no system named"
+        raise StoreError(f"{what} {ref.system!r} in {store.root}; {_known(store)}")
+    cands = [(r, st) for r, st in records if r.kind == kind]
+    if ref.model:
+        path = _local_path(ref.model)
+        cands = [(r, st) for r, st in cands if r.model == ref.model or (path and st.get("model_path") == path)]
+    for key, want in ref.where.items():
+        known = set().union(*(r.flat_settings() for r, _ in cands)) if cands else set()
+        if cands and key not in known:
+            raise StoreError(f"unknown system setting {key!r}; settings: {', '.join(sorted(known))}")
+        cands = [(r, st) for r, st in cands if r.flat_settings().get(key) == want]
+    if len(cands) == 1:
+        return cands[0][0]
+    asked = " and ".join([f"model {ref.model!r}"] * bool(ref.model) + [f"{k}={v!r}" for k, v in ref.where.items()])
+    if not cands:
+        hint = "run `diffret encode` with these settings first" if kind == "encoder" else "run it first"
+        raise StoreError(f"no {kind} system with {asked or 'any settings'} in {store.root}; {_known(store)}; {hint}")
+    differ = _differing(r.flat_settings() for r, _ in cands)
+    listing = "; ".join(f"{r.system} ({', '.join(f'{k}={r.flat_settings().get(k)!r}' for k in differ)})"
+                        for r, _ in cands)  # fmt: skip
+    raise StoreError(
+        f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with --system, or add the "
+        f"setting that tells them apart ({', '.join('--' + k.split('.')[-1].replace('_', '-') for k in differ)})"
+    )
+
+
+def _differing(settings: Any) -> list[str]:
+    rows = list(settings)
+    keys = sorted(set().union(*rows)) if rows else []
+    return [k for k in keys if len({repr(r.get(k)) for r in rows}) > 1]

@@ -1,0 +1,59 @@
+"""The CLI leaves the process with ``os._exit`` (no C++ static destructors: pyarrow's and DuckDB's
+thread pools could abort a finished command with SIGABRT). What Python's own shutdown guarantees must
+still hold: the exit code, buffered output, atexit handlers and non-daemon threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, write_beir
+
+ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
+
+
+def main_with(tmp_path: Path, argv: list[str], prelude: str = "") -> subprocess.CompletedProcess:
+    code = "\n".join(
+        ["import atexit, sys, threading, time", prelude, f"sys.argv = ['diffret', *{argv!r}]",
+         "from flows.cli import main", "main()", "print('not reached')"]
+    )  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+
+
+def test_success_flushes_output_and_runs_atexit_and_joins_threads(tmp_path: Path, tiny_beir: Path) -> None:
+    root = tmp_path / "store"
+    p = main_with(tmp_path, ["download", "tiny", "--source", str(tiny_beir), "--root", str(root)])
+    assert p.returncode == 0, p.stderr
+    prelude = """
+atexit.register(lambda: print("atexit handler ran"))
+def late():
+    time.sleep(0.5)
+    print("thread finished")
+threading.Thread(target=late).start()
+"""
+    p = main_with(tmp_path, ["sql", "--root", str(root), "-f", "csv", "select count(*) as n from corpus"], prelude)
+    assert p.returncode == 0, p.stderr
+    # stdout is a pipe (block-buffered): everything printed reaches it, the atexit handler last (after the
+    # thread was joined), and nothing after main()
+    lines = p.stdout.splitlines()
+    assert sorted(lines) == sorted(["n", "3", "thread finished", "atexit handler ran"])
+    assert lines[-1] == "atexit handler ran" and lines.index("n") + 1 == lines.index("3")
+
+
+def test_error_exit_code_and_message(tmp_path: Path) -> None:
+    p = main_with(tmp_path, ["score", "-d", "nope", "--system", "x", "--root", str(tmp_path / "empty")])
+    assert p.returncode == 2 and "error:" in p.stderr and "not reached" not in p.stdout
+
+
+def test_usage_error_and_unexpected_exception(tmp_path: Path) -> None:
+    p = main_with(tmp_path, ["no-such-command"])
+    assert p.returncode == 2 and "No such command" in p.stderr
+    # an error the CLI does not expect still prints its traceback and exits 1
+    write_beir(tmp_path / "bad", None, [{"_id": "q1", "text": "x"}], {"test": [("q1", "d1", 1)]})
+    prelude = "import flows.cli as c; c._known_errors = lambda: (KeyError,)\nimport stages.ingest as d\n" \
+        "def boom(*a, **k): raise RuntimeError('unexpected failure')\nd.materialise = boom"  # fmt: skip
+    p = main_with(tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")],
+                  prelude)  # fmt: skip
+    assert p.returncode == 1 and "Traceback" in p.stderr and "RuntimeError: unexpected failure" in p.stderr

@@ -1,0 +1,205 @@
+"""Exact search equals brute force for every mode; fusion, ties, run tables and encodings loading."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from retrieval.models.encoding import encoded_table
+from retrieval.models.readouts import Encoded
+from retrieval.search import (
+    Encodings,
+    SearchSettings,
+    TopK,
+    all_modes,
+    encodings_from_table,
+    fuse_minmax,
+    maxsim,
+    run_table,
+    scoring,
+    search_pass,
+    select,
+)
+from retrieval.search.modes import MODE_NAMES as MODES
+
+H = 16
+VOCAB = 300
+
+
+def _random_encoded(rng: np.random.Generator, n: int, k: int, vary: bool = False) -> list[Encoded]:
+    out = []
+    for _ in range(n):
+        reps = int(rng.integers(1, k + 1)) if vary else k
+        nnz = int(rng.integers(0, 12))
+        ids = rng.choice(VOCAB, size=nnz, replace=False).astype(np.int32)
+        w = rng.random(nnz).astype(np.float32) * 3
+        out.append(Encoded(rng.standard_normal((reps, H)).astype(np.float16), ids, w, n_tokens=10))
+    return out
+
+
+def _table(rng, n, k, prefix, vary=False) -> pa.Table:
+    return encoded_table([f"{prefix}{i}" for i in range(n)], _random_encoded(rng, n, k, vary), H)
+
+
+def _encodings(rng, n, k, prefix, vary=False) -> Encodings:
+    return encodings_from_table(_table(rng, n, k, prefix, vary))
+
+
+# exact search runs where the encodings live: the CPU always, a GPU where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def _brute_scores(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
+    """Straight loops over the definitions (float64)."""
+    out = np.zeros((len(q), len(p)))
+    for i in range(len(q)):
+        qv = q.multi[i][q.mask[i]].double().numpy()
+        for j in range(len(p)):
+            pv = p.multi[j][p.mask[j]].double().numpy()
+            if mode == "multi_dense":
+                out[i, j] = (qv @ pv.T).max(1).mean()
+            elif mode == "single_dense":
+                a, b = qv.mean(0), pv.mean(0)
+                out[i, j] = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+            else:
+                qd = dict(zip(q.sparse_ids[i].tolist(), q.sparse_weights[i].tolist(), strict=True))
+                out[i, j] = sum(qd.get(t, 0.0) * w for t, w in zip(p.sparse_ids[j], p.sparse_weights[j], strict=True))
+    return out
+
+
+def _brute_top(scores: np.ndarray, k: int, positive_only: bool = False) -> list[list[tuple[int, float]]]:
+    out = []
+    for row in scores:
+        order = np.lexsort((np.arange(len(row)), -row))
+        pairs = [(int(j), float(row[j])) for j in order if not positive_only or row[j] > 0]
+        out.append(pairs[:k])
+    return out
+
+
+def _brute_fusion(a: np.ndarray, b: np.ndarray, depth: int, b_positive: bool) -> np.ndarray:
+    fused = np.full(a.shape, -np.inf)
+    for i in range(a.shape[0]):
+        acc: dict[int, float] = {}
+        for row, pos in ((a[i], False), (b[i], b_positive)):
+            top = _brute_top(row[None], depth, pos)[0]
+            if not top:
+                continue
+            vals = np.array([s for _, s in top])
+            lo, hi = vals.min(), vals.max()
+            for j, s in top:
+                acc[j] = acc.get(j, 0.0) + 0.5 * ((s - lo) / (hi - lo) if hi > lo else 1.0)
+        for j, v in acc.items():
+            fused[i, j] = v
+    return fused
+
+
+def _assert_same_top(top: TopK, ref: list[list[tuple[int, float]]], k: int) -> None:
+    """Identical top-k up to ties: same scores rank by rank; same documents except at a tied boundary."""
+    for qi, pairs in enumerate(ref):
+        got_ix = [int(x) for x in top.index[qi, :k] if x >= 0]
+        got_s = top.scores[qi, : len(got_ix)]
+        assert len(got_ix) == len(pairs), qi
+        np.testing.assert_allclose(got_s, [s for _, s in pairs], rtol=1e-4, atol=1e-4)
+        if pairs:
+            boundary = pairs[-1][1]
+            strict_ref = {j for j, s in pairs if s > boundary + 1e-4}
+            strict_got = {j for j, s in zip(got_ix, got_s, strict=True) if s > boundary + 1e-4}
+            assert strict_ref == strict_got, qi
+
+
+@pytest.mark.parametrize("tile_elems", [None, 40], ids=["untiled", "tiled"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vary", [False, True])
+def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile_elems, monkeypatch) -> None:
+    if tile_elems is not None:  # CPU MaxSim in tiles of 40 // (Q*K_q) documents: 1 to 5 per tile here
+        monkeypatch.setattr(scoring, "CPU_TILE_ELEMS", tile_elems)
+    rng = np.random.default_rng(7)
+    q_tables = {kq: _table(rng, 23, kq, "q", vary) for kq in (1, 3)}
+    p_table = _table(rng, 400, 4, "d", vary)
+    on_device = encodings_from_table(p_table, device)
+    # tiny chunk budget: many sub-blocks and query blocks, to exercise the running top-k
+    st = SearchSettings(topk=150, chunk_elems=5000, query_block=7)
+    blocks = [select(on_device, on_device.ids[s : s + 90]) for s in range(0, 400, 90)]
+    queries = {kq: encodings_from_table(t, device) for kq, t in q_tables.items()}
+    base, doc_ids = search_pass(queries, blocks, settings=st)
+    passages = encodings_from_table(p_table)  # the brute force reads CPU copies
+    assert doc_ids == passages.ids
+    runs = all_modes(base, depth=150)
+    assert {m for _, m in runs} == set(MODES)
+    for kq, t in q_tables.items():
+        q = encodings_from_table(t)
+        full = {m: _brute_scores(q, passages, m) for m in ("single_dense", "multi_dense", "sparse_max")}
+        for mode in MODES:
+            if mode.startswith("fusion_"):
+                dense = "single_dense" if "single" in mode else "multi_dense"
+                ref = _brute_top(_brute_fusion(full[dense], full["sparse_max"], 150, True), 100, True)
+                ref = [[(j, s) for j, s in r if s > -np.inf] for r in ref]
+            else:
+                ref = _brute_top(full[mode], 100, positive_only=mode == "sparse_max")
+            _assert_same_top(runs[(kq, mode)], ref, 100)
+
+
+def test_maxsim_masks_padding_and_averages_over_real_query_vectors() -> None:
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])
+    qm = torch.tensor([[True, True, False]])
+    p = torch.tensor([[[1.0, 0.0], [-5.0, -5.0]]])  # second vector is padding: must not count
+    pm = torch.tensor([[True, False]])
+    assert maxsim(q, qm, p, pm).item() == pytest.approx(0.5)
+
+
+def test_padding_rows_do_not_change_scores() -> None:
+    """A passage scored alone or in a block padded to a larger K gets the same score."""
+    rng = np.random.default_rng(1)
+    encs = _random_encoded(rng, 6, 4, vary=True)
+    short = Encoded(encs[0].dense[:1], encs[0].sparse_ids, encs[0].sparse_weights, 3)
+    q = encodings_from_table(encoded_table(["q"], [encs[1]], H))
+    alone = encodings_from_table(encoded_table(["a"], [short], H))
+    mixed = encodings_from_table(encoded_table(["a", "b"], [short, encs[2]], H))
+    s_alone = maxsim(q.multi, q.mask, alone.multi, alone.mask)[0, 0]
+    s_mixed = maxsim(q.multi, q.mask, mixed.multi, mixed.mask)[0, 0]
+    assert s_alone.item() == pytest.approx(s_mixed.item(), abs=1e-6)
+
+
+def test_ignore_identical_ids_drops_self_hits() -> None:
+    rng = np.random.default_rng(3)
+    docs = _random_encoded(rng, 20, 2)
+    p = encodings_from_table(encoded_table([f"x{i}" for i in range(20)], docs, H))
+    q = encodings_from_table(encoded_table(["x0", "x5"], [docs[0], docs[5]], H))
+    top_self, ids = search_pass({2: q}, [p], ["multi_dense"], SearchSettings(topk=5))
+    assert ids[top_self[(2, "multi_dense")].index[0, 0]] == "x0"  # itself is the best match
+    top, ids = search_pass({2: q}, [p], ["multi_dense"], SearchSettings(topk=5, ignore_identical_ids=True))
+    assert "x0" not in [ids[i] for i in top[(2, "multi_dense")].index[0]]
+    assert "x5" not in [ids[i] for i in top[(2, "multi_dense")].index[1]]
+
+
+def test_fusion_minmax_union_missing_is_zero_and_constant_runs() -> None:
+    a = TopK(np.array([[3.0, 2.0, 1.0]], np.float32), np.array([[0, 1, 2]]))
+    b = TopK(np.array([[10.0, 0.0, -np.inf]], np.float32), np.array([[2, 3, -1]]))
+    f = fuse_minmax(a, b)
+    got = dict(zip(f.index[0].tolist(), f.scores[0].tolist(), strict=True))
+    # a: 0->1, 1->0.5, 2->0 ; b: 2->1, 3->0
+    assert got == pytest.approx({0: 0.5, 1: 0.25, 2: 0.5, 3: 0.0})
+    assert f.index[0].tolist()[:2] == [0, 2]  # tie broken by document index
+    const = fuse_minmax(
+        TopK(np.array([[1.0]], np.float32), np.array([[4]])), TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64))
+    )
+    assert const.index[0, 0] == 4 and const.scores[0, 0] == pytest.approx(0.5)
+
+
+def test_run_table_orders_by_score_then_doc_id_and_drops_pads() -> None:
+    top = TopK(np.array([[1.0, 2.0, 2.0, -np.inf]], np.float32), np.array([[0, 1, 2, -1]]))
+    t = run_table(top, ["q1"], ["c", "b", "a"])
+    assert t.column("doc_id").to_pylist() == ["a", "b", "c"]
+    assert t.column("rank").to_pylist() == [1, 2, 3]
+    assert t.schema.field("rank").type == pa.int32()
+
+
+def test_encodings_errors() -> None:
+    rng = np.random.default_rng(0)
+    enc = _encodings(rng, 3, 2, "d")
+    with pytest.raises(KeyError, match="nope"):
+        select(enc, ["d0", "nope"])
+    with pytest.raises(ValueError, match="unknown base mode"):
+        search_pass({1: enc}, [enc], ["fusion_multi_sparse_max"])

@@ -1,0 +1,200 @@
+"""Every stage on a tiny store (a random tiny BERT saved to disk, a 12-document collection): plan / skip /
+drift / force / stale inputs, the systems registry, and the CLI finding a system by --model alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import write_beir
+from tiny_models import save_tiny_mlm
+from typer.testing import CliRunner
+
+from retrieval.models.backbones import BackboneConfig
+from stages import execute, stages
+from stages.bm25 import BM25Config
+from stages.encode import EncodeConfig
+from stages.evaluate import EvaluateConfig
+from stages.index import IndexConfig
+from stages.ingest import DownloadConfig
+from stages.report import ReportConfig
+from stages.score import ScoreConfig
+from stages.summary import SummaryConfig
+from stages.systems import SystemRef, find_system, list_systems
+from stages.tokenize import TokenizeConfig
+from storage import ArtifactStore, ConfigDriftError, StoreError
+
+WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
+CORPUS = [{"_id": f"d{i}", "title": WORDS[i], "text": " ".join(WORDS[i : i + 4])} for i in range(12)]
+QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[2 * i : 2 * i + 2])} for i in range(5)]
+QRELS = {"test": [("q0", "d0", 1), ("q1", "d2", 1), ("q2", "d4", 2)], "train": [("q3", "d6", 1), ("q4", "d8", 1)]}
+
+
+def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
+    """One config per stage, in pipeline order."""
+    bb = BackboneConfig(model=str(model))
+    common = {"root": root}
+    ref = SystemRef(model=str(model))
+    return {
+        "download": DownloadConfig(name="tiny", source=str(beir), **common),
+        "tokenize": TokenizeConfig(dataset="tiny", backbone=bb, max_length=32, shard_size=5, **common),
+        "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=32, shard_size=5, batch_size=4,
+                               **common),  # fmt: skip
+        "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
+        "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
+        "evaluate": EvaluateConfig(**common),
+        "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
+        "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
+        "report": ReportConfig(name="t", n_boot=20, **common),
+    }
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("stages")
+    model = save_tiny_mlm(base / "model")
+    beir = write_beir(base / "tiny", CORPUS, QUERIES, QRELS)
+    root = str(base / "store")
+    cfgs = configs(root, model, beir)
+    results = {name: execute(stages()[name], cfg, log=lambda _: None) for name, cfg in cfgs.items()}
+    return {"base": base, "root": root, "model": model, "beir": beir, "configs": cfgs, "results": results}
+
+
+def copy_world(world: dict, tmp_path: Path) -> dict:
+    """The store of ``world`` copied (a test that changes it gets its own), with configs pointing at the copy."""
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root)
+    return {**world, "root": str(root), "configs": configs(str(root), world["model"], world["beir"])}
+
+
+def snapshot(root: str) -> dict[str, int]:
+    out = {}
+    for base, _, files in os.walk(root):
+        if "/_locks" in base:
+            continue
+        for f in files:
+            p = os.path.join(base, f)
+            out[p] = os.stat(p).st_mtime_ns
+    return out
+
+
+def test_every_stage_did_its_work_once(world: dict) -> None:
+    for name, res in world["results"].items():
+        assert res.stage == name and res.done > 0 and res.skipped == 0, (name, res)
+    assert world["results"]["encode"].done == 2 * (1 + 3)  # K x shards (5 queries: 1 shard; 12 docs: 3)
+    assert world["results"]["score"].done == 2 * 2 * 2 * 5  # splits x K_q x K_p x modes
+    assert world["results"]["evaluate"].done == 40 + 2  # + BM25 on test and train
+
+
+@pytest.mark.parametrize("name", list(stages()))
+def test_current_stage_redoes_nothing(world: dict, name: str) -> None:
+    before = snapshot(world["root"])
+    res = execute(stages()[name], world["configs"][name], log=lambda _: None)
+    assert res.done == 0 and res.skipped == world["results"][name].done + world["results"][name].skipped
+    assert snapshot(world["root"]) == before  # not a byte rewritten
+
+
+def _encode_manifest_edit(world: dict) -> str:
+    """Encode has no setting outside its system slug: simulate a store whose manifest says otherwise."""
+    path = next(Path(world["root"]).glob("encodings/*/dataset=tiny/side=query/k=1/_manifest.json"))
+    m = json.loads(path.read_text())
+    m["config"]["readout"]["sparse_topk"] = 99
+    path.write_text(json.dumps(m))
+    return "readout.sparse_topk"
+
+
+DRIFT = {  # stage -> (change of a setting, the field the error names)
+    "download": (lambda w: {"source": str(w["beir"]) + "-v2"}, "source"),
+    "tokenize": (lambda w: {"shard_size": 4}, "shard_size"),
+    "encode": (None, "readout.sparse_topk"),
+    "score": (lambda w: {"topk": 10}, "topk"),
+    "bm25": (lambda w: {"topk": 10}, "topk"),
+    "evaluate": (lambda w: {"relevance_level": 2}, "relevance_level"),
+    "index": (lambda w: {"overfetch": 5}, "overfetch"),
+    "summary": (lambda w: {"bm25": None}, "bm25"),
+    "report": (lambda w: {"n_boot": 30}, "n_boot"),
+}
+
+
+@pytest.mark.parametrize("name", list(DRIFT))
+def test_drift_is_refused_naming_the_field_until_forced(world: dict, tmp_path: Path, name: str) -> None:
+    w = copy_world(world, tmp_path)
+    change, field = DRIFT[name]
+    if name == "download":
+        shutil.copytree(w["beir"], str(w["beir"]) + "-v2", dirs_exist_ok=True)
+    if change is None:
+        _encode_manifest_edit(w)
+        config = w["configs"][name]
+    else:
+        config = w["configs"][name].model_copy(update=change(w))
+    before = snapshot(w["root"])
+    with pytest.raises(ConfigDriftError) as err:
+        execute(stages()[name], config, log=lambda _: None)
+    assert field in [f for f, _, _ in err.value.differences] and "--force" in str(err.value)
+    assert snapshot(w["root"]) == before  # refused before anything was written
+    forced = execute(stages()[name], config.model_copy(update={"force": True}), log=lambda _: None)
+    assert forced.done > 0
+
+
+def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path: Path) -> None:
+    """Runs replaced (forced, other topk): their metrics are recomputed by a plain evaluate, not refused."""
+    w = copy_world(world, tmp_path)
+    forced = w["configs"]["score"].model_copy(update={"topk": 3, "force": True})
+    assert execute(stages()["score"], forced, log=lambda _: None).done == 40
+    res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lambda _: None)
+    assert (res.done, res.skipped) == (40, 2)  # the encoder's runs are stale; BM25's are current
+
+
+def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
+    w = copy_world(world, tmp_path)
+    run = next(Path(w["root"]).glob("runs/*/dataset=tiny/split=test/kq=1/kp=2/mode=multi_dense/run.parquet"))
+    good = run.read_bytes()
+    run.write_bytes(good[:-4] + b"oops")
+    res = execute(stages()["score"], w["configs"]["score"], log=lambda _: None)
+    assert (res.done, res.skipped) == (1, 39) and run.read_bytes() == good  # deterministic: byte-identical
+
+
+def test_registry_records_each_system_and_finds_it(world: dict) -> None:
+    store = ArtifactStore(world["root"])
+    recs = {r.kind: r for r, _ in list_systems(store)}
+    enc = recs["encoder"]
+    assert enc.model == str(world["model"]) and enc.readout == "diffretriever" and enc.has_sparse
+    assert enc.settings["dtype"] == "float32" and enc.settings["max_length"] == 32
+    assert find_system(store, SystemRef(model=str(world["model"]))).system == enc.system
+    assert find_system(store, SystemRef(system=enc.system[:12])).system == enc.system  # a unique prefix
+    assert find_system(store, SystemRef(system="bm25")).kind == "bm25"
+    with pytest.raises(StoreError, match="no encoder system"):
+        find_system(store, SystemRef(model=str(world["model"]), where={"dtype": "bfloat16"}))
+    with pytest.raises(StoreError, match="unknown system setting"):
+        find_system(store, SystemRef(where={"colour": "red"}))
+
+
+def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """The encode options are not repeated: score and index look the system up in the registry."""
+    from flows.cli import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    runner = CliRunner()
+    root, model = str(tmp_path / "store"), str(world["model"])
+
+    def cli(*args: str) -> str:
+        res = runner.invoke(app, [*args, "--root", root])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    cli("download", "tiny", "--source", str(world["beir"]))
+    cli("encode", "-d", "tiny", "--model", model, "--dtype", "bfloat16", "--k", "1,2", "--max-length", "32")
+    assert "20 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--kq", "1,2", "--kp", "1,2")
+    indexed = cli("index", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "2", "--type", "none")
+    assert "1 index(es) built" in indexed and "| 2 | 1 |" in indexed
+    # a second system of the same model: --model alone is now ambiguous, and the error says what differs
+    cli("encode", "-d", "tiny", "--model", model, "--k", "1", "--max-length", "32")
+    res = runner.invoke(app, ["score", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "1", "--root", root])
+    assert res.exit_code == 2 and "2 encoder systems match" in res.output and "--dtype" in res.output
+    assert "5 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1",
+                                     "--kp", "1")  # fmt: skip
+    listing = cli("systems", "-f", "json")
+    assert sorted(r["kind"] for r in json.loads(listing)) == ["encoder", "encoder"]
