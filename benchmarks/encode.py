@@ -21,6 +21,7 @@ import transformers
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import ReadoutConfig, make_reader
+from stages.readers import passage_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def load_texts(path: Path, n: int) -> list[str]:
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            out.append(f"{d.get('title', '')} {d['text']}".strip())
+            out.append(passage_text(d.get("title", ""), d["text"]))
             if len(out) >= n:
                 break
     return out
@@ -67,7 +68,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype))
-    reader = make_reader(bb, ReadoutConfig(padding_side="right"))
+    reader = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
     tok = bb.tokenizer
     texts = load_texts(Path(args.corpus), args.docs)
     ids = [str(i) for i in range(len(texts))]
@@ -78,7 +79,7 @@ def main() -> None:
     )
 
     def pipeline(k: int, sort: bool = True):
-        return lambda: encode_rows(reader, ids, token_ids, "passage", k, args.batch_size, sort_by_length=sort)
+        return lambda: encode_rows(reader, ids, token_ids, texts, "passage", k, args.batch_size, sort_by_length=sort)
 
     # the bare loop: the same input sequences (prompt + text + K masks + closing), in file order
     k = args.k

@@ -48,26 +48,26 @@ def _kind(annotation: Any) -> tuple[type, bool]:
 def _fields(model: type[BaseModel], prefix: str) -> list[SettingOpt]:
     out = []
     for name, f in model.model_fields.items():
+        if model is EncodeSettings and name not in TOP:
+            continue
         kind, optional = _kind(f.annotation)
         default = DEFAULT_MODEL if (model is BackboneConfig and name == "model") else f.default
         out.append(SettingOpt(name, f"{prefix}{name}", kind, optional, default, f.description or ""))
     return out
 
 
+TOP = tuple(n for n in EncodeSettings.model_fields if n not in ("backbone", "readout"))  # max_length, title_sep
+
+
 def setting_opts() -> list[SettingOpt]:
-    ml = EncodeSettings.model_fields["max_length"]
-    return [
-        *_fields(BackboneConfig, "backbone."),
-        *_fields(ReadoutConfig, "readout."),
-        SettingOpt("max_length", "max_length", int, False, ml.default, ml.description or ""),
-    ]
+    return [*_fields(BackboneConfig, "backbone."), *_fields(ReadoutConfig, "readout."), *_fields(EncodeSettings, "")]
 
 
 def _numeric_paths() -> set[str]:
     """Settings paths that are part of a system's identity (what a stored system can be looked up by)."""
     keys = numeric_settings(EncodeSettings(backbone=BackboneConfig(model="x")))
-    out = {f"readout.{k}" for k in keys["readout"]} | {"max_length"}
-    return out | {f"backbone.{k}" for k in keys if k not in ("readout", "max_length", "model")}
+    out = {f"readout.{k}" for k in keys["readout"]} | set(TOP)
+    return out | {f"backbone.{k}" for k in keys if k not in ("readout", "model", *TOP)}
 
 
 def _param(opt: SettingOpt, filter_mode: bool) -> inspect.Parameter:
@@ -112,7 +112,7 @@ def system_options(mode: Literal["settings", "filter"]) -> Callable[[Callable], 
 
 
 def encode_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """``backbone``, ``readout`` and ``max_length`` config fields from ``settings``-mode option values."""
+    """The ``backbone``, ``readout`` and top-level settings config fields from ``settings``-mode option values."""
     nested: dict[str, Any] = {"backbone": {}, "readout": {}}
     for path, value in values.items():
         group, _, name = path.rpartition(".")
@@ -120,7 +120,7 @@ def encode_settings(values: dict[str, Any]) -> dict[str, Any]:
     return {
         "backbone": BackboneConfig(**nested["backbone"]),
         "readout": ReadoutConfig(**nested["readout"]),
-        "max_length": nested["max_length"],
+        **{name: nested[name] for name in TOP},
     }
 
 

@@ -27,6 +27,7 @@ from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
+from stages.readers import TITLE_SEP
 from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef
@@ -56,7 +57,8 @@ class PipelineConfig(StageConfig):
     splits: list[str] = Field(default=["test"], description="Query splits to score and evaluate.")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1)
+    max_length: int = Field(default=512, ge=1, description="Tokens per input, prompt included.")
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
     modes: ModeList = Field(default=list(MODE_NAMES))
@@ -90,8 +92,9 @@ class PipelineConfig(StageConfig):
 
     def encodes(self) -> list[EncodeConfig]:
         common = dict(
-            backbone=self.backbone, readout=self.readout, max_length=self.max_length, batch_size=self.batch_size,
-            shard_size=self.shard_size, workers=self.workers, dask_address=self.dask_address, **self._common(),
+            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
+            batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
+            dask_address=self.dask_address, **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))

@@ -24,6 +24,7 @@ from storage import FileEntry, IncompleteArtifactError
 from storage.layout import encodings_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
+from .readers import TITLE_SEP
 from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokens_slug
 from .tokenize import DEFAULT_MODEL, TokenizeConfig
 
@@ -36,19 +37,22 @@ class EncodeConfig(StageConfig):
     k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1, description="Text tokens kept per text (512 zero-shot).")
+    max_length: int = Field(default=512, ge=1, description="Tokens per input, prompt included (512 zero-shot).")
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     batch_size: int = Field(default=32, ge=1)
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
     workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
 
     def settings(self) -> EncodeSettings:
-        return EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)
+        return EncodeSettings(
+            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep
+        )
 
     def tokenize_config(self) -> TokenizeConfig:
         return TokenizeConfig(
             root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
-            max_length=self.max_length, shard_size=self.shard_size,
+            max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size,
         )  # fmt: skip
 
 
@@ -83,7 +87,7 @@ def reader_for(settings: EncodeSettings) -> Readout:
     with _LOAD_LOCK:
         if key not in _READERS:
             _READERS.clear()  # one model at a time: free the previous one's memory
-            _READERS[key] = make_reader(load_backbone(settings.backbone), settings.readout)
+            _READERS[key] = make_reader(load_backbone(settings.backbone), settings.readout, settings.max_length)
         return _READERS[key]
 
 
@@ -97,7 +101,7 @@ class Encode(
         readout_class(config.readout.readout).check_k(config.k)
         settings = config.settings()
         record = encoder_record(settings)
-        tokens = tokens_slug(config.backbone, config.max_length)
+        tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
         plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
         stored = settings.model_dump()
         for side in config.sides:
@@ -133,8 +137,8 @@ class Encode(
         reader = reader_for(EncodeSettings.model_validate(unit.settings))
         t = ctx.store.read_table(unit.tokens_stage, unit.shard)
         table = encode_rows(
-            reader, t.column("id").to_pylist(), t.column("token_ids").to_pylist(), unit.side, unit.k,
-            unit.batch_size, ctx.advance,
+            reader, t.column("id").to_pylist(), t.column("token_ids").to_pylist(), t.column("text").to_pylist(),
+            unit.side, unit.k, unit.batch_size, ctx.advance,
         )  # fmt: skip
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 

@@ -1,6 +1,6 @@
 """Reading what earlier stages stored: a dataset's texts, splits and qrels, and encodings as tensors.
 
-Every stage reads the store through these functions, so each rule (a passage is "title text", queries in
+Every stage reads the store through these functions, so each rule (a passage is "title. text", queries in
 first-appearance order, an encoding is complete only with every text) is written once.
 """
 
@@ -16,6 +16,18 @@ from storage import ArtifactStore, IncompleteArtifactError, Manifest
 from storage.layout import dataset_dir
 
 SIDES = ("query", "passage")
+TITLE_SEP = ". "  # the reference encoder's passage text: title + ". " + text
+
+
+def passage_text(title: str | None, text: str, sep: str = TITLE_SEP) -> str:
+    """A passage as the encoders read it: ``title + sep + text``, or the text alone without a title.
+
+    >>> passage_text("Cats", "They purr.")
+    'Cats. They purr.'
+    >>> passage_text("", "They purr.", " ")
+    'They purr.'
+    """
+    return f"{title}{sep}{text}" if title else text
 
 
 def dataset_manifest(store: ArtifactStore, dataset: str) -> Manifest:
@@ -31,8 +43,10 @@ def corpus_size(store: ArtifactStore, corpus: str) -> int:
     return int(entry.rows or 0)
 
 
-def side_texts(store: ArtifactStore, dataset: str, side: str) -> tuple[list[str], list[str], str]:
-    """(ids, texts, dataset config hash) of one side; passages as "title text" when there is a title."""
+def side_texts(
+    store: ArtifactStore, dataset: str, side: str, title_sep: str = TITLE_SEP
+) -> tuple[list[str], list[str], str]:
+    """(ids, texts, dataset config hash) of one side; passages as :func:`passage_text`."""
     stage = dataset_dir(dataset)
     m = dataset_manifest(store, dataset)
     if side == "passage":
@@ -40,7 +54,7 @@ def side_texts(store: ArtifactStore, dataset: str, side: str) -> tuple[list[str]
         t = store.read_table(stage, "corpus.parquet", columns=["doc_id", "title", "text"])
         ids = t.column("doc_id").to_pylist()
         texts = [
-            f"{ti} {tx}".strip() if ti else tx
+            passage_text(ti, tx, title_sep)
             for ti, tx in zip(t.column("title").to_pylist(), t.column("text").to_pylist(), strict=True)
         ]
     elif side == "query":

@@ -21,6 +21,8 @@ from storage import ArtifactStore, Manifest, StoreError, config_hash
 from storage.layout import system_dir
 from storage.manifest import diff_configs
 
+from .readers import TITLE_SEP
+
 SYSTEMS_STAGE = "systems"
 
 
@@ -29,7 +31,10 @@ class EncodeSettings(BaseModel):
 
     backbone: BackboneConfig
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1, description="Text tokens kept per text (before the prompt).")
+    max_length: int = Field(default=512, ge=1, description="Tokens per input: the prompt and the text (see the "
+                            "readout's truncation).")  # fmt: skip
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
+                           "'. '; diffret 0.1: ' ').")  # fmt: skip
 
 
 def _slug_base(model: str) -> str:
@@ -44,11 +49,13 @@ def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
         "model": b.model,
         "gguf_file": b.gguf_file,
         "family": b.family,
+        "loader": b.loader,  # the remote LLaDA code ignores padding: its vectors depend on the batch
         "dtype": b.dtype,
         "mask_token": b.mask_token,
         "turn_end": b.turn_end,
         "readout": s.readout.model_dump(),
         "max_length": s.max_length,
+        "title_sep": s.title_sep,
     }
 
 
@@ -56,7 +63,7 @@ def encoder_slug(s: EncodeSettings) -> str:
     """``<model basename>-<readout>-<hash of numeric_settings>``.
 
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
-    'tiny-bert-diffretriever-1421ca5bcb'
+    'tiny-bert-diffretriever-ba23743f66'
     """
     return f"{_slug_base(s.backbone.model)}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
 
@@ -65,13 +72,17 @@ def bm25_slug(settings: BaseModel) -> str:
     return f"bm25-{config_hash(settings.model_dump())[:10]}"
 
 
-def tokenizer_slug(model: str, gguf_file: str | None, max_length: int, tokenizer: Any) -> str:
-    """The tokens folder of a (tokenizer, max_length): the vocabulary is hashed, so a changed tokenizer is new."""
+def tokenizer_slug(
+    model: str, gguf_file: str | None, max_length: int, tokenizer: Any, title_sep: str = TITLE_SEP
+) -> str:
+    """The tokens folder of a (tokenizer, max_length, passage join): the vocabulary is hashed, so a changed
+    tokenizer is new."""
     import hashlib
 
     vocab = tokenizer.get_vocab()
     vh = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:8]
-    h = config_hash({"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vh})[:10]
+    key = {"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vh, "title_sep": title_sep}
+    h = config_hash(key)[:10]
     return f"{_slug_base(model)}-{h}"
 
 
@@ -86,9 +97,10 @@ def tokenizer_of(backbone: BackboneConfig) -> Any:
     return _TOKENIZERS[key]
 
 
-def tokens_slug(backbone: BackboneConfig, max_length: int) -> str:
-    """The ``tokenizer=`` partition of a backbone's token ids cut at ``max_length``."""
-    return tokenizer_slug(backbone.model, backbone.gguf_file, max_length, tokenizer_of(backbone))
+def tokens_slug(backbone: BackboneConfig, max_length: int, title_sep: str = TITLE_SEP) -> str:
+    """The ``tokenizer=`` partition of a backbone's token ids cut at ``max_length`` (passages joined by
+    ``title_sep``)."""
+    return tokenizer_slug(backbone.model, backbone.gguf_file, max_length, tokenizer_of(backbone), title_sep)
 
 
 # ------------------------------------------------------------------------------------------- records

@@ -1,10 +1,11 @@
 """The tokenize stage: a dataset side's texts -> token ids, once per (tokenizer, max_length).
 
-    tokens/tokenizer=<slug>/dataset=<d>/side=<s>/shard=NNNNN.parquet      text token ids, no special tokens
+    tokens/tokenizer=<slug>/dataset=<d>/side=<s>/shard=NNNNN.parquet      text token ids (no special tokens), raw text
 
 A shard is a contiguous range of the side's texts (corpus order; queries in first-appearance order). Every
 K of the grid and every readout of the same tokenizer reads these ids; the prompt, masks and closing
-tokens are added at encode time.
+tokens are added at encode time. The raw text travels with the ids: the sparse content-word filter reads it
+whole, as the reference does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from storage import FileEntry
 from storage.layout import TOKENS_SCHEMA, shard_name, tokens_dir
 
 from .base import Context, Plan, Stage, StageConfig
-from .readers import side_size, side_texts
+from .readers import TITLE_SEP, side_size, side_texts
 from .systems import tokenizer_of, tokens_slug
 
 DEFAULT_MODEL = "dllm-hub/ModernBERT-base-chat-v0.1"
@@ -34,6 +35,7 @@ class TokenizeConfig(StageConfig):
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     max_length: int = Field(default=512, ge=1, description="Text tokens kept per text.")
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
 
 
@@ -46,13 +48,14 @@ def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + shard_size, n)) for s in range(0, n, shard_size)] or [(0, 0)]
 
 
-def tokens_config(slug: str, dataset: str, side: str, max_length: int, shard_size: int, rows: int,
+def tokens_config(slug: str, dataset: str, side: str, max_length: int, title_sep: str, shard_size: int, rows: int,
                   dataset_hash: str) -> dict[str, Any]:  # fmt: skip
     return {
         "tokenizer": slug,
         "dataset": dataset,
         "side": side,
         "max_length": max_length,
+        "title_sep": title_sep,
         "shard_size": shard_size,
         "inputs": {"dataset": dataset_hash, "rows": rows},
     }
@@ -65,6 +68,7 @@ class TokenizeUnit:
     stage: str
     backbone: dict[str, Any]
     max_length: int
+    title_sep: str
     rows: int
     shards: list[tuple[str, int, int]]  # (name, start, end) still to do
 
@@ -73,12 +77,13 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
     """Tokenize a dataset's queries and passages once per tokenizer."""
 
     def plan(self, config: TokenizeConfig, ctx: Context) -> Plan:
-        slug = tokens_slug(config.backbone, config.max_length)
+        slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
         plan = Plan(system=slug)
         for side in config.sides:
             n, ds_hash = side_size(ctx.store, config.dataset, side)
             stage = tokens_dir(slug, config.dataset, side)
-            cfg = tokens_config(slug, config.dataset, side, config.max_length, config.shard_size, n, ds_hash)
+            cfg = tokens_config(slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n,
+                                ds_hash)  # fmt: skip
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
             _, done = ctx.store.open_sharded(stage, "tokens", part, cfg, force=config.force)
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
@@ -86,7 +91,8 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             plan.skipped += len(shards) - len(todo)
             if todo:
                 backbone = config.backbone.model_dump()
-                plan.units.append(TokenizeUnit(config.dataset, side, stage, backbone, config.max_length, n, todo))
+                plan.units.append(TokenizeUnit(config.dataset, side, stage, backbone, config.max_length,
+                                               config.title_sep, n, todo))  # fmt: skip
         plan.count = sum(len(u.shards) for u in plan.units)
         return plan
 
@@ -96,13 +102,14 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
     def run(self, unit: TokenizeUnit, ctx: Context) -> list[tuple[str, FileEntry]]:
         """Tokenize the side's missing shards (its texts are read once, only when a shard is missing)."""
         tokenizer = tokenizer_of(BackboneConfig.model_validate(unit.backbone))
-        ids, texts, _ = side_texts(ctx.store, unit.dataset, unit.side)
+        ids, texts, _ = side_texts(ctx.store, unit.dataset, unit.side, unit.title_sep)
         if len(ids) != unit.rows:
             raise ValueError(f"{unit.dataset}/{unit.side}: {len(ids)} texts, the plan counted {unit.rows}")
         out = []
         for name, s, e in unit.shards:
             t = tokenize_texts(tokenizer, texts[s:e], unit.max_length)
-            t = t.add_column(0, "id", pa.array(ids[s:e], pa.string())).cast(TOKENS_SCHEMA)
+            t = t.add_column(0, "id", pa.array(ids[s:e], pa.string()))
+            t = t.append_column("text", pa.array(texts[s:e], pa.string())).cast(TOKENS_SCHEMA)
             out.append((name, ctx.store.write_shard(unit.stage, name, t)))
         ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
         return out

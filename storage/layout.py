@@ -98,6 +98,7 @@ TOKENS_SCHEMA = pa.schema(
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False),  # text only, truncated to max_length
         pa.field("n_tokens", pa.int32(), nullable=False),  # length before truncation
         pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),  # the raw text (passages: title + sep + text), uncut
     ]
 )
 
@@ -112,7 +113,8 @@ def encodings_schema(hidden_size: int) -> pa.Schema:
             pa.field("sparse_ids", pa.list_(pa.int32())),
             pa.field("sparse_weights", pa.list_(pa.float32())),
             pa.field("n_tokens", pa.int32(), nullable=False),
-            pa.field("stopped", pa.bool_()),  # promptreps: stopped at the closing quote
+            pa.field("stopped", pa.bool_()),  # cut before K: a special token (mask), the closing quote (promptreps)
+            pa.field("tokens", pa.list_(pa.int32())),  # the token read at each of the K slots (argmax / generated)
         ]
     )
 

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+NLTK_DATA = Path(__file__).resolve().parent / "unit" / "data" / "nltk_data"  # a copy of ../shared/nltk_data
+# The reference content filter reads NLTK's English data; tests (and the CLI subprocesses they start) find the
+# vendored copy first and never try NLTK's downloader.
+os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (str(NLTK_DATA), os.environ.get("NLTK_DATA")) if p)
 
 
 @pytest.fixture

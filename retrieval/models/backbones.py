@@ -1,11 +1,16 @@
 """Backbones: a loaded model + tokenizer with what the readouts need to know about its family.
 
-Families (``family`` in the config; ``auto`` picks one from the model's config):
+Families (``family`` in the config; ``auto`` picks one from the model's config.json):
 - ``mlm``: any ``AutoModelForMaskedLM`` (BERT, ModernBERT, small diffusion chat models); bidirectional.
-- ``dream``: Dream-org/Dream-v0-Instruct-7B (remote code; mask ``<|mask|>``, turn end ``<|im_end|>``).
-- ``llada``: GSAI-ML/LLaDA-8B-Instruct (remote code; mask id 126336, turn end ``<|eot_id|>``).
+- ``dream``: Dream-org/Dream-v0-Instruct-7B (mask ``<|mask|>``, turn end ``<|im_end|>``).
+- ``llada``: GSAI-ML/LLaDA-8B-Instruct, LLaDA-1.5 (mask id 126336, turn end ``<|eot_id|>``).
 - ``causal``: any ``AutoModelForCausalLM`` (PromptReps, RepLLaMA; also a causal architecture read
   bidirectionally, through a full 4D attention mask, for DiffEmbed / mask readouts).
+
+Dream and LLaDA ship their own model code. By default (``loader="native"``) they load through transformers'
+own classes instead: Dream is a Qwen2 network and LLaDA a Llama network (its weights renamed on load), read
+with a bidirectional 4D attention mask. That needs no remote code, works on current transformers and honours
+padding. ``loader="remote"`` runs the checkpoint's own code (``trust_remote_code``; transformers 4.46-4.57).
 
 The LM head is split from the trunk so that logits are computed only where they are needed
 (the K mask positions), never over the whole sequence (a 152k vocabulary over every position
@@ -14,9 +19,12 @@ costs ~600 MB per batch).
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -29,26 +37,96 @@ class BackboneError(ValueError):
     """A backbone that cannot be loaded or used as asked; the message says why and what to do."""
 
 
+def _qwen2_config(raw: dict[str, Any]) -> Any:
+    """Dream's config.json as a Qwen2Config (Dream is Qwen2's network, read bidirectionally)."""
+    from transformers import Qwen2Config
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+            "rope_scaling", "tie_word_embeddings", "attention_dropout", "sliding_window", "use_sliding_window",
+            "max_window_layers", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    return Qwen2Config(**{k: raw[k] for k in keys if k in raw})
+
+
+def _llama_config(raw: dict[str, Any]) -> Any:
+    """LLaDA's (OLMo-style) config.json as a LlamaConfig: the same llama block, under other names."""
+    from transformers import LlamaConfig
+
+    unsupported = {k: raw.get(k) for k in ("alibi", "attention_layer_norm", "input_emb_norm", "scale_logits")
+                   if raw.get(k)}  # fmt: skip
+    if unsupported or raw.get("block_type", "llama") != "llama" or raw.get("layer_norm_type", "rms") != "rms":
+        raise BackboneError(
+            f"this LLaDA config has features the native loader does not map ({unsupported or raw.get('block_type')}); "
+            "use loader='remote' with trust_remote_code"
+        )
+    return LlamaConfig(
+        vocab_size=raw.get("embedding_size") or raw["vocab_size"], hidden_size=raw["d_model"],
+        intermediate_size=raw["mlp_hidden_size"], num_hidden_layers=raw["n_layers"],
+        num_attention_heads=raw["n_heads"], num_key_value_heads=raw.get("n_kv_heads") or raw["n_heads"],
+        hidden_act="silu", rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=raw.get("rope_theta", 10000.0),
+        max_position_embeddings=raw.get("max_sequence_length", 4096),
+        tie_word_embeddings=bool(raw.get("weight_tying")), mlp_bias=False,
+        attention_bias=bool(raw.get("include_bias") or raw.get("include_qkv_bias")),
+        bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+    )  # fmt: skip
+
+
+# LLaDA checkpoint names -> LlamaForCausalLM names (ff_proj is the activated gate, ff_out the down projection).
+_LLADA_KEYS = {
+    r"^model\.transformer\.wte\.": "model.embed_tokens.",
+    r"^model\.transformer\.ln_f\.": "model.norm.",
+    r"^model\.transformer\.ff_out\.": "lm_head.",
+    r"^model\.transformer\.blocks\.(\d+)\.attn_out\.": r"model.layers.\1.self_attn.o_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.q_proj\.": r"model.layers.\1.self_attn.q_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.k_proj\.": r"model.layers.\1.self_attn.k_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.v_proj\.": r"model.layers.\1.self_attn.v_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.attn_norm\.": r"model.layers.\1.input_layernorm.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_norm\.": r"model.layers.\1.post_attention_layernorm.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_proj\.": r"model.layers.\1.mlp.gate_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.up_proj\.": r"model.layers.\1.mlp.up_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_out\.": r"model.layers.\1.mlp.down_proj.",
+}
+
+
+@dataclass(frozen=True)
+class NativeLoader:
+    """How a family that ships its own code loads through transformers' own classes."""
+
+    model_class: str  # a transformers class name
+    tokenizer_class: str
+    config: Callable[[dict[str, Any]], Any]  # config.json (a dict) -> the transformers config
+    key_mapping: dict[str, str] | None = None  # checkpoint names -> the class's names (regex -> replacement)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
-    auto_class: str
+    auto_class: str  # the transformers auto class of its own (or remote) code
     bidirectional: bool
     mask_token: str | None = None
     mask_token_id: int | None = None
     turn_end: str | None = None
-    needs_remote_code: bool = False
+    native: NativeLoader | None = None  # set for families that ship their own code (Dream, LLaDA)
+    remote_transformers: tuple[str, str] | None = None  # [min, max) transformers versions its remote code runs on
+    remote_mask: Literal["2d", "4d"] = "2d"  # the attention mask its remote code takes
+    lora_targets: tuple[str, ...] = field(default=())  # module names of its attention and feed-forward projections
 
 
+QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FAMILIES: dict[str, FamilySpec] = {
     "mlm": FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True),
     "dream": FamilySpec(
-        "dream", "AutoModel", bidirectional=True, mask_token="<|mask|>", turn_end="<|im_end|>", needs_remote_code=True
-    ),
+        "dream", "AutoModel", bidirectional=True, mask_token="<|mask|>", turn_end="<|im_end|>",
+        native=NativeLoader("Qwen2ForCausalLM", "Qwen2TokenizerFast", _qwen2_config),
+        remote_transformers=("4.46", "5"), remote_mask="4d", lora_targets=QWEN2_TARGETS,
+    ),  # fmt: skip
     "llada": FamilySpec(
-        "llada", "AutoModel", bidirectional=True, mask_token_id=126336, turn_end="<|eot_id|>", needs_remote_code=True
-    ),
-    "causal": FamilySpec("causal", "AutoModelForCausalLM", bidirectional=False),
+        "llada", "AutoModel", bidirectional=True, mask_token_id=126336, turn_end="<|eot_id|>",
+        native=NativeLoader("LlamaForCausalLM", "PreTrainedTokenizerFast", _llama_config, _LLADA_KEYS),
+        remote_transformers=("4.46", "5"), remote_mask="2d", lora_targets=QWEN2_TARGETS,
+    ),  # fmt: skip
+    "causal": FamilySpec("causal", "AutoModelForCausalLM", bidirectional=False, lora_targets=QWEN2_TARGETS),
 }
 
 TURN_END_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -59,9 +137,14 @@ class BackboneConfig(BaseModel):
 
     model: str = Field(description="HF hub id or local folder.")
     family: str = Field(default="auto", description="auto | mlm | dream | llada | causal")
+    loader: Literal["native", "remote"] = Field(
+        default="native", description="Dream / LLaDA: native (transformers' Qwen2 / Llama classes, no remote code) "
+        "or remote (the checkpoint's own code; needs --trust-remote-code and transformers 4.46-4.57)."
+    )
     gguf_file: str | None = Field(default=None, description="GGUF file name inside the model folder.")
-    trust_remote_code: bool = Field(default=False, description="Allow the model's own code (Dream, LLaDA).")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = Field(default=False, description="Allow the model's own code (loader remote).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="float32 | bfloat16 | "
+                                                             "float16")  # fmt: skip
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     attn_implementation: str | None = Field(default=None, description="eager | sdpa | flash_attention_2")
     mask_token: str | None = Field(default=None, description="Override the mask token (string).")
@@ -76,13 +159,15 @@ class BackboneConfig(BaseModel):
 
 
 def detect_family(model_config: Any) -> str:
-    mtype = (getattr(model_config, "model_type", "") or "").lower()
+    """The family of a model from its config (a transformers config or config.json as a dict)."""
+    get = model_config.get if isinstance(model_config, dict) else (lambda k, d=None: getattr(model_config, k, d))
+    mtype = (get("model_type", "") or "").lower()
     if mtype in ("dream", "llada"):
         return mtype
-    archs = " ".join(getattr(model_config, "architectures", None) or [])
+    archs = " ".join(get("architectures", None) or [])
     if "MaskedLM" in archs or mtype in ("bert", "modernbert", "roberta", "distilbert", "electra", "deberta-v2"):
         return "mlm"
-    if "CausalLM" in archs or "LMHead" in archs or getattr(model_config, "is_decoder", False):
+    if "CausalLM" in archs or "LMHead" in archs or get("is_decoder", False):
         return "causal"
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -110,6 +195,7 @@ class Backbone:
         mask_token: str | None = None,
         turn_end: str | None = None,
         name: str = "",
+        loader: Literal["native", "remote"] = "native",
     ):
         if family not in FAMILIES:
             raise BackboneError(f"unknown backbone family {family!r}; expected one of {', '.join(FAMILIES)}")
@@ -117,6 +203,7 @@ class Backbone:
         self.tokenizer = tokenizer
         self.spec = FAMILIES[family]
         self.family = family
+        self.loader = loader
         self.name = name or getattr(model.config, "_name_or_path", "") or model.__class__.__name__
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -125,6 +212,9 @@ class Backbone:
         self.trunk, self.head = _split_head(model)
         self._projection = _vocab_projection(model)
         self.pad_id = _pad_id(tokenizer)
+        # a causal architecture (or Dream's remote code) takes a 4D mask: every real token sees every real token
+        self._causal_arch = _is_causal_arch(model)
+        self._mask_4d = loader == "remote" and self.spec.remote_mask == "4d"
 
     # ------------------------------------------------------------------------------- tokens
     @property
@@ -160,6 +250,26 @@ class Backbone:
         return None
 
     @property
+    def stop_ids(self) -> set[int]:
+        """Special-token ids that end a readout's words (the mask excepted).
+
+        The tokenizer's named special tokens (bos, eos, unk, sep, pad, cls, mask) and its additional special
+        tokens: what ``all_special_ids`` meant in transformers 4 (5 also counts custom named tokens).
+        """
+        tok = self.tokenizer
+        names = [getattr(tok, a, None) for a in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                  "cls_token", "mask_token")]  # fmt: skip
+        extra = getattr(tok, "additional_special_tokens", None) or getattr(tok, "extra_special_tokens", None) or []
+        names += list(extra.values()) if isinstance(extra, dict) else list(extra)
+        ids = {tok.convert_tokens_to_ids(str(t)) for t in names if t}
+        out = {int(i) for i in ids if i is not None and i != tok.unk_token_id}
+        try:
+            out.discard(self.mask_id)
+        except BackboneError:  # no mask token: nothing to except
+            pass
+        return out
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -174,7 +284,7 @@ class Backbone:
         kwargs: dict[str, Any] = {}
         mask: torch.Tensor = attention_mask
         back: torch.Tensor | None = None
-        if bidirectional and _is_causal_arch(self.model):
+        if bidirectional and self._causal_arch:
             mask = bidirectional_mask(attention_mask, self.dtype)
             # positions count real tokens only, so left padding does not shift them
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -187,6 +297,8 @@ class Backbone:
                 cols = torch.arange(width, device=input_ids.device)[None, :]
                 fwd, back = (cols + lead) % width, (cols - lead) % width
                 input_ids, mask = input_ids.gather(1, fwd), attention_mask.gather(1, fwd)
+        if self._mask_4d and mask.dim() == 2:
+            mask = bidirectional_mask(mask, self.dtype)
         out = self.trunk(input_ids=input_ids, attention_mask=mask, **kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         if back is not None:
@@ -242,6 +354,9 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
         return model.model, lambda h: model.decoder(model.head(h))
     if hasattr(model, "lm_head") and hasattr(model, "model"):  # Llama, Qwen2, Dream, ...
         return model.model, model.lm_head
+    transformer = getattr(getattr(model, "model", None), "transformer", None)
+    if transformer is not None and "ln_f" in transformer and "blocks" in transformer:  # LLaDA's own code
+        return _llada_trunk(model.model), _llada_head(model.model)
     for prefix, head_name in (("roberta", "lm_head"), ("distilbert", "vocab_projector")):
         if hasattr(model, prefix) and hasattr(model, head_name):
             if prefix == "distilbert":
@@ -253,6 +368,30 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
         f"{name}: do not know how to apply its LM head to selected positions only; "
         "add the family to retrieval.backbones._split_head"
     )
+
+
+def _llada_trunk(llada: torch.nn.Module) -> Callable[..., Any]:
+    """LLaDA's own model without its output projection: its "logits" are the final hidden states."""
+    trunk = copy.copy(llada)
+    trunk._modules = dict(llada._modules)
+    transformer = torch.nn.ModuleDict(dict(llada.transformer.items()))
+    if "ff_out" in transformer:
+        transformer["ff_out"] = torch.nn.Identity()
+    trunk._modules["transformer"] = transformer
+    tied = bool(getattr(llada.config, "weight_tying", False))
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+        out = trunk(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=tied)
+        return SimpleNamespace(last_hidden_state=out.hidden_states[-1] if tied else out.logits)
+
+    return forward
+
+
+def _llada_head(llada: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    t = llada.transformer
+    if "ff_out" in t:
+        return t.ff_out
+    return lambda h: torch.nn.functional.linear(h, t.wte.weight)
 
 
 def _vocab_projection(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any, Any] | None:
@@ -270,6 +409,10 @@ def _vocab_projection(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], 
     lm_head = getattr(model, "lm_head", None)
     if isinstance(lm_head, torch.nn.Linear) and hasattr(model, "model"):
         return (lambda h: h), lm_head.weight, lm_head.bias
+    transformer = getattr(getattr(model, "model", None), "transformer", None)
+    ff_out = transformer["ff_out"] if transformer is not None and "ff_out" in transformer else None
+    if isinstance(ff_out, torch.nn.Linear):  # LLaDA's own code
+        return (lambda h: h), ff_out.weight, ff_out.bias
     return None
 
 
@@ -289,37 +432,117 @@ def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
     return ref, extra
 
 
-def load_tokenizer(cfg: BackboneConfig) -> Any:
-    import transformers
+def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
+    """The model's config.json as a dict: read without running any of the model's own code."""
+    from transformers import PretrainedConfig
 
     ref, extra = _model_ref(cfg)
     try:
+        raw = PretrainedConfig.get_config_dict(ref, **extra)[0]
+        if not raw:
+            raise BackboneError("no config.json")
+        return raw
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        raise _load_error(cfg, "its config", exc, "Check the hub id or the folder (it needs a config.json).") from exc
+
+
+def resolve_family(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> FamilySpec:
+    """The family of ``cfg`` (detected from config.json when ``auto``), with the loader checked against it."""
+    try:
+        family = cfg.family if cfg.family != "auto" else detect_family(raw if raw is not None else raw_config(cfg))
+    except BackboneError as exc:
+        raise BackboneError(f"{cfg.model}: {exc}") if cfg.model not in str(exc) else exc from None
+    spec = FAMILIES[family]
+    if cfg.loader == "remote":
+        if spec.native is None:
+            raise BackboneError(f"{cfg.model}: the {family} family has no remote code of its own; use loader native")
+        if not cfg.trust_remote_code:
+            raise BackboneError(
+                f"{cfg.model}: loader remote runs the checkpoint's own model code; allow it with --trust-remote-code "
+                "(or use the native loader, the default, which needs none)"
+            )
+        import transformers
+
+        lo, hi = spec.remote_transformers or ("0", "999")
+        if not (_version(lo) <= _version(transformers.__version__) < _version(hi)):
+            raise BackboneError(
+                f"{cfg.model}: the {family} remote code runs on transformers >={lo},<{hi}; this is transformers "
+                f"{transformers.__version__}. Use the native loader (the default), or install "
+                f"'transformers>={lo},<{hi}'"
+            )
+    return spec
+
+
+def load_tokenizer(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dict[str, Any] | None = None) -> Any:
+    """The tokenizer of ``cfg``: the native class for Dream / LLaDA unless loader is remote."""
+    import transformers
+
+    if spec is None:
+        raw = raw_config(cfg)
+        spec = resolve_family(cfg, raw)
+    ref, extra = _model_ref(cfg)
+    try:
+        if spec.native is not None and cfg.loader == "native":
+            cls = getattr(transformers, spec.native.tokenizer_class, None) or transformers.AutoTokenizer
+            return cls.from_pretrained(ref, **extra)
         return transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
-    except (OSError, ValueError) as exc:
-        raise BackboneError(f"cannot load the tokenizer of {cfg.model!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        hint = "Check the hub id or folder and its tokenizer files."
+        raise _load_error(cfg, "its tokenizer", exc, hint, raw) from exc
 
 
 def load_backbone(cfg: BackboneConfig) -> Backbone:
-    """Load tokenizer and model (HF hub id or local path; GGUF through ``gguf_file``)."""
+    """Load tokenizer and model (HF hub id or local path; GGUF through ``gguf_file``).
+
+    Every failure is a :class:`BackboneError` naming the model, its architecture, the transformers version
+    and what to do; a remote-code family is refused before any of its code runs unless allowed.
+    """
     import transformers
 
     ref, extra = _model_ref(cfg)
-    tokenizer = load_tokenizer(cfg)
-    try:
-        mconfig = transformers.AutoConfig.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
-    except (OSError, ValueError) as exc:
-        raise BackboneError(f"cannot load {cfg.model!r}: {exc}") from exc
-    family = cfg.family if cfg.family != "auto" else detect_family(mconfig)
-    spec = FAMILIES[family]
-    if spec.needs_remote_code and not cfg.trust_remote_code:
-        raise BackboneError(f"{cfg.model}: the {family} family ships its own model code; set trust_remote_code")
-    auto = getattr(transformers, spec.auto_class)
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, cfg.dtype), "trust_remote_code": cfg.trust_remote_code, **extra}
+    raw = raw_config(cfg)
+    spec = resolve_family(cfg, raw)
+    tokenizer = load_tokenizer(cfg, spec, raw)
+    dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
+    kwargs: dict[str, Any] = {dtype_kw: getattr(torch, cfg.dtype), **extra}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        model = auto.from_pretrained(ref, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise BackboneError(f"cannot load {cfg.model!r} as {spec.auto_class}: {exc}") from exc
+        if spec.native is not None and cfg.loader == "native":
+            native = spec.native
+            cls = getattr(transformers, native.model_class)
+            if native.key_mapping:
+                kwargs["key_mapping"] = native.key_mapping
+            model, info = cls.from_pretrained(ref, config=native.config(raw), output_loading_info=True, **kwargs)
+            wrong = {k: sorted(v)[:4] for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
+            if wrong:
+                raise BackboneError(f"its weights do not map onto {native.model_class}: {wrong}")
+        else:
+            auto = getattr(transformers, spec.auto_class)
+            model = auto.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        hint = "Check the family (--family), the dtype and the loader."
+        if cfg.loader == "remote":
+            hint = "Its remote code may not run on this transformers; the native loader (the default) needs none."
+        raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
     model.to(resolve_device(cfg.device))
-    return Backbone(model, tokenizer, family, mask_token=cfg.mask_token, turn_end=cfg.turn_end, name=cfg.model)
+    return Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def _load_error(cfg: BackboneConfig, what: str, exc: Exception, hint: str,
+                raw: dict[str, Any] | None = None) -> BackboneError:  # fmt: skip
+    """One paragraph: the model, its architecture, the transformers version, the cause and what to do."""
+    import transformers
+
+    if isinstance(exc, BackboneError):
+        cause = str(exc)
+    else:
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    arch = ", ".join((raw or {}).get("architectures") or []) or (raw or {}).get("model_type") or "unknown architecture"
+    return BackboneError(
+        f"cannot load {what} from {cfg.model!r} ({arch}) with transformers {transformers.__version__}: {cause}. {hint}"
+    )

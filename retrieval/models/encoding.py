@@ -65,6 +65,7 @@ def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
             ),
             "n_tokens": pa.array([e.n_tokens for e in encs], pa.int32()),
             "stopped": pa.array([e.stopped for e in encs], pa.bool_()),
+            "tokens": pa.array([None if e.tokens is None else e.tokens.tolist() for e in encs], pa.list_(pa.int32())),
         },
         schema=schema,
     )
@@ -74,14 +75,19 @@ def encode_rows(
     reader: Readout,
     ids: list[str],
     token_ids: list[list[int]],
+    texts: list[str] | None,
     side: str,
     k: int,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
 ) -> pa.Table:
-    """Encode texts in length-sorted batches and return them in their original order."""
-    texts = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True) if reader.filter else None
+    """Encode texts in length-sorted batches and return them in their original order.
+
+    ``texts`` are the raw texts (the sparse content-word filter reads them whole); None decodes the ids.
+    """
+    if texts is None and reader.filter is not None:
+        texts = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     out: list[Encoded | None] = [None] * len(ids)
     for batch in length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length):
         encs = reader.encode([token_ids[i] for i in batch], [texts[i] for i in batch] if texts else None, side, k)

@@ -1,13 +1,17 @@
 """Readouts: token ids of a text -> dense vectors [n, H] (+ sparse vocabulary weights).
 
-- ``diffretriever`` (paper §3.2, eq. 1): prompt + text + K masks + closing, ONE bidirectional forward
-  pass (S = 1); hidden states at the K mask positions = dense multi-vector; logits at those
-  positions only -> sparse. ``denoise_steps`` S > 1 unmasks by confidence over S passes (appendix
-  A.1), each position's hidden state and logits frozen at the step that reveals it.
-- ``promptreps``: greedy decoding after the assistant prefix with a KV cache until the closing quote
-  or the cap N (= K); each generated step's hidden state and logits are a representative.
+- ``diffretriever`` (paper §3.2, eq. 1-2): prompt + text + K masks + tail, ONE bidirectional forward
+  pass (S = 1); the hidden states at the K mask positions are the dense multi-vector, the logits there the
+  sparse vector. As the reference encoder does, the argmax token of every slot is read and the slots from
+  the first special token on are dropped (``stop_cut``). ``denoise_steps`` S > 1 unmasks by confidence
+  (negative entropy) on the reference's schedule over S passes (appendix A.1), each slot's hidden state and
+  logits frozen at the step that reveals it.
+- ``promptreps``: greedy decoding after the assistant prefix with a KV cache, at most K (the cap N) slots:
+  the hidden state at the opening quote, then at each generated token; it stops at the closing quote.
 - ``diffembed``: mean of the last hidden states over the text (no prompt), bidirectional.
 - ``repllama``: hidden state of the final EOS after ``query: `` / ``passage: `` (causal).
+
+Every choice where diffret 0.1 differed from the reference is a named setting of ``ReadoutConfig``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pydantic import BaseModel, Field
 from ..traits import Declared
 from .backbones import Backbone, BackboneError
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
-from .sparse import ContentFilter, pooled_weights, topk_pairs, topk_sparse
+from .sparse import make_filter, per_position_sparse, pooled_weights, topk_sparse
 
 
 @dataclass
@@ -31,7 +35,8 @@ class Encoded:
     sparse_ids: np.ndarray | None = None  # int32, sorted by weight, descending
     sparse_weights: np.ndarray | None = None  # float32
     n_tokens: int = 0  # model input length
-    stopped: bool | None = None  # promptreps: stopped at the closing quote (not at the cap)
+    stopped: bool | None = None  # cut before K: at a special token (mask readout) or the closing quote (promptreps)
+    tokens: np.ndarray | None = None  # int32: the token read at each slot (argmax / generated), all K
 
 
 @dataclass
@@ -57,11 +62,16 @@ def _pad(
     return ids.to(device), att.to(device), offsets
 
 
+def _f16(x: torch.Tensor) -> np.ndarray:
+    return x.float().cpu().numpy().astype(np.float16)
+
+
 class Readout(Declared):
     """Encodes batches of tokenized texts with one backbone and one readout config.
 
     A subclass per readout declares what it produces and what K means for it; ``READOUTS`` maps names to
-    subclasses and :func:`make_reader` picks one for a config.
+    subclasses and :func:`make_reader` picks one for a config. ``max_length`` bounds the input: the prompt and
+    the text (``truncation="prompt"``, the reference's), or the text alone (``"text"``).
     """
 
     name: ClassVar[str]
@@ -72,13 +82,14 @@ class Readout(Declared):
     k_values: ClassVar[Literal["grid", "one value", "1"]]  # the budgets one encode takes
     k_meaning: ClassVar[str]  # what K is for this readout (shown in errors and docs)
 
-    def __init__(self, backbone: Backbone, config: ReadoutConfig):
+    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = 512):
         if self.needs_causal_lm and backbone.spec.bidirectional:
             raise BackboneError(f"the {self.name} readout needs a causal LM; {backbone.name} is {backbone.family}")
         self.bb = backbone
         self.cfg = config
-        self.filter = ContentFilter(backbone.tokenizer) if (config.content_filter and self.has_sparse) else None
-        self._pieces: dict[tuple[str, str], PromptPieces] = {}
+        self.max_length = max_length
+        self.filter = make_filter(backbone.tokenizer, config.content_filter) if self.has_sparse else None
+        self._pieces: dict[tuple[str, str, int], PromptPieces] = {}
 
     @classmethod
     def check_k(cls, ks: list[int]) -> None:
@@ -97,17 +108,20 @@ class Readout(Declared):
 
     def pieces(self, side: str, k: int) -> PromptPieces:
         variant = self.variant(k)
-        key = (side, variant)
+        adapt = k if self.adapts_prompt else 1
+        key = (side, variant, adapt)
         if key not in self._pieces:
             use_chat = {"yes": True, "no": False}.get(self.cfg.chat_template, self.bb.has_chat_template)
             turn_end = self.bb.turn_end_id if use_chat else None
-            self._pieces[key] = build_pieces(self.bb.tokenizer, load_prompt(variant), side, turn_end, use_chat)
+            self._pieces[key] = build_pieces(self.bb.tokenizer, load_prompt(variant), side, adapt, turn_end, use_chat)
         return self._pieces[key]
+
+    adapts_prompt: ClassVar[bool] = False  # the prompt's number words follow K (the mask readout's)
 
     # ------------------------------------------------------------------------------ encode
     @torch.inference_mode()
     def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        """Encode one batch. ``texts`` (the raw texts) feed the sparse content-word filter."""
+        """Encode one batch. ``texts`` (the raw, untruncated texts) feed the sparse content-word filter."""
         if k <= 0:
             raise ValueError(f"K must be a positive integer, got {k}")
         if not token_ids:
@@ -121,49 +135,74 @@ class Readout(Declared):
         cfg = self.bb.model.config
         return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
-    def overhead(self, side: str, k: int) -> int:
-        """Input tokens around a text (prompt pieces, masks, special tokens)."""
+    def overhead(self, side: str, k: int) -> tuple[int, int]:
+        """(tokens around the text that ``max_length`` counts, tokens on top of them): the prompt pieces, then
+        the masks and the tail (or the special tokens around a text)."""
         head, tail = special_wrapping(self.bb.tokenizer)
-        return len(head) + len(tail)
+        return len(head) + len(tail), 0
 
     def _fit(self, token_ids: list[list[int]], side: str, k: int) -> list[list[int]]:
-        """Cut texts so that prompt + text + masks fit the model's positions (BERT: 512)."""
+        """Cut texts to ``max_length`` (counting the prompt, or not), and so that everything fits the model's
+        positions (BERT: 512)."""
+        counted, extra = self.overhead(side, k)
+        room = self.max_length - counted if self.cfg.truncation == "prompt" else self.max_length
         limit = self.max_positions()
-        if not limit:
-            return token_ids
-        room = limit - self.overhead(side, k)
+        if limit:
+            room = min(room, limit - counted - extra)
         if room <= 0:
-            raise ValueError(f"{self.bb.name}: the prompt and K={k} masks alone exceed its {limit} positions")
+            raise ValueError(f"{self.bb.name}: the prompt and K={k} masks alone exceed its positions or max_length")
         return [t if len(t) <= room else list(t[:room]) for t in token_ids]
 
-    def _sparse(self, logits_k_v: torch.Tensor, text: str | None) -> tuple[np.ndarray, np.ndarray]:
-        allowed = self.filter.allowed_ids(text) if (self.filter is not None and text is not None) else None
-        return topk_sparse(pooled_weights(logits_k_v), allowed, self.cfg.sparse_topk)
+    def allowed(self, text: str | None, device: torch.device) -> torch.Tensor | None:
+        """The vocabulary ids a sparse vector may hold (content words, never the mask), or None for all."""
+        if self.filter is None or text is None:
+            return None
+        ids = [i for i in self.filter.allowed_ids(text) if i != getattr(self, "_mask_id", None)]
+        return torch.as_tensor(ids, dtype=torch.long, device=device)
+
+    def sparse_from(
+        self, logits_k_v: torch.Tensor, text: str | None, quantise: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The sparse vector of one text from the logits at its kept slots [n, V] (see ``ReadoutConfig.sparse``)."""
+        allowed = self.allowed(text, logits_k_v.device)
+        if self.cfg.sparse == "pooled":
+            return topk_sparse(pooled_weights(logits_k_v), None if allowed is None else allowed.tolist(),
+                               self.cfg.sparse_topk)  # fmt: skip
+        if allowed is None:
+            allowed = torch.arange(logits_k_v.shape[-1], device=logits_k_v.device)
+            mask_id = getattr(self, "_mask_id", None)
+            if mask_id is not None:
+                allowed = allowed[allowed != mask_id]
+        return per_position_sparse(allowed, logits_k_v[:, allowed], self.cfg.sparse_topk, quantise=quantise)
 
 
 class MaskReadout(
     Readout, name="diffretriever", multi_vector=True, has_sparse=True, needs_causal_lm=False, uses_prompt=True,
     k_values="grid", k_meaning="the number of [MASK] slots appended to the prompt (one vector each)",
+    adapts_prompt=True,
 ):
     """DiffRetriever (paper section 3.2, eq. 1-2): K [MASK] slots after the prompt, one bidirectional pass.
 
     The hidden states at the K mask positions are the dense multi-vector; the LM head is applied at those
-    positions only (and, with the content filter, only to the rows of the text's content words) for the
-    sparse vector. ``denoise_steps`` S > 1 unmasks by confidence over S passes (appendix A.1).
+    positions only, for the sparse vector and the argmax token of each slot. ``denoise_steps`` S > 1 unmasks
+    by confidence over S passes (appendix A.1).
     """
 
-    def __init__(self, backbone: Backbone, config: ReadoutConfig):
-        super().__init__(backbone, config)
-        _ = backbone.mask_id  # fail early: a masked readout needs a mask token
+    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = 512):
+        super().__init__(backbone, config, max_length)
+        self._mask_id = backbone.mask_id  # fail early: a masked readout needs a mask token
+        self._stop = torch.zeros(0, dtype=torch.long)
+        if config.stop_cut:
+            self._stop = torch.as_tensor(sorted(backbone.stop_ids), dtype=torch.long, device=backbone.device)
 
-    def overhead(self, side: str, k: int) -> int:
+    def overhead(self, side: str, k: int) -> tuple[int, int]:
         p = self.pieces(side, k)
-        return len(p.prefix) + len(p.suffix) + k + len(p.closing)
+        return len(p.prefix) + len(p.suffix), k + len(p.closing)
 
     def _mask_batch(self, token_ids: list[list[int]], side: str, k: int) -> _Batch:
         p = self.pieces(side, k)
-        mask = self.bb.mask_id
-        rows = [list(p.prefix) + list(t) + list(p.suffix) + [mask] * k + list(p.closing) for t in token_ids]
+        masks = [self._mask_id] * k
+        rows = [list(p.prefix) + list(t) + list(p.suffix) + masks + list(p.closing) for t in token_ids]
         ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         starts = [off + len(p.prefix) + len(t) + len(p.suffix) for off, t in zip(offs, token_ids, strict=True)]
         positions = torch.as_tensor([[s + j for j in range(k)] for s in starts], device=self.bb.device)
@@ -171,80 +210,98 @@ class MaskReadout(
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         b = self._mask_batch(token_ids, side, k)
-        rows = torch.arange(len(token_ids), device=self.bb.device)[:, None]
-        steps = self.cfg.denoise_steps
-        if steps == 1:
+        if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
+            rows = torch.arange(len(token_ids), device=self.bb.device)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
-            # the head at the mask positions only; restricted to content words when the filter applies
-            logits = None if (self.filter is not None and texts is not None) else self.bb.logits(h)
+            logits = None  # the head per text below: [K, V] at a time
+            decoded = None
         else:
-            h, logits = self._denoise(b, k, steps)
+            h, logits, decoded = self._denoise(b, k, self.cfg.denoise_steps)
         out = []
         for i in range(len(token_ids)):
-            if logits is None:  # the head only at the K masks and only over the text's content words
-                ids, w = self._sparse_restricted(h[i], texts[i])  # type: ignore[index]
-            else:
-                ids, w = self._sparse(logits[i], texts[i] if texts else None)
-            out.append(Encoded(h[i].float().cpu().numpy().astype(np.float16), ids, w, b.lengths[i]))
+            lg = self.bb.logits(h[i]).float() if logits is None else logits[i].float()  # [K, V]
+            toks = lg.argmax(-1) if decoded is None else decoded[i]
+            n = self._cutoff(toks, k)
+            ids, w = self.sparse_from(lg[:n], texts[i] if texts else None)
+            tokens = toks.cpu().numpy().astype(np.int32)
+            out.append(Encoded(_f16(h[i, :n]), ids, w, b.lengths[i], stopped=n < k, tokens=tokens))
         return out
 
-    def _sparse_restricted(self, h_k: torch.Tensor, text: str) -> tuple[np.ndarray, np.ndarray]:
-        assert self.filter is not None
-        allowed = torch.as_tensor(self.filter.allowed_ids(text), dtype=torch.long, device=h_k.device)
-        if allowed.numel() == 0:
-            return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        return topk_pairs(allowed, pooled_weights(self.bb.logits_at(h_k, allowed)), self.cfg.sparse_topk)
+    def _cutoff(self, tokens: torch.Tensor, k: int) -> int:
+        """The slots kept: up to the first special token read (none read, or at the first slot: all K)."""
+        if not self._stop.numel():
+            return k
+        hit = torch.isin(tokens, self._stop).nonzero()
+        first = int(hit[0]) if hit.numel() else k
+        return first if first > 0 else k
 
-    def _denoise(self, b: _Batch, k: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Confidence-based unmasking over ``steps`` passes; revealed positions are frozen."""
+    def _denoise(self, b: _Batch, k: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's S-step unmasking: at each step the most confident masked slots (negative entropy of the
+        prediction) take their argmax token, ``max(1, int(n_masked * (1 - s / t)))`` of them on the timesteps
+        ``linspace(1, 1e-3, S + 1)``, all that remain at the last step; a slot's hidden state and logits are
+        frozen at the step that reveals it. Returns (hidden [B, K, H], logits [B, K, V], tokens [B, K])."""
         ids = b.input_ids.clone()
         bsz = ids.shape[0]
         rows = torch.arange(bsz, device=ids.device)[:, None]
+        times = torch.linspace(1, 1e-3, steps + 1)
         hidden_buf: torch.Tensor | None = None
         logit_buf: torch.Tensor | None = None
-        revealed = torch.zeros((bsz, k), dtype=torch.bool, device=ids.device)
         for s in range(steps):
             hidden = self.bb.hidden_states(ids, b.attention_mask, bidirectional=True)
             h = hidden[rows, b.positions]
-            logits = self.bb.logits(h)
+            logits = self.bb.logits(h).float()  # [B, K, V]
             if hidden_buf is None:
                 hidden_buf, logit_buf = torch.zeros_like(h), torch.zeros_like(logits)
-            remaining = k - int(revealed[0].sum())
-            n_now = -(-remaining // (steps - s))  # ceil: everything is revealed by the last step
-            conf, tok = logits.float().softmax(-1).max(-1)  # [B, K]
-            conf = conf.masked_fill(revealed, -1.0)
-            pick = torch.topk(conf, n_now, dim=-1).indices  # [B, n_now]
-            new = torch.zeros_like(revealed).scatter_(1, pick, True) & ~revealed
-            hidden_buf = torch.where(new[..., None], h, hidden_buf)
-            logit_buf = torch.where(new[..., None], logits, logit_buf)
-            ids[rows, b.positions] = torch.where(new, tok, ids[rows, b.positions])
-            revealed |= new
+            probs = logits.softmax(-1)
+            tok = probs.argmax(-1)
+            conf = (probs * torch.log(probs + 1e-10)).sum(-1)  # negative entropy
+            slot_ids = ids[rows, b.positions]
+            masked = slot_ids == self._mask_id
+            for i in range(bsz):
+                n_masked = int(masked[i].sum())
+                if not n_masked:
+                    continue
+                take = n_masked if s == steps - 1 else max(1, int(n_masked * (1 - float(times[s + 1] / times[s]))))
+                cand = conf[i].masked_fill(~masked[i], float("-inf"))
+                pick = torch.topk(cand, min(take, n_masked)).indices
+                hidden_buf[i, pick] = h[i, pick]  # type: ignore[index]
+                logit_buf[i, pick] = logits[i, pick]  # type: ignore[index]
+                ids[i, b.positions[i, pick]] = tok[i, pick]
         assert hidden_buf is not None and logit_buf is not None
-        return hidden_buf, logit_buf
+        return hidden_buf, logit_buf, ids[rows, b.positions]
 
 
 class PromptRepsReadout(
     Readout, name="promptreps", multi_vector=True, has_sparse=True, needs_causal_lm=True, uses_prompt=True,
-    k_values="one value", k_meaning="the cap N on the words decoded one by one (e.g. --k 20 zero-shot)",
+    k_values="one value", k_meaning="the cap N on the slots decoded one by one (e.g. --k 20 zero-shot)",
 ):
-    """PromptReps: greedy decoding after the assistant prefix (KV cache) until the closing quote or the cap N.
+    """PromptReps: greedy decoding after the assistant prefix (KV cache), at most K slots (the cap N).
 
-    Each generated step's hidden state and logits are a representative (paper's autoregressive baseline).
+    Slot 0 is the hidden state at the opening quote (the last prompt token), slot t the hidden state at the
+    t-th generated token; each slot's logits give the sparse vector. ``promptreps_stop``: ``reference`` keeps
+    the slots up to the one that predicts the closing quote (the single-token ``"``) or a special token;
+    ``quote_in_token`` (diffret 0.1) drops the slot that predicts any token containing the quote (unless it
+    is the first).
     """
 
-    def overhead(self, side: str, k: int) -> int:
+    def overhead(self, side: str, k: int) -> tuple[int, int]:
         p = self.pieces(side, k)
-        return len(p.prefix) + len(p.suffix) + k
+        return len(p.prefix) + len(p.suffix), k
 
-    def quote_ids(self) -> set[int]:
-        """Vocabulary ids whose text contains the closing quote (e.g. ``"``, ``",``, ``."``)."""
-        if getattr(self, "_quote_ids", None) is None:
+    def stop_tokens(self) -> set[int]:
+        """The tokens whose prediction ends the words (see ``promptreps_stop``)."""
+        if getattr(self, "_stop_tokens", None) is None:
             tok = self.bb.tokenizer
-            closing = load_prompt(self.variant(1)).closing.strip() or '"'
-            vocab = tok.get_vocab()
-            self._quote_ids = {i for t, i in vocab.items() if closing in tok.convert_tokens_to_string([t])}
-        return self._quote_ids
+            if self.cfg.promptreps_stop == "reference":
+                quote = tok('"', add_special_tokens=False)["input_ids"]
+                self._stop_tokens = self.bb.stop_ids | (set(quote) if len(quote) == 1 else set())
+            else:
+                vocab = tok.get_vocab().items()
+                self._stop_tokens = {i for t, i in vocab if '"' in tok.convert_tokens_to_string([t])}
+        return self._stop_tokens
+
+    quote_ids = stop_tokens  # diffret 0.1's name
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
@@ -252,14 +309,15 @@ class PromptRepsReadout(
         rows = [list(p.prefix) + list(t) + list(p.suffix) for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, "left", self.bb.device)
         bsz = len(rows)
-        quote = torch.zeros(self.bb.model.config.vocab_size, dtype=torch.bool, device=ids.device)
-        qi = [i for i in self.quote_ids() if i < quote.numel()]
-        quote[qi] = True
+        stop = torch.zeros(self.bb.model.config.vocab_size, dtype=torch.bool, device=ids.device)
+        stop[[i for i in self.stop_tokens() if i < stop.numel()]] = True
+        reference = self.cfg.promptreps_stop == "reference"
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         past = None
         cur_ids, cur_pos = ids, pos
         hs: list[torch.Tensor] = []
         lg: list[torch.Tensor] = []
+        gen: list[torch.Tensor] = []
         active = torch.ones(bsz, dtype=torch.bool, device=ids.device)
         n_reps = torch.zeros(bsz, dtype=torch.long, device=ids.device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=ids.device)
@@ -271,14 +329,15 @@ class PromptRepsReadout(
             h = out.last_hidden_state[:, -1]
             logits = self.bb.logits(h)
             nxt = logits.argmax(-1)
-            is_quote = quote[nxt]
-            # a step that predicts the closing quote ends the words; it counts only if it is the first step
-            counts = active & (~is_quote | (n_reps == 0))
+            is_stop = stop[nxt]
+            # reference: the slot that predicts the stop is kept; diffret 0.1: it is kept only if it is the first
+            counts = active & (~is_stop | (n_reps == 0) | reference)
             hs.append(h)
             lg.append(logits)
+            gen.append(nxt)
             n_reps += counts.long()
-            stopped |= active & is_quote
-            active &= ~is_quote
+            stopped |= active & is_stop
+            active &= ~is_stop
             if not bool(active.any()):
                 break
             cur_ids = nxt[:, None]
@@ -286,13 +345,13 @@ class PromptRepsReadout(
             cur_pos = cur_pos[:, -1:] + 1
         H = torch.stack(hs, dim=1)  # [B, T, H]
         L = torch.stack(lg, dim=1)  # [B, T, V]
+        G = torch.stack(gen, dim=1)  # [B, T]
         out_list = []
         for i in range(bsz):
             n = int(n_reps[i])
-            ids_i, w_i = self._sparse(L[i, :n], texts[i] if texts else None)
-            out_list.append(
-                Encoded(H[i, :n].float().cpu().numpy().astype(np.float16), ids_i, w_i, len(rows[i]), bool(stopped[i]))
-            )
+            sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, quantise=False)
+            tokens = G[i].cpu().numpy().astype(np.int32)
+            out_list.append(Encoded(_f16(H[i, :n]), sp_ids, sp_w, len(rows[i]), bool(stopped[i]), tokens))
         return out_list
 
 
@@ -309,7 +368,8 @@ class _SingleVector(
 
 
 class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
-    """DiffEmbed: the mean of the last hidden states over the text (no prompt), bidirectional."""
+    """DiffEmbed: the mean of the last hidden states over the text and its special tokens (no prompt),
+    bidirectional."""
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         head, tail = special_wrapping(self.bb.tokenizer)
@@ -318,16 +378,15 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
         hidden = self.bb.hidden_states(ids, att, bidirectional=True).float()
         m = att[..., None].float()
         mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
-        return [
-            Encoded(mean[i : i + 1].cpu().numpy().astype(np.float16), n_tokens=len(rows[i])) for i in range(len(rows))
-        ]
+        return [Encoded(_f16(mean[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
 
 class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
     """RepLLaMA: the hidden state of the final EOS after ``query: `` / ``passage: `` (causal attention)."""
 
-    def overhead(self, side: str, k: int) -> int:
-        return super().overhead(side, k) + 8
+    def overhead(self, side: str, k: int) -> tuple[int, int]:
+        counted, extra = super().overhead(side, k)
+        return counted + 8, extra
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         tok = self.bb.tokenizer
@@ -339,10 +398,7 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
         last = torch.as_tensor([o + len(r) - 1 for o, r in zip(offs, rows, strict=True)], device=ids.device)
         h = hidden[torch.arange(len(rows), device=ids.device), last]
-        return [
-            Encoded(h[i : i + 1].float().cpu().numpy().astype(np.float16), n_tokens=len(rows[i]))
-            for i in range(len(rows))
-        ]
+        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
 
 READOUTS: dict[str, type[Readout]] = {
@@ -353,7 +409,11 @@ assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are th
 
 
 class ReadoutConfig(BaseModel):
-    """How a text becomes vectors: the readout (see READOUTS) and its settings."""
+    """How a text becomes vectors: the readout (see READOUTS) and its settings.
+
+    The defaults are the reference encoder's (ielab/diffretriever, whose code produced the paper's numbers);
+    every other value is a named deviation (diffret 0.1's behaviour among them).
+    """
 
     readout: ReadoutName = Field(
         default="diffretriever", description="diffretriever | promptreps | diffembed | repllama"
@@ -364,9 +424,22 @@ class ReadoutConfig(BaseModel):
     chat_template: Literal["auto", "yes", "no"] = Field(
         default="auto", description="Wrap the prompt in the model's chat template (auto: when it has one)."
     )
+    truncation: Literal["prompt", "text"] = Field(
+        default="prompt", description="max_length counts the prompt and the text (prompt) or the text only (text)."
+    )
     denoise_steps: int = Field(default=1, ge=1, description="S: forward passes for the mask readout (1 = the paper's)")
-    sparse_topk: int = Field(default=256, ge=1, description="Sparse entries kept per text.")
-    content_filter: bool = Field(default=True, description="Keep only the input's content words in sparse vectors")
+    stop_cut: bool = Field(default=True, description="Mask readout: drop the slots from the first special token read.")
+    promptreps_stop: Literal["reference", "quote_in_token"] = Field(
+        default="reference", description="PromptReps: when the words end (see PromptRepsReadout)."
+    )
+    sparse: Literal["per_position", "pooled"] = Field(
+        default="per_position", description="per_position: top-k per slot, rounded to 0.01, max over slots; "
+        "pooled: max over slots, then top-k."
+    )
+    sparse_topk: int = Field(default=128, ge=1, description="Sparse terms kept per slot (per_position) or in all.")
+    content_filter: Literal["nltk", "regex", "none"] = Field(
+        default="nltk", description="Sparse: keep the text's content words (nltk: the reference's; regex: 0.1's)."
+    )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")
 
 
@@ -378,6 +451,6 @@ def readout_class(name: str) -> type[Readout]:
         raise ValueError(f"unknown readout {name!r}; expected one of {', '.join(READOUTS)}") from None
 
 
-def make_reader(backbone: Backbone, config: ReadoutConfig) -> Readout:
-    """The readout of ``config`` over a loaded backbone."""
-    return readout_class(config.readout)(backbone, config)
+def make_reader(backbone: Backbone, config: ReadoutConfig, max_length: int = 512) -> Readout:
+    """The readout of ``config`` over a loaded backbone; ``max_length`` bounds each input (see ``truncation``)."""
+    return readout_class(config.readout)(backbone, config, max_length)

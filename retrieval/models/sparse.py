@@ -1,15 +1,34 @@
-"""Sparse (lexical) representations from logits: max-pooled log(1 + ReLU), content-word filter, top-k."""
+"""Sparse (lexical) representations from logits: log(1 + ReLU), a content-word filter, top-k, pooling over K.
+
+Two ways to build a text's sparse vector from the logits at its K slots (``ReadoutConfig.sparse``):
+
+- ``per_position`` (the reference encoder's, the default): per slot, keep the text's content words,
+  log(1 + ReLU), the top 128, weights rounded down to multiples of 0.01 (stored x100 as integers, then as
+  bfloat16, as the reference stores them); then the max over the K slots of every term kept anywhere.
+- ``pooled`` (diffret 0.1): the max over the K slots of log(1 + ReLU(logits)) first, then the content words,
+  then the top ``sparse_topk`` (256), unrounded.
+
+Content-word filters (``ReadoutConfig.content_filter``):
+
+- ``nltk`` (the reference's, from PromptReps): NLTK's ``word_tokenize`` of the lowercased raw text, minus
+  NLTK's English stopwords and the punctuation characters; each remaining word is tokenized alone (no leading
+  space) and its token ids are allowed.
+- ``regex`` (diffret 0.1): words by a regex, a vendored stopword list, each word tokenized alone and after a
+  space; special tokens excluded.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import string
+from collections.abc import Callable, Iterable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
-# English stopwords (the NLTK list), kept here so that nothing is downloaded at run time.
+# English stopwords (an older NLTK list), for the ``regex`` filter; the ``nltk`` filter reads NLTK's own data.
 STOPWORDS = frozenset(
     """i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself yourselves he him
     his himself she she's her hers herself it it's its itself they them their theirs themselves what which who whom
@@ -23,10 +42,15 @@ STOPWORDS = frozenset(
 )
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?", re.UNICODE)
+PER_POSITION_TOPK = 128  # the reference keeps the top 128 terms of every slot
 
 
 def content_words(text: str) -> list[str]:
-    """Lowercased words of ``text`` without stopwords and punctuation, in order, without repeats."""
+    """Lowercased words of ``text`` without stopwords and punctuation, in order, without repeats (``regex``).
+
+    >>> content_words("What do the cats do in the garden?")
+    ['cats', 'garden']
+    """
     seen: dict[str, None] = {}
     for w in _WORD.findall(text.lower()):
         if w not in STOPWORDS and w not in seen:
@@ -34,37 +58,82 @@ def content_words(text: str) -> list[str]:
     return list(seen)
 
 
-class ContentFilter:
-    """Maps a text to the vocabulary ids of its content words (PromptReps' filter).
+@lru_cache(maxsize=1)
+def nltk_english() -> tuple[Callable[[str], list[str]], frozenset[str]]:
+    """(word_tokenize, stopwords + punctuation) from NLTK's English data.
 
-    A word contributes the ids of its tokenization both at the start of a text and after a space,
-    so that BPE (``Ġword``) and WordPiece (``word``) vocabularies are both covered.
+    The data is looked up where NLTK looks (``NLTK_DATA``, ``~/nltk_data``, ...); when it is missing, NLTK's
+    downloader is tried once (the reference encoder does the same), then a clear error says what to install.
     """
+    import nltk
 
-    def __init__(self, tokenizer: Any):
+    for resource, package in (("tokenizers/punkt_tab/english/", "punkt_tab"), ("corpora/stopwords", "stopwords")):
+        try:
+            nltk.data.find(resource)
+        except LookupError:
+            try:
+                nltk.download(package, quiet=True, raise_on_error=True)
+                nltk.data.find(resource)
+            except Exception:  # noqa: BLE001 - no network, no permission: say what to do
+                raise ValueError(
+                    f"NLTK's {package!r} data is not installed, and could not be downloaded. The reference content "
+                    "filter needs it: run `python -m nltk.downloader punkt_tab stopwords` (or point NLTK_DATA at a "
+                    "folder that has it), or encode with --content-filter regex"
+                ) from None
+    from nltk import word_tokenize
+    from nltk.corpus import stopwords
+
+    return word_tokenize, frozenset(stopwords.words("english")) | frozenset(string.punctuation)
+
+
+class ContentFilter:
+    """Maps a text to the vocabulary ids of its content words (``kind``: ``nltk`` or ``regex``, see above)."""
+
+    def __init__(self, tokenizer: Any, kind: str = "nltk"):
+        if kind not in ("nltk", "regex"):
+            raise ValueError(f"unknown content filter {kind!r}; expected nltk, regex or none")
         self.tokenizer = tokenizer
-        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.kind = kind
+        self.special = set(getattr(tokenizer, "all_special_ids", []) or []) if kind == "regex" else set()
         self._cache: dict[str, tuple[int, ...]] = {}
 
-    def word_ids(self, word: str) -> tuple[int, ...]:
-        ids = self._cache.get(word)
-        if ids is None:
-            tok = self.tokenizer
-            got = set(tok(word, add_special_tokens=False)["input_ids"])
-            got |= set(tok(" " + word, add_special_tokens=False)["input_ids"])
-            ids = tuple(sorted(i for i in got if i not in self.special))
-            self._cache[word] = ids
-        return ids
+    def words(self, text: str) -> list[str]:
+        if self.kind == "regex":
+            return content_words(text)
+        tokenize, stop = nltk_english()
+        return list(dict.fromkeys(w for w in tokenize(text.lower()) if w not in stop))
+
+    def word_ids(self, words: list[str]) -> None:
+        """Tokenize the words not seen yet (each alone; ``regex`` also after a space) into the cache."""
+        new = [w for w in words if w not in self._cache]
+        if not new:
+            return
+        tok = self.tokenizer
+        alone = tok(new, add_special_tokens=False)["input_ids"]
+        spaced = tok([" " + w for w in new], add_special_tokens=False)["input_ids"] if self.kind == "regex" else None
+        for i, w in enumerate(new):
+            got = set(alone[i]) | (set(spaced[i]) if spaced is not None else set())
+            self._cache[w] = tuple(sorted(got - self.special))
 
     def allowed_ids(self, text: str) -> list[int]:
+        words = self.words(text)
+        self.word_ids(words)
         out: set[int] = set()
-        for w in content_words(text):
-            out.update(self.word_ids(w))
+        for w in words:
+            out.update(self._cache[w])
         return sorted(out)
 
 
+def make_filter(tokenizer: Any, kind: str) -> ContentFilter | None:
+    return None if kind == "none" else ContentFilter(tokenizer, kind)
+
+
 def pooled_weights(logits: torch.Tensor) -> torch.Tensor:
-    """[..., K, V] logits -> [..., V]: max over K of log(1 + ReLU(logit))."""
+    """[..., K, V] logits -> [..., V]: max over K of log(1 + ReLU(logit)).
+
+    >>> pooled_weights(torch.tensor([[0.0, 1.0], [-2.0, 3.0]])).tolist()   # K = 2 slots over V = 2 terms
+    [0.0, 1.3862943649291992]
+    """
     return torch.log1p(torch.relu(logits.float())).amax(dim=-2)
 
 
@@ -93,3 +162,31 @@ def topk_pairs(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[np.ndarra
         vals, order = torch.sort(vals, descending=True, stable=True)
         idx = idx[order]
     return idx.cpu().numpy().astype(np.int32), vals.cpu().numpy().astype(np.float32)
+
+
+def per_position_sparse(
+    ids: torch.Tensor, logits: torch.Tensor, topk: int = PER_POSITION_TOPK, quantise: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's sparse vector from the logits of the candidate ids at each of K slots.
+
+    ``ids`` [C] are the vocabulary ids that may appear (the content words, the mask excluded); ``logits``
+    [K, C] their logits at each slot. Per slot: log(1 + ReLU), the top ``topk``; with ``quantise`` (the mask
+    readout's) weights rounded down to multiples of 0.01; then the max over the slots, held as bfloat16 (the
+    reference's storage). Returns (ids, weights), heaviest first, positive weights only.
+
+    >>> ids, w = per_position_sparse(torch.tensor([7, 9]), torch.tensor([[1.0, 0.5], [-1.0, 2.0]]), topk=1)
+    >>> ids.tolist(), w.tolist()     # slot 0 keeps 7 (log 2 = 0.693 -> 0.69), slot 1 keeps 9 (log 3 -> 1.09)
+    ([9, 7], [1.090000033378601, 0.6899999976158142])
+    """
+    if ids.numel() == 0 or logits.shape[0] == 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    w = torch.log1p(torch.relu(logits.float()))  # [K, C]
+    kk = min(topk, w.shape[1])
+    vals, pos = torch.topk(w, kk, dim=-1)  # [K, kk]
+    scale = 100.0 if quantise else 1.0
+    if quantise:
+        vals = (vals * scale).int().float()  # the reference's quantisation: x100, truncated
+    pooled = torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
+    pooled.scatter_reduce_(0, pos.reshape(-1), vals.reshape(-1), reduce="amax")
+    pooled = pooled.to(torch.bfloat16).float() / scale  # stored as bfloat16, as the reference stores it
+    return topk_pairs(ids, pooled, ids.numel())

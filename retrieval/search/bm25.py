@@ -1,6 +1,6 @@
 """BM25 baseline with bm25s: Lucene variant, k1 = 0.9, b = 0.4, English Snowball stemmer and stopwords.
 
-Passages are indexed as "title text" (the text the dense encoders read). The result is a ``TopK``
+Passages are indexed as "title. text" (the text the dense encoders read). The result is a ``TopK``
 over the corpus order, so BM25 runs are written exactly like every other system's.
 """
 

@@ -46,11 +46,12 @@ def test_promptreps_on_20_scifact_queries(smol_reader, shared_data, capsys):
     with capsys.disabled():
         print(f"\npromptreps smollm2-135m, N={N}: {sum(stopped)}/20 stopped at the closing quote; reps {reps}")
 
-    # the number of representatives equals greedy generation (HF generate) up to the quote token
+    # the number of representatives follows greedy generation (HF generate) up to the stop token: the reference
+    # keeps the slot that predicts the quote (or a special token)
     p = smol_reader.pieces("query", N)
-    quote = smol_reader.quote_ids()
+    stop = smol_reader.stop_tokens()
     for i in [j for j, s in enumerate(stopped) if s][:2]:
         x = torch.tensor([list(p.prefix) + ids[i] + list(p.suffix)])
         gen = bb.model.generate(x, max_new_tokens=N, do_sample=False)[0, x.shape[1] :].tolist()
-        first_quote = next(t for t, tok in enumerate(gen) if tok in quote)
-        assert reps[i] == max(first_quote, 1)
+        first_stop = next(t for t, tok in enumerate(gen) if tok in stop)
+        assert reps[i] == first_stop + 1

@@ -54,6 +54,7 @@ def put_query_tokens(store: ArtifactStore, dataset: str, tokens: dict[str, list[
             "token_ids": [tokens[i] for i in ids],
             "n_tokens": [len(tokens[i]) for i in ids],
             "truncated": [False] * len(ids),
+            "text": [" ".join(["w"] * len(tokens[i])) for i in ids],
         },
         schema=TOKENS_SCHEMA,
     )

@@ -9,7 +9,7 @@ from tiny_models import ARCHS, CAUSAL_ARCHS, TEXTS, tiny_backbone, tiny_model, w
 
 from retrieval.models.backbones import Backbone, BackboneConfig, BackboneError, bidirectional_mask, detect_family
 from retrieval.models.readouts import Encoded, Readout, ReadoutConfig, make_reader
-from retrieval.models.sparse import ContentFilter, content_words, pooled_weights, topk_sparse
+from retrieval.models.sparse import ContentFilter, content_words, per_position_sparse, pooled_weights, topk_sparse
 
 MLM_ARCHS = tuple(a for a in ARCHS if a not in CAUSAL_ARCHS)
 SIDES = ("left", "right")
@@ -75,7 +75,7 @@ def no_quote_head(reader: Readout):
 def test_mask_readout_shapes(backbones, arch, k):
     bb, tok = backbones[arch]
     texts = [TEXTS["short"], TEXTS["query"], TEXTS["long"]]
-    reader = make_reader(bb, ReadoutConfig(sparse_topk=5))
+    reader = make_reader(bb, ReadoutConfig(sparse_topk=5, stop_cut=False))
     out = reader.encode([ids_of(tok, t) for t in texts], texts, "query", k)
     p = reader.pieces("query", k)
     filt = ContentFilter(tok)
@@ -84,25 +84,44 @@ def test_mask_readout_shapes(backbones, arch, k):
         assert e.dense.shape == (k, bb.hidden_size) and e.dense.dtype == np.float16
         assert np.isfinite(e.dense).all()
         assert e.sparse_ids.dtype == np.int32 and e.sparse_weights.dtype == np.float32
-        assert e.sparse_ids.shape == e.sparse_weights.shape and len(e.sparse_ids) <= 5
+        # the top 5 of every slot, pooled: at most 5 K terms
+        assert e.sparse_ids.shape == e.sparse_weights.shape and len(e.sparse_ids) <= 5 * k
         assert (np.diff(e.sparse_weights) <= 0).all() and (e.sparse_weights > 0).all()
+        assert np.allclose(e.sparse_weights * 100, np.round(e.sparse_weights * 100), atol=1e-3)  # multiples of 0.01
         assert set(e.sparse_ids.tolist()) <= set(filt.allowed_ids(text))
         assert len(set(e.sparse_ids.tolist())) == len(e.sparse_ids)
         assert e.n_tokens == len(p.prefix) + len(ids_of(tok, text)) + len(p.suffix) + k + len(p.closing)
-        assert e.stopped is None
-    assert len(out[-1].sparse_ids) == 5  # the long text has many content words; random logits favour some
+        assert e.stopped is False and e.tokens.shape == (k,) and e.tokens.dtype == np.int32
+    assert len(out[-1].sparse_ids) >= 5  # the long text has many content words; random logits favour some
 
 
 @pytest.mark.parametrize("arch", ["bert", "qwen2"])
 def test_sparse_topk_keeps_the_heaviest(backbones, arch):
+    """``sparse="pooled"`` (diffret 0.1): the top k of the pooled vector, unrounded."""
     bb, _ = backbones[arch]
-    full = encode(bb, [TEXTS["long"]], k=4, sparse_topk=1000)[0]
-    top3 = encode(bb, [TEXTS["long"]], k=4, sparse_topk=3)[0]
+    cfg = dict(k=4, sparse="pooled", stop_cut=False)
+    full = encode(bb, [TEXTS["long"]], sparse_topk=1000, **cfg)[0]
+    top3 = encode(bb, [TEXTS["long"]], sparse_topk=3, **cfg)[0]
     assert len(full.sparse_ids) > 3
     np.testing.assert_array_equal(top3.sparse_ids, full.sparse_ids[:3])
     np.testing.assert_allclose(top3.sparse_weights, full.sparse_weights[:3])
-    unfiltered = encode(bb, [TEXTS["short"]], k=2, sparse_topk=7, content_filter=False)[0]
+    unfiltered = encode(bb, [TEXTS["short"]], k=2, sparse_topk=7, content_filter="none", sparse="pooled")[0]
     assert len(unfiltered.sparse_ids) == 7  # the whole vocabulary competes: random logits are positive somewhere
+
+
+def test_per_position_sparse_by_hand():
+    """The reference's sparse vector: per slot log(1 + ReLU), top-k, x100 truncated; max over slots."""
+    ids = torch.tensor([3, 5, 8])
+    logits = torch.tensor([[0.5, 2.0, -1.0], [1.5, 0.1, 0.7]])  # [K = 2, 3 candidates]
+    got_ids, got_w = per_position_sparse(ids, logits, topk=1)
+    # slot 0 keeps 5 (log 3 = 1.0986 -> 1.09); slot 1 keeps 3 (log 2.5 = 0.9163 -> 0.91)
+    assert got_ids.tolist() == [5, 3] and np.allclose(got_w, [1.09, 0.91])
+    got_ids, got_w = per_position_sparse(ids, logits, topk=2)
+    # slot 0 adds 3 (log 1.5 = 0.405 -> 0.40), max with slot 1's 0.91; slot 1 adds 8 (log 1.7 = 0.530 -> 0.53)
+    assert {i: round(float(w), 4) for i, w in zip(got_ids, got_w, strict=True)} == {5: 1.09, 3: 0.91, 8: 0.53}
+    got_ids, got_w = per_position_sparse(ids, logits, topk=2, quantise=False)
+    assert np.allclose(sorted(got_w), sorted(np.log1p([2.0, 1.5, 0.7])), atol=1e-2)  # bf16 storage
+    assert per_position_sparse(torch.tensor([], dtype=torch.long), logits[:, :0])[0].size == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -261,7 +280,7 @@ def test_hidden_states_left_padding_matches_right(backbones, arch, bidirectional
 @pytest.mark.parametrize("padding_side", SIDES)
 def test_head_at_positions_equals_full_model(backbones, arch, padding_side):
     bb, tok = backbones[arch]
-    reader = make_reader(bb, ReadoutConfig(padding_side=padding_side))
+    reader = make_reader(bb, ReadoutConfig(padding_side=padding_side, stop_cut=False))
     texts = [TEXTS["short"], TEXTS["long"]]
     b = reader._mask_batch([ids_of(tok, t) for t in texts], "query", 4)
     rows = torch.arange(len(texts))[:, None]
@@ -280,11 +299,12 @@ def test_head_at_positions_equals_full_model(backbones, arch, padding_side):
             full = bb.model(input_ids=b.input_ids, attention_mask=mask, position_ids=pos_ids).logits
             hidden = bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             torch.testing.assert_close(bb.logits(hidden[rows, b.positions]), full[rows, b.positions])
-    # the reader's sparse vectors are the full model's logits, pooled and filtered
+    # the reader's sparse vectors are the full model's logits, filtered, cut per slot and pooled
     out = reader.encode([ids_of(tok, t) for t in texts], texts, "query", 4)
     filt = ContentFilter(tok)
     for i, e in enumerate(out):
-        ids, w = topk_sparse(pooled_weights(full[i, b.positions[i]]), filt.allowed_ids(texts[i]), 256)
+        allowed = torch.tensor([a for a in filt.allowed_ids(texts[i]) if a != bb.mask_id])
+        ids, w = per_position_sparse(allowed, full[i, b.positions[i]][:, allowed], 128)
         np.testing.assert_array_equal(e.sparse_ids, ids)
         np.testing.assert_allclose(e.sparse_weights, w, rtol=1e-5, atol=1e-6)
 
@@ -338,26 +358,30 @@ def test_denoise_steps(backbones, arch):
     bb, tok = backbones[arch]
     k = 4
     texts = [TEXTS["short"], TEXTS["query"]]
-    plain = encode(bb, texts, k=k)
+    plain = encode(bb, texts, k=k, stop_cut=False)
     for steps in (2, k):
-        out = encode(bb, texts, k=k, denoise_steps=steps)
+        out = encode(bb, texts, k=k, denoise_steps=steps, stop_cut=False)
         for e, p in zip(out, plain, strict=True):
             assert e.dense.shape == p.dense.shape and e.dense.dtype == np.float16
             assert e.sparse_ids.dtype == np.int32 and (np.diff(e.sparse_weights) <= 0).all()
             assert e.n_tokens == p.n_tokens
     # S = 1 through the denoising loop is the plain readout
-    reader = make_reader(bb, ReadoutConfig(denoise_steps=1))
+    reader = make_reader(bb, ReadoutConfig(denoise_steps=1, stop_cut=False))
     b = reader._mask_batch([ids_of(tok, t) for t in texts], "query", k)
     with torch.inference_mode():
-        h, logits = reader._denoise(b, k, 1)
+        h, logits, _ = reader._denoise(b, k, 1)
     for i, p in enumerate(plain):
         np.testing.assert_array_equal(h[i].numpy().astype(np.float16), p.dense)
-    # at S = 2 the first pass is the plain one: the 2 most confident masks keep their plain states
+    # at S = 2 the first pass is the plain one: the reference's schedule reveals max(1, int(4 (1 - t1 / t0)))
+    # masks first (t = linspace(1, 1e-3, 3)), the most confident by negative entropy; they keep their plain states
     with torch.inference_mode():
-        h2, _ = reader._denoise(b, k, 2)
-    conf = logits.softmax(-1).amax(-1)
+        h2, _, _ = reader._denoise(b, k, 2)
+    t = torch.linspace(1, 1e-3, 3)
+    take = max(1, int(k * (1 - float(t[1] / t[0]))))
+    probs = logits.softmax(-1)
+    conf = (probs * torch.log(probs + 1e-10)).sum(-1)
     for i, p in enumerate(plain):
-        first = torch.topk(conf[i], 2).indices
+        first = torch.topk(conf[i], take).indices
         np.testing.assert_array_equal(h2[i, first].numpy().astype(np.float16), p.dense[first.numpy()])
         later = sorted(set(range(k)) - set(first.tolist()))
         assert not np.array_equal(h2[i, later].numpy().astype(np.float16), p.dense[later])
@@ -380,16 +404,27 @@ def forced_head(reader: Readout, token: int, at_step: int, rows: list[int] | Non
     return head
 
 
-def quote_token(arch: str, tok) -> int:
-    return tok.convert_tokens_to_ids('Ġ"' if arch == "qwen2" else '"')  # Qwen2: the space-quote BPE token
+def quote_token(arch: str, tok, stop: str = "quote_in_token") -> int:
+    """The token that ends the words: the single-token quote (reference), or for diffret 0.1's rule any token with
+    a quote (Qwen2: the space-quote BPE token)."""
+    if stop == "reference":
+        (q,) = tok('"', add_special_tokens=False)["input_ids"]
+        return q
+    return tok.convert_tokens_to_ids('Ġ"' if arch == "qwen2" else '"')
+
+
+# (stop rule, decoding step of the quote, representatives kept): the reference keeps the slot that predicts the
+# quote; diffret 0.1 drops it (unless it is the first)
+STOPS = [("quote_in_token", 0, 1), ("quote_in_token", 1, 1), ("quote_in_token", 2, 2), ("quote_in_token", 4, 4),
+         ("reference", 0, 1), ("reference", 1, 2), ("reference", 4, 5)]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", CAUSAL_ARCHS)
-@pytest.mark.parametrize("at_step,expected", [(0, 1), (1, 1), (2, 2), (4, 4)])
-def test_promptreps_stops_at_the_quote(backbones, arch, at_step, expected, monkeypatch):
+@pytest.mark.parametrize("stop,at_step,expected", STOPS)
+def test_promptreps_stops_at_the_quote(backbones, arch, stop, at_step, expected, monkeypatch):
     bb, tok = backbones[arch]
-    reader = make_reader(bb, ReadoutConfig(readout="promptreps"))
-    q = quote_token(arch, tok)
+    reader = make_reader(bb, ReadoutConfig(readout="promptreps", promptreps_stop=stop))
+    q = quote_token(arch, tok, stop)
     assert q in reader.quote_ids()
     monkeypatch.setattr(bb, "head", forced_head(reader, q, at_step))
     e = reader.encode([ids_of(tok, TEXTS["query"])], [TEXTS["query"]], "query", 6)[0]
@@ -414,16 +449,17 @@ def test_promptreps_runs_to_the_cap_without_a_quote(backbones, arch, k, monkeypa
 
 
 @pytest.mark.parametrize("arch", CAUSAL_ARCHS)
-def test_promptreps_quote_through_the_lm_head(tmp_path, arch):
+@pytest.mark.parametrize("stop", ["reference", "quote_in_token"])
+def test_promptreps_quote_through_the_lm_head(tmp_path, arch, stop):
     """A model whose LM head always prefers the quote: one representative, stopped."""
     bb, tok = tiny_backbone(arch, tmp_path)
-    reader = make_reader(bb, ReadoutConfig(readout="promptreps"))
+    reader = make_reader(bb, ReadoutConfig(readout="promptreps", promptreps_stop=stop))
     lm = bb.model.lm_head
     biased = torch.nn.Linear(lm.in_features, lm.out_features, bias=True)
     with torch.no_grad():
         biased.weight.copy_(lm.weight)
         biased.bias.zero_()
-        biased.bias[quote_token(arch, tok)] = 100.0
+        biased.bias[quote_token(arch, tok, stop)] = 100.0
     bb.model.lm_head = biased
     bb.head = biased
     out = reader.encode([ids_of(tok, t) for t in TEXTS.values()], list(TEXTS.values()), "query", 5)
@@ -432,21 +468,22 @@ def test_promptreps_quote_through_the_lm_head(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", CAUSAL_ARCHS)
-def test_promptreps_batch_rows_stop_independently(backbones, arch, monkeypatch):
+@pytest.mark.parametrize("stop,kept", [("reference", 3), ("quote_in_token", 2)])
+def test_promptreps_batch_rows_stop_independently(backbones, arch, stop, kept, monkeypatch):
     bb, tok = backbones[arch]
     k = 4
-    reader = make_reader(bb, ReadoutConfig(readout="promptreps"))
+    reader = make_reader(bb, ReadoutConfig(readout="promptreps", promptreps_stop=stop))
     texts = [TEXTS["long"], TEXTS["short"]]
     token_ids = [ids_of(tok, t) for t in texts]
-    monkeypatch.setattr(bb, "head", forced_head(reader, quote_token(arch, tok), at_step=2, rows=[0]))
+    monkeypatch.setattr(bb, "head", forced_head(reader, quote_token(arch, tok, stop), at_step=2, rows=[0]))
     batch = reader.encode(token_ids, texts, "query", k)
-    assert (batch[0].stopped, batch[0].dense.shape[0]) == (True, 2)
+    assert (batch[0].stopped, batch[0].dense.shape[0]) == (True, kept)
     assert (batch[1].stopped, batch[1].dense.shape[0]) == (False, k)
     monkeypatch.setattr(bb, "head", no_quote_head(reader))
     alone = reader.encode(token_ids[1:], texts[1:], "query", k)[0]
     assert_same_encoding(alone, batch[1])  # left padding and a neighbour do not change the decoding
     long_alone = reader.encode(token_ids[:1], texts[:1], "query", k)[0]
-    np.testing.assert_allclose(long_alone.dense[:2].astype(np.float32), batch[0].dense.astype(np.float32), atol=1e-2)
+    np.testing.assert_allclose(long_alone.dense[:kept].astype(np.float32), batch[0].dense.astype(np.float32), atol=1e-2)
 
 
 @pytest.mark.parametrize("arch", CAUSAL_ARCHS)
@@ -523,13 +560,15 @@ def test_content_words():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_content_filter_ids(backbones, arch):
+@pytest.mark.parametrize("kind", ["nltk", "regex"])
+def test_content_filter_ids(backbones, arch, kind):
     _, tok = backbones[arch]
-    filt = ContentFilter(tok)
+    filt = ContentFilter(tok, kind)
     allowed = set(filt.allowed_ids("The cats, and the dogs!"))
     for word in ("cats", "dogs"):
-        assert set(ids_of(tok, word)) <= allowed
-        assert set(ids_of(tok, " " + word)) <= allowed  # BPE: the space-prefixed form too
+        assert set(ids_of(tok, word)) <= allowed  # each word tokenized alone (the reference's)
+        if kind == "regex":
+            assert set(ids_of(tok, " " + word)) <= allowed  # BPE: the space-prefixed form too
     checked = 0
     for word in ("the", "and", ",", "!"):
         for piece in (word, " " + word):

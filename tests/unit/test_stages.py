@@ -40,8 +40,8 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
     ref = SystemRef(model=str(model))
     return {
         "download": DownloadConfig(name="tiny", source=str(beir), **common),
-        "tokenize": TokenizeConfig(dataset="tiny", backbone=bb, max_length=32, shard_size=5, **common),
-        "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=32, shard_size=5, batch_size=4,
+        "tokenize": TokenizeConfig(dataset="tiny", backbone=bb, max_length=96, shard_size=5, **common),
+        "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4,
                                **common),  # fmt: skip
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
@@ -162,7 +162,7 @@ def test_registry_records_each_system_and_finds_it(world: dict) -> None:
     recs = {r.kind: r for r, _ in list_systems(store)}
     enc = recs["encoder"]
     assert enc.model == str(world["model"]) and enc.readout == "diffretriever" and enc.has_sparse
-    assert enc.settings["dtype"] == "float32" and enc.settings["max_length"] == 32
+    assert enc.settings["dtype"] == "float32" and enc.settings["max_length"] == 96
     assert find_system(store, SystemRef(model=str(world["model"]))).system == enc.system
     assert find_system(store, SystemRef(system=enc.system[:12])).system == enc.system  # a unique prefix
     assert find_system(store, SystemRef(system="bm25")).kind == "bm25"
@@ -186,12 +186,12 @@ def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tm
         return res.output
 
     cli("download", "tiny", "--source", str(world["beir"]))
-    cli("encode", "-d", "tiny", "--model", model, "--dtype", "bfloat16", "--k", "1,2", "--max-length", "32")
+    cli("encode", "-d", "tiny", "--model", model, "--dtype", "bfloat16", "--k", "1,2", "--max-length", "96")
     assert "20 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--kq", "1,2", "--kp", "1,2")
     indexed = cli("index", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "2", "--type", "none")
     assert "1 index(es) built" in indexed and "| 2 | 1 |" in indexed
     # a second system of the same model: --model alone is now ambiguous, and the error says what differs
-    cli("encode", "-d", "tiny", "--model", model, "--k", "1", "--max-length", "32")
+    cli("encode", "-d", "tiny", "--model", model, "--k", "1", "--max-length", "96")
     res = runner.invoke(app, ["score", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "1", "--root", root])
     assert res.exit_code == 2 and "2 encoder systems match" in res.output and "--dtype" in res.output
     assert "5 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1",

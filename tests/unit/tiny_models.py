@@ -50,9 +50,9 @@ def prompt_words() -> list[str]:
         if not p.name.endswith(".yaml"):
             continue
         data = yaml.safe_load(p.read_text())
-        pieces = [data[s]["user"] for s in ("query", "passage")] + [data["assistant_prefix"], data["closing"]]
-        for piece in pieces:
-            for w in re.findall(r"\w+|[^\w\s]", piece.replace("{text}", " ")):
+        pieces = [data[s][part] for s in ("query", "passage") for part in ("user_prefix", "user_suffix")]
+        for piece in [data.get("system", ""), *pieces, data["assistant_prefix"]]:
+            for w in re.findall(r"\w+|[^\w\s]", piece):
                 seen.setdefault(w, None)
     return list(seen)
 
