@@ -147,6 +147,20 @@ def bm25(
          bm25={"k1": k1, "b": b})  # fmt: skip
 
 
+@app.command("training-data")
+def training_data(
+    dataset: Annotated[str | None, Opt("--dataset", "-d", help="Mine groups from this dataset's train split.")] = None,
+    source: Annotated[str | None, Opt("--source", "-s", help="A Tevatron jsonl / Parquet file or hub id.")] = None,
+    name: Annotated[str | None, Opt(help="The set's name (default: the dataset or the file's stem).")] = None,
+    split: str = "train", negatives: Annotated[str, Opt(help="The stored system giving negatives.")] = "bm25",
+    kq: int | None = None, kp: int | None = None, mode: str | None = None, depth: int = 30, n_negatives: int = 15,
+    seed: int = 0, root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+) -> None:  # fmt: skip
+    """Training groups (query, positives, hard negatives) from a Tevatron file or mined from a stored run."""
+    _run("training", prefect, root=root, force=force, dataset=dataset, source=source, name=name, split=split,
+         negatives=negatives, kq=kq, kp=kp, mode=mode, depth=depth, n_negatives=n_negatives, seed=seed)  # fmt: skip
+
+
 @app.command()
 def evaluate(
     system: Annotated[list[str] | None, Opt("--system", help="System(s), repeatable (default: all).")] = None,

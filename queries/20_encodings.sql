@@ -10,7 +10,7 @@ FROM read_parquet(@files, hive_partitioning = true,
 -- files: encodings/system=*/dataset=*/side=*/k=*/shard=*.parquet
 -- One row per (system, dataset, side, K, text). `dense` is [n_reps][H] float16; select it only when needed.
 CREATE OR REPLACE VIEW encodings AS
-SELECT system, dataset, side, k, id, n_reps, n_tokens, stopped,
+SELECT system, dataset, side, k, id, n_reps, n_tokens, stopped, tokens,
        len(sparse_ids) AS sparse_nnz, sparse_ids, sparse_weights, dense
 FROM read_parquet(@files, hive_partitioning = true,
                   hive_types = {'system': VARCHAR, 'dataset': VARCHAR, 'side': VARCHAR, 'k': INTEGER});

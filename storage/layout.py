@@ -202,10 +202,29 @@ def report_dir(name: str) -> str:
     return partition("reports", report=name)
 
 
+GROUPS_FILE = "groups.parquet"
+PASSAGE_TYPE = pa.struct([("docid", pa.string()), ("title", pa.string()), ("text", pa.string())])
+# Tevatron's training format: one row per query, its positive and (hard) negative passages
+GROUPS_SCHEMA = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("query", pa.string(), nullable=False),
+        pa.field("positive_passages", pa.list_(PASSAGE_TYPE), nullable=False),
+        pa.field("negative_passages", pa.list_(PASSAGE_TYPE), nullable=False),
+    ]
+)
+
+
+def training_dir(name: str) -> str:
+    """One set of training groups (``groups.parquet``): from a Tevatron file, or mined from a stored run."""
+    return partition("training", set=name)
+
+
 # Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
 FILE_SCHEMAS[METRICS_FILE] = METRICS_SCHEMA
+FILE_SCHEMAS[GROUPS_FILE] = GROUPS_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:

@@ -25,7 +25,9 @@ from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef, find_system, list_systems
 from stages.tokenize import TokenizeConfig
+from stages.training_data import TrainingDataConfig
 from storage import ArtifactStore, ConfigDriftError, StoreError
+from storage.sql import StoreSQL
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
 CORPUS = [{"_id": f"d{i}", "title": WORDS[i], "text": " ".join(WORDS[i : i + 4])} for i in range(12)]
@@ -45,6 +47,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
                                **common),  # fmt: skip
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
+        "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
         "evaluate": EvaluateConfig(**common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
@@ -112,6 +115,7 @@ DRIFT = {  # stage -> (change of a setting, the field the error names)
     "encode": (None, "readout.sparse_topk"),
     "score": (lambda w: {"topk": 10}, "topk"),
     "bm25": (lambda w: {"topk": 10}, "topk"),
+    "training": (lambda w: {"depth": 4}, "depth"),
     "evaluate": (lambda w: {"relevance_level": 2}, "relevance_level"),
     "index": (lambda w: {"overfetch": 5}, "overfetch"),
     "summary": (lambda w: {"bm25": None}, "bm25"),
@@ -198,3 +202,25 @@ def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tm
                                      "--kp", "1")  # fmt: skip
     listing = cli("systems", "-f", "json")
     assert sorted(r["kind"] for r in json.loads(listing)) == ["encoder", "encoder"]
+
+
+def test_training_groups_mined_from_the_bm25_train_run(world: dict) -> None:
+    store = ArtifactStore(world["root"])
+    with StoreSQL(store) as db:
+        _, rows = db.query("select query_id, positive_passages, negative_passages from training_groups order by 1")
+    assert [r[0] for r in rows] == ["q3", "q4"]  # the train split's judged queries
+    for qid, pos, neg in rows:
+        assert [p["docid"] for p in pos] == [{"q3": "d6", "q4": "d8"}[qid]]
+        assert len(neg) == 3 and not {p["docid"] for p in neg} & {p["docid"] for p in pos}
+        assert pos[0]["title"] and pos[0]["text"]  # title and text kept apart, as Tevatron has them
+
+
+def test_training_needs_a_split_and_a_run(world: dict) -> None:
+    cfg = world["configs"]["training"]
+    with pytest.raises(ValueError, match="has no split 'dev'"):
+        execute(stages()["training"], cfg.model_copy(update={"split": "dev"}), log=lambda _: None)
+    with pytest.raises(StoreError, match="no system named 'nosuch'"):
+        execute(stages()["training"], cfg.model_copy(update={"negatives": "nosuch"}), log=lambda _: None)
+    enc = find_system(ArtifactStore(world["root"]), SystemRef(model=str(world["model"]))).system
+    with pytest.raises(StoreError, match="choose one with --kq, --kp and --mode"):
+        execute(stages()["training"], cfg.model_copy(update={"negatives": enc}), log=lambda _: None)

@@ -1,0 +1,8 @@
+-- view: training_groups
+-- files: training/set=*/groups.parquet
+-- One row per training group (Tevatron's format): the query, its positive and hard-negative passages
+-- (lists of {docid, title, text}) and their counts.
+CREATE OR REPLACE VIEW training_groups AS
+SELECT "set", query_id, query, len(positive_passages) AS n_positives, len(negative_passages) AS n_negatives,
+       positive_passages, negative_passages
+FROM read_parquet(@files, hive_partitioning = true, hive_types = {'set': VARCHAR});
