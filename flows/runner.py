@@ -34,6 +34,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "score": ("flows.score", "score_flow"),
     "bm25": ("flows.bm25", "bm25_flow"),
     "training": ("flows.training_data", "training_data_flow"),
+    "train": ("flows.train", "train_flow"),
     "evaluate": ("flows.evaluate", "evaluate_flow"),
     "summary": ("flows.summary", "summary_flow"),
     "report": ("flows.report", "report_flow"),

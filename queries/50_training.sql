@@ -6,3 +6,10 @@ CREATE OR REPLACE VIEW training_groups AS
 SELECT "set", query_id, query, len(positive_passages) AS n_positives, len(negative_passages) AS n_negatives,
        positive_passages, negative_passages
 FROM read_parquet(@files, hive_partitioning = true, hive_types = {'set': VARCHAR});
+
+-- view: train_log
+-- files: models/model=*/train_log.parquet
+-- One row per optimizer step of each fine-tuned model: the loss, its dense and sparse parts, lr, samples/s.
+CREATE OR REPLACE VIEW train_log AS
+SELECT model, step, loss, dense, sparse, lr, samples_per_s
+FROM read_parquet(@files, hive_partitioning = true, hive_types = {'model': VARCHAR});

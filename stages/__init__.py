@@ -3,7 +3,7 @@ records what it wrote (see stages/base.py). ``STAGES`` maps a stage's name to it
 in this process or under Prefect through one ``run_stage``.
 
     download -> tokenize -> encode -> (index) -> score / bm25 -> evaluate -> summary -> report
-                                                   bm25 (train split) -> training (groups for fine-tuning)
+                                                   bm25 (train split) -> training (groups) -> train
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from importlib import import_module
 
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
-_MODULES = ("ingest", "tokenize", "encode", "index", "score", "bm25", "training_data", "evaluate", "summary", "report")
+_MODULES = (
+    "ingest", "tokenize", "encode", "index", "score", "bm25", "training_data", "train", "evaluate", "summary", "report",
+)  # fmt: skip
 
 
 def stages() -> dict[str, Stage]:

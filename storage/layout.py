@@ -215,6 +215,29 @@ GROUPS_SCHEMA = pa.schema(
 )
 
 
+TRAIN_LOG_FILE = "train_log.parquet"
+TRAIN_LOG_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("lr", pa.float64()),
+        pa.field("loss", pa.float64()),
+        pa.field("dense", pa.float64()),
+        pa.field("sparse", pa.float64()),
+        pa.field("samples_per_s", pa.float64()),
+    ]
+)
+
+
+def model_dir(name: str) -> str:
+    """A fine-tuned model: a transformers folder (``--model`` takes it), its train log and loss curve."""
+    return partition("models", model=name)
+
+
+def checkpoint_path(name: str) -> str:
+    """The resumable state of a training run in progress (written atomically every N steps)."""
+    return f"checkpoints/model={name}/last.pt"
+
+
 def training_dir(name: str) -> str:
     """One set of training groups (``groups.parquet``): from a Tevatron file, or mined from a stored run."""
     return partition("training", set=name)
@@ -225,6 +248,7 @@ FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema
 FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
 FILE_SCHEMAS[METRICS_FILE] = METRICS_SCHEMA
 FILE_SCHEMAS[GROUPS_FILE] = GROUPS_SCHEMA
+FILE_SCHEMAS[TRAIN_LOG_FILE] = TRAIN_LOG_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:

@@ -114,8 +114,10 @@ class FamilySpec:
 
 
 QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# BERT (query/key/value, attention output + feed-forward "dense") and ModernBERT (Wqkv, Wo, Wi)
+BERT_TARGETS = ("query", "key", "value", "dense", "Wqkv", "Wo", "Wi")
 FAMILIES: dict[str, FamilySpec] = {
-    "mlm": FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True),
+    "mlm": FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True, lora_targets=BERT_TARGETS),
     "dream": FamilySpec(
         "dream", "AutoModel", bidirectional=True, mask_token="<|mask|>", turn_end="<|im_end|>",
         native=NativeLoader("Qwen2ForCausalLM", "Qwen2TokenizerFast", _qwen2_config),

@@ -16,6 +16,14 @@ from storage.layout import encodings_schema
 from .readouts import Encoded, Readout
 
 
+def quiet_length_warning(tokenizer: Any) -> None:
+    """Mark transformers' "longer than the specified maximum" warning as shown on this tokenizer (its own
+    once-per-tokenizer flag): callers tokenize whole texts on purpose and cut them before the model."""
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(shown, dict):
+        shown["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Table:
     """Token ids cut at ``max_length``, with each text's full length and whether it was cut.
 
@@ -23,9 +31,7 @@ def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Tabl
     sequence is longer than the model's maximum would mislead: nothing that long reaches the model. It is
     marked as already shown on this tokenizer (transformers' own once-per-tokenizer flag; no global state).
     """
-    shown = getattr(tokenizer, "deprecation_warnings", None)
-    if isinstance(shown, dict):
-        shown["sequence-length-is-longer-than-the-specified-maximum"] = True
+    quiet_length_warning(tokenizer)
     enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
     lengths = [len(e) for e in enc]
     return pa.table(

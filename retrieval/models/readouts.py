@@ -208,6 +208,14 @@ class MaskReadout(
         positions = torch.as_tensor([[s + j for j in range(k)] for s in starts], device=self.bb.device)
         return _Batch(ids, att, positions, [len(r) for r in rows])
 
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """With gradients, for training: (hidden states [B, K, H], logits [B, K, V]) at the K masks (all K slots,
+        no stop cut, as the reference trains)."""
+        b = self._mask_batch(self._fit(token_ids, side, k), side, k)
+        hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
+        h = hidden[torch.arange(len(token_ids), device=hidden.device)[:, None], b.positions]
+        return h, self.bb.logits(h)
+
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         b = self._mask_batch(token_ids, side, k)
         if self.cfg.denoise_steps == 1:

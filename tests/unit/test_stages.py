@@ -14,6 +14,7 @@ from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
 from retrieval.models.backbones import BackboneConfig
+from retrieval.training.loop import Trainer, TrainSettings
 from stages import execute, stages
 from stages.bm25 import BM25Config
 from stages.encode import EncodeConfig
@@ -25,6 +26,7 @@ from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef, find_system, list_systems
 from stages.tokenize import TokenizeConfig
+from stages.train import TrainConfig
 from stages.training_data import TrainingDataConfig
 from storage import ArtifactStore, ConfigDriftError, StoreError
 from storage.sql import StoreSQL
@@ -33,6 +35,10 @@ WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retr
 CORPUS = [{"_id": f"d{i}", "title": WORDS[i], "text": " ".join(WORDS[i : i + 4])} for i in range(12)]
 QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[2 * i : 2 * i + 2])} for i in range(5)]
 QRELS = {"test": [("q0", "d0", 1), ("q1", "d2", 1), ("q2", "d4", 2)], "train": [("q3", "d6", 1), ("q4", "d8", 1)]}
+
+
+TRAIN = TrainSettings(adapter="full", kq=1, kp=2, batch_size=2, grad_accum=1, n_negatives=2, max_steps=4, lr=1e-3,
+                      q_max_len=8, p_max_len=12)  # fmt: skip
 
 
 def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
@@ -48,6 +54,8 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
         "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
+        "train": TrainConfig(training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2,
+                             **common),  # fmt: skip
         "evaluate": EvaluateConfig(**common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
@@ -116,6 +124,7 @@ DRIFT = {  # stage -> (change of a setting, the field the error names)
     "score": (lambda w: {"topk": 10}, "topk"),
     "bm25": (lambda w: {"topk": 10}, "topk"),
     "training": (lambda w: {"depth": 4}, "depth"),
+    "train": (lambda w: {"settings": TRAIN.model_copy(update={"lr": 2e-3})}, "settings.lr"),
     "evaluate": (lambda w: {"relevance_level": 2}, "relevance_level"),
     "index": (lambda w: {"overfetch": 5}, "overfetch"),
     "summary": (lambda w: {"bm25": None}, "bm25"),
@@ -224,3 +233,46 @@ def test_training_needs_a_split_and_a_run(world: dict) -> None:
     enc = find_system(ArtifactStore(world["root"]), SystemRef(model=str(world["model"]))).system
     with pytest.raises(StoreError, match="choose one with --kq, --kp and --mode"):
         execute(stages()["training"], cfg.model_copy(update={"negatives": enc}), log=lambda _: None)
+
+
+def test_killed_training_resumes_bit_identical(world: dict, tmp_path: Path, monkeypatch) -> None:
+    """A run killed after its step-2 checkpoint, re-run: the saved weights equal the uninterrupted run's."""
+    w = copy_world(world, tmp_path)
+    straight = Path(world["root"]) / "models" / "model=tiny-ft" / "model.safetensors"
+    real_step = Trainer.train_step
+
+    def dies_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt("killed")
+        return real_step(self)
+
+    shutil.rmtree(Path(w["root"]) / "models" / "model=tiny-ft")  # train it again
+    cfg = w["configs"]["train"]
+    monkeypatch.setattr(Trainer, "train_step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        execute(stages()["train"], cfg, log=lambda _: None)
+    ckpts = list(Path(w["root"]).glob("checkpoints/model=tiny-ft-*/last.pt"))
+    assert len(ckpts) == 1 and not (Path(w["root"]) / "models" / "model=tiny-ft").exists()  # step 2 only
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    lines: list[str] = []
+    res = execute(stages()["train"], w["configs"]["train"], log=lines.append)
+    assert res.done == 1 and any("resumed tiny-ft at step 2 of 4" in x for x in lines)
+    resumed = Path(w["root"]) / "models" / "model=tiny-ft" / "model.safetensors"
+    assert resumed.read_bytes() == straight.read_bytes()
+    assert not list(Path(w["root"]).glob("checkpoints/model=tiny-ft-*"))  # removed once saved
+    with StoreSQL(ArtifactStore(w["root"])) as db:
+        _, rows = db.query("select model, count(*), min(step), max(step) from train_log group by model")
+    assert rows == [("tiny-ft", 4, 1, 4)]
+
+
+def test_trained_model_encodes_as_a_system_of_its_own(world: dict, tmp_path: Path) -> None:
+    """The saved folder loads by path: encoding it registers a system apart from the base model's."""
+    w = copy_world(world, tmp_path)
+    model = Path(w["root"]) / "models" / "model=tiny-ft"
+    assert (model / "config.json").exists() and (model / "loss.png").stat().st_size > 0
+    cfg = w["configs"]["encode"].model_copy(update={"backbone": BackboneConfig(model=str(model)), "k": [1]})
+    execute(stages()["tokenize"], cfg.tokenize_config(), log=lambda _: None)
+    res = execute(stages()["encode"], cfg, log=lambda _: None)
+    assert res.done > 0
+    base = find_system(ArtifactStore(w["root"]), SystemRef(model=str(w["model"]))).system
+    assert res.system != base

@@ -1,0 +1,63 @@
+"""The training objective (paper section 3.4): L = L_dense + L_sparse, both InfoNCE over a pool of passages.
+
+The pool of every query is its positive, its hard negatives and the other queries' passages in the batch.
+L_dense scores with the same dense score the scorer uses (MaxSim over (K_q, K_p) for the mask readout, as the
+reference: the sum over query slots of the best passage slot, over K_q, on L2-normalised vectors) at
+temperature tau = 0.01. L_sparse is InfoNCE without a temperature on the dot product of the sparse vectors
+(max over the slots of the logits, then log(1 + ReLU), the text's content words only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def maxsim_matrix(q: torch.Tensor, q_mask: torch.Tensor, p: torch.Tensor, p_mask: torch.Tensor) -> torch.Tensor:
+    """[Q, Kq, H] x [P, Kp, H] -> [Q, P]: mean over the real query slots of the best real passage slot.
+
+    >>> q = torch.tensor([[[1.0, 0.0]]]); p = torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]])
+    >>> maxsim_matrix(q, torch.ones(1, 1, dtype=torch.bool), p, torch.ones(2, 2, dtype=torch.bool)).tolist()
+    [[1.0, 0.0]]
+    """
+    q = F.normalize(q.float(), dim=-1)
+    p = F.normalize(p.float(), dim=-1)
+    sim = torch.einsum("qah,pbh->qpab", q, p)
+    sim = sim.masked_fill(~p_mask[None, :, None, :], float("-inf")).amax(-1)  # [Q, P, Kq]
+    sim = sim.masked_fill(~q_mask[:, None, :], 0.0)
+    return sim.sum(-1) / q_mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def sparse_vectors(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """[B, K, V] logits -> [B, V]: log(1 + ReLU(max over K)), zero outside ``allowed`` ([B, V] bool)."""
+    w = torch.log1p(torch.relu(logits.float().amax(dim=1)))
+    return w if allowed is None else w * allowed
+
+
+def info_nce(scores: torch.Tensor, targets: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+    """Cross-entropy of each query's positive among its pool: ``scores`` [Q, P] / tau, ``targets`` [Q].
+
+    >>> round(float(info_nce(torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 1]))), 4)
+    0.1269
+    """
+    return F.cross_entropy(scores / tau, targets)
+
+
+def contrastive_loss(
+    q_dense: torch.Tensor, q_mask: torch.Tensor, p_dense: torch.Tensor, p_mask: torch.Tensor,
+    group: int, tau: float = 0.01, q_sparse: torch.Tensor | None = None, p_sparse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """L_dense + L_sparse for Q queries and Q * ``group`` passages (each query's positive first in its group).
+
+    Returns the loss and its parts (floats, for the log).
+    """
+    targets = torch.arange(q_dense.shape[0], device=q_dense.device) * group
+    dense = info_nce(maxsim_matrix(q_dense, q_mask, p_dense, p_mask), targets, tau)
+    parts = {"dense": float(dense.detach())}
+    loss = dense
+    if q_sparse is not None and p_sparse is not None:
+        sparse = info_nce(q_sparse @ p_sparse.T, targets)
+        parts["sparse"] = float(sparse.detach())
+        loss = loss + sparse
+    parts["loss"] = float(loss.detach())
+    return loss, parts

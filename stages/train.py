@@ -1,0 +1,158 @@
+"""The train stage: contrastive fine-tuning of a backbone on a stored training set (paper section 3.4).
+
+    models/model=<name>/                 a transformers folder (config, weights, tokenizer): `--model` takes it
+                        train_log.parquet   one row per optimizer step (loss, dense, sparse, lr, samples/s)
+                        loss.png            the loss curve
+    checkpoints/model=<name>/last.pt     the resumable state while training runs (removed at the end)
+
+The model's name is ``<base>-ft-<hash>``, the hash over the training set's config hash, the backbone, the
+readout and every training setting, so a fine-tuned model is a system of its own when encoded. A killed run
+resumes from its last checkpoint (weights, optimizer, scheduler, RNG states, step) and ends bit-identical
+to an uninterrupted one. LoRA adapters are merged into the saved weights.
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pydantic import Field
+
+from retrieval.data.training import Group
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.readouts import ReadoutConfig, make_reader
+from retrieval.training.loop import Trainer, TrainSettings
+from storage import Manifest
+from storage.layout import (
+    GROUPS_FILE,
+    TRAIN_LOG_FILE,
+    TRAIN_LOG_SCHEMA,
+    checkpoint_path,
+    model_dir,
+    training_dir,
+)
+from storage.manifest import config_hash
+
+from .base import Context, Plan, Stage, StageConfig
+from .readers import TITLE_SEP
+from .systems import _slug_base
+from .tokenize import DEFAULT_MODEL
+
+
+class TrainConfig(StageConfig):
+    """Parameters of the train flow."""
+
+    training_set: str = Field(description="A stored training set (diffret training-data).")
+    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
+    settings: TrainSettings = Field(default_factory=TrainSettings)
+    name: str | None = Field(default=None, description="The model's name (default: <base>-ft-<hash>).")
+    checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
+
+
+@dataclass
+class TrainUnit:
+    stage: str
+    name: str
+    config: dict[str, Any]
+    steps: int
+    checkpoint_every: int
+
+
+class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trained", reports_progress=True,
+            task_tags=("gpu",)):  # fmt: skip
+    """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
+
+    def plan(self, config: TrainConfig, ctx: Context) -> Plan:
+        data = ctx.store.require_manifest(training_dir(config.training_set))
+        cfg = {
+            "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
+            "readout": config.readout.model_dump(), "title_sep": config.title_sep,
+            "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
+        }  # fmt: skip
+        name = config.name or f"{_slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
+        cfg["model"] = name
+        s = config.settings
+        groups = int(data.stats.get("groups") or data.total_rows())
+        per_epoch = max(1, groups // (s.batch_size * s.grad_accum))
+        steps = s.max_steps or max(1, -(-int(per_epoch * s.epochs * 1000) // 1000))
+        plan = Plan(system=name, work=0, work_unit="steps")
+        stage = model_dir(name)
+        if plan.needs(ctx, stage, cfg, config.force):
+            plan.units.append(TrainUnit(stage, name, cfg, steps, config.checkpoint_every))
+            plan.work = steps
+        plan.details["model_dir"] = ctx.store.abspath(stage)
+        return plan
+
+    def work_of(self, unit: TrainUnit) -> int:
+        return unit.steps
+
+    def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
+        store, cfg = ctx.store, unit.config
+        table = store.read_table(training_dir(cfg["training_set"]), GROUPS_FILE)
+        groups = [Group(r["query_id"], r["query"], r["positive_passages"], r["negative_passages"])
+                  for r in table.to_pylist()]  # fmt: skip
+        backbone = BackboneConfig.model_validate(cfg["backbone"])
+        bb = load_backbone(backbone)
+        reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)
+        settings = TrainSettings.model_validate(cfg["settings"])
+        trainer = Trainer(reader, groups, settings, cfg["title_sep"])
+        ctx.log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
+                f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps")  # fmt: skip
+        ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
+        if store.exists(ckpt):
+            with store.fs.open(store.abspath(ckpt), "rb") as f:
+                trainer.load_state(f.read())
+            ctx.log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
+            ctx.advance(trainer.step)
+        trainer.run(on_step=lambda _row: ctx.advance(1), checkpoint=lambda b: store.write_bytes(ckpt, b),
+                    every=unit.checkpoint_every)  # fmt: skip
+        model = trainer.merged_model()
+        log = trainer.log
+        stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
+                 "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"], "groups": len(groups)}  # fmt: skip
+        m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
+        with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
+            model.save_pretrained(tmp)
+            bb.tokenizer.save_pretrained(tmp)
+            with store.stage_writer(unit.stage, m) as w:
+                for f in sorted(Path(tmp).rglob("*")):
+                    if f.is_file():
+                        w.write_file(str(f.relative_to(tmp)), f.read_bytes())
+                rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
+                w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
+                w.write_file("loss.png", _loss_png(log, unit.name))
+        store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
+        ctx.log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
+                f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
+        return stats
+
+
+def _loss_png(log: list[dict[str, Any]], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in log]
+    for key in ("loss", "dense", "sparse"):
+        if any(r.get(key) is not None for r in log):
+            ax.plot(steps, [r.get(key) for r in log], label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("InfoNCE")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+stage = Train()

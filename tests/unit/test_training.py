@@ -1,0 +1,109 @@
+"""The training objective and loop on tiny in-test models: the loss falls, a resumed run is bit-identical, LoRA
+wraps the family's projections (or refuses, naming the modules it found)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TEXTS, tiny_backbone
+
+from retrieval.data.training import Group
+from retrieval.models.backbones import BackboneError
+from retrieval.models.readouts import ReadoutConfig, make_reader
+from retrieval.training.loop import Trainer, TrainSettings
+from retrieval.training.objective import contrastive_loss, maxsim_matrix, sparse_vectors
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman".split()
+
+
+def groups(n: int = 8) -> list[Group]:
+    out = []
+    for i in range(n):
+        a, b = WORDS[i % len(WORDS)], WORDS[(i + 3) % len(WORDS)]
+        pos = {"docid": f"p{i}", "title": a, "text": f"{a} {b} {a}"}
+        negs = [{"docid": f"n{i}{j}", "title": "", "text": f"{WORDS[(i + 5 + j) % len(WORDS)]} tea"} for j in range(3)]
+        out.append(Group(f"q{i}", f"{a} {b}", [pos], negs))
+    return out
+
+
+def trainer(tmp_path, adapter: str = "full", arch: str = "bert", **kw) -> Trainer:
+    bb, _ = tiny_backbone(arch, tmp_path / arch, seed=0)
+    reader = make_reader(bb, ReadoutConfig(), 512)
+    settings = TrainSettings(adapter=adapter, kq=2, kp=2, batch_size=4, grad_accum=2, n_negatives=2, lr=1e-3,
+                             warmup_ratio=0.0, epochs=4, q_max_len=8, p_max_len=12, **kw)  # fmt: skip
+    return Trainer(reader, groups(), settings)
+
+
+def test_maxsim_and_loss_by_hand():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # one query, 2 slots
+    p = torch.tensor([[[1.0, 0.0], [0.0, 2.0]], [[1.0, 1.0], [-1.0, 0.0]]])
+    pm = torch.tensor([[True, True], [True, False]])  # the second passage's second slot is padding
+    s = maxsim_matrix(q, torch.ones(1, 2, dtype=torch.bool), p, pm)
+    assert torch.allclose(s, torch.tensor([[1.0, 2**-0.5]]))  # (1 + 1) / 2; (0.707 + 0.707) / 2
+    loss, parts = contrastive_loss(q, torch.ones(1, 2, dtype=torch.bool), p, pm, group=2, tau=0.01)
+    assert parts["loss"] == pytest.approx(float(torch.log1p(torch.exp(torch.tensor((2**-0.5 - 1) / 0.01)))), abs=1e-6)
+    w = sparse_vectors(torch.tensor([[[-1.0, 2.0], [3.0, -5.0]]]), torch.tensor([[True, False]]))
+    assert torch.allclose(w, torch.tensor([[float(torch.log1p(torch.tensor(3.0))), 0.0]]))
+
+
+def test_full_training_lowers_the_loss(tmp_path):
+    tr = trainer(tmp_path)
+    assert tr.steps == 4 * 1 and tr.trainable == tr.total
+    log = tr.run()
+    assert len(log) == 4 and log[-1]["loss"] < log[0]["loss"]
+    assert {"dense", "sparse", "lr", "samples_per_s"} <= set(log[0])
+
+
+def test_resume_is_bit_identical(tmp_path):
+    straight = trainer(tmp_path / "a")
+    straight.run()
+    first = trainer(tmp_path / "b")
+    for _ in range(2):
+        first.train_step()
+    state = first.state_bytes()
+    torch.manual_seed(123)  # the killed process's RNG state is gone; the checkpoint restores it
+    resumed = trainer(tmp_path / "c")
+    resumed.load_state(state)
+    assert resumed.step == 2
+    resumed.run()
+    for a, b in zip(straight.params, resumed.params, strict=True):
+        assert torch.equal(a, b)
+    assert [r["loss"] for r in straight.log] == [r["loss"] for r in resumed.log]
+
+
+@pytest.mark.parametrize("arch", ["bert", "qwen2"])
+def test_lora_trains_a_small_fraction(tmp_path, arch):
+    tr = trainer(tmp_path, adapter="lora", arch=arch, max_steps=2)
+    assert 0 < tr.trainable < tr.total
+    names = {n for n, p in tr.r.bb.model.named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n for n in names)
+    tr.run()
+    merged = tr.merged_model()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    out = make_reader(tr.r.bb, ReadoutConfig(), 512).encode([[5, 6, 7]], [TEXTS["short"]], "query", 2)
+    assert out[0].dense.shape[0] >= 1
+
+
+def test_lora_on_unknown_modules_is_refused(tmp_path, monkeypatch):
+    from retrieval.models import backbones
+
+    bb, _ = tiny_backbone("bert", tmp_path / "bert", seed=0)
+    spec = backbones.FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True, lora_targets=("nope_proj",))
+    bb.spec = spec
+    with pytest.raises(BackboneError, match="no LoRA targets.*query"):
+        Trainer(make_reader(bb, ReadoutConfig(), 512), groups(), TrainSettings(adapter="lora"))
+
+
+def test_other_readouts_are_refused_clearly(tmp_path):
+    bb, _ = tiny_backbone("bert", tmp_path / "bert", seed=0)
+    with pytest.raises(ValueError, match="diffretriever readout"):
+        Trainer(make_reader(bb, ReadoutConfig(readout="diffembed"), 512), groups(), TrainSettings())
