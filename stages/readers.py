@@ -11,23 +11,12 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from retrieval.data.collections import TITLE_SEP, passage_text
 from retrieval.search.encodings import Encodings, encodings_from_table, select
 from storage import ArtifactStore, IncompleteArtifactError, Manifest
 from storage.layout import dataset_dir
 
 SIDES = ("query", "passage")
-TITLE_SEP = ". "  # the reference encoder's passage text: title + ". " + text
-
-
-def passage_text(title: str | None, text: str, sep: str = TITLE_SEP) -> str:
-    """A passage as the encoders read it: ``title + sep + text``, or the text alone without a title.
-
-    >>> passage_text("Cats", "They purr.")
-    'Cats. They purr.'
-    >>> passage_text("", "They purr.", " ")
-    'They purr.'
-    """
-    return f"{title}{sep}{text}" if title else text
 
 
 def dataset_manifest(store: ArtifactStore, dataset: str) -> Manifest:

@@ -37,7 +37,7 @@ class EncodeSettings(BaseModel):
                            "'. '; diffret 0.1: ' ').")  # fmt: skip
 
 
-def _slug_base(model: str) -> str:
+def slug_base(model: str) -> str:
     base = model.rstrip("/").split("/")[-1] or "model"
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", base).strip("-.")[:60] or "model"
 
@@ -65,7 +65,7 @@ def encoder_slug(s: EncodeSettings) -> str:
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
     'tiny-bert-diffretriever-ba23743f66'
     """
-    return f"{_slug_base(s.backbone.model)}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
+    return f"{slug_base(s.backbone.model)}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
 
 
 def bm25_slug(settings: BaseModel) -> str:
@@ -83,7 +83,7 @@ def tokenizer_slug(
     vh = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:8]
     key = {"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vh, "title_sep": title_sep}
     h = config_hash(key)[:10]
-    return f"{_slug_base(model)}-{h}"
+    return f"{slug_base(model)}-{h}"
 
 
 _TOKENIZERS: dict[str, Any] = {}

@@ -22,10 +22,10 @@ from typing import Any
 import pyarrow as pa
 from pydantic import Field
 
-from retrieval.data.training import Group
+from retrieval.data.training import groups_from_table
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Trainer, TrainSettings
+from retrieval.training.loop import Trainer, TrainSettings, planned_steps
 from storage import Manifest
 from storage.layout import (
     GROUPS_FILE,
@@ -39,7 +39,7 @@ from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import TITLE_SEP
-from .systems import _slug_base
+from .systems import slug_base
 from .tokenize import DEFAULT_MODEL
 
 
@@ -75,12 +75,9 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             "readout": config.readout.model_dump(), "title_sep": config.title_sep,
             "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
         }  # fmt: skip
-        name = config.name or f"{_slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
+        name = config.name or f"{slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
         cfg["model"] = name
-        s = config.settings
-        groups = int(data.stats.get("groups") or data.total_rows())
-        per_epoch = max(1, groups // (s.batch_size * s.grad_accum))
-        steps = s.max_steps or max(1, -(-int(per_epoch * s.epochs * 1000) // 1000))
+        _, steps = planned_steps(int(data.total_rows()), config.settings)
         plan = Plan(system=name, work=0, work_unit="steps")
         stage = model_dir(name)
         if plan.needs(ctx, stage, cfg, config.force):
@@ -94,9 +91,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
 
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
         store, cfg = ctx.store, unit.config
-        table = store.read_table(training_dir(cfg["training_set"]), GROUPS_FILE)
-        groups = [Group(r["query_id"], r["query"], r["positive_passages"], r["negative_passages"])
-                  for r in table.to_pylist()]  # fmt: skip
+        groups = groups_from_table(store.read_table(training_dir(cfg["training_set"]), GROUPS_FILE))
         backbone = BackboneConfig.model_validate(cfg["backbone"])
         bb = load_backbone(backbone)
         reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)

@@ -14,6 +14,18 @@ NLTK_DATA = Path(__file__).resolve().parent / "unit" / "data" / "nltk_data"  # a
 os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (str(NLTK_DATA), os.environ.get("NLTK_DATA")) if p)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; several threads spin badly when the CPUs are shared (10x slower).
+    A module uses it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """../shared/data beside the checkout; tests that need it skip cleanly when it is absent."""

@@ -20,7 +20,19 @@ import pyarrow as pa
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
 
 BATCH_ROWS = 50_000
+TITLE_SEP = ". "  # the reference encoder's passage text: title + ". " + text
 _EXAMPLES = 5  # how many example ids a report keeps per anomaly
+
+
+def passage_text(title: str | None, text: str, sep: str = TITLE_SEP) -> str:
+    """A passage as the encoders read it: ``title + sep + text``, or the text alone without a title.
+
+    >>> passage_text("Cats", "They purr.")
+    'Cats. They purr.'
+    >>> passage_text("", "They purr.", " ")
+    'They purr.'
+    """
+    return f"{title}{sep}{text}" if title else text
 
 
 class DatasetError(ValueError):

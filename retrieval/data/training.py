@@ -52,7 +52,18 @@ class MiningReport:
             ex.append(qid)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        return dict(self.__dict__)
+
+
+def sample_fill(rng: random.Random, items: Sequence[Any], n: int) -> list[Any]:
+    """``n`` of ``items``: sampled without replacement, or all of them then drawn with replacement when fewer.
+
+    >>> sample_fill(random.Random(0), ["a"], 3)
+    ['a', 'a', 'a']
+    """
+    if len(items) >= n:
+        return rng.sample(list(items), n)
+    return list(items) + [rng.choice(items) for _ in range(n - len(items))] if items else []
 
 
 def _passage(path: Path, where: str, obj: Any) -> Passage:
@@ -153,16 +164,19 @@ def mine_groups(
         if not cands:
             report.note("no_negative", qid)
             continue
-        rng = random.Random(f"{seed}:{qid}")
-        if len(cands) >= n_negatives:
-            negs = rng.sample(cands, n_negatives)
-        else:
+        if len(cands) < n_negatives:
             report.note("short", qid)
-            negs = cands + [rng.choice(cands) for _ in range(n_negatives - len(cands))]
+        negs = sample_fill(random.Random(f"{seed}:{qid}"), cands, n_negatives)
         as_passage = lambda d: {"docid": d, "title": passage[d][0], "text": passage[d][1]}  # noqa: E731
         out.append(Group(qid, queries[qid], [as_passage(d) for d in pos], [as_passage(d) for d in negs]))
     report.groups = len(out)
     return out, report
+
+
+def groups_from_table(table: pa.Table) -> list[Group]:
+    """The groups of a ``GROUPS_SCHEMA`` table (the inverse of :func:`groups_table`)."""
+    return [Group(r["query_id"], r["query"], r["positive_passages"], r["negative_passages"])
+            for r in table.to_pylist()]  # fmt: skip
 
 
 def groups_table(groups: Sequence[Group]) -> pa.Table:

@@ -212,7 +212,6 @@ class Backbone:
         self._mask_token = mask_token
         self._turn_end = turn_end
         self.trunk, self.head = _split_head(model)
-        self._projection = _vocab_projection(model)
         self.pad_id = _pad_id(tokenizer)
         # a causal architecture (or Dream's remote code) takes a 4D mask: every real token sees every real token
         self._causal_arch = _is_causal_arch(model)
@@ -310,18 +309,6 @@ class Backbone:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
-    def logits_at(self, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the vocabulary ids ``vocab_ids`` only: [..., H] -> [..., len(vocab_ids)].
-
-        Equal to ``logits(hidden)[..., vocab_ids]`` but multiplies by those rows of the output matrix
-        only, so the cost no longer grows with the vocabulary (152k for Qwen-based LMs).
-        """
-        if self._projection is None:
-            return self.head(hidden)[..., vocab_ids]
-        pre, weight, bias = self._projection
-        out = pre(hidden) @ weight[vocab_ids].T
-        return out + bias[vocab_ids] if bias is not None else out
-
 
 def bidirectional_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, L] padding mask -> [B, 1, L, L] additive mask: every query sees every real key."""
@@ -394,28 +381,6 @@ def _llada_head(llada: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     if "ff_out" in t:
         return t.ff_out
     return lambda h: torch.nn.functional.linear(h, t.wte.weight)
-
-
-def _vocab_projection(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any, Any] | None:
-    """(pre, weight, bias) with head(h) == pre(h) @ weight.T + bias, when the head has that form."""
-    cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None  # a non-linear or scaled output: use the full head
-    if hasattr(model, "cls") and hasattr(model, "bert") and hasattr(model.cls, "predictions"):
-        pred = model.cls.predictions
-        dec = pred.decoder
-        bias = dec.bias if getattr(dec, "bias", None) is not None else getattr(pred, "bias", None)
-        return pred.transform, dec.weight, bias
-    if hasattr(model, "head") and hasattr(model, "decoder") and hasattr(model, "model"):
-        return model.head, model.decoder.weight, model.decoder.bias
-    lm_head = getattr(model, "lm_head", None)
-    if isinstance(lm_head, torch.nn.Linear) and hasattr(model, "model"):
-        return (lambda h: h), lm_head.weight, lm_head.bias
-    transformer = getattr(getattr(model, "model", None), "transformer", None)
-    ff_out = transformer["ff_out"] if transformer is not None and "ff_out" in transformer else None
-    if isinstance(ff_out, torch.nn.Linear):  # LLaDA's own code
-        return (lambda h: h), ff_out.weight, ff_out.bias
-    return None
 
 
 # ------------------------------------------------------------------------------------------- loading

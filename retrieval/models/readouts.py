@@ -309,8 +309,6 @@ class PromptRepsReadout(
                 self._stop_tokens = {i for t, i in vocab if '"' in tok.convert_tokens_to_string([t])}
         return self._stop_tokens
 
-    quote_ids = stop_tokens  # diffret 0.1's name
-
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
         p = self.pieces(side, k)

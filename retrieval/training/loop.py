@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from ..data.training import Group
+from ..data.collections import TITLE_SEP, passage_text
+from ..data.training import Group, sample_fill
 from ..models.backbones import Backbone, BackboneError
 from ..models.encoding import quiet_length_warning
 from ..models.readouts import MaskReadout, Readout
@@ -55,6 +56,16 @@ class TrainSettings(BaseModel):
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
 
+def planned_steps(n_groups: int, s: TrainSettings) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps in all) for ``n_groups`` groups.
+
+    >>> planned_steps(809, TrainSettings(epochs=3))   # 32 groups a step
+    (25, 75)
+    """
+    per_epoch = max(1, n_groups // (s.batch_size * s.grad_accum))
+    return per_epoch, s.max_steps or max(1, math.ceil(per_epoch * s.epochs))
+
+
 def lora_wrap(bb: Backbone, s: TrainSettings) -> Any:
     """Inject LoRA layers into the backbone (in place) on its family's projections; the peft model."""
     from peft import LoraConfig, get_peft_model
@@ -79,7 +90,7 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
 class Trainer:
     """Trains a mask readout's backbone on groups; ``run`` resumes from a checkpoint when given one."""
 
-    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = ". "):
+    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = TITLE_SEP):
         if not isinstance(reader, MaskReadout):
             raise ValueError(f"training covers the diffretriever readout so far, not {reader.name}")
         if not groups:
@@ -97,9 +108,7 @@ class Trainer:
             bb.model.gradient_checkpointing_enable()
         self.params = [p for p in bb.model.parameters() if p.requires_grad]
         self.trainable, self.total = trainable_count(bb.model)
-        per_step = settings.batch_size * settings.grad_accum
-        self.steps_per_epoch = max(1, len(self.groups) // per_step)
-        self.steps = settings.max_steps or max(1, math.ceil(self.steps_per_epoch * settings.epochs))
+        self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings)
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         warm = int(self.steps * settings.warmup_ratio)
 
@@ -128,11 +137,8 @@ class Trainer:
     def _passages(self, g: Group, step: int) -> list[str]:
         rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
         pos = rng.choice(g.positives)
-        negs = list(g.negatives)
-        n = self.s.n_negatives
-        negs = rng.sample(negs, n) if len(negs) >= n else negs + [rng.choice(negs) for _ in range(n - len(negs))] \
-            if negs else []  # fmt: skip
-        return [f"{p['title']}{self.sep}{p['text']}" if p["title"] else p["text"] for p in [pos, *negs]]
+        negs = sample_fill(rng, g.negatives, self.s.n_negatives)
+        return [passage_text(p["title"], p["text"], self.sep) for p in [pos, *negs]]
 
     def _ids(self, texts: list[str], limit: int) -> list[list[int]]:
         quiet_length_warning(self.r.bb.tokenizer)

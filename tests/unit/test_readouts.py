@@ -15,13 +15,7 @@ MLM_ARCHS = tuple(a for a in ARCHS if a not in CAUSAL_ARCHS)
 SIDES = ("left", "right")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; several threads spin badly when the CPUs are shared (10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def assert_same_encoding(a: Encoded, b: Encoded, atol: float = 1e-2, rtol: float
 def no_quote_head(reader: Readout):
     """A head that never predicts a quote token (so PromptReps runs to its cap)."""
     head = reader.bb.head
-    quote = sorted(reader.quote_ids())
+    quote = sorted(reader.stop_tokens())
 
     def patched(h: torch.Tensor) -> torch.Tensor:
         out = head(h).clone()
@@ -425,7 +419,7 @@ def test_promptreps_stops_at_the_quote(backbones, arch, stop, at_step, expected,
     bb, tok = backbones[arch]
     reader = make_reader(bb, ReadoutConfig(readout="promptreps", promptreps_stop=stop))
     q = quote_token(arch, tok, stop)
-    assert q in reader.quote_ids()
+    assert q in reader.stop_tokens()
     monkeypatch.setattr(bb, "head", forced_head(reader, q, at_step))
     e = reader.encode([ids_of(tok, TEXTS["query"])], [TEXTS["query"]], "query", 6)[0]
     assert e.stopped is True

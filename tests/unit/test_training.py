@@ -13,13 +13,7 @@ from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Trainer, TrainSettings
 from retrieval.training.objective import contrastive_loss, maxsim_matrix, sparse_vectors
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman".split()
