@@ -18,13 +18,19 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from retrieval.training.loop import TrainSettings
 from storage.layout import DEFAULT_ROOT
 
 from .display import OutputFormat, console, index_checks, log, out, print_leaderboard, print_rows, progress
-from .options import encode_settings, system_options, system_ref
+from .options import config_options, encode_settings, system_options, system_ref
 
-app = typer.Typer(name="diffret", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Representative-token retrieval experiments (DiffRetriever, baselines) over an artifact store.")
+app = typer.Typer(
+    name="diffret",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Representative-token retrieval experiments (DiffRetriever, baselines) over an artifact store.",
+)
 Opt = typer.Option
 
 Root = Annotated[str, Opt("--root", "-r", envvar="DIFFRET_ROOT", help="Store root (a folder or an fsspec URL).")]
@@ -163,21 +169,17 @@ def training_data(
 
 @app.command()
 @system_options("settings")
+@config_options(TrainSettings, "train_settings", exclude=("adapter",))
 def train(
     training_set: Annotated[str, Opt("--training-set", "-t", help="A stored training set (diffret training-data).")],
-    settings: dict, kq: int = 4, kp: int = 4, full: Annotated[bool, Opt("--full", help="Train every weight "
-    "(else LoRA r 16, alpha 64).")] = False, epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 8,
-    grad_accum: int = 4, n_negatives: int = 15, q_max_len: int = 32, p_max_len: int = 156,
-    max_steps: int | None = None, seed: int = 0, sparse_loss: Annotated[bool, Opt("--sparse-loss/--no-sparse-loss")]
-    = True, checkpoint_every: int = 50, name: str | None = None, root: Root = DEFAULT_ROOT, force: Force = False,
-    prefect: Prefect = None,
+    settings: dict, train_settings: dict, full: Annotated[bool, Opt("--full", help="Train every weight "
+    "(else LoRA r 16, alpha 64).")] = False, checkpoint_every: int = 50, name: str | None = None,
+    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
-    """Fine-tune a backbone contrastively (InfoNCE: dense tau 0.01 + sparse) on a stored training set; resumable."""
+    """Fine-tune a backbone contrastively (InfoNCE: dense tau 0.01 + sparse) on a stored training set; resumable.
+    Several processes: `torchrun --nproc_per_node N -m flows.cli train ...` (docs/operations.md)."""
     enc = encode_settings(settings)
-    train_settings = {"kq": kq, "kp": kp, "adapter": "full" if full else "lora", "epochs": epochs, "lr": lr,
-                      "batch_size": batch_size, "grad_accum": grad_accum, "n_negatives": n_negatives,
-                      "q_max_len": q_max_len, "p_max_len": p_max_len, "max_steps": max_steps, "seed": seed,
-                      "sparse_loss": sparse_loss}  # fmt: skip
+    train_settings = {**train_settings, "adapter": "full" if full else "lora"}
     res = _run("train", prefect, root=root, force=force, training_set=training_set, backbone=enc["backbone"],
                readout=enc["readout"], title_sep=enc["title_sep"], settings=train_settings, name=name,
                checkpoint_every=checkpoint_every)  # fmt: skip

@@ -90,19 +90,37 @@ def system_options(mode: Literal["settings", "filter"]) -> Callable[[Callable], 
     numeric = _numeric_paths()
     opts = [o for o in setting_opts() if not filter_mode or o.path in numeric or o.name == "model"]
 
+    def collect(kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = {o.path: kwargs.pop(o.name) for o in opts}
+        return {k: v for k, v in values.items() if v is not None} if filter_mode else values
+
+    return _adding(opts, "settings", collect, filter_mode)
+
+
+def config_options(model: type[BaseModel], arg: str, exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Add one ``--option`` per field of ``model`` (but ``exclude``) to a typer command, which receives them
+    as one ``arg`` dict field -> value (e.g. the train command's ``TrainSettings``)."""
+    opts = [o for o in _fields(model, "") if o.name not in exclude]
+
+    def collect(kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {o.name: kwargs.pop(o.name) for o in opts}
+
+    return _adding(opts, arg, collect, False)
+
+
+def _adding(opts: list[SettingOpt], arg: str, collect: Callable[[dict[str, Any]], dict[str, Any]],
+            filter_mode: bool) -> Callable[[Callable], Callable]:  # fmt: skip
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         hints = typing.get_type_hints(fn, include_extras=True)
         own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
-        own = [p for p in own if p.name != "settings"]
+        own = [p for p in own if p.name != arg]
         params = own + [_param(o, filter_mode) for o in opts]
 
         @functools.wraps(fn)
         def wrapper(**kwargs: Any) -> Any:
-            values = {o.path: kwargs.pop(o.name) for o in opts}
-            if filter_mode:
-                values = {k: v for k, v in values.items() if v is not None}
-            return fn(**kwargs, settings=values)
+            values = collect(kwargs)
+            return fn(**kwargs, **{arg: values})
 
         wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in params}

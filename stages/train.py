@@ -25,7 +25,7 @@ from pydantic import Field
 from retrieval.data.training import groups_from_table
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Trainer, TrainSettings, planned_steps
+from retrieval.training.loop import Trainer, TrainSettings, planned_steps, world
 from storage import Manifest
 from storage.layout import (
     GROUPS_FILE,
@@ -74,10 +74,11 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
             "readout": config.readout.model_dump(), "title_sep": config.title_sep,
             "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
+            "world_size": world()[1],
         }  # fmt: skip
         name = config.name or f"{slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
         cfg["model"] = name
-        _, steps = planned_steps(int(data.total_rows()), config.settings)
+        _, steps = planned_steps(int(data.total_rows()), config.settings, cfg["world_size"])
         plan = Plan(system=name, work=0, work_unit="steps")
         stage = model_dir(name)
         if plan.needs(ctx, stage, cfg, config.force):
@@ -97,35 +98,45 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)
         settings = TrainSettings.model_validate(cfg["settings"])
         trainer = Trainer(reader, groups, settings, cfg["title_sep"])
-        ctx.log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
-                f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps")  # fmt: skip
+        lead = trainer.rank == 0  # under DDP only the first process logs and writes
+        log = ctx.log if lead else (lambda _m: None)
+        log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
+            f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps"
+            + (f", {trainer.world} processes" if trainer.world > 1 else ""))  # fmt: skip
         ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
         if store.exists(ckpt):
             with store.fs.open(store.abspath(ckpt), "rb") as f:
                 trainer.load_state(f.read())
-            ctx.log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
+            log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
             ctx.advance(trainer.step)
-        trainer.run(on_step=lambda _row: ctx.advance(1), checkpoint=lambda b: store.write_bytes(ckpt, b),
-                    every=unit.checkpoint_every)  # fmt: skip
+        save = (lambda b: store.write_bytes(ckpt, b)) if lead else None
+        trainer.run(on_step=lambda _row: ctx.advance(1), checkpoint=save, every=unit.checkpoint_every)
         model = trainer.merged_model()
-        log = trainer.log
         stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
-                 "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"], "groups": len(groups)}  # fmt: skip
+                 "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], "groups": len(groups),
+                 "processes": trainer.world}  # fmt: skip
+        if lead:
+            self._save(unit, cfg, model, bb.tokenizer, trainer.log, stats, ctx)
+            store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
+            log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
+                f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
+        trainer.close()
+        return stats
+
+    @staticmethod
+    def _save(unit: TrainUnit, cfg: dict[str, Any], model: Any, tokenizer: Any, log: list[dict[str, Any]],
+              stats: dict[str, Any], ctx: Context) -> None:  # fmt: skip
         m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
         with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
             model.save_pretrained(tmp)
-            bb.tokenizer.save_pretrained(tmp)
-            with store.stage_writer(unit.stage, m) as w:
+            tokenizer.save_pretrained(tmp)
+            with ctx.store.stage_writer(unit.stage, m) as w:
                 for f in sorted(Path(tmp).rglob("*")):
                     if f.is_file():
                         w.write_file(str(f.relative_to(tmp)), f.read_bytes())
                 rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
                 w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
                 w.write_file("loss.png", _loss_png(log, unit.name))
-        store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
-        ctx.log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
-                f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
-        return stats
 
 
 def _loss_png(log: list[dict[str, Any]], title: str) -> bytes:

@@ -7,12 +7,20 @@ attention and feed-forward projections (``FamilySpec.lora_targets``), or ``full`
 
 A checkpoint holds the trainable weights, the optimizer, the scheduler, every RNG state and the step (the
 data order is a function of the seed and the epoch), so a resumed run continues bit for bit.
+
+Distributed data parallel: launched by ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE`` > 1 in the
+environment), the trainer joins the process group (gloo on CPU, nccl on CUDA). The global batch is
+``batch_size x grad_accum x world size`` groups; each micro-batch's groups are split across the processes,
+the pool (queries, positives, hard negatives) is gathered from every process with gradients flowing back to
+their owners, and the gradients are averaged once per optimizer step, so W processes compute the same loss
+and the same update as one process with a W times larger micro-batch.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -56,13 +64,15 @@ class TrainSettings(BaseModel):
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
 
-def planned_steps(n_groups: int, s: TrainSettings) -> tuple[int, int]:
-    """(optimizer steps per epoch, steps in all) for ``n_groups`` groups.
+def planned_steps(n_groups: int, s: TrainSettings, world: int = 1) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps in all) for ``n_groups`` groups on ``world`` processes.
 
     >>> planned_steps(809, TrainSettings(epochs=3))   # 32 groups a step
     (25, 75)
+    >>> planned_steps(809, TrainSettings(epochs=3), world=2)   # 64 groups a step
+    (12, 36)
     """
-    per_epoch = max(1, n_groups // (s.batch_size * s.grad_accum))
+    per_epoch = max(1, n_groups // (s.batch_size * s.grad_accum * world))
     return per_epoch, s.max_steps or max(1, math.ceil(per_epoch * s.epochs))
 
 
@@ -79,6 +89,53 @@ def lora_wrap(bb: Backbone, s: TrainSettings) -> Any:
         )
     cfg = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout, target_modules=targets)
     return get_peft_model(bb.model, cfg)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) unless a launcher (torchrun, accelerate) started several.
+
+    >>> world() if "WORLD_SIZE" not in __import__("os").environ else (0, 1)
+    (0, 1)
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def join_process_group(device: torch.device | str) -> tuple[int, int]:
+    """Join the launcher's process group when ``WORLD_SIZE`` > 1 (gloo on CPU, nccl on CUDA); (rank, world)."""
+    rank, size = world()
+    dist = torch.distributed
+    if size > 1 and not dist.is_initialized():
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return world()
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 (equal shapes) whose backward returns each process the gradient of its own
+    slice, summed over every process's loss (an all-reduce, which every backend has)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dist = torch.distributed
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
+
+
+def gather(x: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """``x`` from every process concatenated along dim 0, differentiable (itself when ``size`` is 1)."""
+    return x if x is None or size == 1 else _Gather.apply(x)
 
 
 def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
@@ -108,7 +165,10 @@ class Trainer:
             bb.model.gradient_checkpointing_enable()
         self.params = [p for p in bb.model.parameters() if p.requires_grad]
         self.trainable, self.total = trainable_count(bb.model)
-        self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings)
+        self.rank, self.world = join_process_group(bb.device)
+        if self.world > 1:  # the same initial weights everywhere, then each process its own dropout stream
+            torch.manual_seed(settings.seed * 1_000_003 + self.rank)
+        self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings, self.world)
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         warm = int(self.steps * settings.warmup_ratio)
 
@@ -127,12 +187,15 @@ class Trainer:
         return torch.randperm(len(self.groups), generator=g).tolist()
 
     def micro_batches(self, step: int) -> list[list[Group]]:
-        """The groups of optimizer step ``step`` (a function of the seed and the step only)."""
-        per_step = self.s.batch_size * self.s.grad_accum
+        """This process's groups of optimizer step ``step`` (a function of the seed and the step only): the
+        step's ``grad_accum`` global micro-batches of ``batch_size x world`` groups, this rank's slice of each."""
+        b = self.s.batch_size
+        per_step = b * self.s.grad_accum * self.world
         epoch, within = divmod(step, self.steps_per_epoch)
         order = self._order(epoch)[within * per_step : (within + 1) * per_step]
         chosen = [self.groups[i] for i in order]
-        return [chosen[i : i + self.s.batch_size] for i in range(0, len(chosen), self.s.batch_size)]
+        glob = [chosen[i : i + b * self.world] for i in range(0, len(chosen), b * self.world)]
+        return [mb[self.rank * b : (self.rank + 1) * b] for mb in glob]
 
     def _passages(self, g: Group, step: int) -> list[str]:
         rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
@@ -162,13 +225,15 @@ class Trainer:
         group = len(passages) // len(groups)
         qh, ql = self.r.train_forward(self._ids(queries, s.q_max_len), "query", s.kq)
         ph, pl = self.r.train_forward(self._ids(passages, s.p_max_len), "passage", s.kp)
-        qm = torch.ones(qh.shape[:2], dtype=torch.bool, device=qh.device)
-        pm = torch.ones(ph.shape[:2], dtype=torch.bool, device=ph.device)
         qs = ps = None
         if s.sparse_loss:
             qs = sparse_vectors(ql, self._allowed(queries, ql.shape[-1]))
             ps = sparse_vectors(pl, self._allowed(passages, pl.shape[-1]))
-        return contrastive_loss(qh, qm, ph, pm, group, s.tau, qs, ps)
+        ph, ps = gather(ph, self.world), gather(ps, self.world)  # this rank's queries against every rank's pool
+        qm = torch.ones(qh.shape[:2], dtype=torch.bool, device=qh.device)
+        pm = torch.ones(ph.shape[:2], dtype=torch.bool, device=ph.device)
+        offset = self.rank * len(groups)
+        return contrastive_loss(qh, qm, ph, pm, group, s.tau, qs, ps, offset=offset)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -181,25 +246,46 @@ class Trainer:
             (loss / len(batches)).backward()
             for k, v in p.items():
                 parts[k] = parts.get(k, 0.0) + v / len(batches)
+        if self.world > 1:
+            self._average(parts)
         torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.step += 1
-        n = sum(len(mb) for mb in batches)
+        n = sum(len(mb) for mb in batches) * self.world
         row = {"step": self.step, "lr": lr, **parts, "samples_per_s": n / max(time.perf_counter() - t0, 1e-9)}
         self.log.append(row)
         return row
 
+    def _average(self, parts: dict[str, float]) -> None:
+        """Average the gradients (one flat all-reduce per step, as DDP under no_sync) and the logged parts."""
+        dist = torch.distributed
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        i = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[i : i + g.numel()].view_as(g)
+            i += g.numel()
+        keys = sorted(parts)
+        vals = torch.tensor([parts[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vals)
+        parts.update({k: float(v) / self.world for k, v in zip(keys, vals, strict=True)})
+
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None,
             checkpoint: Callable[[bytes], None] | None = None, every: int = 50) -> list[dict[str, Any]]:  # fmt: skip
-        """Train to the last step, calling ``checkpoint(bytes)`` every ``every`` steps (and at the end)."""
+        """Train to the last step, calling ``checkpoint(bytes)`` every ``every`` steps (and at the end); under
+        DDP every process must call ``run`` (the state gathers every process's RNG), one passes ``checkpoint``."""
         while self.step < self.steps:
             row = self.train_step()
             if on_step:
                 on_step(row)
-            if checkpoint and (self.step % every == 0 or self.step == self.steps):
-                checkpoint(self.state_bytes())
+            if self.step % every == 0 or self.step == self.steps:
+                state = self.state_bytes() if checkpoint or self.world > 1 else b""  # collective under DDP
+                if checkpoint:
+                    checkpoint(state)
         self.r.bb.model.eval()
         return self.log
 
@@ -211,6 +297,10 @@ class Trainer:
             "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         }  # fmt: skip
+        if self.world > 1:  # every process's RNG states, so that each resumes its own stream
+            rngs: list[Any] = [None] * self.world
+            torch.distributed.all_gather_object(rngs, state["rng"])
+            state["rng"] = {"ranks": rngs}
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
@@ -224,10 +314,21 @@ class Trainer:
                 p.copy_(v)
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        rng = state["rng"]
+        if "ranks" in rng:
+            if len(rng["ranks"]) != self.world:
+                raise ValueError(f"the checkpoint was written by {len(rng['ranks'])} processes, not {self.world}")
+            rng = rng["ranks"][self.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
         self.step, self.log = int(state["step"]), list(state["log"])
+
+    def close(self) -> None:
+        """Leave the process group (after every process has finished), if this trainer joined one."""
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
     def merged_model(self) -> torch.nn.Module:
         """The trained model with any adapter merged into its weights (a plain transformers model)."""

@@ -46,12 +46,14 @@ def info_nce(scores: torch.Tensor, targets: torch.Tensor, tau: float = 1.0) -> t
 def contrastive_loss(
     q_dense: torch.Tensor, q_mask: torch.Tensor, p_dense: torch.Tensor, p_mask: torch.Tensor,
     group: int, tau: float = 0.01, q_sparse: torch.Tensor | None = None, p_sparse: torch.Tensor | None = None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """L_dense + L_sparse for Q queries and Q * ``group`` passages (each query's positive first in its group).
+    """L_dense + L_sparse for Q queries and the pool's passages in groups of ``group`` (each query's positive
+    first in its group; query i's group is ``offset + i``, the other groups in-batch negatives).
 
     Returns the loss and its parts (floats, for the log).
     """
-    targets = torch.arange(q_dense.shape[0], device=q_dense.device) * group
+    targets = (torch.arange(q_dense.shape[0], device=q_dense.device) + offset) * group
     dense = info_nce(maxsim_matrix(q_dense, q_mask, p_dense, p_mask), targets, tau)
     parts = {"dense": float(dense.detach())}
     loss = dense
