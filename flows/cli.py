@@ -173,7 +173,9 @@ def training_data(
 def train(
     training_set: Annotated[str, Opt("--training-set", "-t", help="A stored training set (diffret training-data).")],
     settings: dict, train_settings: dict, full: Annotated[bool, Opt("--full", help="Train every weight "
-    "(else LoRA r 16, alpha 64).")] = False, checkpoint_every: int = 50, name: str | None = None,
+    "(else LoRA r 16, alpha 64).")] = False, merge: Annotated[bool, Opt("--merge", help="LoRA: save the merged "
+    "weights (a plain model folder) instead of the adapter alone.")] = False, checkpoint_every: int = 50,
+    name: str | None = None,
     root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Fine-tune a backbone contrastively (InfoNCE: dense tau 0.01 + sparse) on a stored training set; resumable.
@@ -182,7 +184,7 @@ def train(
     train_settings = {**train_settings, "adapter": "full" if full else "lora"}
     res = _run("train", prefect, root=root, force=force, training_set=training_set, backbone=enc["backbone"],
                readout=enc["readout"], title_sep=enc["title_sep"], settings=train_settings, name=name,
-               checkpoint_every=checkpoint_every)  # fmt: skip
+               checkpoint_every=checkpoint_every, merge=merge)  # fmt: skip
     console.print(f"model: {res.details.get('model_dir')}", highlight=False, soft_wrap=True)
 
 

@@ -56,6 +56,7 @@ def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
         "readout": s.readout.model_dump(),
         "max_length": s.max_length,
         "title_sep": s.title_sep,
+        **({"adapter": b.adapter, "merge_adapter": b.merge_adapter} if b.adapter else {}),
     }
 
 
@@ -65,7 +66,8 @@ def encoder_slug(s: EncodeSettings) -> str:
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
     'tiny-bert-diffretriever-ba23743f66'
     """
-    return f"{slug_base(s.backbone.model)}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
+    name = slug_base(s.backbone.adapter or s.backbone.model)  # an adapter is named by its folder
+    return f"{name}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
 
 
 def bm25_slug(settings: BaseModel) -> str:

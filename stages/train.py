@@ -1,6 +1,8 @@
 """The train stage: contrastive fine-tuning of a backbone on a stored training set (paper section 3.4).
 
-    models/model=<name>/                 a transformers folder (config, weights, tokenizer): `--model` takes it
+    models/model=<name>/                 LoRA: the peft adapter (adapter_model.safetensors, adapter_config.json
+                                         naming the base) and the tokenizer; --full or --merge: a transformers
+                                         folder (config, weights, tokenizer). `--model` takes either
                         train_log.parquet   one row per optimizer step (loss, dense, sparse, lr, samples/s)
                         loss.png            the loss curve
     checkpoints/model=<name>/last.pt     the resumable state while training runs (removed at the end)
@@ -8,12 +10,14 @@
 The model's name is ``<base>-ft-<hash>``, the hash over the training set's config hash, the backbone, the
 readout and every training setting, so a fine-tuned model is a system of its own when encoded. A killed run
 resumes from its last checkpoint (weights, optimizer, scheduler, RNG states, step) and ends bit-identical
-to an uninterrupted one. LoRA adapters are merged into the saved weights.
+to an uninterrupted one. An adapter folder given as ``--model`` loads its base model and applies it (or
+``--model BASE --adapter FOLDER``; an adapter is refused on another base).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.data.training import groups_from_table
-from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Trainer, TrainSettings, planned_steps, world
 from storage import Manifest
@@ -53,6 +57,8 @@ class TrainConfig(StageConfig):
     settings: TrainSettings = Field(default_factory=TrainSettings)
     name: str | None = Field(default=None, description="The model's name (default: <base>-ft-<hash>).")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
+    merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "
+                        "folder, no base needed) instead of the adapter alone.")  # fmt: skip
 
 
 @dataclass
@@ -74,7 +80,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
             "readout": config.readout.model_dump(), "title_sep": config.title_sep,
             "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
-            "world_size": world()[1],
+            "world_size": world()[1], "merge": config.merge,
         }  # fmt: skip
         name = config.name or f"{slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
         cfg["model"] = name
@@ -111,12 +117,11 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             ctx.advance(trainer.step)
         save = (lambda b: store.write_bytes(ckpt, b)) if lead else None
         trainer.run(on_step=lambda _row: ctx.advance(1), checkpoint=save, every=unit.checkpoint_every)
-        model = trainer.merged_model()
         stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
                  "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], "groups": len(groups),
                  "processes": trainer.world}  # fmt: skip
         if lead:
-            self._save(unit, cfg, model, bb.tokenizer, trainer.log, stats, ctx)
+            self._save(unit, cfg, trainer, bb.tokenizer, stats, ctx)
             store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
             log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
                 f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
@@ -124,11 +129,24 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         return stats
 
     @staticmethod
-    def _save(unit: TrainUnit, cfg: dict[str, Any], model: Any, tokenizer: Any, log: list[dict[str, Any]],
-              stats: dict[str, Any], ctx: Context) -> None:  # fmt: skip
+    def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Trainer, tokenizer: Any, stats: dict[str, Any],
+              ctx: Context) -> None:  # fmt: skip
         m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
+        log = trainer.log
         with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
-            model.save_pretrained(tmp)
+            if trainer.peft is not None and not cfg["merge"]:
+                base = cfg["backbone"]["model"]
+                local = Path(base).expanduser()
+                trainer.peft.peft_config["default"].base_model_name_or_path = (
+                    str(local.resolve()) if local.exists() else base
+                )
+                trainer.r.bb.model.eval()
+                trainer.peft.save_pretrained(tmp)
+                gguf = cfg["backbone"].get("gguf_file")
+                if gguf:  # the base is a GGUF file in its folder: loading the adapter alone needs its name
+                    Path(tmp, BASE_FILE).write_text(json.dumps({"gguf_file": gguf}))
+            else:
+                trainer.merged_model().save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             with ctx.store.stage_writer(unit.stage, m) as w:
                 for f in sorted(Path(tmp).rglob("*")):

@@ -20,6 +20,7 @@ costs ~600 MB per batch).
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,6 +152,10 @@ class BackboneConfig(BaseModel):
     attn_implementation: str | None = Field(default=None, description="eager | sdpa | flash_attention_2")
     mask_token: str | None = Field(default=None, description="Override the mask token (string).")
     turn_end: str | None = Field(default=None, description="Override the end-of-turn token (string).")
+    adapter: str | None = Field(default=None, description="A peft LoRA adapter folder (diffret train) applied to "
+                                "--model; refused when it was trained on another base model.")  # fmt: skip
+    merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
+                                "float rounding differs).")  # fmt: skip
 
     @field_validator("family")
     @classmethod
@@ -384,8 +389,56 @@ def _llada_head(llada: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------- loading
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_FILE = "diffret_base.json"  # beside an adapter: how to load its base beyond its name (the GGUF file)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model references (hub ids or folders, relative or not) name the same model."""
+
+    def norm(x: str) -> str:
+        p = Path(x).expanduser()
+        return str(p.resolve()) if p.exists() else x.rstrip("/")
+
+    return norm(a) == norm(b)
+
+
+def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
+    """``cfg`` with its adapter resolved: a ``model`` folder holding only a peft adapter (a LoRA model saved by
+    ``diffret train``) becomes its base model plus that adapter; an explicit ``adapter`` must have been trained
+    on ``model`` (else a :class:`BackboneError` naming both).
+
+    >>> with_adapter(BackboneConfig(model="org/base")).adapter is None
+    True
+    """
+    adapter = cfg.adapter
+    if adapter is None:
+        local = Path(cfg.model).expanduser()
+        if (local / ADAPTER_CONFIG).exists() and not (local / "config.json").exists():
+            adapter = cfg.model
+        else:
+            return cfg
+    folder = Path(adapter).expanduser()
+    if not (folder / ADAPTER_CONFIG).exists():
+        raise BackboneError(f"adapter {adapter!r}: no {ADAPTER_CONFIG} there (a folder saved by diffret train "
+                            "with LoRA, or by peft's save_pretrained)")  # fmt: skip
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackboneError(f"adapter {adapter!r}: unreadable {ADAPTER_CONFIG} ({exc})") from None
+    if cfg.adapter is None:
+        extra = json.loads((folder / BASE_FILE).read_text()) if (folder / BASE_FILE).exists() else {}
+        gguf = cfg.gguf_file or extra.get("gguf_file")
+        return cfg.model_copy(update={"model": base, "adapter": str(folder), "gguf_file": gguf})
+    if base and not _same_model(base, cfg.model):
+        raise BackboneError(f"adapter {adapter!r} was trained on {base!r}, not on {cfg.model!r}; give --model "
+                            f"{base} (or the adapter's folder alone as --model)")  # fmt: skip
+    return cfg
+
+
 def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
     """The path or hub id to load, and the gguf_file argument; clear errors for missing files."""
+    cfg = with_adapter(cfg)
     local = Path(cfg.model).expanduser()
     if not local.exists() and cfg.model.startswith((".", "/", "~")):
         raise BackboneError(f"model path {cfg.model!r} does not exist")
@@ -466,6 +519,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     """
     import transformers
 
+    cfg = with_adapter(cfg)
     ref, extra = _model_ref(cfg)
     raw = raw_config(cfg)
     spec = resolve_family(cfg, raw)
@@ -492,8 +546,23 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         if cfg.loader == "remote":
             hint = "Its remote code may not run on this transformers; the native loader (the default) needs none."
         raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
+    if cfg.adapter:
+        model = _apply_adapter(model, cfg, raw)
     model.to(resolve_device(cfg.device))
     return Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
+
+
+def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any]) -> torch.nn.Module:
+    """The peft adapter ``cfg.adapter`` injected into ``model`` (in place), or merged into its weights."""
+    from peft import PeftModel
+
+    try:
+        peft = PeftModel.from_pretrained(model, str(Path(cfg.adapter or "").expanduser()))
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        raise _load_error(cfg, f"the adapter {cfg.adapter!r} onto it", exc,
+                          "The adapter must come from this base model and family.", raw) from exc  # fmt: skip
+    peft.eval()
+    return peft.merge_and_unload() if cfg.merge_adapter else model
 
 
 def _version(v: str) -> tuple[int, ...]:

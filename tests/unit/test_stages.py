@@ -8,12 +8,14 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from retrieval.models.backbones import BackboneConfig
+from retrieval.models.backbones import BackboneConfig, BackboneError, load_backbone
+from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Trainer, TrainSettings
 from stages import execute, stages
 from stages.bm25 import BM25Config
@@ -276,3 +278,38 @@ def test_trained_model_encodes_as_a_system_of_its_own(world: dict, tmp_path: Pat
     assert res.done > 0
     base = find_system(ArtifactStore(w["root"]), SystemRef(model=str(w["model"]))).system
     assert res.system != base
+
+
+def test_lora_adapter_is_saved_alone_and_encodes_as_its_own_system(world: dict, tmp_path: Path) -> None:
+    """LoRA saves the peft adapter (not the weights); the folder alone as --model, or --model BASE --adapter
+    FOLDER, encodes the same vectors as the merged weights, as systems apart from the base; on another base
+    the adapter is refused, naming both."""
+    w = copy_world(world, tmp_path)
+    lora = TRAIN.model_copy(update={"adapter": "lora", "lr": 5e-2, "max_steps": 2})
+    execute(stages()["train"], w["configs"]["train"].model_copy(update={"name": "tiny-lora", "settings": lora}),
+            log=lambda _: None)  # fmt: skip
+    adapter = Path(w["root"]) / "models" / "model=tiny-lora"
+    assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "config.json").exists()
+    base_cfg = BackboneConfig(model=str(w["model"]))
+    ways = {
+        "folder": BackboneConfig(model=str(adapter)),
+        "explicit": BackboneConfig(model=str(w["model"]), adapter=str(adapter)),
+        "merged": BackboneConfig(model=str(w["model"]), adapter=str(adapter), merge_adapter=True),
+        "base": base_cfg,
+    }
+    dense, systems = {}, {}
+    for key, bb in ways.items():
+        cfg = w["configs"]["encode"].model_copy(update={"backbone": bb, "k": [2]})
+        execute(stages()["tokenize"], cfg.tokenize_config(), log=lambda _: None)
+        systems[key] = execute(stages()["encode"], cfg, log=lambda _: None).system
+        reader = make_reader(load_backbone(bb), ReadoutConfig(), 96)
+        dense[key] = reader.encode([[5, 6, 7, 8]], ["cats purr"], "passage", 2)[0].dense.astype("float32")
+    assert len(set(systems.values())) == 4 and systems["folder"].startswith("model-tiny-lora-")
+    assert np.array_equal(dense["folder"], dense["explicit"])
+    assert np.allclose(dense["merged"], dense["explicit"], atol=2e-3)
+    assert not np.allclose(dense["base"], dense["explicit"], atol=1e-2)  # the adapter changed the model
+    other = save_tiny_mlm(tmp_path / "other", seed=1)
+    with pytest.raises(BackboneError, match=f"trained on '.*model', not on '{other}'"):
+        load_backbone(BackboneConfig(model=str(other), adapter=str(adapter)))
+    with pytest.raises(BackboneError, match="no adapter_config.json"):
+        load_backbone(BackboneConfig(model=str(w["model"]), adapter=str(w["model"])))
