@@ -38,20 +38,23 @@ class RateColumn(ProgressColumn):
         unit = task.fields.get("unit", "units")
         if not task.speed:
             return Text(f"… {unit}/s")
-        return Text(f"{decimal(int(task.speed))}/s" if unit == "bytes" else f"{task.speed:,.0f} {unit}/s")
+        if unit == "bytes":
+            return Text(f"{decimal(int(task.speed))}/s")
+        return Text(f"{task.speed:,.0f} {unit}/s" if task.speed >= 10 else f"{task.speed:.2f} {unit}/s")
 
 
 @contextlib.contextmanager
 def progress(transient: bool = False) -> Iterator[Any]:
     """A rich bar per labelled task; yields the ``report(label, done, total, unit)`` the stages call."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[note]}"))  # fmt: skip
     with Progress(*columns, console=console, transient=transient) as bar:
         tasks: dict[str, Any] = {}
 
-        def report(label: str, done: int, total: int | None, unit: str) -> None:
+        def report(label: str, done: int, total: int | None, unit: str, note: str = "") -> None:
             if label not in tasks:
-                tasks[label] = bar.add_task(label, total=total, unit=unit)
-            bar.update(tasks[label], completed=done, total=total)
+                tasks[label] = bar.add_task(label, total=total, unit=unit, note=note)
+            bar.update(tasks[label], completed=done, total=total, note=note)
 
         yield report
 

@@ -93,17 +93,18 @@ class ArtifactProgress:
         self._ids: dict[str, Any] = {}
         self._last: dict[str, float] = {}
 
-    def __call__(self, label: str, done: int, total: int | None, unit: str) -> None:
+    def __call__(self, label: str, done: int, total: int | None, unit: str, note: str = "") -> None:
         now = time.monotonic()
         finished = total is not None and done >= total
         if total is None or (label in self._ids and now - self._last.get(label, 0.0) < 1.0 and not finished):
             return
         self._last[label] = now
         pct = 100.0 * done / total if total else 100.0
+        text = f"{label}: {note}" if note else label
         if label not in self._ids:
-            self._ids[label] = create_progress_artifact(pct, key=artifact_key(label, "progress"), description=label)
+            self._ids[label] = create_progress_artifact(pct, key=artifact_key(label, "progress"), description=text)
         else:
-            update_progress_artifact(self._ids[label], pct)
+            update_progress_artifact(self._ids[label], pct, description=text)
 
 
 def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:

@@ -38,8 +38,9 @@ def sorted_positive_ks(v: list[int]) -> list[int]:
 KList = Annotated[list[int], AfterValidator(sorted_positive_ks)]
 ModeList = Annotated[list[str], AfterValidator(check_modes)]
 
-# (label, done, total, unit): absolute progress of one labelled task (units: "docs", "bytes", "cells", ...)
-ProgressFn = Callable[[str, int, int | None, str], None]
+# (label, done, total, unit, note): absolute progress of one labelled task (units: "docs", "bytes", "cells", ...)
+# and a short status shown beside it (a training run's loss and learning rate; "" for none)
+ProgressFn = Callable[[str, int, int | None, str, str], None]
 
 
 class StageConfig(BaseModel):
@@ -58,12 +59,14 @@ def _ignore(_n: int) -> None:
 @dataclass
 class Context:
     """What a stage's plan and units may use: the store, a log, a progress reporter, and ``advance(n)``,
-    which moves the current stage's progress on by ``n`` of its work units (set by the executor)."""
+    which moves the current stage's progress on by ``n`` of its work units (set by the executor); ``note``
+    is shown beside the progress from the next ``advance`` on."""
 
     store: ArtifactStore
     log: Callable[[str], None] = print
     report: ProgressFn | None = None
     advance: Callable[[int], None] = _ignore
+    note: str = ""
 
     def progress(self, label: str, total: int | None, unit: str = "units") -> Callable[[int], None]:
         """An ``advance(n)`` callback for one labelled task of ``total`` units."""
@@ -72,7 +75,7 @@ class Context:
         def advance(n: int) -> None:
             done[0] += n
             if self.report is not None:
-                self.report(label, done[0], total, unit)
+                self.report(label, done[0], total, unit, self.note)
 
         return advance
 
@@ -137,7 +140,9 @@ class StageResult(BaseModel):
         return f"{who}{self.done} {self.noun} {self.verb}, {self.skipped} already done ({total} in all)"
 
     def markdown(self) -> str:
-        return f"# {self.stage}\n\n{self.line()}\n"
+        """The result as a Prefect markdown artifact (with the stage's own section, ``details["markdown"]``)."""
+        extra = self.details.get("markdown")
+        return f"# {self.stage}\n\n{self.line()}\n" + (f"\n{extra}\n" if extra else "")
 
 
 class Stage(Declared, ABC):

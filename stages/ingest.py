@@ -154,7 +154,7 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
             report = ctx.report
 
             def progress(label: str, done: int, total: int | None) -> None:
-                report(f"download {label}", done, total, "bytes")
+                report(f"download {label}", done, total, "bytes", "")
 
         files = resolve_source(
             config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress

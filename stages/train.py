@@ -96,6 +96,16 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
     def work_of(self, unit: TrainUnit) -> int:
         return unit.steps
 
+    def finish(self, config: TrainConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """The loss curve and a table of the log (the Prefect artifact of the run), once a model is trained."""
+        details = dict(plan.details)
+        for unit, stats in zip(plan.units, results, strict=True):
+            if stats.get("log"):
+                png_path = f"{unit.stage}/loss.png"
+                png = ctx.store.read_bytes(png_path) if ctx.store.exists(png_path) else b""
+                details["markdown"] = loss_markdown(unit.name, stats["log"], png)
+        return details
+
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
         store, cfg = ctx.store, unit.config
         groups = groups_from_table(store.read_table(training_dir(cfg["training_set"]), GROUPS_FILE))
@@ -111,12 +121,16 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             + (f", {trainer.world} processes" if trainer.world > 1 else ""))  # fmt: skip
         ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
         if store.exists(ckpt):
-            with store.fs.open(store.abspath(ckpt), "rb") as f:
-                trainer.load_state(f.read())
+            trainer.load_state(store.read_bytes(ckpt))
             log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
             ctx.advance(trainer.step)
         save = (lambda b: store.write_bytes(ckpt, b)) if lead else None
-        trainer.run(on_step=lambda _row: ctx.advance(1), checkpoint=save, every=unit.checkpoint_every)
+
+        def on_step(row: dict[str, Any]) -> None:
+            ctx.note = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.1f} samples/s"
+            ctx.advance(1)
+
+        trainer.run(on_step=on_step, checkpoint=save, every=unit.checkpoint_every)
         stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
                  "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], "groups": len(groups),
                  "processes": trainer.world}  # fmt: skip
@@ -126,7 +140,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
                 f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
         trainer.close()
-        return stats
+        return {**stats, "log": trainer.log}
 
     @staticmethod
     def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Trainer, tokenizer: Any, stats: dict[str, Any],
@@ -155,6 +169,28 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
                 rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
                 w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
                 w.write_file("loss.png", _loss_png(log, unit.name))
+
+
+def loss_markdown(name: str, log: list[dict[str, Any]], png: bytes, rows: int = 20) -> str:
+    """The loss curve (embedded PNG) and a table of up to ``rows`` logged steps: a Prefect artifact's body.
+
+    >>> print(loss_markdown("m", [{"step": 1, "loss": 2.0, "dense": 1.5, "sparse": 0.5, "lr": 1e-4,
+    ...                            "samples_per_s": 3.0}], b"").splitlines()[-1])
+    | 1 | 2.0000 | 1.5000 | 0.5000 | 1.00e-04 | 3.0 |
+    """
+    import base64
+
+    k = min(rows, len(log))
+    keep = sorted({round(i * (len(log) - 1) / max(1, k - 1)) for i in range(k)})  # evenly spaced, first and last
+    lines = [f"## {name}: training loss", ""]
+    if png:
+        lines += [f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
+    lines += ["| step | loss | dense | sparse | lr | samples/s |", "|---:|---:|---:|---:|---:|---:|"]
+    for i in keep:
+        r = log[i]
+        vals = [f"{r[k]:.4f}" if r.get(k) is not None else "–" for k in ("loss", "dense", "sparse")]
+        lines.append(f"| {r['step']} | {' | '.join(vals)} | {r['lr']:.2e} | {r['samples_per_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def _loss_png(log: list[dict[str, Any]], title: str) -> bytes:

@@ -105,6 +105,11 @@ class ArtifactStore:
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self.abspath(rel))
 
+    def read_bytes(self, rel: str) -> bytes:
+        """A whole (small) file's bytes: a checkpoint, a figure."""
+        with self.fs.open(self.abspath(rel), "rb") as f:
+            return f.read()
+
     def local_path(self, rel: str) -> str:
         """Absolute local path (DuckDB reads the store directly when it is local)."""
         if not self.is_local:

@@ -259,6 +259,8 @@ def test_killed_training_resumes_bit_identical(world: dict, tmp_path: Path, monk
     lines: list[str] = []
     res = execute(stages()["train"], w["configs"]["train"], log=lines.append)
     assert res.done == 1 and any("resumed tiny-ft at step 2 of 4" in x for x in lines)
+    md = res.markdown()  # the Prefect artifact: the loss curve and the logged steps
+    assert "data:image/png;base64," in md and md.count("\n| ") == 1 + 4  # header + steps 1-4
     resumed = Path(w["root"]) / "models" / "model=tiny-ft" / "model.safetensors"
     assert resumed.read_bytes() == straight.read_bytes()
     assert not list(Path(w["root"]).glob("checkpoints/model=tiny-ft-*"))  # removed once saved
