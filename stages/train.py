@@ -30,7 +30,7 @@ from retrieval.data.training import groups_from_table
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Trainer, TrainSettings, planned_steps, world
-from storage import Manifest
+from storage import Manifest, StoreError
 from storage.layout import (
     GROUPS_FILE,
     TRAIN_LOG_FILE,
@@ -43,7 +43,7 @@ from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import TITLE_SEP
-from .systems import slug_base
+from .systems import SystemRef, find_system, slug_base
 from .tokenize import DEFAULT_MODEL
 
 
@@ -76,11 +76,18 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
         data = ctx.store.require_manifest(training_dir(config.training_set))
+        budget_from = "given"
+        if config.settings.kq is None or config.settings.kp is None:
+            kq, kp, budget_from = selected_budget(ctx, config)
+            given = {k: v for k, v in (("kq", config.settings.kq), ("kp", config.settings.kp)) if v is not None}
+            config = config.model_copy(update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp,
+                                                                                               **given})})  # fmt: skip
+            ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         cfg = {
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
             "readout": config.readout.model_dump(), "title_sep": config.title_sep,
             "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
-            "world_size": world()[1], "merge": config.merge,
+            "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
         }  # fmt: skip
         name = config.name or f"{slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
         cfg["model"] = name
@@ -169,6 +176,28 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
                 rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
                 w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
                 w.write_file("loss.png", _loss_png(log, unit.name))
+
+
+def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
+    """(K_q*, K_p*, where from): the budget the base model's zero-shot system selected on its train split(s)
+    (view ``budget_selection``: best mean hybrid NDCG@10); a clear error when the store has none."""
+    from storage.sql import StoreSQL
+
+    ref = SystemRef(model=config.backbone.model, where={"readout.readout": config.readout.readout})
+    hint = ("run the base model zero-shot on a train split first (`diffret run --model ... --split train`), or "
+            "give --kq and --kp")  # fmt: skip
+    try:
+        system = find_system(ctx.store, ref).system
+    except StoreError as exc:
+        raise StoreError(f"no training budget given and {exc}; {hint}") from None
+    with StoreSQL(ctx.store) as db:
+        quoted = system.replace("'", "''")
+        _, rows = db.query(f"select kq_star, kp_star, train_ndcg_10, train_on from budget_selection "
+                           f"where system = '{quoted}'")  # fmt: skip
+    if not rows:
+        raise StoreError(f"no training budget given and {system} has no train-split cells to select one; {hint}")
+    kq, kp, ndcg, on = rows[0]
+    return int(kq), int(kp), f"selected zero-shot by {system} on {on} train (hybrid NDCG@10 {ndcg:.4f})"
 
 
 def loss_markdown(name: str, log: list[dict[str, Any]], png: bytes, rows: int = 20) -> str:

@@ -41,8 +41,9 @@ from .objective import contrastive_loss, sparse_vectors
 class TrainSettings(BaseModel):
     """Everything that changes a training run's result (its hash names the trained model)."""
 
-    kq: int = Field(default=4, ge=1, description="Query masks K_q during training.")
-    kp: int = Field(default=4, ge=1, description="Passage masks K_p during training.")
+    kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
+                           "the base model's zero-shot train split selected).")  # fmt: skip
+    kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
     adapter: Literal["lora", "full"] = Field(default="lora", description="lora (peft) or full (every weight).")
     lora_r: int = Field(default=16, ge=1)
     lora_alpha: int = Field(default=64, ge=1)
@@ -152,6 +153,8 @@ class Trainer:
             raise ValueError(f"training covers the diffretriever readout so far, not {reader.name}")
         if not groups:
             raise ValueError("no training groups")
+        if settings.kq is None or settings.kp is None:
+            raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
         self.r, self.s, self.groups, self.sep = reader, settings, list(groups), title_sep
         bb = reader.bb
         torch.manual_seed(settings.seed)

@@ -315,3 +315,24 @@ def test_lora_adapter_is_saved_alone_and_encodes_as_its_own_system(world: dict, 
         load_backbone(BackboneConfig(model=str(other), adapter=str(adapter)))
     with pytest.raises(BackboneError, match="no adapter_config.json"):
         load_backbone(BackboneConfig(model=str(w["model"]), adapter=str(w["model"])))
+
+
+def test_training_budget_defaults_to_the_zero_shot_train_selection(world: dict, tmp_path: Path) -> None:
+    """Without --kq/--kp, training takes the budget the base model's zero-shot run selected on its train split;
+    without such a run the error says what to do."""
+    w = copy_world(world, tmp_path)
+    with StoreSQL(ArtifactStore(w["root"])) as db:
+        _, sel = db.query("select kq_star, kp_star from budget_selection")
+    assert len(sel) == 1
+    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sel", "settings": TRAIN.model_copy(
+        update={"kq": None, "kp": None, "max_steps": 1})})  # fmt: skip
+    lines: list[str] = []
+    execute(stages()["train"], cfg, log=lines.append)
+    manifest = json.loads((Path(w["root"]) / "models" / "model=tiny-sel" / "_manifest.json").read_text())
+    s = manifest["config"]["settings"]
+    assert (s["kq"], s["kp"]) == sel[0] and manifest["config"]["budget_from"].startswith("selected zero-shot by ")
+    assert any(f"({sel[0][0]}, {sel[0][1]})" in x for x in lines)
+    other = save_tiny_mlm(tmp_path / "other", seed=1)
+    with pytest.raises(StoreError, match="no training budget given.*give --kq and --kp"):
+        execute(stages()["train"], cfg.model_copy(update={"backbone": BackboneConfig(model=str(other))}),
+                log=lambda _: None)  # fmt: skip

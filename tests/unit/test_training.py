@@ -94,10 +94,10 @@ def test_lora_on_unknown_modules_is_refused(tmp_path, monkeypatch):
     spec = backbones.FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True, lora_targets=("nope_proj",))
     bb.spec = spec
     with pytest.raises(BackboneError, match="no LoRA targets.*query"):
-        Trainer(make_reader(bb, ReadoutConfig(), 512), groups(), TrainSettings(adapter="lora"))
+        Trainer(make_reader(bb, ReadoutConfig(), 512), groups(), TrainSettings(adapter="lora", kq=1, kp=1))
 
 
 def test_other_readouts_are_refused_clearly(tmp_path):
     bb, _ = tiny_backbone("bert", tmp_path / "bert", seed=0)
     with pytest.raises(ValueError, match="diffretriever readout"):
-        Trainer(make_reader(bb, ReadoutConfig(readout="diffembed"), 512), groups(), TrainSettings())
+        Trainer(make_reader(bb, ReadoutConfig(readout="diffembed"), 512), groups(), TrainSettings(kq=1, kp=1))
