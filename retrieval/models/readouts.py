@@ -40,6 +40,20 @@ class Encoded:
 
 
 @dataclass
+class TrainReps:
+    """What training reads from a batch of texts, with gradients: the dense slots, which are real, and the
+    logits at them (None for readouts without a sparse side)."""
+
+    dense: torch.Tensor  # [B, n, H]
+    mask: torch.Tensor  # [B, n] bool
+    logits: torch.Tensor | None = None  # [B, n, V]
+
+
+def _all_real(h: torch.Tensor) -> torch.Tensor:
+    return torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+
+
+@dataclass
 class _Batch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -101,6 +115,10 @@ class Readout(Declared):
             raise ValueError(f"the {cls.name} readout takes one K, {cls.k_meaning}: give one value (got {ks})")
         if cls.k_values == "1" and ks != [1]:
             raise ValueError(f"the {cls.name} readout has one vector per text; use --k 1 (got {ks})")
+
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
+        """With gradients, for training: the dense slots the scorer reads (and the logits for the sparse side)."""
+        raise NotImplementedError(f"training does not cover the {self.name} readout")
 
     # ------------------------------------------------------------------------------ prompt
     def variant(self, k: int) -> str:
@@ -208,13 +226,17 @@ class MaskReadout(
         positions = torch.as_tensor([[s + j for j in range(k)] for s in starts], device=self.bb.device)
         return _Batch(ids, att, positions, [len(r) for r in rows])
 
-    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """With gradients, for training: (hidden states [B, K, H], logits [B, K, V]) at the K masks (all K slots,
-        no stop cut, as the reference trains)."""
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
+        """With gradients, for training: the hidden states and logits at the K masks (all K slots, no stop cut,
+        as the reference trains). With S > 1 denoising steps the first S - 1 run without gradients and the
+        loss reads the final step: the slots it reveals carry gradients, the ones frozen earlier do not."""
         b = self._mask_batch(self._fit(token_ids, side, k), side, k)
+        if self.cfg.denoise_steps > 1:
+            h, logits, _ = self._denoise(b, k, self.cfg.denoise_steps, grad_final=True)
+            return TrainReps(h, _all_real(h), logits)
         hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
         h = hidden[torch.arange(len(token_ids), device=hidden.device)[:, None], b.positions]
-        return h, self.bb.logits(h)
+        return TrainReps(h, _all_real(h), self.bb.logits(h))
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         b = self._mask_batch(token_ids, side, k)
@@ -244,11 +266,13 @@ class MaskReadout(
         first = int(hit[0]) if hit.numel() else k
         return first if first > 0 else k
 
-    def _denoise(self, b: _Batch, k: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _denoise(self, b: _Batch, k: int, steps: int, grad_final: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          torch.Tensor]:  # fmt: skip
         """The reference's S-step unmasking: at each step the most confident masked slots (negative entropy of the
         prediction) take their argmax token, ``max(1, int(n_masked * (1 - s / t)))`` of them on the timesteps
         ``linspace(1, 1e-3, S + 1)``, all that remain at the last step; a slot's hidden state and logits are
-        frozen at the step that reveals it. Returns (hidden [B, K, H], logits [B, K, V], tokens [B, K])."""
+        frozen at the step that reveals it. Returns (hidden [B, K, H], logits [B, K, V], tokens [B, K]).
+        ``grad_final``: the steps before the last run without gradients (training reads the last one)."""
         ids = b.input_ids.clone()
         bsz = ids.shape[0]
         rows = torch.arange(bsz, device=ids.device)[:, None]
@@ -256,12 +280,15 @@ class MaskReadout(
         hidden_buf: torch.Tensor | None = None
         logit_buf: torch.Tensor | None = None
         for s in range(steps):
-            hidden = self.bb.hidden_states(ids, b.attention_mask, bidirectional=True)
-            h = hidden[rows, b.positions]
-            logits = self.bb.logits(h).float()  # [B, K, V]
+            with torch.set_grad_enabled(torch.is_grad_enabled() and (not grad_final or s == steps - 1)):
+                step_ids = ids.clone() if torch.is_grad_enabled() else ids  # ids change in place below
+                hidden = self.bb.hidden_states(step_ids, b.attention_mask, bidirectional=True)
+                h = hidden[rows, b.positions]
+                logits = self.bb.logits(h).float()  # [B, K, V]
             if hidden_buf is None:
-                hidden_buf, logit_buf = torch.zeros_like(h), torch.zeros_like(logits)
-            probs = logits.softmax(-1)
+                hidden_buf = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+                logit_buf = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+            probs = logits.detach().softmax(-1)
             tok = probs.argmax(-1)
             conf = (probs * torch.log(probs + 1e-10)).sum(-1)  # negative entropy
             slot_ids = ids[rows, b.positions]
@@ -273,7 +300,7 @@ class MaskReadout(
                 take = n_masked if s == steps - 1 else max(1, int(n_masked * (1 - float(times[s + 1] / times[s]))))
                 cand = conf[i].masked_fill(~masked[i], float("-inf"))
                 pick = torch.topk(cand, min(take, n_masked)).indices
-                hidden_buf[i, pick] = h[i, pick]  # type: ignore[index]
+                hidden_buf[i, pick] = h[i, pick]  # in place: with gradients, the buffer joins the graph
                 logit_buf[i, pick] = logits[i, pick]  # type: ignore[index]
                 ids[i, b.positions[i, pick]] = tok[i, pick]
         assert hidden_buf is not None and logit_buf is not None
@@ -311,6 +338,37 @@ class PromptRepsReadout(
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
+        rows, H, L, G, n_reps, stopped = self._decode(token_ids, side, k)
+        out_list = []
+        for i in range(len(rows)):
+            n = int(n_reps[i])
+            sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, quantise=False)
+            tokens = G[i].cpu().numpy().astype(np.int32)
+            out_list.append(Encoded(_f16(H[i, :n]), sp_ids, sp_w, len(rows[i]), bool(stopped[i]), tokens))
+        return out_list
+
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
+        """With gradients: the words are decoded greedily without gradients (at most K, the cap N = 4 of the
+        paper's fine-tuning), then one causal pass over the prompt and the decoded words gives every slot's
+        hidden state and logits at once (the states the KV-cached decoding reads); slots after the stop are
+        masked out."""
+        token_ids = self._fit(token_ids, side, k)
+        with torch.no_grad():
+            rows, _, _, G, n_reps, _ = self._decode(token_ids, side, k)
+        t = G.shape[1]
+        full = [r + G[i, : t - 1].tolist() for i, r in enumerate(rows)]  # the last decoded word is never read
+        ids, att, offs = _pad(full, self.bb.pad_id, "left", self.bb.device)
+        hidden = self.bb.hidden_states(ids, att, bidirectional=False)
+        pos = torch.as_tensor([[o + len(r) - 1 + j for j in range(t)] for o, r in zip(offs, rows, strict=True)],
+                              device=ids.device)  # fmt: skip
+        h = hidden[torch.arange(len(rows), device=ids.device)[:, None], pos]
+        mask = torch.arange(t, device=ids.device)[None, :] < n_reps[:, None]
+        return TrainReps(h, mask, self.bb.logits(h))
+
+    def _decode(self, token_ids: list[list[int]], side: str, k: int) -> tuple[list[list[int]], torch.Tensor,
+                                                                               torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(input rows, hidden [B, T, H], logits [B, T, V], decoded [B, T], slots kept [B], stopped [B])."""
         p = self.pieces(side, k)
         rows = [list(p.prefix) + list(t) + list(p.suffix) for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, "left", self.bb.device)
@@ -349,16 +407,7 @@ class PromptRepsReadout(
             cur_ids = nxt[:, None]
             att = torch.cat([att, torch.ones((bsz, 1), dtype=att.dtype, device=att.device)], dim=1)
             cur_pos = cur_pos[:, -1:] + 1
-        H = torch.stack(hs, dim=1)  # [B, T, H]
-        L = torch.stack(lg, dim=1)  # [B, T, V]
-        G = torch.stack(gen, dim=1)  # [B, T]
-        out_list = []
-        for i in range(bsz):
-            n = int(n_reps[i])
-            sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, quantise=False)
-            tokens = G[i].cpu().numpy().astype(np.int32)
-            out_list.append(Encoded(_f16(H[i, :n]), sp_ids, sp_w, len(rows[i]), bool(stopped[i]), tokens))
-        return out_list
+        return rows, torch.stack(hs, dim=1), torch.stack(lg, dim=1), torch.stack(gen, dim=1), n_reps, stopped
 
 
 class _SingleVector(
@@ -372,19 +421,33 @@ class _SingleVector(
             raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
         return super().encode(token_ids, texts, side, k)
 
+    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
+        """(input rows, one vector per text [B, H])."""
+        raise NotImplementedError
+
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
+        """With gradients: the one vector per text (no sparse side)."""
+        if k > 1:
+            raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
+        _, h = self._vectors(self._fit(token_ids, side, k), side)
+        return TrainReps(h[:, None], _all_real(h[:, None]))
+
 
 class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
     """DiffEmbed: the mean of the last hidden states over the text and its special tokens (no prompt),
     bidirectional."""
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+        rows, mean = self._vectors(token_ids)
+        return [Encoded(_f16(mean[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
+
+    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
         head, tail = special_wrapping(self.bb.tokenizer)
         rows = [head + list(t) + tail for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=True).float()
         m = att[..., None].float()
-        mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
-        return [Encoded(_f16(mean[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
+        return rows, (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
 class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
@@ -395,6 +458,10 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         return counted + 8, extra
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+        rows, h = self._vectors(token_ids, side)
+        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
+
+    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
         tok = self.bb.tokenizer
         prefix = tok(f"{side}: ", add_special_tokens=False)["input_ids"]
         head, _ = special_wrapping(tok)
@@ -403,8 +470,7 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
         last = torch.as_tensor([o + len(r) - 1 for o, r in zip(offs, rows, strict=True)], device=ids.device)
-        h = hidden[torch.arange(len(rows), device=ids.device), last]
-        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
+        return rows, hidden[torch.arange(len(rows), device=ids.device), last]
 
 
 READOUTS: dict[str, type[Readout]] = {

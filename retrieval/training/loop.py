@@ -34,7 +34,7 @@ from ..data.collections import TITLE_SEP, passage_text
 from ..data.training import Group, sample_fill
 from ..models.backbones import Backbone, BackboneError
 from ..models.encoding import quiet_length_warning
-from ..models.readouts import MaskReadout, Readout
+from ..models.readouts import Readout
 from .objective import contrastive_loss, sparse_vectors
 
 
@@ -146,15 +146,16 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
 
 
 class Trainer:
-    """Trains a mask readout's backbone on groups; ``run`` resumes from a checkpoint when given one."""
+    """Trains a readout's backbone on groups (every readout: the mask readout, S > 1 included, PromptReps,
+    DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one."""
 
     def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = TITLE_SEP):
-        if not isinstance(reader, MaskReadout):
-            raise ValueError(f"training covers the diffretriever readout so far, not {reader.name}")
         if not groups:
             raise ValueError("no training groups")
         if settings.kq is None or settings.kp is None:
             raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
+        reader.check_k([settings.kq])
+        reader.check_k([settings.kp])
         self.r, self.s, self.groups, self.sep = reader, settings, list(groups), title_sep
         bb = reader.bb
         torch.manual_seed(settings.seed)
@@ -226,17 +227,17 @@ class Trainer:
         queries = [g.query for g in groups]
         passages = [t for g in groups for t in self._passages(g, step)]
         group = len(passages) // len(groups)
-        qh, ql = self.r.train_forward(self._ids(queries, s.q_max_len), "query", s.kq)
-        ph, pl = self.r.train_forward(self._ids(passages, s.p_max_len), "passage", s.kp)
+        q = self.r.train_forward(self._ids(queries, s.q_max_len), "query", s.kq)
+        p = self.r.train_forward(self._ids(passages, s.p_max_len), "passage", s.kp)
         qs = ps = None
-        if s.sparse_loss:
-            qs = sparse_vectors(ql, self._allowed(queries, ql.shape[-1]))
-            ps = sparse_vectors(pl, self._allowed(passages, pl.shape[-1]))
-        ph, ps = gather(ph, self.world), gather(ps, self.world)  # this rank's queries against every rank's pool
-        qm = torch.ones(qh.shape[:2], dtype=torch.bool, device=qh.device)
-        pm = torch.ones(ph.shape[:2], dtype=torch.bool, device=ph.device)
+        if s.sparse_loss and q.logits is not None and p.logits is not None:
+            qs = sparse_vectors(q.logits, self._allowed(queries, q.logits.shape[-1]), q.mask)
+            ps = sparse_vectors(p.logits, self._allowed(passages, p.logits.shape[-1]), p.mask)
+        # this rank's queries against every rank's pool
+        ph, ps = gather(p.dense, self.world), gather(ps, self.world)
+        pm = p.mask if self.world == 1 else gather(p.mask.float(), self.world) > 0.5
         offset = self.rank * len(groups)
-        return contrastive_loss(qh, qm, ph, pm, group, s.tau, qs, ps, offset=offset)
+        return contrastive_loss(q.dense, q.mask, ph, pm, group, s.tau, qs, ps, offset=offset)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()

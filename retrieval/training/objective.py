@@ -28,9 +28,15 @@ def maxsim_matrix(q: torch.Tensor, q_mask: torch.Tensor, p: torch.Tensor, p_mask
     return sim.sum(-1) / q_mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def sparse_vectors(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """[B, K, V] logits -> [B, V]: log(1 + ReLU(max over K)), zero outside ``allowed`` ([B, V] bool)."""
-    w = torch.log1p(torch.relu(logits.float().amax(dim=1)))
+def sparse_vectors(
+    logits: torch.Tensor, allowed: torch.Tensor | None, slots: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, K, V] logits -> [B, V]: log(1 + ReLU(max over the real ``slots`` [B, K])), zero outside ``allowed``
+    ([B, V] bool)."""
+    logits = logits.float()
+    if slots is not None:
+        logits = logits.masked_fill(~slots[..., None], float("-inf"))
+    w = torch.log1p(torch.relu(logits.amax(dim=1)))
     return w if allowed is None else w * allowed
 
 
