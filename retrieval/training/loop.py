@@ -24,6 +24,8 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -145,6 +147,17 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
+@dataclass
+class Prepared:
+    """One micro-batch's inputs: token ids, the group size, the content words' vocabulary ids (sparse loss)."""
+
+    query_ids: list[list[int]]
+    passage_ids: list[list[int]]
+    group: int
+    query_allowed: list[list[int]] | None = None
+    passage_allowed: list[list[int]] | None = None
+
+
 class Trainer:
     """Trains a readout's backbone on groups (every readout: the mask readout, S > 1 included, PromptReps,
     DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one."""
@@ -184,6 +197,10 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         self.step = 0
         self.log: list[dict[str, Any]] = []
+        for side, k in (("query", settings.kq), ("passage", settings.kp)):
+            reader.pieces(side, k)  # the prompt's tokens, before the prefetch thread shares the tokenizer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="diffret-train-inputs")
+        self._ahead: tuple[int, Future[list[Prepared]]] | None = None
 
     # ------------------------------------------------------------------------------------------ data
     def _order(self, epoch: int) -> list[int]:
@@ -212,31 +229,42 @@ class Trainer:
         ids = self.r.bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [list(t[:limit]) for t in ids]
 
-    def _allowed(self, texts: list[str], vocab: int) -> torch.Tensor | None:
-        if self.r.filter is None:
+    def _allowed(self, allowed: list[list[int]] | None, vocab: int) -> torch.Tensor | None:
+        if allowed is None:
             return None
-        out = torch.zeros(len(texts), vocab, dtype=torch.bool, device=self.r.bb.device)
-        for i, t in enumerate(texts):
-            ids = [j for j in self.r.filter.allowed_ids(t) if j < vocab]
-            out[i, ids] = True
+        out = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=self.r.bb.device)
+        for i, ids in enumerate(allowed):
+            out[i, [j for j in ids if j < vocab]] = True
         return out
 
-    # ------------------------------------------------------------------------------------------ steps
-    def micro_loss(self, groups: list[Group], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def prepare(self, groups: list[Group], step: int) -> Prepared:
+        """A micro-batch's inputs (CPU work only: sampling, tokenisation, the content filter); a function of
+        the groups and the step, so :meth:`train_step` prepares the next step's on a thread meanwhile."""
         s = self.s
         queries = [g.query for g in groups]
         passages = [t for g in groups for t in self._passages(g, step)]
-        group = len(passages) // len(groups)
-        q = self.r.train_forward(self._ids(queries, s.q_max_len), "query", s.kq)
-        p = self.r.train_forward(self._ids(passages, s.p_max_len), "passage", s.kp)
+        filt = self.r.filter if s.sparse_loss else None
+        return Prepared(
+            self._ids(queries, s.q_max_len), self._ids(passages, s.p_max_len), len(passages) // len(groups),
+            [filt.allowed_ids(t) for t in queries] if filt else None,
+            [filt.allowed_ids(t) for t in passages] if filt else None,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ steps
+    def micro_loss(self, groups: list[Group] | Prepared, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        s = self.s
+        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
+        q = self.r.train_forward(x.query_ids, "query", s.kq)
+        p = self.r.train_forward(x.passage_ids, "passage", s.kp)
+        group = x.group
         qs = ps = None
         if s.sparse_loss and q.logits is not None and p.logits is not None:
-            qs = sparse_vectors(q.logits, self._allowed(queries, q.logits.shape[-1]), q.mask)
-            ps = sparse_vectors(p.logits, self._allowed(passages, p.logits.shape[-1]), p.mask)
+            qs = sparse_vectors(q.logits, self._allowed(x.query_allowed, q.logits.shape[-1]), q.mask)
+            ps = sparse_vectors(p.logits, self._allowed(x.passage_allowed, p.logits.shape[-1]), p.mask)
         # this rank's queries against every rank's pool
         ph, ps = gather(p.dense, self.world), gather(ps, self.world)
         pm = p.mask if self.world == 1 else gather(p.mask.float(), self.world) > 0.5
-        offset = self.rank * len(groups)
+        offset = self.rank * len(x.query_ids)
         return contrastive_loss(q.dense, q.mask, ph, pm, group, s.tau, qs, ps, offset=offset)
 
     def train_step(self) -> dict[str, Any]:
@@ -244,7 +272,7 @@ class Trainer:
         self.r.bb.model.train()
         self.opt.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
-        batches = self.micro_batches(self.step)
+        batches = self._inputs(self.step)
         for mb in batches:
             loss, p = self.micro_loss(mb, self.step)
             (loss / len(batches)).backward()
@@ -257,10 +285,22 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.step += 1
-        n = sum(len(mb) for mb in batches) * self.world
+        n = sum(len(mb.query_ids) for mb in batches) * self.world
         row = {"step": self.step, "lr": lr, **parts, "samples_per_s": n / max(time.perf_counter() - t0, 1e-9)}
         self.log.append(row)
         return row
+
+    def _inputs(self, step: int) -> list[Prepared]:
+        """Step ``step``'s prepared micro-batches (prefetched when the previous step asked for them), and the
+        next step's started on the prefetch thread, so that tokenising overlaps the model's work."""
+        ahead = self._ahead
+        batches = ahead[1].result() if ahead is not None and ahead[0] == step else None
+        if batches is None:
+            batches = [self.prepare(mb, step) for mb in self.micro_batches(step)]
+        nxt = step + 1
+        if nxt < self.steps:
+            self._ahead = (nxt, self._pool.submit(lambda: [self.prepare(mb, nxt) for mb in self.micro_batches(nxt)]))
+        return batches
 
     def _average(self, parts: dict[str, float]) -> None:
         """Average the gradients (one flat all-reduce per step, as DDP under no_sync) and the logged parts."""
@@ -329,7 +369,8 @@ class Trainer:
         self.step, self.log = int(state["step"]), list(state["log"])
 
     def close(self) -> None:
-        """Leave the process group (after every process has finished), if this trainer joined one."""
+        """Stop the prefetch thread; leave the process group (after every process has finished), if joined."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
