@@ -63,6 +63,9 @@ class TrainSettings(BaseModel):
     tau: float = Field(default=0.01, gt=0, description="Temperature of the dense InfoNCE.")
     sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
     gradient_checkpointing: bool = Field(default=False)
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="auto: bf16 mixed precision on CUDA, fp32 on CPU (Table 7); or either one."
+    )
     seed: int = Field(default=0)
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
@@ -183,6 +186,8 @@ class Trainer:
         self.params = [p for p in bb.model.parameters() if p.requires_grad]
         self.trainable, self.total = trainable_count(bb.model)
         self.rank, self.world = join_process_group(bb.device)
+        auto_bf16 = settings.precision == "auto" and bb.device.type == "cuda"
+        self.bf16 = settings.precision == "bfloat16" or auto_bf16  # autocast; the weights stay as loaded
         if self.world > 1:  # the same initial weights everywhere, then each process its own dropout stream
             torch.manual_seed(settings.seed * 1_000_003 + self.rank)
         self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings, self.world)
@@ -254,8 +259,9 @@ class Trainer:
     def micro_loss(self, groups: list[Group] | Prepared, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         s = self.s
         x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
-        q = self.r.train_forward(x.query_ids, "query", s.kq)
-        p = self.r.train_forward(x.passage_ids, "passage", s.kp)
+        with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            q = self.r.train_forward(x.query_ids, "query", s.kq)
+            p = self.r.train_forward(x.passage_ids, "passage", s.kp)
         group = x.group
         qs = ps = None
         if s.sparse_loss and q.logits is not None and p.logits is not None:

@@ -104,17 +104,18 @@ def test_single_vector_readouts_train_at_k_1_only(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("readout", "arch", "k", "extra"),
-    [("diffembed", "bert", 1, {}), ("repllama", "qwen2", 1, {}), ("promptreps", "qwen2", 4, {}),
-     ("diffretriever", "bert", 4, {"denoise_steps": 2})],
+    ("readout", "arch", "k", "extra", "precision"),
+    [("diffembed", "bert", 1, {}, "auto"), ("repllama", "qwen2", 1, {}, "auto"),
+     ("promptreps", "qwen2", 4, {}, "auto"), ("diffretriever", "bert", 4, {"denoise_steps": 2}, "auto"),
+     ("diffretriever", "qwen2", 2, {}, "bfloat16")],
 )  # fmt: skip
-def test_every_readout_trains(tmp_path, readout, arch, k, extra):
+def test_every_readout_trains(tmp_path, readout, arch, k, extra, precision):
     """DiffEmbed and RepLLaMA (one vector, dense loss only), PromptReps (decoded words, dense + sparse) and the
-    S-step mask readout all train: the loss falls."""
+    S-step mask readout all train: the loss falls (also under bf16 autocast, the GPU default)."""
     bb, _ = tiny_backbone(arch, tmp_path / arch, seed=0)
     reader = make_reader(bb, ReadoutConfig(readout=readout, **extra), 512)
     settings = TrainSettings(adapter="full", kq=k, kp=k, batch_size=4, grad_accum=2, n_negatives=2, lr=1e-3,
-                             warmup_ratio=0.0, epochs=4, q_max_len=8, p_max_len=12)  # fmt: skip
+                             warmup_ratio=0.0, epochs=4, q_max_len=8, p_max_len=12, precision=precision)  # fmt: skip
     tr = Trainer(reader, groups(), settings)
 
     def held_loss() -> float:  # on a fixed batch, without dropout
