@@ -13,7 +13,10 @@ environment), the trainer joins the process group (gloo on CPU, nccl on CUDA). T
 ``batch_size x grad_accum x world size`` groups; each micro-batch's groups are split across the processes,
 the pool (queries, positives, hard negatives) is gathered from every process with gradients flowing back to
 their owners, and the gradients are averaged once per optimizer step, so W processes compute the same loss
-and the same update as one process with a W times larger micro-batch.
+and the same update as one process with a W times larger micro-batch. ``shard_optimizer`` keeps each
+process's share of the AdamW state only (PyTorch's ``ZeroRedundancyOptimizer``, ZeRO stage 1: 8 bytes per
+trainable parameter divided by W; what full fine-tuning of a 7-8B model needs); checkpoints hold the
+consolidated state, so a sharded run resumes as it was.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class TrainSettings(BaseModel):
     tau: float = Field(default=0.01, gt=0, description="Temperature of the dense InfoNCE.")
     sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
     gradient_checkpointing: bool = Field(default=False)
+    shard_optimizer: bool = Field(default=False, description="Under DDP, shard the AdamW state across the "
+                                  "processes (PyTorch's ZeroRedundancyOptimizer, ZeRO stage 1).")  # fmt: skip
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="auto: bf16 mixed precision on CUDA, fp32 on CPU (Table 7); or either one."
     )
@@ -191,7 +196,15 @@ class Trainer:
         if self.world > 1:  # the same initial weights everywhere, then each process its own dropout stream
             torch.manual_seed(settings.seed * 1_000_003 + self.rank)
         self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings, self.world)
-        self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
+        self.sharded = settings.shard_optimizer and self.world > 1
+        if self.sharded:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+                self.params, optimizer_class=torch.optim.AdamW, lr=settings.lr, weight_decay=settings.weight_decay
+            )
+        else:
+            self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         warm = int(self.steps * settings.warmup_ratio)
 
         def schedule(step: int) -> float:
@@ -341,10 +354,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> bytes:
+        """The resumable state (collective under DDP: every process calls it; rank 0's is the complete one)."""
+        if self.sharded:  # gather the optimizer shards on rank 0 (the others' state is never written)
+            self.opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         state = {
             "step": self.step, "log": self.log,
             "params": [p.detach().clone() for p in self.params],
-            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "optimizer": self.opt.state_dict() if self.rank == 0 or not self.sharded else None,
+            "scheduler": self.sched.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         }  # fmt: skip
         if self.world > 1:  # every process's RNG states, so that each resumes its own stream
