@@ -202,9 +202,9 @@ def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
     rep.sections.append(("Feature correlation", body))
 
 
-def section_tables(db: StoreSQL, rep: Report, refs: list[str]) -> None:
+def section_tables(db: StoreSQL, rep: Report, refs: list[str], finetuned: dict[str, str]) -> None:
     resolved = [_resolve_system(db, r) for r in refs]
-    t = paper_table(db, resolved)
+    t = paper_table(db, resolved, finetuned=finetuned)
     rep.files["paper_table.csv"] = _csv(t.csv_rows())
     rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
 
@@ -276,6 +276,6 @@ def build_report(
     section_landscapes(db, rep)
     section_oracle(db, rep, finetuned or {})
     section_correlation(db, rep, n_boot)
-    section_tables(db, rep, refs)
+    section_tables(db, rep, refs, finetuned or {})
     section_footprint(db, rep, hidden, backbones, settings)
     return rep

@@ -30,13 +30,16 @@ class PaperTable:
     refs: list[str]
     rows: dict[str, dict[tuple[str, str], TableCell]] = field(default_factory=dict)  # system -> (dataset, col)
     budgets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)  # system -> "zero-shot" / "fine-tuned from <base>"
 
     def columns(self) -> list[tuple[str, str]]:
         return [(d, c) for d in [*self.datasets, "avg"] for c in TABLE_MODES]
 
     def markdown(self) -> str:
-        head = "| system | K_q*, K_p* | " + " | ".join(f"{d} {c}" for d, c in self.columns()) + " |"
-        sep = "|---|---|" + "---:|" * len(self.columns())
+        tag = bool(self.settings)
+        head = ("| system | " + ("setting | " if tag else "") + "K_q*, K_p* | "
+                + " | ".join(f"{d} {c}" for d, c in self.columns()) + " |")  # fmt: skip
+        sep = "|---|---|" + ("---|" if tag else "") + "---:|" * len(self.columns())
         lines = [head, sep]
         for system, cells in self.rows.items():
             kq, kp = self.budgets.get(system, (None, None))
@@ -49,24 +52,28 @@ class PaperTable:
                     continue
                 text = f"{c.value:.4f}{c.markers}"
                 vals.append(f"**{text}**" if c.best else text)
-            lines.append(f"| {system} | {budget} | " + " | ".join(vals) + " |")
+            setting = f"{self.settings.get(system, '–')} | " if tag else ""
+            lines.append(f"| {system} | {setting}{budget} | " + " | ".join(vals) + " |")
         marks = ", ".join(
             f"{m} p < 0.05 (two-sided) against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False)
         )
         lines += ["", "NDCG@10 on test at each system's train-selected budget; D = multi_dense, S = sparse_max "
                   "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + (f"; {marks} (paired "
                   "t-test on per-query NDCG@10, same dataset and column)." if marks else ".")]  # fmt: skip
+        if tag:
+            lines[-1] += (" A fine-tuned system enters at its base model's selected budget (a selection on the"
+                          " train split it was trained on would favour it).")  # fmt: skip
         return "\n".join(lines) + "\n"
 
     def csv_rows(self) -> list[list[Any]]:
-        out: list[list[Any]] = [["system", "kq", "kp", *[f"{d}:{c}" for d, c in self.columns()]]]
+        out: list[list[Any]] = [["system", "setting", "kq", "kp", *[f"{d}:{c}" for d, c in self.columns()]]]
         for system, cells in self.rows.items():
             kq, kp = self.budgets.get(system, (None, None))
             vals = []
             for col in self.columns():
                 c = cells.get(col)
                 vals.append("" if c is None or c.value is None else f"{c.value:.6f}{c.markers}")
-            out.append([system, kq, kp, *vals])
+            out.append([system, self.settings.get(system, ""), kq, kp, *vals])
         return out
 
 
@@ -84,9 +91,27 @@ def system_budgets(db: StoreSQL) -> dict[str, tuple[int, int]]:
     return out
 
 
-def paper_table(db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05) -> PaperTable:
-    """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, t-test markers."""
+def paper_table(
+    db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None
+) -> PaperTable:
+    """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, t-test markers.
+
+    ``finetuned`` (base slug -> fine-tuned slug) labels the zero-shot and fine-tuned halves and puts each
+    fine-tuned system at its base's train-selected budget.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from storage import ArtifactStore
+    >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+    ...     paper_table(db, finetuned={"base-0123456789": "ft-0123456789"}).rows  # an empty store: no rows
+    {}
+    """
     budgets = system_budgets(db)
+    finetuned = dict(finetuned or {})
+    for base, ft in finetuned.items():
+        if base in budgets:
+            budgets[ft] = budgets[base]
     cells = rows(db, "select system, dataset, mode, kq, kp, ndcg_10 from cells where split = 'test'")
     datasets = sorted({c["dataset"] for c in cells})
     table = PaperTable(datasets, list(refs or [])[:2])
@@ -98,7 +123,11 @@ def paper_table(db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05
         col = "S" if c["mode"] == "bm25" else next((k for k, m in TABLE_MODES.items() if m == c["mode"]), None)
         if col is not None:
             value[(c["system"], c["dataset"], col)] = c["ndcg_10"]
-    systems = sorted({m for m, _, _ in value}, key=lambda s: (not s.startswith("bm25"), s))
+    tuned = set(finetuned.values())
+    systems = sorted({m for m, _, _ in value}, key=lambda s: (not s.startswith("bm25"), s in tuned, s))
+    for base, ft in finetuned.items():
+        table.settings[base] = "zero-shot"
+        table.settings[ft] = f"fine-tuned from {base}"
     for system in systems:
         table.budgets[system] = budgets[system]
         row: dict[tuple[str, str], TableCell] = {}

@@ -208,7 +208,7 @@ def test_report_on_the_scifact_run(pipeline_root: Path, tmp_path: Path) -> None:
     for p in pngs:
         assert mpimg.imread(p).ndim == 3  # opens as an image
     table = (out / "paper_table.csv").read_text().splitlines()
-    assert table[0].startswith("system,kq,kp,scifact:D") and any(line.startswith("bm25-") for line in table)
+    assert table[0].startswith("system,setting,kq,kp,scifact:D") and any(line.startswith("bm25-") for line in table)
     stored = next((pipeline_root / "reports").rglob("report.md"))
     assert stored.read_text() == text
 

@@ -169,6 +169,25 @@ def test_paper_table_markers_and_best(store: ArtifactStore) -> None:
         paper_table(db, ["nope"])
 
 
+def test_paper_table_puts_a_finetuned_system_at_its_bases_budget(store: ArtifactStore) -> None:
+    ft = "model-ft-0000000000"
+    for kq, kp in itertools.product(GRID, GRID):  # its own train split would select (4, 1)
+        put_metrics(store, ft, "toy", "train", kq, kp, H, {"r0": 1.0 if (kq, kp) == (4, 1) else 0.1})
+    for (kq, kp), v in (((2, 4), 0.6), ((4, 1), 0.9)):
+        for mode in (D, S, H):
+            put_metrics(store, ft, "toy", "test", kq, kp, mode, dict.fromkeys(TEST_Q, v))
+    with StoreSQL(store) as db:
+        plain = paper_table(db, [BM25])
+        t = paper_table(db, [BM25], finetuned={MODEL: ft})
+    assert plain.budgets[ft] == (4, 1) and not plain.settings
+    assert t.budgets[ft] == t.budgets[MODEL] == (2, 4)
+    assert t.rows[ft][("toy", "D")].value == pytest.approx(0.6)
+    assert list(t.rows) == [BM25, MODEL, ft]  # zero-shot half, then the fine-tuned one
+    md = t.markdown()
+    assert f"| {MODEL} | zero-shot | 2, 4 |" in md and f"| {ft} | fine-tuned from {MODEL} | 2, 4 |" in md
+    assert t.csv_rows()[0][:4] == ["system", "setting", "kq", "kp"]
+
+
 def test_footprint_projection_reproduces_the_papers_order_of_magnitude() -> None:
     p = footprint_projection(hidden=3584, backbones=4, settings=2)
     expected_dense = (8_841_823 + 6980 + 43 + 54) * 31 * 3584 * 2
