@@ -308,8 +308,12 @@ def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
     root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,
     verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first.")] = False,
+    out: Annotated[str | None, Opt("--out", "-o", help="Write the result to FILE.csv or FILE.parquet.")] = None,
 ) -> None:  # fmt: skip
-    """Run DuckDB SQL over the store's views (defined in queries/*.sql) and print the result."""
+    """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
+
+    Queries read the store and nothing else: COPY, CREATE, ATTACH, INSTALL, SET and reading files outside the
+    store root are refused."""
     import duckdb
 
     from storage import ArtifactStore
@@ -318,9 +322,15 @@ def sql(
     with _errors():
         try:
             with StoreSQL(ArtifactStore(root), verify=verify) as db:
-                cols, rows = db.query(query)
+                if out:
+                    n = db.export(query, out)
+                else:
+                    cols, rows = db.query(query)
         except duckdb.Error as exc:
-            raise ValueError(f"SQL error: {exc}") from None
+            raise ValueError(f"SQL error: {' '.join(str(exc).split())}") from None
+    if out:
+        console.print(f"{n:,} row(s) written to {out}", highlight=False, soft_wrap=True)
+        return
     print_rows(cols, rows, fmt)
 
 

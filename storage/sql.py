@@ -5,6 +5,14 @@ replaced by that list), so an interrupted write or a stray file never reaches a 
 exists yet, the view reads a zero-row placeholder with the right schema, so every view always
 exists and ``SELECT count(*) FROM corpus`` on an empty store answers 0. ``@measure_columns`` becomes
 one mean column per headline measure (``storage.layout.MEASURES``).
+
+The connection is confined once the views exist: DuckDB may read files under the store root only
+(``allowed_directories``, ``enable_external_access = false``, then ``lock_configuration``), so no query
+reads ``/etc/passwd``, attaches a database, installs or loads an extension, or re-opens access; and
+:meth:`StoreSQL.query` runs read-only statements only (SELECT, and EXPLAIN of one): COPY ... TO, CREATE,
+INSERT, ATTACH, SET ... are refused with one line. Results leave through :meth:`StoreSQL.export` (CSV or
+Parquet, written atomically by Python) or ``diffret export-run``. A store on another fsspec filesystem
+(``memory://``, object stores) is registered with DuckDB, and its views read through fsspec.
 """
 
 from __future__ import annotations
@@ -96,6 +104,13 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
+READ_ONLY = ("SELECT", "EXPLAIN")  # duckdb.StatementType names that :meth:`StoreSQL.query` runs
+
+
+class SQLRefused(StoreError):
+    """A statement that ``diffret sql`` does not run (it writes, attaches, configures or installs)."""
+
+
 def _placeholder(pattern: str, tmp: str) -> str:
     """A zero-row file standing in for ``pattern`` when nothing matches (typed like the real files)."""
     rel = pattern.replace("**/", "").replace("*", "__none__")
@@ -117,29 +132,95 @@ class StoreSQL:
     """An in-memory DuckDB connection with every view of ``queries/`` defined over one store."""
 
     def __init__(self, store: ArtifactStore, verify: bool = False):
-        if not store.is_local:
-            raise StoreError(
-                f"{store.root}: SQL views need a local store (DuckDB's httpfs extension is not available here)"
-            )
         self.store = store
         self._tmp = tempfile.TemporaryDirectory(prefix="diffret-sql-")
         self.con = duckdb.connect()
+        url = (lambda p: p) if store.is_local else store.fs.unstrip_protocol
+        if not store.is_local:
+            self.con.register_filesystem(store.fs)
         self.views: list[str] = []
         for view in load_view_defs():
             sql = view.sql.replace("@measure_columns", measure_columns())
             if view.files:
-                files = listed_files(store, view.files, verify=verify) or [_placeholder(view.files, self._tmp.name)]
-                sql = sql.replace("@files", _sql_list(files))
+                files = [url(p) for p in listed_files(store, view.files, verify=verify)]
+                sql = sql.replace("@files", _sql_list(files or [_placeholder(view.files, self._tmp.name)]))
             try:
                 self.con.execute(sql)
             except duckdb.Error as exc:
                 raise StoreError(f"queries/{view.origin}: view {view.name!r} failed: {exc}") from exc
             self.views.append(view.name)
+        allowed = [url(store.abspath("")).rstrip("/") + "/", self._tmp.name + "/"]
+        self.con.execute(f"SET allowed_directories = {_sql_list(allowed)}")
+        self.con.execute("SET enable_external_access = false")
+        self.con.execute("SET lock_configuration = true")
+
+    def _checked(self, sql: str) -> str:
+        """``sql`` if every statement in it is read-only, else :class:`SQLRefused` naming the first that is not."""
+        try:
+            statements = self.con.extract_statements(sql)
+        except duckdb.Error as exc:
+            raise StoreError(f"SQL error: {' '.join(str(exc).split())}") from None
+        for st in statements:
+            kind = st.type.name
+            if kind not in READ_ONLY:
+                raise SQLRefused(
+                    f"diffret sql is read-only: {kind} is refused ({st.query.strip()[:60]!r}); export a "
+                    "result with `diffret sql --out FILE.csv|.parquet` or `diffret export-run`"
+                )
+        return sql
+
+    def _run(self, sql: str, relation: bool = False) -> Any:
+        try:
+            return self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
+        except duckdb.PermissionException as exc:
+            what = str(exc).splitlines()[0].replace("Permission Error: ", "")
+            raise SQLRefused(f"diffret sql reads the store under {self.store.root} only: {what}") from None
 
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
-        rel = self.con.execute(sql)
+        """Columns and rows of a read-only query (:class:`SQLRefused` for anything else).
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+        ...     db.query("select count(*) as n from corpus")
+        (['n'], [(0,)])
+        """
+        rel = self._run(sql)
         cols = [d[0] for d in rel.description] if rel.description else []
         return cols, rel.fetchall()
+
+    def export(self, sql: str, path: str) -> int:
+        """Write a read-only query's result to ``path`` (``.csv`` or ``.parquet``) atomically; its row count.
+
+        Examples
+        --------
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+        ...     db.export("select 42 as answer", os.path.join(root, "out.csv"))
+        1
+        """
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".csv", ".parquet"):
+            raise StoreError(f"{path}: --out writes .csv or .parquet files")
+        table = self._run(sql, relation=True).to_arrow_table()
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".diffret-out-", dir=folder)
+        os.close(fd)
+        try:
+            if ext == ".csv":
+                import pyarrow.csv as pcsv
+
+                pcsv.write_csv(table, tmp)
+            else:
+                pq.write_table(table, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        return table.num_rows
 
     def close(self) -> None:
         self.con.close()
