@@ -48,8 +48,22 @@ GRID = "1,2,4,8,16"
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def _one_line(exc: Exception) -> str:
+    """An error as one line: a pydantic validation error as ``field: message; ...`` (not its multi-line text)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e["loc"])
+            msg = e["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return f"invalid {exc.title} settings: " + "; ".join(parts)
+    return str(exc)
 
 
 def _known_errors() -> tuple[type[Exception], ...]:
@@ -71,9 +85,12 @@ def _errors() -> Iterator[None]:
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+        out = []
+    if not out:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}")
+    return out
 
 
 def _modes(mode: list[str] | None) -> dict[str, Any]:
@@ -265,7 +282,8 @@ def run(
             settings["max_length"] = base["max_length"]
         config = PipelineConfig(
             root=root, force=force, dataset=dataset, source=source, corpus_source=corpus_source, bm25=bm25,
-            splits=split or ["test"], kq=_ints(kq or base["kq"]), kp=_ints(kp or base["kp"]), index=index_type,
+            splits=split or ["test"], kq=_ints(base["kq"] if kq is None else kq),
+            kp=_ints(base["kp"] if kp is None else kp), index=index_type,
             batch_size=batch_size or base["batch_size"], shard_size=shard_size, workers=workers,
             dask_address=dask_address, device=settings["backbone.device"], **encode_settings(settings), **_modes(mode),
         )  # fmt: skip

@@ -25,14 +25,20 @@ GRID_K = (1, 2, 4, 8, 16)  # the paper's budgets: K_q, K_p in {1, 2, 4, 8, 16}
 
 
 def sorted_positive_ks(v: list[int]) -> list[int]:
-    """A budget list as the flows take it: positive, deduplicated, sorted.
+    """A budget list as the flows take it: positive integers, each once, sorted.
 
-    >>> sorted_positive_ks([4, 1, 4])
-    [1, 4]
+    >>> sorted_positive_ks([4, 1, 16])
+    [1, 4, 16]
+    >>> sorted_positive_ks([1, 1])
+    Traceback (most recent call last):
+    ...
+    ValueError: K values repeat in [1, 1]: give each budget once
     """
     if not v or any(k <= 0 for k in v):
         raise ValueError(f"K must be positive integers, got {v}")
-    return sorted(set(v))
+    if len(set(v)) != len(v):
+        raise ValueError(f"K values repeat in {v}: give each budget once")
+    return sorted(v)
 
 
 KList = Annotated[list[int], AfterValidator(sorted_positive_ks)]
