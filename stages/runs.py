@@ -12,8 +12,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.data.sources import corpus_of
+from retrieval.search import doc_order, run_table
 from retrieval.search.modes import FUSIONS
-from retrieval.search.runs import run_table
 from retrieval.search.scoring import TopK
 from storage import ArtifactStore, Manifest
 from storage.layout import RUN_FILE, RUN_SCHEMA
@@ -87,9 +87,10 @@ def write_run(store: ArtifactStore, cell: Cell, table: pa.Table, stats: dict[str
 def write_runs(store: ArtifactStore, cells: list[Cell], runs: dict[tuple[int, str], TopK], query_ids: list[str],
                doc_ids: list[str], split_rows: dict[str, list[int]]) -> None:  # fmt: skip
     """Each cell's run (its split's queries) from the (K_q, mode) results of one pass."""
+    lex = doc_order(doc_ids)  # once per pass, not once per cell
     for cell in cells:
         rows = split_rows[cell.split]
-        table = run_table(runs[(cell.kq, cell.mode)], query_ids, doc_ids, rows)
+        table = run_table(runs[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex)
         write_run(store, cell, table, {"queries": len(rows), "rows": table.num_rows})
 
 

@@ -14,7 +14,7 @@ from .modes import (
     fuse_minmax,
     modes_for,
 )
-from .runs import run_table
+from .runs import doc_order, run_table
 from .scoring import NEG, SparseQueries, TopK, Workspace, maxsim
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "all_modes",
     "base_modes_needed",
     "check_modes",
+    "doc_order",
     "encodings_from_table",
     "fuse_minmax",
     "maxsim",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 
@@ -10,18 +12,33 @@ from storage.layout import RUN_SCHEMA
 from .scoring import TopK
 
 
-def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None) -> pa.Table:
+def doc_order(doc_ids: Sequence[str]) -> np.ndarray:
+    """Each doc's position in doc-id (string) order: the tie-break of :func:`run_table`, computed once per pass.
+
+    >>> doc_order(["c", "a", "b"]).tolist()
+    [2, 0, 1]
+    """
+    lex = np.empty(len(doc_ids), np.int64)
+    lex[np.argsort(np.asarray(doc_ids, dtype=object).astype(str), kind="stable")] = np.arange(len(doc_ids))
+    return lex
+
+
+def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None,
+              lex: np.ndarray | None = None) -> pa.Table:  # fmt: skip
     """A run (RUN_SCHEMA): per query, rank by score descending then doc_id ascending; pads dropped.
 
-    ``query_rows`` selects (and orders) the queries of ``top`` to include (e.g. one split's).
+    ``query_rows`` selects (and orders) the queries of ``top`` to include (e.g. one split's); ``lex`` is
+    :func:`doc_order` of ``doc_ids`` when the caller writes several runs over the same passages.
 
     >>> top = TopK(np.array([[0.5, 0.9, -np.inf]], np.float32), np.array([[0, 1, -1]]))
     >>> run_table(top, ["q1"], ["d-a", "d-b"]).to_pylist()[0]
     {'query_id': 'q1', 'doc_id': 'd-b', 'rank': 1, 'score': 0.8999999761581421}
     """
     doc_arr = np.asarray(doc_ids, dtype=object)
-    lex = np.empty(len(doc_ids), np.int64)
-    lex[np.argsort(doc_arr.astype(str), kind="stable")] = np.arange(len(doc_ids))
+    if lex is None:
+        lex = doc_order(doc_ids)
+    elif len(lex) != len(doc_ids):
+        raise ValueError(f"doc order of {len(lex)} docs for {len(doc_ids)} doc ids")
     rows = range(len(query_ids)) if query_rows is None else query_rows
     qcol, dcol, rcol, scol = [], [], [], []
     for qi in rows:

@@ -14,6 +14,7 @@ from retrieval.search import (
     SearchSettings,
     TopK,
     all_modes,
+    doc_order,
     encodings_from_table,
     fuse_minmax,
     maxsim,
@@ -194,6 +195,9 @@ def test_run_table_orders_by_score_then_doc_id_and_drops_pads() -> None:
     assert t.column("doc_id").to_pylist() == ["a", "b", "c"]
     assert t.column("rank").to_pylist() == [1, 2, 3]
     assert t.schema.field("rank").type == pa.int32()
+    assert run_table(top, ["q1"], ["c", "b", "a"], lex=doc_order(["c", "b", "a"])).equals(t)  # once per pass
+    with pytest.raises(ValueError, match="doc order of 2 docs"):
+        run_table(top, ["q1"], ["c", "b", "a"], lex=doc_order(["c", "b"]))
 
 
 def test_encodings_errors() -> None:
