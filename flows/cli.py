@@ -353,6 +353,22 @@ def sql(
 
 
 @app.command()
+def verify(root: Root = DEFAULT_ROOT) -> None:
+    """Check every stored file against its manifest's sha256; exit 1 naming each damaged or missing file (the
+    next run of its stage redoes it)."""
+    from storage import ArtifactStore
+
+    with _errors():
+        checked, problems = ArtifactStore(root).verify_all()
+    for line in problems:
+        console.print(f"[bold red]damaged:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if problems:
+        console.print(f"{len(problems)} problem(s) in {checked:,} file(s)", highlight=False)
+        raise typer.Exit(code=1)
+    console.print(f"{checked:,} file(s) match their manifests", highlight=False)
+
+
+@app.command()
 def views(root: Root = DEFAULT_ROOT) -> None:
     """List the SQL views and their columns."""
     from storage import ArtifactStore

@@ -172,6 +172,26 @@ def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
     assert (res.done, res.skipped) == (1, 39) and run.read_bytes() == good  # deterministic: byte-identical
 
 
+def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: dict, tmp_path: Path, monkeypatch):
+    from flows.cli import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    w = copy_world(world, tmp_path)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["verify", "--root", w["root"]])
+    assert ok.exit_code == 0 and "match their manifests" in ok.output, ok.output
+    shard = sorted(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=2/shard=*.parquet"))[0]
+    good = bytearray(shard.read_bytes())
+    bad = good.copy()
+    bad[len(bad) // 2] ^= 0x01  # one bit, same size
+    shard.write_bytes(bytes(bad))
+    res = runner.invoke(app, ["verify", "--root", w["root"]])
+    assert res.exit_code == 1 and shard.name in res.output and "does not match the manifest" in res.output
+    enc = execute(stages()["encode"], w["configs"]["encode"], log=lambda _: None)
+    assert enc.done >= 1 and shard.read_bytes() == bytes(good)  # redone, byte-identical
+    assert runner.invoke(app, ["verify", "--root", w["root"]]).exit_code == 0
+
+
 def test_registry_records_each_system_and_finds_it(world: dict) -> None:
     store = ArtifactStore(world["root"])
     recs = {r.kind: r for r, _ in list_systems(store)}
