@@ -92,6 +92,22 @@ def test_config_drift_refused_naming_fields(tmp_path):
     assert store.state(STAGE, {"model": "m1", "max_length": 512, "prompt": {"variant": "few"}}) is StageState.CURRENT
 
 
+def test_verify_all_reports_a_changed_file_and_a_hand_edited_manifest(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _write(store, {"model": "m1"})
+    assert store.verify_all() == (1, [])
+    manifest = tmp_path / STAGE / "_manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"m1"', '"m0"'))
+    checked, problems = ArtifactStore(tmp_path).verify_all()
+    assert checked == 1 and len(problems) == 1 and "edited by hand" in problems[0]
+    manifest.write_text(text)
+    data = (tmp_path / STAGE / "corpus.parquet").read_bytes()
+    (tmp_path / STAGE / "corpus.parquet").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    _, problems = store.verify_all()  # the same store object: its checksum cache does not hide the change
+    assert len(problems) == 1 and "corpus.parquet" in problems[0] and "does not match" in problems[0]
+
+
 def test_stage_state_absent_stale_damaged(tmp_path):
     store = ArtifactStore(tmp_path)
     cfg = {"model": "m1", "inputs": {"upstream": "aaa"}}
