@@ -132,6 +132,7 @@ class StoreSQL:
     """An in-memory DuckDB connection with every view of ``queries/`` defined over one store."""
 
     def __init__(self, store: ArtifactStore, verify: bool = False):
+        store.require_root()
         self.store = store
         self._tmp = tempfile.TemporaryDirectory(prefix="diffret-sql-")
         self.con = duckdb.connect()

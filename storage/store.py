@@ -185,6 +185,11 @@ class ArtifactStore:
             self.verify_file(stage_dir, name, entry)
         return m
 
+    def require_root(self) -> None:
+        """Refuse a root that does not exist (a reader of a mistyped --root would otherwise see an empty store)."""
+        if not self.fs.exists(self.base):
+            raise StoreError(f"no store at {self.root}: check --root (stages create it when they first write)")
+
     def verify_all(self) -> tuple[int, list[str]]:
         """Check every file of every stage folder against its manifest (full sha256, no cache): the number
         of files checked and one line per problem (a changed or missing file, a manifest edited by hand).
@@ -196,6 +201,7 @@ class ArtifactStore:
         ...     ArtifactStore(root).verify_all()
         (0, [])
         """
+        self.require_root()
         base = self.abspath("")
         checked, problems = 0, []
         self._verified.clear()  # every file hashed afresh

@@ -190,6 +190,7 @@ def test_unknown_collection_and_missing_source(tmp_path):
 
 def test_sql_views_see_only_complete_stages(tmp_path, tiny_beir):
     root = tmp_path / "store"
+    root.mkdir()
     with StoreSQL(ArtifactStore(root)) as db:  # empty store: views exist, zero rows
         assert db.query("select count(*) from corpus")[1] == [(0,)]
         assert db.query("select count(*) from manifests")[1] == [(0,)]

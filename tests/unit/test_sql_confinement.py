@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
-from storage import ArtifactStore, Manifest
+from storage import ArtifactStore, Manifest, StoreError
 from storage.layout import METRICS_FILE, METRICS_SCHEMA, metrics_dir
 from storage.sql import SQLRefused, StoreSQL
 
@@ -96,6 +96,15 @@ def test_export_writes_csv_and_parquet_atomically(store: ArtifactStore, tmp_path
     assert (tmp_path / "r.csv").read_text().splitlines() == ['"query_id","value"', '"q1",0.5', '"q2",0.5']
     assert pq.read_table(tmp_path / "r.parquet").column("query_id").to_pylist() == ["q1", "q2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.parquet", "store"]  # no temporary left
+
+
+def test_a_missing_root_is_refused_not_read_as_an_empty_store(tmp_path: Path) -> None:
+    missing = ArtifactStore(tmp_path / "typo")
+    with pytest.raises(StoreError, match="no store at .*typo"):
+        StoreSQL(missing)
+    with pytest.raises(StoreError, match="no store at"):
+        missing.verify_all()
+    assert not (tmp_path / "typo").exists()
 
 
 def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path) -> None:
