@@ -181,6 +181,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
 def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
     """(K_q*, K_p*, where from): the budget the base model's zero-shot system selected on its train split(s)
     (view ``budget_selection``: best mean hybrid NDCG@10); a clear error when the store has none."""
+    from retrieval.analysis.views import rows
     from storage.sql import StoreSQL
 
     ref = SystemRef(model=config.backbone.model, where={"readout.readout": config.readout.readout})
@@ -191,12 +192,11 @@ def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
     except StoreError as exc:
         raise StoreError(f"no training budget given and {exc}; {hint}") from None
     with StoreSQL(ctx.store) as db:
-        quoted = system.replace("'", "''")
-        _, rows = db.query(f"select kq_star, kp_star, train_ndcg_10, train_on from budget_selection "
-                           f"where system = '{quoted}'")  # fmt: skip
-    if not rows:
+        found = rows(db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?",
+                     [system])  # fmt: skip
+    if not found:
         raise StoreError(f"no training budget given and {system} has no train-split cells to select one; {hint}")
-    kq, kp, ndcg, on = rows[0]
+    kq, kp, ndcg, on = found[0].values()
     return int(kq), int(kp), f"selected zero-shot by {system} on {on} train (hybrid NDCG@10 {ndcg:.4f})"
 
 
@@ -209,8 +209,8 @@ def loss_markdown(name: str, log: list[dict[str, Any]], png: bytes, rows: int = 
     """
     import base64
 
-    k = min(rows, len(log))
-    keep = sorted({round(i * (len(log) - 1) / max(1, k - 1)) for i in range(k)})  # evenly spaced, first and last
+    n = min(rows, len(log))
+    keep = sorted({round(i * (len(log) - 1) / max(1, n - 1)) for i in range(n)})  # evenly spaced, first and last
     lines = [f"## {name}: training loss", ""]
     if png:
         lines += [f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})", ""]

@@ -416,10 +416,17 @@ class _SingleVector(
 ):
     """A readout with one dense vector per text and no prompt (K must be 1)."""
 
-    def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+    def _one(self, k: int) -> None:
         if k > 1:
             raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
+
+    def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+        self._one(k)
         return super().encode(token_ids, texts, side, k)
+
+    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+        rows, h = self._vectors(token_ids, side)
+        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
     def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
         """(input rows, one vector per text [B, H])."""
@@ -427,8 +434,7 @@ class _SingleVector(
 
     def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
         """With gradients: the one vector per text (no sparse side)."""
-        if k > 1:
-            raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
+        self._one(k)
         _, h = self._vectors(self._fit(token_ids, side, k), side)
         return TrainReps(h[:, None], _all_real(h[:, None]))
 
@@ -436,10 +442,6 @@ class _SingleVector(
 class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
     """DiffEmbed: the mean of the last hidden states over the text and its special tokens (no prompt),
     bidirectional."""
-
-    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        rows, mean = self._vectors(token_ids)
-        return [Encoded(_f16(mean[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
     def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
         head, tail = special_wrapping(self.bb.tokenizer)
@@ -456,10 +458,6 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
     def overhead(self, side: str, k: int) -> tuple[int, int]:
         counted, extra = super().overhead(side, k)
         return counted + 8, extra
-
-    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        rows, h = self._vectors(token_ids, side)
-        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
     def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
         tok = self.bb.tokenizer

@@ -127,7 +127,9 @@ def join_process_group(device: torch.device | str) -> tuple[int, int]:
 
 class _Gather(torch.autograd.Function):
     """All-gather along dim 0 (equal shapes) whose backward returns each process the gradient of its own
-    slice, summed over every process's loss (an all-reduce, which every backend has)."""
+    slice, summed over every process's loss (an all-reduce, which every backend has). Not PyTorch's
+    ``torch.distributed.nn.functional.all_gather``: under gloo its gradients did not match one process (the
+    2-process test's second-step loss was off by 1.8)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
