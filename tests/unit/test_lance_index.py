@@ -132,12 +132,13 @@ def test_ivf_hnsw_sq_search(db, corpus):
     got = li.search(db, queries, 10)
     assert li.recall_at([[d for d, _ in w] for w in want], [[d for d, _ in g] for g in got], 10) >= 0.95
     # under an index LanceDB's own distance is on another scale: ~ 2 * (K_q - sum_i max_j cos), quantised
+    # (8-bit SQ: a few percent of the 2 * K_q range, varying from build to build, so 5% of that range)
     q = queries[0]
     tbl = lancedb.connect(db).open_table(li.TABLE)
     res = tbl.search(li.l2_normalise(q), vector_column_name="vector").distance_type("cosine").limit(3).to_arrow()
     ref = dict(brute_force(ids, docs, [q], N_DOCS)[0])
     for doc_id, dist in zip(res["doc_id"].to_pylist(), res["_distance"].to_pylist(), strict=True):
-        assert dist == pytest.approx(2 * len(q) * (1 - ref[doc_id]), abs=0.1)
+        assert dist == pytest.approx(2 * len(q) * (1 - ref[doc_id]), abs=0.05 * 2 * len(q))
     li.create_index(db, "none")
 
 
