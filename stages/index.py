@@ -37,7 +37,12 @@ class IndexConfig(QueriesConfig):
     kq: KList = Field(default=list(GRID_K), description="Query budgets of the recall check.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets to index (one table each).")
     index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(default="IVF_PQ", description="none: flat table.")
-    overfetch: int | None = Field(default=None, ge=1, description="Candidates per result = k x overfetch.")
+    overfetch: int | None = Field(
+        default=None,
+        ge=1,
+        le=lance.MAX_CANDIDATES // 100,  # the recall check searches k = 100
+        description="Candidates per result = k x overfetch (default lance.DEFAULT_OVERFETCH).",
+    )
 
 
 def _passage_batches(store: ArtifactStore, stage: str, m: Manifest) -> Iterator[tuple[list[str], list[np.ndarray]]]:
@@ -78,6 +83,12 @@ def check_against_exact(
             "latency_ms_mean": res.stats.mean_ms,
             "latency_ms_p95": res.stats.p95_ms,
             "queries": len(q),
+            "search": {
+                "limit": res.stats.limit,
+                "nprobes": res.stats.nprobes,
+                "refine_factor": res.stats.refine_factor,
+                "ef": res.stats.ef,
+            },
         }
     return out
 
@@ -99,6 +110,7 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             cfg = {
                 "system": record.system, "corpus": corpus, "kp": kp, "index_type": config.index_type,
                 "overfetch": config.overfetch or lance.DEFAULT_OVERFETCH,
+                "refine_factor": lance.DEFAULT_REFINE_FACTOR if config.index_type == "IVF_PQ" else None,
                 "check": {"dataset": config.dataset, "split": config.split, "kq": list(config.kq)},
                 "inputs": {"passage_encodings": p_man.config_hash, "query_encodings": q_hashes},
             }  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,20 +41,29 @@ VECTOR = "vector"
 INDEX_TYPES = ("none", "IVF_PQ", "IVF_HNSW_SQ")
 IndexType = Literal["none", "IVF_PQ", "IVF_HNSW_SQ"]
 
-# Candidates fetched from LanceDB per query: min(max(k * overfetch, MIN_CANDIDATES), max(MAX_CANDIDATES, k)).
-# Measured with benchmarks/search_lance.py (IVF_PQ, H=128, K_p=4): recall@10 against exact MaxSim with 50 / 100 / 200
-# candidates was 0.993 / 1.000 / 1.000 at 1M docs (K_q=8) and 0.987 / 0.9965 / 0.999 at 100k docs with 1..4
-# vectors per doc (K_q=16); 100 candidates is too thin a margin, so k=10 fetches 200. Beyond ~1000 candidates
-# (LanceDB then searches >10k vectors per query vector) LanceDB's multivector recall turned erratic (it fell as the
-# limit grew), hence the cap.
-DEFAULT_OVERFETCH = 20
+# Candidates fetched from LanceDB per query: max(k * overfetch, MIN_CANDIDATES) (candidate_budget), then re-ranked
+# exactly, so recall@k is the share of the exact top k among them. Tuned with benchmarks/search_lance.py (IVF_PQ,
+# H=128, K_p=4, K_q=8; docs/operations.md "Scale: ANN"): with refine_factor 4, k x 10 candidates give recall@100
+# >= 0.99 against exact MaxSim at 100k and 1M docs, k x 5 did not (0.986 at 100k).
+# The earlier cap of 1000 candidates cut k=100 to x10 without refine; what looked like LanceDB turning erratic
+# beyond it was PQ noise (without refine, recall@100 sat at 0.95-0.99, not monotone in the limit) and, for IVF_HNSW_SQ,
+# an ef below the per-vector depth (limit x LANCE_XTR_OVERFETCH): recall fell to 0.93 at 2000 candidates.
+# MAX_CANDIDATES is the memory bound of one query: the re-rank holds limit x max n_j x H float32 (padded; 160 MiB at
+# 10,000 candidates of <= 32 vectors of H=128), LanceDB K_q x limit x LANCE_XTR_OVERFETCH x refine_factor
+# (row id, distance) pairs (~80 MiB at K_q=16, refine 4). Beyond it candidate_budget raises; it never clamps.
+DEFAULT_OVERFETCH = 10
 MIN_CANDIDATES = 100
-MAX_CANDIDATES = 1000
+MAX_CANDIDATES = 10_000
 # LanceDB searches each query vector for limit * LANCE_XTR_OVERFETCH (default 10) nearest vectors; probe enough
 # partitions to hold PROBE_MARGIN times that many vectors (too few probes make LanceDB's recall erratic).
 XTR_OVERFETCH = int(os.environ.get("LANCE_XTR_OVERFETCH", "10"))
 PROBE_MARGIN = 2
 MIN_NPROBES = 20
+# IVF_PQ: LanceDB re-scores refine_factor x each query vector's PQ candidates on the stored vectors (PQ alone kept
+# recall@100 at 0.95-0.97 at 100k docs with 1000-2000 candidates; see docs/operations.md "Scale: ANN").
+DEFAULT_REFINE_FACTOR = 4
+# IVF_HNSW_SQ: the graph search breadth, as a multiple of the per-query-vector depth (limit x XTR_OVERFETCH).
+HNSW_EF_FACTOR = 1.0
 # create_index refuses to train on fewer than max(PQ_CODEBOOK, MIN_VECTORS_PER_PARTITION * num_partitions) vectors
 # (LanceDB itself would train degenerate codebooks); the defaults keep >= 256 vectors per partition.
 MIN_VECTORS_PER_PARTITION = 4
@@ -79,6 +89,8 @@ class SearchStats:
     candidates: list[int] = field(default_factory=list)
     limit: int = 0
     nprobes: int | None = None
+    refine_factor: int | None = None
+    ef: int | None = None
 
     @property
     def mean_ms(self) -> float:
@@ -187,6 +199,7 @@ def build_table(
             raise
 
     db = lancedb.connect(db_path)
+    _forget(db_path, table)
     _info_path(db_path, table).unlink(missing_ok=True)
     reader = pa.RecordBatchReader.from_batches(schema, gen())
     try:
@@ -195,6 +208,8 @@ def build_table(
         if failed:
             raise failed[0] from None
         raise
+    finally:
+        _forget(db_path, table)
     return tbl.count_rows()
 
 
@@ -206,6 +221,64 @@ def _open(db_path: str, table: str = TABLE) -> Any:
         return db.open_table(table)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"no table {table!r} in LanceDB database {db_path!r}; run build_table first") from e
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """An open table with what every search needs from it, valid while its :func:`_signature` is unchanged."""
+
+    signature: tuple
+    tbl: Any
+    hidden: int
+    rows: int
+    info: IndexInfo | None
+
+
+_OPENED: dict[tuple[str, str], _Opened] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _signature(db_path: str, table: str) -> tuple:
+    """What changes whenever the table or its index is rewritten: the Lance manifests (``<table>.lance/_versions``:
+    every commit adds one; a rebuilt folder is a new directory) and the index record ``<table>.index.json``."""
+    versions = Path(db_path) / f"{table}.lance" / "_versions"
+    out: list[Any] = []
+    for path in (versions, _info_path(db_path, table)):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            out.append(None)
+            continue
+        out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+    try:  # names too: a commit within the file system's timestamp granularity leaves the mtime as it was
+        names = sorted(os.listdir(versions))
+        out.append((len(names), names[0] if names else "", names[-1] if names else ""))
+    except FileNotFoundError:
+        out.append(None)
+    return tuple(out)
+
+
+def _opened(db_path: str, table: str = TABLE) -> _Opened:
+    """The table at ``db_path`` opened once per process, with its width, row count and :class:`IndexInfo`; reopened
+    when :func:`_signature` changes (the table or index was rebuilt, here or by another process)."""
+    key = (os.path.abspath(db_path), table)
+    sig = _signature(db_path, table)
+    with _OPENED_LOCK:
+        hit = _OPENED.get(key)
+    if hit is not None and hit.signature == sig:
+        return hit
+    tbl = _open(db_path, table)
+    path = _info_path(db_path, table)
+    info = IndexInfo(**json.loads(path.read_text())) if _vector_indices(tbl) and path.exists() else None
+    entry = _Opened(sig, tbl, table_hidden(tbl), tbl.count_rows(), info)
+    with _OPENED_LOCK:
+        _OPENED[key] = entry
+    return entry
+
+
+def _forget(db_path: str, table: str) -> None:
+    with _OPENED_LOCK:
+        _OPENED.pop((os.path.abspath(db_path), table), None)
 
 
 def table_hidden(tbl: Any) -> int:
@@ -238,13 +311,19 @@ def _vector_indices(tbl: Any) -> list[str]:
 
 
 def default_index_params(index_type: str, vectors: int, hidden: int) -> dict[str, Any]:
-    """Defaults from the number of vectors: num_partitions ~ sqrt(vectors), PQ sub-vectors of 8 dims (dividing H)."""
+    """Defaults from the number of vectors: num_partitions ~ sqrt(vectors) / 2 (at least 256 vectors each), k-means
+    of 20 iterations on 64 vectors per partition, PQ sub-vectors of 8 dims (dividing H); tuned with
+    benchmarks/search_lance.py (docs/operations.md, "Scale: ANN").
+
+    >>> default_index_params("IVF_PQ", 4_000_000, 128)
+    {'num_partitions': 1000, 'max_iterations': 20, 'sample_rate': 64, 'num_sub_vectors': 16, 'num_bits': 8}
+    """
     if index_type not in INDEX_TYPES:
         raise ValueError(f"unknown index type {index_type!r}; expected one of {', '.join(INDEX_TYPES)}")
     if index_type == "none":
         return {}
-    partitions = max(1, min(round(math.sqrt(vectors)), vectors // 256 or 1))
-    params: dict[str, Any] = {"num_partitions": partitions, "max_iterations": 50, "sample_rate": 256}
+    partitions = max(1, min(round(math.sqrt(vectors) / 2), vectors // 256 or 1))
+    params: dict[str, Any] = {"num_partitions": partitions, "max_iterations": 20, "sample_rate": 64}
     if index_type == "IVF_PQ":
         sub_dim = next(d for d in (8, 4, 16, 2, 32, 1) if hidden % d == 0)
         params["num_sub_vectors"] = hidden // sub_dim
@@ -270,6 +349,8 @@ def create_index(
     num_sub_vectors: int | None = None,
     m: int | None = None,
     ef_construction: int | None = None,
+    max_iterations: int | None = None,
+    sample_rate: int | None = None,
     table: str = TABLE,
 ) -> IndexInfo:
     """Build (replace) the ANN index on the multivector column with metric cosine, or drop it for ``"none"`` (flat).
@@ -281,6 +362,7 @@ def create_index(
 
     if index_type not in INDEX_TYPES:
         raise ValueError(f"unknown index type {index_type!r}; expected one of {', '.join(INDEX_TYPES)}")
+    _forget(db_path, table)
     tbl = _open(db_path, table)
     hidden = table_hidden(tbl)
     rows = tbl.count_rows()
@@ -289,13 +371,19 @@ def create_index(
         for name in _vector_indices(tbl):
             tbl.drop_index(name)
         _info_path(db_path, table).unlink(missing_ok=True)
+        _forget(db_path, table)
         return IndexInfo("none", rows, _count_vectors(tbl) if rows else 0, {}, time.perf_counter() - t0)
     if rows == 0:
         raise ValueError(f"table {table!r} at {db_path!r} is empty; nothing to index")
     vectors = _count_vectors(tbl)
     params = default_index_params(index_type, vectors, hidden)
     overrides = dict(
-        num_partitions=num_partitions, num_sub_vectors=num_sub_vectors, m=m, ef_construction=ef_construction
+        num_partitions=num_partitions,
+        num_sub_vectors=num_sub_vectors,
+        m=m,
+        ef_construction=ef_construction,
+        max_iterations=max_iterations,
+        sample_rate=sample_rate,
     )
     for key, value in overrides.items():
         if value is not None:
@@ -318,6 +406,7 @@ def create_index(
     tbl.create_index(VECTOR, config=config, replace=True)
     info = IndexInfo(index_type, rows, vectors, params, time.perf_counter() - t0)
     _info_path(db_path, table).write_text(json.dumps(asdict(info), indent=1))
+    _forget(db_path, table)
     return info
 
 
@@ -327,11 +416,7 @@ def _info_path(db_path: str, table: str) -> Path:
 
 def index_info(db_path: str, table: str = TABLE) -> IndexInfo | None:
     """The :class:`IndexInfo` recorded by the last :func:`create_index` (None if there is no vector index)."""
-    tbl = _open(db_path, table)
-    path = _info_path(db_path, table)
-    if not _vector_indices(tbl) or not path.exists():
-        return None
-    return IndexInfo(**json.loads(path.read_text()))
+    return _opened(db_path, table).info
 
 
 def default_nprobes(info: IndexInfo | None, limit: int) -> int | None:
@@ -341,6 +426,29 @@ def default_nprobes(info: IndexInfo | None, limit: int) -> int | None:
     parts = int(info.params["num_partitions"])
     per_part = max(1.0, info.vectors / parts)
     return min(parts, max(MIN_NPROBES, math.ceil(PROBE_MARGIN * limit * XTR_OVERFETCH / per_part)))
+
+
+def default_search_params(info: IndexInfo | None, limit: int) -> dict[str, int]:
+    """LanceDB search parameters for an index and a candidate budget: ``nprobes`` (:func:`default_nprobes`), and
+    ``refine_factor`` = DEFAULT_REFINE_FACTOR for IVF_PQ or ``ef`` = HNSW_EF_FACTOR x LanceDB's per-vector depth
+    for IVF_HNSW_SQ; nothing for a flat table.
+
+    >>> default_search_params(IndexInfo("IVF_PQ", 1000, 400_000, {"num_partitions": 632}), 2000)
+    {'nprobes': 64, 'refine_factor': 4}
+    >>> default_search_params(None, 2000)
+    {}
+    """
+    if info is None:
+        return {}
+    out: dict[str, int] = {}
+    nprobes = default_nprobes(info, limit)
+    if nprobes is not None:
+        out["nprobes"] = nprobes
+    if info.index_type == "IVF_PQ":
+        out["refine_factor"] = DEFAULT_REFINE_FACTOR
+    elif info.index_type == "IVF_HNSW_SQ":
+        out["ef"] = math.ceil(HNSW_EF_FACTOR * limit * XTR_OVERFETCH)
+    return out
 
 
 def maxsim_scores(query: np.ndarray, doc_vectors: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -379,6 +487,33 @@ def rank(doc_ids: Sequence[str], scores: np.ndarray, k: int) -> list[tuple[str, 
     return [(doc_ids[j], float(scores[j])) for j in order[:k]]
 
 
+def candidate_budget(
+    k: int,
+    overfetch: int = DEFAULT_OVERFETCH,
+    min_candidates: int = MIN_CANDIDATES,
+    max_candidates: int = MAX_CANDIDATES,
+) -> int:
+    """Candidates :func:`search` fetches per query: ``max(k * overfetch, min_candidates)``.
+
+    Raises ValueError (one line) when that exceeds ``max_candidates``, the memory bound (see MAX_CANDIDATES): a
+    silently clamped budget would silently lose recall at depth.
+
+    >>> candidate_budget(10), candidate_budget(100), candidate_budget(100, 5)
+    (100, 1000, 500)
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    if overfetch < 1:
+        raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+    limit = max(k * overfetch, min_candidates)
+    if limit > max_candidates:
+        raise ValueError(
+            f"k={k} x overfetch={overfetch} = {k * overfetch} candidates per query exceeds max_candidates="
+            f"{max_candidates} (the memory bound of one query's re-rank); lower k or overfetch, or raise max_candidates"
+        )
+    return limit
+
+
 def search(
     db_path: str,
     queries: Sequence[np.ndarray],
@@ -393,31 +528,36 @@ def search(
     use_index: bool = True,
     table: str = TABLE,
 ) -> SearchResults:
-    """Top-``k`` (doc_id, MaxSim score) per query: LanceDB multivector search for ``max(k * overfetch,
-    min_candidates)`` candidates (at most ``max(max_candidates, k)``), then exact MaxSim re-rank on their stored
-    vectors.
+    """Top-``k`` (doc_id, MaxSim score) per query: LanceDB multivector search for :func:`candidate_budget` candidates
+    (``k * overfetch``), then exact MaxSim re-rank on their stored vectors.
 
-    ``nprobes`` defaults to :func:`default_nprobes`; it, ``refine_factor`` (IVF) and ``ef`` (HNSW) go to LanceDB
-    when set; ``use_index=False`` forces LanceDB's flat (exact) search. Queries are [K_q, H] (or [H]) arrays of any
-    float dtype, normalised here. The result carries per-query latencies in ``.stats``.
+    ``nprobes`` (IVF), ``refine_factor`` (IVF_PQ) and ``ef`` (HNSW) default to :func:`default_search_params` for the
+    table's index; ``use_index=False`` forces LanceDB's flat (exact) search. Queries are [K_q, H] (or [H]) arrays of
+    any float dtype, normalised here. The table, its width, row count and index info are opened once per process and
+    reopened only when the table or index is rebuilt. The result carries per-query latencies in ``.stats``.
+
+    >>> import tempfile
+    >>> db = tempfile.mkdtemp()
+    >>> build_table(db, [(["a", "b"], [np.eye(4)[:2], np.eye(4)[2:]])], 4)
+    2
+    >>> search(db, [np.eye(4)[2:3]], 1)
+    [[('b', 1.0)]]
     """
-    if k <= 0:
-        raise ValueError(f"k must be positive, got {k}")
-    if overfetch < 1:
-        raise ValueError(f"overfetch must be >= 1, got {overfetch}")
-    tbl = _open(db_path, table)
-    hidden = table_hidden(tbl)
-    normed = [_check_query(q, hidden, i) for i, q in enumerate(queries)]
-    if normed and tbl.count_rows() == 0:
+    limit = candidate_budget(k, overfetch, min_candidates, max_candidates)
+    opened = _opened(db_path, table)
+    normed = [_check_query(q, opened.hidden, i) for i, q in enumerate(queries)]
+    if normed and opened.rows == 0:
         raise ValueError(f"table {table!r} at {db_path!r} is empty")
-    limit = min(max(k * overfetch, min_candidates), max(max_candidates, k))
-    if nprobes is None and use_index:
-        nprobes = default_nprobes(index_info(db_path, table), limit)
-    stats = SearchStats(limit=limit, nprobes=nprobes)
+    if use_index:
+        defaults = default_search_params(opened.info, limit)
+        nprobes = defaults.get("nprobes") if nprobes is None else nprobes
+        refine_factor = defaults.get("refine_factor") if refine_factor is None else refine_factor
+        ef = defaults.get("ef") if ef is None else ef
+    stats = SearchStats(limit=limit, nprobes=nprobes, refine_factor=refine_factor, ef=ef)
     out = SearchResults(stats=stats)
     for q in normed:
         t0 = time.perf_counter()
-        builder = tbl.search(q, vector_column_name=VECTOR).distance_type("cosine").limit(limit)
+        builder = opened.tbl.search(q, vector_column_name=VECTOR).distance_type("cosine").limit(limit)
         builder = builder.select(["doc_id", VECTOR, "_distance"])  # naming _distance: no per-query warning
         if nprobes is not None:
             builder = builder.nprobes(nprobes)
@@ -430,7 +570,7 @@ def search(
         res = builder.to_arrow()
         ids = res["doc_id"].to_pylist()
         if ids:
-            vecs, lengths = _flat_vectors(res[VECTOR], hidden)
+            vecs, lengths = _flat_vectors(res[VECTOR], opened.hidden)
             scores = maxsim_scores(q, vecs, lengths)
             hits = rank(ids, scores, k)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lancedb
@@ -173,10 +174,78 @@ def test_candidate_limit(tmp_path: Path):
     q = [x[0]]
     assert li.search(db, q, 2).stats.limit == li.MIN_CANDIDATES
     assert li.search(db, q, 5, overfetch=30).stats.limit == 150
-    assert li.search(db, q, 200).stats.limit == li.MAX_CANDIDATES  # capped: LanceDB is erratic beyond it
-    assert li.search(db, q, 200, max_candidates=5000).stats.limit == 200 * li.DEFAULT_OVERFETCH
+    assert li.search(db, q, 200).stats.limit == 200 * li.DEFAULT_OVERFETCH  # follows k: no cap below the bound
     got = li.search(db, q, 250, overfetch=1)
     assert got.stats.limit == 250 and len(got[0]) == 250 and got.stats.candidates == [250]
+    # beyond the memory bound: one clear line, not a silently clamped (recall-losing) budget
+    with pytest.raises(ValueError, match=r"k=600 x overfetch=20 = 12000 candidates per query exceeds max_candidates"):
+        li.search(db, q, 600, overfetch=20)
+    assert li.search(db, q, 600, overfetch=20, max_candidates=12_000).stats.limit == 12_000
+    with pytest.raises(ValueError, match="overfetch must be >= 1"):
+        li.candidate_budget(10, 0)
+
+
+def test_candidate_budget_follows_k_recall_at_100(db, corpus):
+    """At k=100 the budget is k x overfetch (no cap below the memory bound) and recall@100 against exact is high."""
+    ids, docs, queries = corpus
+    li.create_index(db, "IVF_PQ")
+    want = [[d for d, _ in w] for w in brute_force(ids, docs, queries, 100)]
+    got = li.search(db, queries, 100)
+    assert got.stats.limit == 100 * li.DEFAULT_OVERFETCH and got.stats.refine_factor == li.DEFAULT_REFINE_FACTOR
+    assert li.recall_at(want, [[d for d, _ in g] for g in got], 100) >= 0.99
+    # a quarter of the collection as candidates (not all of it): still high, so the index, not the budget, finds them
+    thin = li.search(db, queries, 100, overfetch=5)
+    assert thin.stats.limit == 500 and max(thin.stats.candidates) == 500
+    assert li.recall_at(want, [[d for d, _ in g] for g in thin], 100) >= 0.97
+    li.create_index(db, "none")
+
+
+def _counting_connect(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = lancedb.connect
+
+    def connect(uri, *args, **kwargs):
+        calls.append(str(uri))
+        return real(uri, *args, **kwargs)
+
+    monkeypatch.setattr(lancedb, "connect", connect)
+    return calls
+
+
+def test_search_opens_the_table_once_per_process(tmp_path: Path, monkeypatch):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((50, 3, 16)).astype(np.float32)
+    db = str(tmp_path / "db")
+    li.build_table(db, [([f"p{i}" for i in range(50)], x)], 16)
+    calls = _counting_connect(monkeypatch)
+    for i in range(5):
+        assert li.search(db, [x[i]], 1)[0][0][0] == f"p{i}"
+    assert li.index_info(db) is None
+    assert calls == [db]  # one open for five searches and the index info
+
+
+def test_cache_sees_a_rebuilt_index_under_the_same_path(tmp_path: Path, monkeypatch):
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((60, 2, 16)).astype(np.float32)
+    b = rng.standard_normal((150, 2, 16)).astype(np.float32)
+    db = str(tmp_path / "db")
+    li.build_table(db, [([f"a{i}" for i in range(60)], a)], 16)
+    assert li.search(db, [a[3]], 1)[0][0][0] == "a3"
+    li.build_table(db, [([f"b{i}" for i in range(40)], b[:40])], 16)  # rebuilt in this process
+    got = li.search(db, [b[3]], 1)
+    assert got[0][0] == ("b3", pytest.approx(1.0, abs=1e-5))
+    # rebuilt elsewhere and swapped in whole, as the store's stage writer does (here: as another process would)
+    other = str(tmp_path / "other")
+    li.build_table(other, [([f"c{i}" for i in range(150)], b)], 16)
+    info = li.create_index(other, "IVF_PQ", num_partitions=1, num_sub_vectors=4)
+    calls = _counting_connect(monkeypatch)
+    os.replace(db, str(tmp_path / "old"))
+    os.replace(other, db)
+    got = li.search(db, [b[120]], 1)
+    assert got[0][0][0] == "c120" and got.stats.refine_factor == li.DEFAULT_REFINE_FACTOR
+    assert li.index_info(db) == info and calls == [db]
+    assert li.search(db, [b[121]], 1)[0][0][0] == "c121"
+    assert calls == [db]  # and it stays open again
 
 
 def test_errors(tmp_path: Path, db):
@@ -225,7 +294,7 @@ def test_recall_at():
 
 def test_default_index_params():
     p = li.default_index_params("IVF_PQ", 1_000_000, 128)
-    assert p["num_partitions"] == 1000 and 128 % p["num_sub_vectors"] == 0
+    assert p["num_partitions"] == 500 and 128 % p["num_sub_vectors"] == 0
     assert li.default_index_params("IVF_HNSW_SQ", 10_000, 96)["num_partitions"] == 39  # capped: >= 256 per partition
     assert li.default_index_params("none", 10, 8) == {}
     info = li.IndexInfo("IVF_PQ", 1000, 400_000, {"num_partitions": 632})
