@@ -2,11 +2,43 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
+
+
+@dataclass
+class SparseFlat:
+    """Sparse vectors of N texts as three flat arrays: text i's terms are ``ids[offsets[i]:offsets[i + 1]]``.
+
+    >>> s = SparseFlat.from_lists([np.array([4, 2]), np.array([], np.int64)], [np.ones(2), np.ones(0)])
+    >>> s.offsets.tolist(), s.ids.tolist(), len(s.rows(1, 2).ids)
+    ([0, 2, 2], [4, 2], 0)
+    """
+
+    offsets: np.ndarray  # [N + 1] int64, offsets[0] == 0
+    ids: np.ndarray  # [nnz] int64 vocabulary ids
+    weights: np.ndarray  # [nnz] float32
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def from_lists(cls, ids: list[np.ndarray], weights: list[np.ndarray]) -> SparseFlat:
+        lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+        offsets = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat_ids = np.concatenate([np.asarray(x, np.int64) for x in ids] + [np.zeros(0, np.int64)])
+        flat_w = np.concatenate([np.asarray(x, np.float32) for x in weights] + [np.zeros(0, np.float32)])
+        return cls(offsets, flat_ids, flat_w)
+
+    def rows(self, start: int, end: int) -> SparseFlat:
+        """Texts ``start:end`` (the id and weight arrays are views)."""
+        a, b = int(self.offsets[start]), int(self.offsets[end])
+        return SparseFlat(self.offsets[start : end + 1] - a, self.ids[a:b], self.weights[a:b])
 
 
 @dataclass
@@ -19,9 +51,16 @@ class Encodings:
     single: torch.Tensor  # [N, H]: normalised mean of the normalised vectors
     sparse_ids: list[np.ndarray]  # per text, int64 vocabulary ids
     sparse_weights: list[np.ndarray]  # per text, float32 weights
+    flat: SparseFlat | None = field(default=None, repr=False, compare=False)  # the same sparse vectors, flat
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def sparse(self) -> SparseFlat:
+        """The sparse vectors as flat arrays (built once, from the per-text lists when not given)."""
+        if self.flat is None:
+            self.flat = SparseFlat.from_lists(self.sparse_ids, self.sparse_weights)
+        return self.flat
 
     def rows(self, start: int, end: int) -> Encodings:
         """The texts ``start:end`` (views, no copy)."""
@@ -32,6 +71,7 @@ class Encodings:
             self.single[start:end],
             self.sparse_ids[start:end],
             self.sparse_weights[start:end],
+            self.flat.rows(start, end) if self.flat is not None else None,
         )
 
 
@@ -84,12 +124,27 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu") ->
     multi[mask] = vecs
     mean = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
     single = normalise(mean)
-    sid = table.column("sparse_ids").to_pylist()
-    sw = table.column("sparse_weights").to_pylist()
-    sparse_ids = [np.asarray(x if x is not None else [], dtype=np.int64) for x in sid]
-    sparse_weights = [np.asarray(x if x is not None else [], dtype=np.float32) for x in sw]
+    flat = _sparse_flat(table)
+    sparse_ids = np.split(flat.ids, flat.offsets[1:-1]) if n else []
+    sparse_weights = np.split(flat.weights, flat.offsets[1:-1]) if n else []
     dev = torch.device(device)
-    return Encodings(ids, multi.to(dev), mask.to(dev), single.to(dev), sparse_ids, sparse_weights)
+    return Encodings(ids, multi.to(dev), mask.to(dev), single.to(dev), sparse_ids, sparse_weights, flat)
+
+
+def _sparse_flat(table: pa.Table) -> SparseFlat:
+    """The sparse columns as flat arrays, straight from Arrow's list offsets (a null list is empty)."""
+    cols = []
+    for name in ("sparse_ids", "sparse_weights"):
+        col = table.column(name)
+        arr = col.combine_chunks() if col.num_chunks else pa.array([], col.type)
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        cols.append((lengths, arr.flatten().to_numpy(zero_copy_only=False)))
+    (lengths, ids), (lengths_w, weights) = cols
+    if not np.array_equal(lengths, lengths_w):
+        raise ValueError("encodings: sparse_ids and sparse_weights differ in length")
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return SparseFlat(offsets, ids.astype(np.int64), weights.astype(np.float32))
 
 
 def select(enc: Encodings, ids: list[str]) -> Encodings:

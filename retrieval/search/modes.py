@@ -15,41 +15,62 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import scoring
 from .encodings import Encodings
-from .scoring import NEG, SparseQueries, TopK, Workspace, maxsim
+from .scoring import MAXSIM_QUERIES, NEG, SparsePassages, SparseQueries, TopK, Workspace, maxsim
 
 
 @dataclass
 class ScoreContext:
-    """What scorers share within one pass: reused buffers and the query block size."""
+    """What scorers share within one pass: reused buffers, the queries' sparse vocabulary, MaxSim's tiles."""
 
     workspace: Workspace
-    query_block: int = 512
+    vocab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tile_elems: int | None = None  # CPU MaxSim tile buffer entries (None: scoring.CPU_TILE_ELEMS)
 
 
-def _single(q: Encodings, p: Encodings, _prepared: Any, _ctx: ScoreContext) -> torch.Tensor:
-    return q.single @ p.single.T
+# A scorer gets query rows ``start:end`` and a passage block (with what was prepared once per query set and
+# once per passage block) and returns their [end - start, N] scores, which the caller may modify.
+def _single(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any, ctx: ScoreContext) -> torch.Tensor:
+    out = ctx.workspace.get("score", end - start, len(p), p.single)
+    return torch.mm(q.single[start:end], p.single.T, out=out)
 
 
-def _multi(q: Encodings, p: Encodings, _prepared: Any, ctx: ScoreContext) -> torch.Tensor:
-    b = ctx.query_block
-    parts = [maxsim(q.multi[s : s + b], q.mask[s : s + b], p.multi, p.mask, ctx.workspace) for s in range(0, len(q), b)]
-    return torch.cat(parts, 0)
+def _multi(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any, ctx: ScoreContext) -> torch.Tensor:
+    out = ctx.workspace.get("score", end - start, len(p), p.multi)
+    kq = q.multi.shape[1]
+    if q.multi.device.type == "cpu":  # cache-sized tiles: a few hundred queries per GEMM
+        tile = ctx.tile_elems or scoring.CPU_TILE_ELEMS
+        step = max(1, min(MAXSIM_QUERIES, tile // max(1, kq)))
+    else:
+        step = end - start
+    for s in range(start, end, step):
+        e = min(s + step, end)
+        maxsim(q.multi[s:e], q.mask[s:e], p.multi, p.mask, ctx.workspace, out[s - start : e - start], ctx.tile_elems)
+    return out
 
 
-def _prepare_sparse(q: Encodings, device: torch.device) -> SparseQueries:
-    return SparseQueries(q.sparse_ids, q.sparse_weights, device)
+def _prepare_sparse(q: Encodings, ctx: ScoreContext, device: torch.device) -> SparseQueries:
+    return SparseQueries(q.sparse(), ctx.vocab, device)
 
 
-def _sparse(_q: Encodings, p: Encodings, prepared: SparseQueries, _ctx: ScoreContext) -> torch.Tensor:
-    sc = prepared.scores(p.sparse_ids, p.sparse_weights)
-    return sc.masked_fill(sc <= 0, NEG)  # no shared term: not retrieved
+def _prepare_sparse_passages(p: Encodings, ctx: ScoreContext, device: torch.device) -> SparsePassages:
+    return SparsePassages(p.sparse(), ctx.vocab, device)
+
+
+def _sparse(_q: Encodings, start: int, end: int, p: Encodings, qp: SparseQueries, pp: SparsePassages,
+            ctx: ScoreContext) -> torch.Tensor:  # fmt: skip
+    sc = qp.scores(pp, start, end, out=ctx.workspace.get("score", end - start, len(p), pp.dense))
+    return sc.masked_fill_(sc <= 0, NEG)  # no shared term: not retrieved
+
+
+Scorer = Callable[[Encodings, int, int, Encodings, Any, Any, ScoreContext], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -58,8 +79,9 @@ class Mode:
 
     name: str
     needs_sparse: bool
-    score: Callable[[Encodings, Encodings, Any, ScoreContext], torch.Tensor] | None = None
-    prepare: Callable[[Encodings, torch.device], Any] | None = None  # once per query set, before the pass
+    score: Scorer | None = None
+    prepare: Callable[[Encodings, ScoreContext, torch.device], Any] | None = None  # once per query set
+    prepare_passages: Callable[[Encodings, ScoreContext, torch.device], Any] | None = None  # once per block
     fuses: tuple[str, str] | None = None
 
     @property
@@ -72,7 +94,8 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("single_dense", needs_sparse=False, score=_single),
         Mode("multi_dense", needs_sparse=False, score=_multi),
-        Mode("sparse_max", needs_sparse=True, score=_sparse, prepare=_prepare_sparse),
+        Mode("sparse_max", needs_sparse=True, score=_sparse, prepare=_prepare_sparse,
+             prepare_passages=_prepare_sparse_passages),
         Mode("fusion_single_sparse_max", needs_sparse=True, fuses=("single_dense", "sparse_max")),
         Mode("fusion_multi_sparse_max", needs_sparse=True, fuses=("multi_dense", "sparse_max")),
     )

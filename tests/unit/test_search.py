@@ -120,8 +120,8 @@ def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile
     q_tables = {kq: _table(rng, 23, kq, "q", vary) for kq in (1, 3)}
     p_table = _table(rng, 400, 4, "d", vary)
     on_device = encodings_from_table(p_table, device)
-    # tiny chunk budget: many sub-blocks and query blocks, to exercise the running top-k
-    st = SearchSettings(topk=150, chunk_elems=5000, query_block=7)
+    # tiny block budget: sub-blocks of a few passages and query blocks of a few rows, to exercise the running top-k
+    st = SearchSettings(topk=150, block_bytes=40_000)
     blocks = [select(on_device, on_device.ids[s : s + 90]) for s in range(0, 400, 90)]
     queries = {kq: encodings_from_table(t, device) for kq, t in q_tables.items()}
     base, doc_ids = search_pass(queries, blocks, settings=st)
