@@ -15,7 +15,7 @@ from storage.layout import run_dir
 
 from .base import Context, Plan, Stage
 from .readers import dataset_manifest, side_texts, split_queries
-from .runs import Cell, RetrievalConfig, write_runs
+from .runs import Cell, RetrievalConfig, search_depth, write_runs
 from .systems import SystemRecord, bm25_slug, register
 
 
@@ -27,7 +27,7 @@ class BM25Config(RetrievalConfig):
 
 @dataclass
 class BM25Unit:
-    cells: list[Cell]  # their configs name the dataset, corpus, BM25 settings, depth and the self-hit rule
+    cells: list[Cell]  # their configs name the dataset, corpus, BM25 settings, depth (per split) and the self-hit rule
     split_ids: dict[str, list[str]]
 
 
@@ -49,8 +49,8 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written")
         for split in config.splits:
             cfg = {
                 "system": system, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
-                "mode": "bm25", "topk": config.topk, "ignore_identical_ids": ignore, "bm25": config.bm25.model_dump(),
-                "inputs": inputs,
+                "mode": "bm25", "topk": config.depth(split), "ignore_identical_ids": ignore,
+                "bm25": config.bm25.model_dump(), "inputs": inputs,
             }  # fmt: skip
             stage = run_dir(system, config.dataset, split, 0, 0, "bm25")
             if plan.needs(ctx, stage, cfg, config.force):
@@ -68,7 +68,8 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written")
         query_ids = list(dict.fromkeys(q for cell in unit.cells for q in unit.split_ids[cell.split]))
         ctx.log(f"BM25 over {len(doc_ids):,} passages for {len(query_ids):,} queries")
         settings = BM25Settings.model_validate(cfg["bm25"])
-        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], cfg["topk"], settings, query_ids, doc_ids,
+        depth = search_depth(unit.cells)  # the deepest split's; each cell's run is cut to its own depth
+        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], depth, settings, query_ids, doc_ids,
                           cfg["ignore_identical_ids"])  # fmt: skip
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}

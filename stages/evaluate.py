@@ -5,6 +5,9 @@
 A metrics folder mirrors its run folder's partitions. Its config holds the measures and the relevance level
 (settings: changing them is drift, refused unless forced) and, as inputs, the run (config hash and file
 sha256) and the qrels file's sha256: when the run or the qrels change, the metrics are recomputed.
+
+Measures are of what the run retrieved: a train run kept at depth 100 (``train_topk``) has a recall_1000
+equal to its recall_100 (the train split selects budgets by NDCG@10, which it does not change).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table
+from .runs import read_run
 
 # TREC DL judges on a 0-3 scale; its binary measures (recall, MRR) count grade >= 2 as relevant
 GRADED_DATASETS = ("trec-dl-",)
@@ -124,7 +128,7 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         if not qrels:
             raise ValueError(f"dataset {p['dataset']!r} has no qrels for split {p['split']!r}")
         measures = unit.config["measures"]
-        run = run_from_table(store.read_table(unit.config["run"], RUN_FILE))
+        run = run_from_table(read_run(store, unit.config["run"]))
         table = evaluate(qrels, run, measures, unit.config["relevance_level"])
         pairs = list(zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True))
         means = {}

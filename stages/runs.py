@@ -14,11 +14,15 @@ from pydantic import Field
 from retrieval.data.sources import corpus_of
 from retrieval.search import doc_order, run_table
 from retrieval.search.modes import FUSIONS
+from retrieval.search.runs import run_file_bytes
 from retrieval.search.scoring import TopK
-from storage import ArtifactStore, Manifest
+from storage import ArtifactStore, Manifest, StoreError
 from storage.layout import RUN_FILE, RUN_SCHEMA
 
 from .base import StageConfig
+
+TRAIN_SPLIT = "train"
+TRAIN_TOPK = 100  # train runs feed negatives (top 30) and the train-split budget selection (NDCG@10)
 
 # BEIR drops a retrieved document whose id equals the query id on these (a query is itself a document)
 SELF_RETRIEVAL_DATASETS = ("arguana", "quora", "cqadupstack")
@@ -44,6 +48,8 @@ class RetrievalConfig(QueriesConfig):
 
     splits: list[str] = Field(default=["test"], description="Query splits to score.")
     topk: int = Field(default=1000, ge=1, description="Documents kept per query.")
+    train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per query of the train split "
+                            "(at most topk): enough for hard negatives and budget selection.")  # fmt: skip
     ignore_identical_ids: bool | None = Field(
         default=None, description="Drop a document whose id equals the query id (default: on for ArguAna, Quora)."
     )
@@ -52,6 +58,14 @@ class RetrievalConfig(QueriesConfig):
         if self.ignore_identical_ids is None:
             return default_ignore_identical_ids(self.dataset)
         return self.ignore_identical_ids
+
+    def depth(self, split: str) -> int:
+        """Documents kept per query of ``split``: ``train_topk`` (at most ``topk``) on train, else ``topk``.
+
+        >>> RetrievalConfig(dataset="scifact").depth("train"), RetrievalConfig(dataset="scifact").depth("test")
+        (100, 1000)
+        """
+        return min(self.train_topk, self.topk) if split == TRAIN_SPLIT else self.topk
 
 
 @dataclass
@@ -75,22 +89,51 @@ def cell_config(system: str, dataset: str, corpus: str, split: str, kq: int, kp:
     return cfg
 
 
+def search_depth(cells: list[Cell]) -> int:
+    """How deep one pass searches so that every cell's run is a prefix of it: the deepest cell, and a fusion's
+    input depth when a fusion is among the cells (a train fusion at depth 100 still normalises its inputs' top
+    ``fusion.depth``, so it equals the first 100 of the fusion at depth 1000).
+
+    >>> search_depth([Cell("train", 1, 1, "fusion_multi_sparse_max", "s", {"topk": 100, "fusion": {"depth": 1000}})])
+    1000
+    """
+    depths = [int(c.config["topk"]) for c in cells]
+    depths += [int(c.config["fusion"]["depth"]) for c in cells if "fusion" in c.config]
+    return max(depths)
+
+
 def write_run(store: ArtifactStore, cell: Cell, table: pa.Table, stats: dict[str, Any] | None = None) -> None:
-    """One run folder, atomically, with its manifest."""
+    """One run folder, atomically, with its manifest; the file is written by ``run_file_bytes`` (compact)."""
     part = {"system": cell.config["system"], "dataset": cell.config["dataset"], "split": cell.split}
     part.update({"kq": str(cell.kq), "kp": str(cell.kp), "mode": cell.mode})
     m = Manifest.new("runs", part, cell.config, stats=stats)
     with store.stage_writer(cell.stage, m) as w:
-        w.write_parquet(RUN_FILE, RUN_SCHEMA, [table])
+        entry = w.write_file(RUN_FILE, run_file_bytes(table))
+        w.manifest.files[RUN_FILE] = entry.model_copy(update={"rows": table.num_rows})
 
 
 def write_runs(store: ArtifactStore, cells: list[Cell], runs: dict[tuple[int, str], TopK], query_ids: list[str],
                doc_ids: list[str], split_rows: dict[str, list[int]]) -> None:  # fmt: skip
-    """Each cell's run (its split's queries) from the (K_q, mode) results of one pass."""
+    """Each cell's run (its split's queries, cut to its depth) from the (K_q, mode) results of one pass."""
     lex = doc_order(doc_ids)  # once per pass, not once per cell
     for cell in cells:
         rows = split_rows[cell.split]
-        table = run_table(runs[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex)
+        table = run_table(runs[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex, depth=int(cell.config["topk"]))
         write_run(store, cell, table, {"queries": len(rows), "rows": table.num_rows})
+
+
+def read_run(store: ArtifactStore, stage: str, columns: list[str] | None = None) -> pa.Table:
+    """A stored run (RUN_SCHEMA, doc ids as strings), verified against its manifest.
+
+    Files written before runs were stored compactly have the same schema and read the same; a file of any
+    other schema is refused with one line naming the folder.
+    """
+    table = store.read_table(stage, RUN_FILE, columns=columns)
+    want = RUN_SCHEMA if columns is None else pa.schema([RUN_SCHEMA.field(c) for c in columns])
+    if [(f.name, f.type) for f in table.schema] != [(f.name, f.type) for f in want]:
+        got = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+        raise StoreError(f"{store.abspath(stage)}/{RUN_FILE}: not a run file of this version ({got}); "
+                         "re-score it with --force")  # fmt: skip
+    return table
 
 

@@ -10,18 +10,18 @@ not planned (no encoding is read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import Field
 
 from retrieval.devices import resolve_device
-from retrieval.search.exact import SearchSettings, search_pass
+from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
 from storage.layout import encodings_dir, run_dir
 
 from .base import GRID_K, Context, KList, ModeList, Plan, Stage
 from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, query_encodings, split_queries
-from .runs import Cell, RetrievalConfig, cell_config, write_runs
+from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
 
 
@@ -34,6 +34,8 @@ class ScoreConfig(RetrievalConfig):
     modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).")
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
+                            "queries and passages are cut so that they fit; results do not depend on it.")
 
 
 @dataclass
@@ -75,8 +77,8 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                     inputs = {"queries": ds_hash, "query_encodings": q_man[kq].config_hash,
                               "passage_encodings": p_man[kp].config_hash}  # fmt: skip
                     for mode in modes:
-                        cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode, config.topk,
-                                          config.fusion_depth, ignore, inputs)  # fmt: skip
+                        cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode,
+                                          config.depth(split), config.fusion_depth, ignore, inputs)  # fmt: skip
                         stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
                         if plan.needs(ctx, stage, cfg, config.force):
                             todo.append(Cell(split, kq, kp, mode, stage, cfg))
@@ -84,13 +86,15 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
-        settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore)
+        settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore,
+                                  block_bytes=int(config.block_mb * (1 << 20)))
         device = str(resolve_device(config.device))
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]
             stages = {kq: q_stages[kq] for kq in sorted({c.kq for c in cells})}
+            deep = replace(settings, topk=search_depth(cells))  # each cell's run is a prefix, cut to its depth
             plan.units.append(
-                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, settings, config.fusion_depth, device)
+                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, deep, config.fusion_depth, device)
             )
         return plan
 

@@ -24,11 +24,12 @@ from retrieval.data.collections import DatasetError
 from retrieval.data.sources import corpus_of
 from retrieval.data.training import Group, groups_table, mine_groups, read_tevatron
 from storage import Manifest, StoreError
-from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, RUN_FILE, dataset_dir, training_dir
+from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
 from storage.store import sha256_file
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries
+from .runs import read_run
 from .systems import SystemRef, find_system
 
 
@@ -103,6 +104,10 @@ class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(
         else:
             dataset = str(config.dataset)
             run = self._run_folder(config, ctx)
+            run_depth = store.require_manifest(run).config.get("topk")
+            if run_depth is not None and int(run_depth) < config.depth:
+                raise StoreError(f"{run} keeps {run_depth} documents per query, fewer than the negatives' "
+                                 f"depth {config.depth}; lower --depth or re-score deeper (--train-topk)")  # fmt: skip
             cfg |= {
                 "dataset": dataset, "corpus": corpus_of(dataset), "split": config.split, "negatives": run,
                 "depth": config.depth, "n_negatives": config.n_negatives, "seed": config.seed,
@@ -163,7 +168,7 @@ class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(
         corpus = store.read_table(dataset_dir(cfg["corpus"]), "corpus.parquet", columns=["doc_id", "title", "text"])
         passage = {d: (t or "", x) for d, t, x in zip(*(corpus.column(c).to_pylist() for c in
                                                            ("doc_id", "title", "text")), strict=True)}  # fmt: skip
-        run = store.read_table(unit.run, RUN_FILE, columns=["query_id", "doc_id", "rank"]).sort_by(
+        run = read_run(store, unit.run, columns=["query_id", "doc_id", "rank"]).sort_by(
             [("query_id", "ascending"), ("rank", "ascending")]
         )
         ranked: dict[str, list[str]] = {}

@@ -1,13 +1,15 @@
-"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id."""
+"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id, and its file bytes."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from storage.layout import RUN_SCHEMA
+from storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA
 
 from .scoring import TopK
 
@@ -24,16 +26,21 @@ def doc_order(doc_ids: Sequence[str]) -> np.ndarray:
 
 
 def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None,
-              lex: np.ndarray | None = None) -> pa.Table:  # fmt: skip
+              lex: np.ndarray | None = None, depth: int | None = None) -> pa.Table:  # fmt: skip
     """A run (RUN_SCHEMA): per query, rank by score descending then doc_id ascending; pads dropped.
 
     ``query_rows`` selects (and orders) the queries of ``top`` to include (e.g. one split's); ``lex`` is
-    :func:`doc_order` of ``doc_ids`` when the caller writes several runs over the same passages.
+    :func:`doc_order` of ``doc_ids`` when the caller writes several runs over the same passages; ``depth``
+    keeps each query's first ``depth`` documents (a prefix of the deeper run: the same ranks and ties).
 
     >>> top = TopK(np.array([[0.5, 0.9, -np.inf]], np.float32), np.array([[0, 1, -1]]))
     >>> run_table(top, ["q1"], ["d-a", "d-b"]).to_pylist()[0]
     {'query_id': 'q1', 'doc_id': 'd-b', 'rank': 1, 'score': 0.8999999761581421}
+    >>> run_table(top, ["q1"], ["d-a", "d-b"], depth=1).num_rows
+    1
     """
+    if depth is not None and depth < 1:
+        raise ValueError(f"run depth must be >= 1, not {depth}")
     doc_arr = np.asarray(doc_ids, dtype=object)
     if lex is None:
         lex = doc_order(doc_ids)
@@ -45,7 +52,7 @@ def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: l
         s, ix = top.scores[qi], top.index[qi]
         keep = ix >= 0
         s, ix = s[keep], ix[keep]
-        order = np.lexsort((lex[ix], -s.astype(np.float64)))
+        order = np.lexsort((lex[ix], -s.astype(np.float64)))[:depth]
         s, ix = s[order], ix[order]
         qcol.extend([query_ids[qi]] * len(ix))
         dcol.extend(doc_arr[ix].tolist())
@@ -60,3 +67,23 @@ def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: l
         },
         schema=RUN_SCHEMA,
     )
+
+
+def run_file_bytes(table: pa.Table) -> bytes:
+    """A run table (RUN_SCHEMA) as the bytes of its ``run.parquet`` (``storage.layout.RUN_PARQUET_OPTIONS``).
+
+    Lossless: reading the bytes back gives the same table (doc ids as strings, the same ranks and float32
+    scores); only the file is smaller (dictionary ids, delta ranks, byte-stream-split scores).
+
+    >>> t = pa.table({"query_id": ["q1", "q1"], "doc_id": ["d-b", "d-a"], "rank": [1, 2], "score": [0.9, 0.5]},
+    ...              schema=RUN_SCHEMA)
+    >>> pq.read_table(io.BytesIO(run_file_bytes(t))).equals(t)
+    True
+    """
+    if table.schema != RUN_SCHEMA:
+        if table.schema.names != RUN_SCHEMA.names:
+            raise ValueError(f"not a run table: columns {table.schema.names}, expected {RUN_SCHEMA.names}")
+        table = table.cast(RUN_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, **RUN_PARQUET_OPTIONS)  # type: ignore[arg-type]
+    return buf.getvalue()
