@@ -4,9 +4,11 @@
 
 K changes the input sequence, so each K is one encoding pass per side: 5 query passes and 5 passage passes
 serve all 25 (K_q, K_p) cells. A shard (the tokens stage's shards) is the unit of parallelism and of
-resume: it is done when its manifest entry exists and its checksum matches. Shard files are written
-atomically by the units; the planning process records each in the manifest as it completes, so a killed
-run loses at most the shards in flight. The system's full settings go to the registry (stages/systems.py).
+resume: it is done when its manifest entry exists and its file still has the recorded size and mtime (its
+sha256 with ``verify``). Shard files are written atomically by the units; the planning process records each
+as it completes (one line appended to the folder's ``_shards.jsonl``, compacted into the manifest when the
+stage finishes or when the next run plans), so a killed run loses at most the shards in flight. The system's full
+settings go to the registry (stages/systems.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class EncodeConfig(StageConfig):
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
     workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
+    verify: bool = Field(
+        default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
+    )
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
@@ -52,7 +57,7 @@ class EncodeConfig(StageConfig):
     def tokenize_config(self) -> TokenizeConfig:
         return TokenizeConfig(
             root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
-            max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size,
+            max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size, verify=self.verify,
         )  # fmt: skip
 
 
@@ -71,6 +76,7 @@ class EncodeUnit:
     k: int
     rows: int
     batch_size: int
+    config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
 
 
 _READERS: dict[str, Readout] = {}
@@ -116,16 +122,18 @@ class Encode(
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                _, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force)
+                m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
+                                                 verify=config.verify)  # fmt: skip
                 plan.details["stages"][f"{side}/k={k}"] = stage
                 for shard in sorted(t_man.files):
                     if shard in done:
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    plan.units.append(
-                        EncodeUnit(record.system, stored, t_stage, shard, stage, side, k, rows, config.batch_size)
+                    unit = EncodeUnit(
+                        record.system, stored, t_stage, shard, stage, side, k, rows, config.batch_size, m.config_hash
                     )
+                    plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record)
         return plan
@@ -143,7 +151,13 @@ class Encode(
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 
     def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:
-        ctx.store.record_shard(unit.out_stage, unit.shard, result)
+        ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
+
+    def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """Compact each folder's shard records into its manifest (one write per folder)."""
+        for stage in plan.details["stages"].values():
+            ctx.store.compact_shards(stage)
+        return plan.details
 
 
 stage = Encode()

@@ -37,6 +37,9 @@ class TokenizeConfig(StageConfig):
     max_length: int = Field(default=512, ge=1, description="Text tokens kept per text.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
+    verify: bool = Field(
+        default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
+    )
 
 
 def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
@@ -71,6 +74,7 @@ class TokenizeUnit:
     title_sep: str
     rows: int
     shards: list[tuple[str, int, int]]  # (name, start, end) still to do
+    config_hash: str  # of the folder's manifest when planned: the shards are recorded against it
 
 
 class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
@@ -78,21 +82,22 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
 
     def plan(self, config: TokenizeConfig, ctx: Context) -> Plan:
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
-        plan = Plan(system=slug)
+        plan = Plan(system=slug, details={"stages": {}})
         for side in config.sides:
             n, ds_hash = side_size(ctx.store, config.dataset, side)
             stage = tokens_dir(slug, config.dataset, side)
             cfg = tokens_config(slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n,
                                 ds_hash)  # fmt: skip
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
-            _, done = ctx.store.open_sharded(stage, "tokens", part, cfg, force=config.force)
+            m, done = ctx.store.open_sharded(stage, "tokens", part, cfg, force=config.force, verify=config.verify)
+            plan.details["stages"][side] = stage
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
             todo = [sh for sh in shards if sh[0] not in done]
             plan.skipped += len(shards) - len(todo)
             if todo:
                 backbone = config.backbone.model_dump()
                 plan.units.append(TokenizeUnit(config.dataset, side, stage, backbone, config.max_length,
-                                               config.title_sep, n, todo))  # fmt: skip
+                                               config.title_sep, n, todo, m.config_hash))  # fmt: skip
         plan.count = sum(len(u.shards) for u in plan.units)
         return plan
 
@@ -116,7 +121,13 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
 
     def commit(self, unit: TokenizeUnit, result: list[tuple[str, FileEntry]], ctx: Context) -> None:
         for name, entry in result:
-            ctx.store.record_shard(unit.stage, name, entry)
+            ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
+
+    def finish(self, config: TokenizeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """Compact each folder's shard records into its manifest (one write per folder)."""
+        for stage in plan.details["stages"].values():
+            ctx.store.compact_shards(stage)
+        return plan.details
 
 
 stage = Tokenize()

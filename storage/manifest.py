@@ -50,9 +50,59 @@ def is_input_field(name: str) -> bool:
 
 
 class FileEntry(BaseModel):
+    """One file of a stage folder: its checksum, size, rows (tables) and, for shards, the modification time
+    seen when it was written (``mtime_ns``; absent in manifests written before it existed).
+
+    Re-run planning trusts a shard whose size and mtime still match (``open_sharded``); anything else,
+    and ``diffret verify`` always, checks the sha256.
+
+    >>> FileEntry(sha256="ab" * 32, bytes=10, rows=2).mtime_ns is None
+    True
+    """
+
     sha256: str
     bytes: int
     rows: int | None = None
+    mtime_ns: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as JSON-ready data, without ``mtime_ns`` when it is unknown (as manifests always were).
+
+        >>> FileEntry(sha256="0" * 64, bytes=3).to_dict()
+        {'sha256': '0000000000000000000000000000000000000000000000000000000000000000', 'bytes': 3, 'rows': None}
+        """
+        out = self.model_dump(mode="json")
+        if out["mtime_ns"] is None:
+            del out["mtime_ns"]
+        return out
+
+
+class ShardRecord(BaseModel):
+    """One finished shard of a sharded folder, waiting to be compacted into its manifest.
+
+    One line of ``<folder>/_shards.jsonl``, or on object stores the object ``<folder>/_records/<name>.json``
+    (see ``ArtifactStore.record_shard``). The ``config_hash`` is the one of the manifest the shard was
+    planned against: a record of another config is never merged.
+
+    >>> r = ShardRecord(config_hash="c" * 64, name="shard=00000.parquet", file=FileEntry(sha256="0" * 64, bytes=1))
+    >>> ShardRecord.from_json(r.to_json()) == r
+    True
+    """
+
+    config_hash: str
+    name: str
+    file: FileEntry
+
+    def to_json(self) -> str:
+        return json.dumps({"config_hash": self.config_hash, "name": self.name, "file": self.file.to_dict()},
+                          sort_keys=True) + "\n"  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "shard record") -> ShardRecord:
+        try:
+            return cls.model_validate_json(text)
+        except ValueError as exc:
+            raise StoreError(f"{where}: unreadable shard record ({exc.__class__.__name__})") from exc
 
 
 class Manifest(BaseModel):
@@ -79,7 +129,9 @@ class Manifest(BaseModel):
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        data = self.model_dump(mode="json")
+        data["files"] = {name: entry.to_dict() for name, entry in self.files.items()}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:

@@ -39,6 +39,7 @@ from .manifest import (
     FileEntry,
     IncompleteArtifactError,
     Manifest,
+    ShardRecord,
     StoreError,
     config_hash,
     diff_configs,
@@ -48,6 +49,35 @@ from .manifest import (
 PARQUET_COMPRESSION = "zstd"
 ROW_GROUP_ROWS = 100_000
 _HASH_CHUNK = 8 << 20
+# shards recorded but not yet compacted into their folder's manifest: an append log on local stores (one line per
+# shard, one fsync), one small object per shard on object stores (which cannot append)
+SHARD_LOG = "_shards.jsonl"
+SHARD_RECORDS_DIR = "_records"
+_MANIFEST_CACHE_SIZE = 32
+# parsed manifests of local folders, keyed by path and (inode, size, mtime): a reader of one shard at a time
+# (encode units, scoring) parses a 9k-entry manifest once, not once per shard
+_MANIFEST_CACHE: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+
+
+def shard_record_path(stage_dir: str, name: str) -> str:
+    """Where the record of shard ``name`` waits for compaction on an object store (relative to the root).
+
+    >>> shard_record_path("tokens/tokenizer=t/dataset=d/side=query", "shard=00000.parquet")
+    'tokens/tokenizer=t/dataset=d/side=query/_records/shard=00000.parquet.json'
+    """
+    return f"{stage_dir}/{SHARD_RECORDS_DIR}/{name}.json"
+
+
+def _info_stat(info: dict[str, Any]) -> tuple[int, int | None]:
+    """(size, mtime in ns or None) from an fsspec ``info`` / ``ls(detail=True)`` entry."""
+    size = int(info.get("size") or 0)
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    try:
+        return size, int(round(float(mtime) * 1e9)) if mtime else None
+    except (TypeError, ValueError):  # a format we do not know: no quick check, the sha256 decides
+        return size, None
 
 
 def sha256_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> tuple[str, int]:
@@ -160,16 +190,62 @@ class ArtifactStore:
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
         return m
 
-    def verify_file(self, stage_dir: str, name: str, entry: FileEntry) -> None:
-        path = self.abspath(f"{stage_dir}/{name}")
+    def file_stat(self, rel: str) -> tuple[int, int | None] | None:
+        """(size, mtime in ns) of a file, ``None`` when it is missing (mtime ``None`` where the filesystem
+        gives none we can read).
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     store.write_bytes("a/b.bin", b"abc")
+        ...     store.file_stat("a/b.bin")[0], store.file_stat("a/missing")
+        (3, None)
+        """
+        path = self.abspath(rel)
+        if self.is_local:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return None
+            return st.st_size, st.st_mtime_ns
         try:
-            info = self.fs.info(path)
+            return _info_stat(self.fs.info(path))
         except FileNotFoundError:
-            raise ChecksumError(f"{path}: listed in the manifest but missing") from None
-        size = int(info.get("size") or 0)
-        mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-        key = (path, size, int(float(mtime.timestamp() if hasattr(mtime, "timestamp") else mtime) * 1e9))
-        if self._verified.get(key) == entry.sha256:
+            return None
+
+    def _listing(self, stage_dir: str) -> dict[str, tuple[int, int | None]]:
+        """Name -> (size, mtime ns) of the files directly in a folder: one listing, not one call per file."""
+        path = self.abspath(stage_dir)
+        out: dict[str, tuple[int, int | None]] = {}
+        if self.is_local:
+            try:
+                with os.scandir(path) as it:
+                    for e in it:
+                        if e.is_file():
+                            st = e.stat()
+                            out[e.name] = (st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                pass
+            return out
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            if e.get("type") == "file":
+                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = _info_stat(e)
+        return out
+
+    def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
+        """Check one file's size and sha256 against its entry (``cached``: skip a file this store already
+        hashed with the same size and mtime); :class:`ChecksumError` names what differs."""
+        path = self.abspath(f"{stage_dir}/{name}")
+        stat = self.file_stat(f"{stage_dir}/{name}")
+        if stat is None:
+            raise ChecksumError(f"{path}: listed in the manifest but missing")
+        size = stat[0]
+        key = (path, size, stat[1] or 0)
+        if cached and stat[1] is not None and self._verified.get(key) == entry.sha256:
             return
         if size != entry.bytes:
             raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}")
@@ -204,7 +280,6 @@ class ArtifactStore:
         self.require_root()
         base = self.abspath("")
         checked, problems = 0, []
-        self._verified.clear()  # every file hashed afresh
         for path in sorted(self.fs.glob(self.abspath(f"**/{layout.MANIFEST_NAME}"))):
             rel = path[len(base) :].lstrip("/")
             folder = rel.rsplit("/", 1)[0] if "/" in rel else ""
@@ -219,10 +294,16 @@ class ArtifactStore:
                 continue
             if m.config_hash != config_hash(m.config):
                 problems.append(f"{self.abspath(folder)}: manifest edited by hand (its config does not match its hash)")
-            for name, entry in sorted(m.files.items()):
+            files = dict(m.files)
+            for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
+                if isinstance(rec, StoreError):
+                    problems.append(str(rec))
+                elif rec.config_hash == m.config_hash:
+                    files[rec.name] = rec.file
+            for name, entry in sorted(files.items()):
                 checked += 1
                 try:
-                    self.verify_file(folder, name, entry)
+                    self.verify_file(folder, name, entry, cached=False)
                 except ChecksumError as exc:
                     problems.append(str(exc))
         return checked, problems
@@ -257,30 +338,68 @@ class ArtifactStore:
         return StageState.CURRENT
 
     # ---------------------------------------------------------------------------- sharded stages
+    # A sharded folder (tokens, encodings) is filled shard by shard. Each finished shard gets one record (its
+    # entry and the config hash it was planned against): a line of ``_shards.jsonl``, or on object stores an
+    # object ``_records/<shard>.json``. ``compact_shards`` folds the records into the manifest in one write at
+    # the end of the stage, and ``open_sharded`` does so first, so a killed run loses nothing. The cost per
+    # shard is constant.
     def open_sharded(
-        self, stage_dir: str, stage: str, partition: dict[str, str], config: dict[str, Any], *, force: bool = False
+        self,
+        stage_dir: str,
+        stage: str,
+        partition: dict[str, str],
+        config: dict[str, Any],
+        *,
+        force: bool = False,
+        verify: bool = False,
     ) -> tuple[Manifest, set[str]]:
-        """A folder filled shard by shard: its manifest (created when absent) and the shards already done.
+        """A folder filled shard by shard: its manifest (created when absent, records of a killed run
+        compacted into it) and the shards already done.
 
-        A shard is done when the manifest lists it and its file verifies. A folder of other inputs (or of
-        other settings, with ``force``) is removed first; other settings without ``force`` raise
+        A shard is done when the manifest lists it and its file still has the recorded size and mtime; a
+        file whose mtime moved (a copied store, an older manifest) is checked by sha256 and its mtime
+        recorded again. ``verify`` checks every shard by sha256. A folder of other inputs (or of other
+        settings, with ``force``) is removed first; other settings without ``force`` raise
         :class:`ConfigDriftError`.
+
+        Examples
+        --------
+        >>> import tempfile, pyarrow as pa
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     m, done = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
+        ...     entry = store.write_shard("t/side=q", "shard=00000.parquet", pa.table({"x": [1, 2]}))
+        ...     store.record_shard("t/side=q", "shard=00000.parquet", entry, m.config_hash)
+        ...     store.compact_shards("t/side=q"), store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})[1]
+        (1, {'shard=00000.parquet'})
         """
         st = self.state(stage_dir, config, force=force, verify=False)
         if st in (StageState.STALE, StageState.DAMAGED):  # other inputs, forced, or a hand-edited manifest
             self.remove_stage(stage_dir)
-        m = self.read_manifest(stage_dir)
-        if m is None:
-            m = Manifest.new(stage, partition, config)
-            self.write_manifest(stage_dir, m)
-            return m, set()
+        with self.lock(stage_dir + "/_manifest"):
+            m = self.read_manifest(stage_dir)
+            if m is None:
+                m = Manifest.new(stage, partition, config)
+                self.write_manifest(stage_dir, m)
+            if self._compact(stage_dir, m):  # what a killed run recorded
+                m = self.require_manifest(stage_dir)
+        listing = self._listing(stage_dir)
         done = set()
         for name, entry in m.files.items():
-            try:
-                self.verify_file(stage_dir, name, entry)
+            seen = listing.get(name)
+            if seen is None or seen[0] != entry.bytes:  # missing or resized: redone
+                continue
+            if not verify and entry.mtime_ns is not None and seen[1] == entry.mtime_ns:
                 done.add(name)
+                continue
+            try:
+                self.verify_file(stage_dir, name, entry, cached=False)
             except ChecksumError:  # a damaged shard is redone
-                pass
+                continue
+            done.add(name)
+            if seen[1] is not None and seen[1] != entry.mtime_ns:  # whole, but touched: quick-checkable again
+                m.files[name] = entry.model_copy(update={"mtime_ns": seen[1]})
+                self.record_shard(stage_dir, name, m.files[name], m.config_hash)
         return m, done
 
     def write_shard(self, stage_dir: str, name: str, table: pa.Table) -> FileEntry:
@@ -288,15 +407,152 @@ class ArtifactStore:
         buf = io.BytesIO()
         pq.write_table(table, buf, compression=PARQUET_COMPRESSION)
         data = buf.getvalue()
-        self.write_bytes(f"{stage_dir}/{name}", data)
-        return FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=table.num_rows)
+        rel = f"{stage_dir}/{name}"
+        self.write_bytes(rel, data)
+        stat = self.file_stat(rel)
+        mtime = stat[1] if stat is not None and stat[0] == len(data) else None
+        return FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=table.num_rows, mtime_ns=mtime)
 
-    def record_shard(self, stage_dir: str, name: str, entry: FileEntry) -> None:
-        """Add one finished shard to its folder's manifest (one writer: the flow or the CLI process)."""
+    def record_shard(self, stage_dir: str, name: str, entry: FileEntry, config_hash: str | None = None) -> None:
+        """Record one finished shard, in constant time: one line appended (and fsynced) to the folder's
+        ``_shards.jsonl`` (local stores) or one ``_records/<name>.json`` object (object stores), folded into
+        the manifest by :meth:`compact_shards` (one writer: the flow or the CLI process).
+
+        ``config_hash``: the hash of the manifest the shard was planned against (``open_sharded``'s); a
+        record whose hash is not the manifest's when it is compacted is dropped, never merged. Without it,
+        the manifest's current hash is used.
+        """
+        if not name or "/" in name or name.startswith((".", "_")):
+            raise StoreError(f"{self.abspath(stage_dir)}: invalid shard name {name!r}")
+        if config_hash is None:
+            config_hash = self._manifest_for_read(stage_dir).config_hash
+        line = ShardRecord(config_hash=config_hash, name=name, file=entry).to_json().encode()
         with self.lock(stage_dir + "/_manifest"):
-            m = self.require_manifest(stage_dir)
-            m.files[name] = entry
-            self.write_manifest(stage_dir, m)
+            if not self.is_local:
+                self.write_bytes(shard_record_path(stage_dir, name), line)
+                return
+            folder = self.abspath(stage_dir)
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(f"{folder}/{SHARD_LOG}", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash stays a line of its own
+                    line = b"\n" + line
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not size:
+                _fsync_dir(folder)
+
+    def compact_shards(self, stage_dir: str) -> int:
+        """Fold the folder's shard records into its manifest (one manifest write) and remove them; the
+        number of shards merged. Records of another config hash are removed unmerged. Idempotent: a run
+        killed half-way through compacts again on its next open.
+
+        >>> import tempfile, pyarrow as pa
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     m, _ = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
+        ...     for name in ("shard=00000.parquet", "shard=00001.parquet"):
+        ...         store.record_shard("t/side=q", name, store.write_shard("t/side=q", name, pa.table({"x": [1]})))
+        ...     merged = store.compact_shards("t/side=q")
+        ...     merged, sorted(store.read_manifest("t/side=q").files), store.compact_shards("t/side=q")
+        (2, ['shard=00000.parquet', 'shard=00001.parquet'], 0)
+        """
+        with self.lock(stage_dir + "/_manifest"):
+            m = self.read_manifest(stage_dir)
+            return self._compact(stage_dir, m) if m is not None else 0
+
+    def _pending_records(self, stage_dir: str) -> tuple[list[str], list[ShardRecord | StoreError]]:
+        """The record files of ``stage_dir`` and their records in the order written (an unreadable one as its
+        error: a line torn by a crash, a file edited by hand)."""
+        out: list[ShardRecord | StoreError] = []
+        if self.is_local:
+            path = self.abspath(f"{stage_dir}/{SHARD_LOG}")
+            try:
+                with open(path, "rb") as f:
+                    lines = f.read().split(b"\n")
+            except FileNotFoundError:
+                return [], out
+            for i, line in enumerate(lines):
+                if line.strip():
+                    try:
+                        out.append(ShardRecord.from_json(line, where=f"{path}:{i + 1}"))
+                    except StoreError as exc:
+                        out.append(exc)
+            return [path], out
+        folder = self.abspath(f"{stage_dir}/{SHARD_RECORDS_DIR}")
+        try:
+            listed = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return [], out
+        paths = sorted(p for p in listed if p.endswith(".json") and not p.rsplit("/", 1)[-1].startswith("."))
+        contents = self.fs.cat(paths) if paths else {}  # a list of paths: a dict, fetched concurrently
+        for p in paths:
+            try:
+                rec = ShardRecord.from_json(contents[p], where=p)
+                if p.rsplit("/", 1)[-1] != f"{rec.name}.json":
+                    raise StoreError(f"{p}: a shard record named for another shard ({rec.name})")
+                out.append(rec)
+            except StoreError as exc:
+                out.append(exc)
+        return paths, out
+
+    def _compact(self, stage_dir: str, m: Manifest) -> int:
+        """:meth:`compact_shards` with the lock held and the manifest read."""
+        paths, records = self._pending_records(stage_dir)
+        if not paths:
+            return 0
+        merged = 0
+        for rec in records:  # in the order written: a shard redone later wins
+            if isinstance(rec, ShardRecord) and rec.config_hash == m.config_hash:
+                m.files[rec.name] = rec.file
+                merged += 1
+        if merged:
+            self.write_manifest(stage_dir, m)  # fsynced: the records are removed only once the manifest holds them
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(paths[0])
+        else:
+            self.fs.rm(paths)
+        return merged
+
+    def _manifest_for_read(self, stage_dir: str) -> Manifest:
+        """The folder's manifest, parsed once per version of the file (local stores); never mutate it."""
+        if not self.is_local:
+            return self.require_manifest(stage_dir)
+        path = self.abspath(layout.manifest_path(stage_dir))
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return self.require_manifest(stage_dir)  # its error says why
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = _MANIFEST_CACHE.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        m = self.require_manifest(stage_dir)
+        _MANIFEST_CACHE.pop(path, None)
+        while len(_MANIFEST_CACHE) >= _MANIFEST_CACHE_SIZE:
+            _MANIFEST_CACHE.pop(next(iter(_MANIFEST_CACHE)))
+        _MANIFEST_CACHE[path] = (key, m)
+        return m
+
+    def _pending_entry(self, stage_dir: str, name: str, config_hash: str) -> FileEntry | None:
+        """The entry of shard ``name`` last recorded for ``config_hash`` and not yet compacted, if any."""
+        if self.is_local:
+            found = None
+            for rec in self._pending_records(stage_dir)[1]:
+                if isinstance(rec, ShardRecord) and rec.name == name and rec.config_hash == config_hash:
+                    found = rec.file
+            return found
+        path = self.abspath(shard_record_path(stage_dir, name))
+        try:
+            with self.fs.open(path, "rb") as f:
+                rec = ShardRecord.from_json(f.read(), where=path)
+        except FileNotFoundError:
+            return None
+        return rec.file if rec.config_hash == config_hash and rec.name == name else None
 
     def read_table(
         self,
@@ -304,12 +560,22 @@ class ArtifactStore:
         name: str,
         columns: list[str] | None = None,
     ) -> pa.Table:
-        """One file of a complete stage folder, verified against its manifest entry."""
-        m = self.require_manifest(stage_dir)
+        """One file of a complete stage folder, verified against its manifest entry.
+
+        A shard recorded but not yet compacted into the manifest (a sharded stage still running, or killed)
+        is read through its record.
+        """
+        m = self._manifest_for_read(stage_dir)
         entry = m.files.get(name)
-        if entry is None:
-            raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
-        self.verify_file(stage_dir, name, entry)
+        try:
+            if entry is None:
+                raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
+            self.verify_file(stage_dir, name, entry)
+        except (IncompleteArtifactError, ChecksumError):
+            pending = self._pending_entry(stage_dir, name, m.config_hash)  # redone, or not compacted yet
+            if pending is None:
+                raise
+            self.verify_file(stage_dir, name, pending)
         with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
             return pq.read_table(f, columns=columns)
 

@@ -211,3 +211,211 @@ def test_partition_values_are_checked():
     for bad in ["../etc", "a/b", "", "x=y", ".hidden"]:
         with pytest.raises(ValueError):
             dataset_dir(bad)
+
+
+# ----------------------------------------------------------------------------------- sharded folders
+SHARDED = "tokens/tokenizer=t/dataset=toy/side=passage"
+PART = {"tokenizer": "t", "dataset": "toy", "side": "passage"}
+CFG = {"tokenizer": "t", "shard_size": 2, "inputs": {"dataset": "aaa"}}
+
+
+def _shard(i: int) -> pa.Table:
+    return pa.table({"id": [f"d{i}", f"e{i}"], "x": [i, i + 1]})
+
+
+def _fill(store: ArtifactStore, names: list[str], config: dict = CFG) -> Manifest:
+    """Open the folder and write + record ``names`` without compacting (a run killed before its end)."""
+    m, _ = store.open_sharded(SHARDED, "tokens", PART, config)
+    for i, name in enumerate(names):
+        store.record_shard(SHARDED, name, store.write_shard(SHARDED, name, _shard(i)), m.config_hash)
+    return m
+
+
+def _names(n: int) -> list[str]:
+    return [f"shard={i:05d}.parquet" for i in range(n)]
+
+
+def test_shards_are_recorded_without_rewriting_the_manifest_then_compacted_once(tmp_path):
+    store = ArtifactStore(tmp_path)
+    store.open_sharded(SHARDED, "tokens", PART, CFG)
+    manifest = tmp_path / SHARDED / "_manifest.json"
+    before = manifest.read_bytes()
+    _fill(store, _names(3))
+    assert manifest.read_bytes() == before  # recording appends one line, the manifest is not rewritten
+    lines = (tmp_path / SHARDED / "_shards.jsonl").read_text().splitlines()
+    assert [json.loads(line)["name"] for line in lines] == _names(3)
+    # readers see recorded shards before compaction
+    assert store.read_table(SHARDED, _names(1)[0]).num_rows == 2
+    assert ArtifactStore(tmp_path).verify_all() == (3, [])
+    assert store.compact_shards(SHARDED) == 3
+    m = store.read_manifest(SHARDED)
+    assert sorted(m.files) == _names(3) and all(e.mtime_ns and e.rows == 2 for e in m.files.values())
+    assert not (tmp_path / SHARDED / "_shards.jsonl").exists()
+    assert store.compact_shards(SHARDED) == 0  # idempotent
+    assert ArtifactStore(tmp_path).verify_all() == (3, [])
+
+
+def test_a_run_killed_before_compaction_resumes_with_every_recorded_shard(tmp_path):
+    _fill(ArtifactStore(tmp_path), _names(2))  # killed: no compaction
+    m, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(2)) and sorted(m.files) == _names(2)
+    assert sorted(ArtifactStore(tmp_path).read_manifest(SHARDED).files) == _names(2)  # compacted on open
+    assert not (tmp_path / SHARDED / "_shards.jsonl").exists()
+
+
+def test_a_shard_redone_after_its_record_is_read_through_the_newer_record(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(1))
+    store.compact_shards(SHARDED)
+    m = _fill(store, [])  # open again; then the shard is rewritten with other rows and recorded again
+    entry = store.write_shard(SHARDED, _names(1)[0], pa.table({"id": ["a", "b", "c"], "x": [1, 2, 3]}))
+    store.record_shard(SHARDED, _names(1)[0], entry, m.config_hash)
+    assert store.read_table(SHARDED, _names(1)[0]).num_rows == 3  # the manifest's entry fails, the record holds
+    assert store.compact_shards(SHARDED) == 1
+    assert store.read_manifest(SHARDED).files[_names(1)[0]].rows == 3
+
+
+def test_a_line_torn_by_a_crash_loses_only_its_own_shard(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = _fill(store, _names(1))
+    log = tmp_path / SHARDED / "_shards.jsonl"
+    with open(log, "ab") as f:
+        f.write(b'{"config_hash": "')  # a crash mid-line
+    entry = store.write_shard(SHARDED, _names(2)[1], _shard(1))
+    store.record_shard(SHARDED, _names(2)[1], entry, m.config_hash)
+    _, problems = ArtifactStore(tmp_path).verify_all()
+    assert len(problems) == 1 and "unreadable shard record" in problems[0]
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(2))
+
+
+def test_records_of_another_config_are_never_merged(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(1))
+    stray = store.write_shard(SHARDED, "shard=00001.parquet", _shard(1))
+    store.record_shard(SHARDED, "shard=00001.parquet", stray, config_hash("other config"))
+    assert store.compact_shards(SHARDED) == 1
+    assert sorted(store.read_manifest(SHARDED).files) == _names(1)
+    assert not (tmp_path / SHARDED / "_shards.jsonl").exists()  # the stray record is dropped too
+    # a replacement killed after removing the manifest leaves records behind: a new config ignores them
+    _fill(store, ["shard=00002.parquet"])
+    (tmp_path / SHARDED / "_manifest.json").unlink()
+    other = {**CFG, "inputs": {"dataset": "bbb"}}
+    m, done = store.open_sharded(SHARDED, "tokens", PART, other)
+    assert done == set() and m.files == {} and m.config == other
+
+
+def test_a_stale_folder_is_replaced_records_included(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(2))
+    m, done = store.open_sharded(SHARDED, "tokens", PART, {**CFG, "inputs": {"dataset": "bbb"}})
+    assert done == set() and m.files == {}
+    assert sorted(os.listdir(tmp_path / SHARDED)) == ["_manifest.json"]
+
+
+def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeypatch):
+    import storage.store
+
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(3))
+    store.compact_shards(SHARDED)
+
+    def no_hashing(*_a, **_k):
+        raise AssertionError("planning read a shard's contents")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(storage.store, "sha256_file", no_hashing)
+        _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(3))
+    first, second, third = (tmp_path / SHARDED / n for n in _names(3))
+    # a flipped byte: same size, new mtime -> hashed, damaged, redone
+    st = first.stat()
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 1
+    first.write_bytes(bytes(data))
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    # a flipped byte with its mtime restored: only --verify finds it
+    st = second.stat()
+    data = bytearray(second.read_bytes())
+    data[len(data) // 2] ^= 1
+    second.write_bytes(bytes(data))
+    os.utime(second, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # a resized file is redone without hashing
+    third.write_bytes(third.read_bytes() + b"x")
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == {_names(3)[1]}
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG, verify=True)
+    assert done == set()
+
+
+def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_path, monkeypatch):
+    import storage.store
+
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(2))
+    store.compact_shards(SHARDED)
+    path = tmp_path / SHARDED / _names(2)[0]
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # a copied store: same bytes, new mtime
+    hashed = []
+    real = storage.store.sha256_file
+    monkeypatch.setattr(storage.store, "sha256_file", lambda p, fs=None: hashed.append(p) or real(p, fs))
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(2)) and len(hashed) == 1
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)  # compacts the new mtime
+    assert done == set(_names(2)) and len(hashed) == 1
+    assert ArtifactStore(tmp_path).read_manifest(SHARDED).files[_names(2)[0]].mtime_ns == st.st_mtime_ns + 5 * 10**9
+
+
+def test_manifests_without_mtimes_stay_readable_and_are_checked_by_sha256(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(2))
+    store.compact_shards(SHARDED)
+    manifest = tmp_path / SHARDED / "_manifest.json"
+    old = json.loads(manifest.read_text())
+    for entry in old["files"].values():
+        del entry["mtime_ns"]  # as written before mtimes were recorded
+    manifest.write_text(json.dumps(old))
+    assert all(e.mtime_ns is None for e in store.read_manifest(SHARDED).files.values())
+    _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(2))
+    store.compact_shards(SHARDED)
+    assert all(e.mtime_ns for e in store.read_manifest(SHARDED).files.values())
+    assert '"mtime_ns"' not in _write(store, {"v": 1}).to_json()  # unsharded entries keep their old shape
+
+
+def test_verify_all_sees_a_damaged_shard_that_is_not_compacted_yet(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fill(store, _names(2))
+    path = tmp_path / SHARDED / _names(2)[1]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    checked, problems = store.verify_all()
+    assert checked == 2 and len(problems) == 1 and _names(2)[1] in problems[0]
+    with pytest.raises(ChecksumError):
+        store.read_table(SHARDED, _names(2)[1])
+    log = tmp_path / SHARDED / "_shards.jsonl"
+    log.write_text("{not json\n" + log.read_text().splitlines()[1] + "\n")
+    _, problems = ArtifactStore(tmp_path).verify_all()
+    assert any("unreadable shard record" in p for p in problems)
+
+
+def test_record_shard_refuses_a_name_outside_the_folder(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m, _ = store.open_sharded(SHARDED, "tokens", PART, CFG)
+    entry = store.write_shard(SHARDED, "shard=00000.parquet", _shard(0))
+    for bad in ["../x.parquet", "", "_manifest.json"]:
+        with pytest.raises(StoreError, match="invalid shard name"):
+            store.record_shard(SHARDED, bad, entry, m.config_hash)
+
+
+def test_sharded_folder_on_a_memory_store():
+    store = ArtifactStore("memory://diffret-test-sharded")
+    store.remove_stage(SHARDED)
+    m = _fill(store, _names(2))
+    assert store.read_table(SHARDED, _names(2)[1]).num_rows == 2  # through its record
+    _, done = ArtifactStore(store.root).open_sharded(SHARDED, "tokens", PART, CFG)
+    assert done == set(_names(2)) and store.read_manifest(SHARDED).config_hash == m.config_hash
+    assert not store.fs.exists(store.abspath(f"{SHARDED}/_records/{_names(2)[0]}.json"))
+    store.remove_stage(SHARDED)
