@@ -9,6 +9,7 @@ without starting Prefect's temporary server, which costs ~15 s per command.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from retrieval.models.backbones import BackboneConfig
 from retrieval.training.loop import TrainSettings
 from storage.layout import DEFAULT_ROOT
 
@@ -40,10 +42,15 @@ Force = Annotated[bool, Opt("--force", help="Replace artifacts built with other 
 Dataset = Annotated[str, Opt("--dataset", "-d", help="A dataset in the store (its queries and qrels).")]
 System = Annotated[str | None, Opt("--system", help="A stored system (`diffret systems`); or name it by --model.")]
 Corpus = Annotated[str | None, Opt(help="The passages' collection (default: the dataset's).")]
+UnknownJudgments = Annotated[str, Opt(help="Judgments of documents the corpus lacks: error | drop (left out) | keep "
+                                     "(as BEIR's evaluation).")]
 Splits = Annotated[list[str] | None, Opt("--split", help="Query split(s), repeatable (default: test).")]
 Ks = Annotated[str, Opt(help="Budgets, comma-separated.")]
+TrainTopk = Annotated[int, Opt(min=1, help="Documents per train-split query (at most --topk; test splits: --topk).")]
 Modes = Annotated[list[str] | None, Opt("--mode", help="Scoring mode(s), repeatable (default: all five).")]
 Format = Annotated[OutputFormat, Opt("--format", "-f", help="Output format.")]
+VerifyShards = Annotated[bool, Opt("--verify", help="Re-hash every stored shard (sha256) before resuming; default: "
+                                   "trust a shard whose size and mtime match its record.")]  # fmt: skip
 GRID = "1,2,4,8,16"
 
 
@@ -66,6 +73,9 @@ def _one_line(exc: Exception) -> str:
     return str(exc)
 
 
+_FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
 def _known_errors() -> tuple[type[Exception], ...]:
     from retrieval.data.collections import DatasetError
     from retrieval.models.backbones import BackboneError
@@ -81,6 +91,11 @@ def _errors() -> Iterator[None]:
         yield
     except _known_errors() as exc:
         _fail(exc)
+    except OSError as exc:  # a read-only or full store root, a folder without permission: one line, not a traceback
+        if exc.errno not in _FS_ERRNOS:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        _fail(OSError(f"{where}{exc.strerror or exc} (check --root and the paths given, their permissions and space)"))
 
 
 def _ints(text: str) -> list[int]:
@@ -115,10 +130,12 @@ def download(
     name: Annotated[str, typer.Argument(help="Collection: scifact, nfcorpus, msmarco-passage, trec-dl-2019, ...")],
     source: Annotated[str | None, Opt("--source", "-s", help="Mirror: a folder, .zip/.tar.gz or URL.")] = None,
     cache_dir: Annotated[str, Opt(help="Where downloads are cached.")] = "~/.cache/diffret/downloads",
-    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    unknown_judgments: UnknownJudgments = "error", root: Root = DEFAULT_ROOT, force: Force = False,
+    prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Materialise a test collection as corpus / queries / qrels Parquet in the store."""
-    res = _run("download", prefect, name=name, source=source, root=root, cache_dir=cache_dir, force=force)
+    res = _run("download", prefect, name=name, source=source, root=root, cache_dir=cache_dir, force=force,
+               unknown_judgments=unknown_judgments)  # fmt: skip
     for line in res.details.get("report", []):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
@@ -131,7 +148,7 @@ def encode(
     shard_size: Annotated[int, Opt(help="Texts per shard (the unit of resume).")] = 1000,
     workers: Annotated[int, Opt(help="Local Dask workers (0: this process).")] = 0,
     dask_address: Annotated[str | None, Opt(help="An existing Dask scheduler, e.g. tcp://host:8786.")] = None,
-    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    verify: VerifyShards = False, root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Tokenize, then encode a dataset's queries / passages for every K: dense multi-vectors + sparse weights."""
     from .encode import EncodeConfig, run_encode
@@ -141,7 +158,7 @@ def encode(
         config = EncodeConfig(
             root=root, force=force, dataset=dataset, sides=side or ["query", "passage"], k=_ints(k),
             batch_size=batch_size, shard_size=shard_size, workers=workers, dask_address=dask_address,
-            **encode_settings(settings),
+            verify=verify, **encode_settings(settings),
         )  # fmt: skip
         res = run_encode(config, prefect=use_prefect(prefect) or bool(workers or dask_address), log=log, report=report)
     console.print(res.line(), highlight=False, soft_wrap=True)
@@ -152,22 +169,50 @@ def encode(
 def score(
     dataset: Dataset, settings: dict, system: System = None, corpus: Corpus = None, split: Splits = None,
     kq: Ks = GRID, kp: Ks = GRID, mode: Modes = None, topk: Annotated[int, Opt(help="Documents per query.")] = 1000,
-    device: Annotated[str, Opt(help="auto | cpu | cuda | cuda:N")] = "auto",
+    train_topk: TrainTopk = 100, device: Annotated[str, Opt(help="auto | cpu | cuda | cuda:N")] = "auto",
+    block_mb: Annotated[float, Opt(help="Memory for the scoring blocks, MiB (results do not depend on it).")] = 256,
     root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Exact search for every (K_q, K_p, mode) cell of a stored system: one run per cell in the store."""
     _run("score", prefect, root=root, force=force, dataset=dataset, corpus=corpus, system=system_ref(system, settings),
-         splits=split or ["test"], kq=_ints(kq), kp=_ints(kp), topk=topk, device=device, **_modes(mode))  # fmt: skip
+         splits=split or ["test"], kq=_ints(kq), kp=_ints(kp), topk=topk, train_topk=train_topk, device=device,
+         block_mb=block_mb, **_modes(mode))  # fmt: skip
 
 
 @app.command()
 def bm25(
     dataset: Dataset, corpus: Corpus = None, split: Splits = None, topk: int = 1000, k1: float = 0.9, b: float = 0.4,
-    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    train_topk: TrainTopk = 100, root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """BM25 baseline runs (bm25s, Lucene variant, English stemmer and stopwords)."""
     _run("bm25", prefect, root=root, force=force, dataset=dataset, corpus=corpus, splits=split or ["test"], topk=topk,
-         bm25={"k1": k1, "b": b})  # fmt: skip
+         train_topk=train_topk, bm25={"k1": k1, "b": b})  # fmt: skip
+
+
+@app.command()
+@config_options(BackboneConfig, "backbone")
+def rerank(
+    backbone: dict, dataset: Dataset = "scifact", corpus: Corpus = None, split: Splits = None,
+    method: Annotated[str, Opt(help="pointwise | logits_listwise | permutation_sampling | permutation_assignment")]
+    = "logits_listwise",
+    first_stage: Annotated[str, Opt(help="The run to rerank: bm25, or a system slug (or unique prefix).")] = "bm25",
+    kq: Annotated[int, Opt(help="The first-stage run's K_q (0 for BM25).")] = 0,
+    kp: Annotated[int, Opt(help="The first-stage run's K_p (0 for BM25).")] = 0,
+    mode: Annotated[str, Opt(help="The first-stage run's mode (bm25 for BM25).")] = "bm25",
+    depth: Annotated[int, Opt(help="Candidates reranked per query.")] = 100,
+    window: Annotated[int, Opt(help="Documents per listwise window.")] = 20,
+    step: Annotated[int, Opt(help="Window step (RankGPT's sliding window).")] = 10,
+    steps: Annotated[int, Opt(help="Denoising steps of permutation_sampling.")] = 4,
+    doc_tokens: Annotated[int, Opt(help="Tokens of each document in a prompt.")] = 128,
+    batch_size: Annotated[int, Opt(help="Prompts per forward pass.")] = 8,
+    prompt: Annotated[str | None, Opt(help="A built-in rerank prompt or a YAML file (default: the method's).")] = None,
+    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+) -> None:  # fmt: skip
+    """Rerank a stored run's top candidates with a diffusion LM (DiffuRank); the result is a run like any other."""
+    _run("rerank", prefect, root=root, force=force, dataset=dataset, corpus=corpus, splits=split or ["test"],
+         method=method, first_stage=first_stage, first_kq=kq, first_kp=kp, first_mode=mode, depth=depth,
+         window=window, step=step, steps=steps, doc_tokens=doc_tokens, batch_size=batch_size, prompt=prompt,
+         backbone=backbone)  # fmt: skip
 
 
 @app.command("training-data")
@@ -241,14 +286,15 @@ def export_run(
 ) -> None:  # fmt: skip
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
     from retrieval.evaluation import write_trec_run
+    from stages.runs import read_run
     from stages.systems import SystemRef, find_system
     from storage import ArtifactStore
-    from storage.layout import RUN_FILE, run_dir
+    from storage.layout import run_dir
 
     with _errors():
         store = ArtifactStore(root)
         slug = find_system(store, SystemRef(system=system)).system
-        table = store.read_table(run_dir(slug, dataset, split, kq, kp, mode), RUN_FILE)
+        table = read_run(store, run_dir(slug, dataset, split, kq, kp, mode))
         write_trec_run(table, output, tag=f"{slug}.{mode}.kq{kq}.kp{kp}")
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)
 
@@ -258,13 +304,15 @@ def export_run(
 def run(
     settings: dict, dataset: Dataset = "scifact", source: Annotated[str | None, Opt("--source", "-s")] = None,
     corpus_source: Annotated[str | None, Opt(help="Mirror of the judged corpus (TREC DL).")] = None,
+    unknown_judgments: UnknownJudgments = "error",
     preset: Annotated[str, Opt(help="paper: the 5x5 grid; laptop: {1,4,16}^2, 256 tokens, batch 16.")] = "paper",
     kq: Annotated[str | None, Opt(help="Query budgets (default: the preset's).")] = None,
     kp: Annotated[str | None, Opt(help="Passage budgets (default: the preset's).")] = None,
     batch_size: Annotated[int | None, Opt(help="Texts per forward pass (default: the preset's).")] = None,
     mode: Modes = None, split: Splits = None, bm25: Annotated[bool, Opt("--bm25/--no-bm25")] = True,
+    train_topk: TrainTopk = 100,
     index_type: Annotated[str, Opt("--index", help="skip | none (flat) | IVF_PQ | IVF_HNSW_SQ")] = "skip",
-    shard_size: int = 1000, workers: int = 0, dask_address: str | None = None,
+    shard_size: int = 1000, workers: int = 0, dask_address: str | None = None, verify: VerifyShards = False,
     root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
@@ -282,9 +330,10 @@ def run(
             settings["max_length"] = base["max_length"]
         config = PipelineConfig(
             root=root, force=force, dataset=dataset, source=source, corpus_source=corpus_source, bm25=bm25,
+            unknown_judgments=unknown_judgments, train_topk=train_topk,
             splits=split or ["test"], kq=_ints(base["kq"] if kq is None else kq),
             kp=_ints(base["kp"] if kp is None else kp), index=index_type,
-            batch_size=batch_size or base["batch_size"], shard_size=shard_size, workers=workers,
+            batch_size=batch_size or base["batch_size"], shard_size=shard_size, workers=workers, verify=verify,
             dask_address=dask_address, device=settings["backbone.device"], **encode_settings(settings), **_modes(mode),
         )  # fmt: skip
         if use_prefect(prefect) or workers or dask_address:
@@ -427,6 +476,8 @@ def main() -> None:
 
         traceback.print_exc()
         code = 1
+    if code == 130:  # Ctrl-C / SIGINT (click turns it into exit 130): every finished shard, run, table is stored
+        print("interrupted: finished work is kept; run the same command again to resume", file=sys.stderr)
     _exit_now(code)
 
 

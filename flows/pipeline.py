@@ -28,6 +28,7 @@ from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
 from stages.readers import TITLE_SEP
+from stages.runs import TRAIN_TOPK
 from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef
@@ -54,6 +55,9 @@ class PipelineConfig(StageConfig):
         default=None, description="Mirror of the judged corpus when it is another collection (TREC DL)."
     )
     cache_dir: str = Field(default="~/.cache/diffret/downloads")
+    unknown_judgments: Literal["error", "drop", "keep"] = Field(
+        default="error", description="Judgments of documents the corpus lacks: error, drop or keep."
+    )
     splits: list[str] = Field(default=["test"], description="Query splits to score and evaluate.")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
@@ -68,10 +72,12 @@ class PipelineConfig(StageConfig):
         description="LanceDB index per K_p, checked against exact search (none: flat table; skip: no index).",
     )
     topk: int = Field(default=1000, ge=1)
+    train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per train-split query (<= topk).")
     batch_size: int = Field(default=32, ge=1)
     shard_size: int = Field(default=1000, ge=1)
     workers: int = Field(default=0, ge=0, description="Local Dask workers for encoding (0: in-process).")
     dask_address: str | None = None
+    verify: bool = Field(default=False, description="Re-hash every stored shard when resuming (default: size, mtime).")
     device: str = Field(default="auto", description="Scoring device: auto | cpu | cuda | cuda:N.")
 
     # ------------------------------------------------------------------------- stage configs
@@ -83,7 +89,8 @@ class PipelineConfig(StageConfig):
 
     def downloads(self) -> list[DownloadConfig]:
         def dl(name: str, source: str | None) -> DownloadConfig:
-            return DownloadConfig(name=name, source=source, cache_dir=self.cache_dir, **self._common())
+            return DownloadConfig(name=name, source=source, cache_dir=self.cache_dir,
+                                  unknown_judgments=self.unknown_judgments, **self._common())  # fmt: skip
 
         out = [dl(self.dataset, self.source)]
         if self.corpus() != self.dataset:
@@ -94,7 +101,7 @@ class PipelineConfig(StageConfig):
         common = dict(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
             batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address, **self._common(),
+            dask_address=self.dask_address, verify=self.verify, **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))
@@ -107,12 +114,13 @@ class PipelineConfig(StageConfig):
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
-            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, device=self.device, **self._common(),
+            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk, device=self.device,
+            **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
         return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
-                          bm25=BM25Settings(), **self._common())  # fmt: skip
+                          train_topk=self.train_topk, bm25=BM25Settings(), **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(

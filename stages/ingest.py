@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -47,6 +47,10 @@ class DownloadConfig(StageConfig):
     beir_base_url: str = Field(
         default=BEIR_BASE_URL, description="Base URL of the BEIR zips (for institutional mirrors)."
     )
+    unknown_judgments: Literal["error", "drop", "keep"] = Field(
+        default="error",
+        description="Judgments of documents the corpus lacks: error, drop (left out) or keep (as BEIR's evaluation).",
+    )
 
 
 @dataclass
@@ -65,15 +69,18 @@ class IngestResult:
         }
 
 
-def artifact_config(name: str, files: SourceFiles) -> dict[str, Any]:
+def artifact_config(name: str, files: SourceFiles, unknown_judgments: str = "error") -> dict[str, Any]:
     """What identifies the content of a stored collection (the manifest's config)."""
-    return {
+    cfg: dict[str, Any] = {
         "dataset": name,
         "source": files.origin,
         "source_files": dict(sorted(files.inputs.items())),
         "corpus_from": files.corpus_from,
         "ingest_format": INGEST_FORMAT,
     }
+    if unknown_judgments != "error":  # "error" stores the same tables as before the option existed
+        cfg["unknown_judgments"] = unknown_judgments
+    return cfg
 
 
 DRIFT_HINT = "The store already holds {name!r} from another source; pass --force to replace it."
@@ -87,11 +94,12 @@ def _doc_ids_of(store: ArtifactStore, dataset: str) -> set[str] | None:
 
 
 def materialise(
-    store: ArtifactStore, name: str, files: SourceFiles, force: bool = False, state: StageState | None = None
+    store: ArtifactStore, name: str, files: SourceFiles, force: bool = False, state: StageState | None = None,
+    unknown_judgments: str = "error",
 ) -> IngestResult:
     """Validate and store a collection's files (unless the same source is already stored)."""
     stage = dataset_dir(name)  # validates the name as a partition value
-    config = artifact_config(name, files)
+    config = artifact_config(name, files, unknown_judgments)
     if state is None:
         state = store.state(stage, config, force=force, hint=DRIFT_HINT.format(name=name))
     if state is StageState.CURRENT:
@@ -124,7 +132,7 @@ def materialise(
         queries: dict[str, Query] = {}
         for path, fmt in files.queries:
             read_queries(path, fmt, queries, report)
-        qrels, judged = build_qrels(files.qrels, queries, doc_ids, report)
+        qrels, judged = build_qrels(files.qrels, queries, doc_ids, report, unknown_judgments)
         for split, rep in report.splits.items():
             if rep.rows == 0:
                 raise DatasetError(
@@ -143,6 +151,7 @@ class IngestUnit:
     name: str
     files: SourceFiles
     state: StageState
+    unknown_judgments: str = "error"
 
 
 class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
@@ -160,16 +169,16 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
             config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress
         )
         st = ctx.store.state(
-            dataset_dir(config.name), artifact_config(config.name, files), force=config.force,
+            dataset_dir(config.name), artifact_config(config.name, files, config.unknown_judgments), force=config.force,
             hint=DRIFT_HINT.format(name=config.name),
         )  # fmt: skip
         if st is StageState.CURRENT:
             lines = [f"{config.name}: already in the store with the same source; nothing to do"]
             return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
-        return Plan(units=[IngestUnit(config.name, files, st)])
+        return Plan(units=[IngestUnit(config.name, files, st, config.unknown_judgments)])
 
     def run(self, unit: IngestUnit, ctx: Context) -> IngestResult:
-        return materialise(ctx.store, unit.name, unit.files, state=unit.state)
+        return materialise(ctx.store, unit.name, unit.files, state=unit.state, unknown_judgments=unit.unknown_judgments)
 
     def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
         return results[0].summary() if results else plan.details

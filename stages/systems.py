@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from retrieval.models.backbones import BackboneConfig, load_tokenizer
+from retrieval.models.backbones import BackboneConfig, load_tokenizer, weights_fingerprint
 from retrieval.models.readouts import ReadoutConfig, readout_class
 from storage import ArtifactStore, Manifest, StoreError, config_hash
 from storage.layout import system_dir
@@ -44,7 +44,12 @@ def slug_base(model: str) -> str:
 
 def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
     """The settings that change the numbers (device, attention kernel and batch size do not)."""
-    b = s.backbone
+    return {**backbone_settings(s.backbone), "readout": s.readout.model_dump(), "max_length": s.max_length,
+            "title_sep": s.title_sep}  # fmt: skip
+
+
+def backbone_settings(b: BackboneConfig) -> dict[str, Any]:
+    """The backbone settings that change a system's numbers (an encoder's or a reranker's)."""
     return {
         "model": b.model,
         "gguf_file": b.gguf_file,
@@ -53,11 +58,19 @@ def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
         "dtype": b.dtype,
         "mask_token": b.mask_token,
         "turn_end": b.turn_end,
-        "readout": s.readout.model_dump(),
-        "max_length": s.max_length,
-        "title_sep": s.title_sep,
         **({"adapter": b.adapter, "merge_adapter": b.merge_adapter} if b.adapter else {}),
+        # a local folder's content: two checkpoints under one path never share a slug (hub ids: None)
+        **_weights(b),
     }
+
+
+def _weights(b: BackboneConfig) -> dict[str, str]:
+    out = {}
+    if fp := weights_fingerprint(b.model, b.gguf_file):
+        out["weights"] = fp
+    if b.adapter and (fp := weights_fingerprint(b.adapter)):
+        out["adapter_weights"] = fp
+    return out
 
 
 def encoder_slug(s: EncodeSettings) -> str:
@@ -110,7 +123,7 @@ class SystemRecord(BaseModel):
     """One registered system (the ``config`` of its registry manifest)."""
 
     system: str
-    kind: Literal["encoder", "bm25"]
+    kind: Literal["encoder", "bm25", "reranker"]
     model: str | None = None  # the backbone as given (HF id or path); None for BM25
     readout: str | None = None
     multi_vector: bool = False

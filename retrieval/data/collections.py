@@ -22,6 +22,7 @@ from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
 BATCH_ROWS = 50_000
 TITLE_SEP = ". "  # the reference encoder's passage text: title + ". " + text
 _EXAMPLES = 5  # how many example ids a report keeps per anomaly
+UNKNOWN_DOCS = ("error", "drop", "keep")  # what to do with judgments of documents the corpus lacks
 
 
 def passage_text(title: str | None, text: str, sep: str = TITLE_SEP) -> str:
@@ -48,6 +49,7 @@ class SplitReport:
     unknown_query_rows: int = 0
     unknown_doc_rows: int = 0
     duplicate_rows: int = 0
+    kept_unknown_doc_rows: int = 0  # with unknown_docs="keep"
     unknown_query_examples: list[str] = field(default_factory=list)
     unknown_doc_examples: list[str] = field(default_factory=list)
 
@@ -99,6 +101,9 @@ class DatasetReport:
                 dropped.append(f"{s.duplicate_rows} repeated (query, document) pairs")
             if dropped:
                 line += "; left out: " + "; ".join(dropped)
+            if s.kept_unknown_doc_rows:
+                line += (f"; kept: {s.kept_unknown_doc_rows} naming documents not in the corpus "
+                         f"(e.g. {s.unknown_doc_examples})")  # fmt: skip
             out.append(line)
         out.extend(f"note: {n}" for n in self.notes)
         return out
@@ -235,7 +240,9 @@ def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: set[str]) 
         report.corpus_rows += 1
         if len(cols["doc_id"]) >= BATCH_ROWS:
             yield flush()
-    if cols["doc_id"] or report.corpus_rows == 0:
+    if report.corpus_rows == 0:
+        raise DatasetError(f"{path}: no documents (the file is empty or blank)")
+    if cols["doc_id"]:
         yield flush()
 
 
@@ -248,7 +255,9 @@ class Query:
 
 
 def read_queries(path: Path, fmt: str, queries: dict[str, Query], report: DatasetReport) -> None:
-    """Add the queries of one file to ``queries`` (several files may feed one dataset)."""
+    """Add the queries of one file to ``queries`` (several files may feed one dataset); a file without any
+    query is an error."""
+    lineno = 0
     for lineno, line in iter_lines(path):
         if fmt == "tsv":
             qid, text = _tsv_fields(path, lineno, line, "query")
@@ -268,6 +277,8 @@ def read_queries(path: Path, fmt: str, queries: dict[str, Query], report: Datase
             report.queries_empty_text += 1
             if len(report.queries_empty_examples) < _EXAMPLES:
                 report.queries_empty_examples.append(qid)
+    if lineno == 0:
+        raise DatasetError(f"{path}: no queries (the file is empty or blank)")
 
 
 # ---------------------------------------------------------------------------------------------- qrels
@@ -312,14 +323,19 @@ def build_qrels(
     queries: dict[str, Query],
     doc_ids: set[str] | None,
     report: DatasetReport,
+    unknown_docs: str = "error",
 ) -> tuple[pa.Table, dict[str, set[str]]]:
     """The qrels table of every split, and the judged query ids per split.
 
-    Rows naming an unknown query or document are left out and counted; a (query, document) pair
-    judged twice in one split with the same grade is kept once and counted; with two different
-    grades it is an error (a corrupt file must not be evaluated silently). ``doc_ids=None`` means
-    the corpus is not available, so document ids cannot be checked (said in the report).
+    Rows naming an unknown query are left out and counted. Rows naming a document the corpus lacks follow
+    ``unknown_docs``: ``error`` (default: a wrong corpus or a truncated file must not be evaluated silently),
+    ``drop`` (left out and counted: then they do not count in the ideal DCG), or ``keep`` (kept and counted, as
+    BEIR's own evaluation does). A (query, document) pair judged twice in one split with the same grade is kept
+    once and counted; with two different grades it is an error. ``doc_ids=None`` means the corpus is not
+    available, so document ids cannot be checked (said in the report).
     """
+    if unknown_docs not in UNKNOWN_DOCS:
+        raise ValueError(f"unknown_docs must be one of {', '.join(UNKNOWN_DOCS)}, got {unknown_docs!r}")
     cols: dict[str, list] = {n: [] for n in QRELS_SCHEMA.names}
     judged: dict[str, set[str]] = {}
     for split, path in sorted(split_files.items()):
@@ -334,10 +350,13 @@ def build_qrels(
                     rep.unknown_query_examples.append(qid)
                 continue
             if doc_ids is not None and did not in doc_ids:
-                rep.unknown_doc_rows += 1
                 if did not in rep.unknown_doc_examples and len(rep.unknown_doc_examples) < _EXAMPLES:
                     rep.unknown_doc_examples.append(did)
-                continue
+                if unknown_docs == "keep":
+                    rep.kept_unknown_doc_rows += 1
+                else:
+                    rep.unknown_doc_rows += 1
+                    continue
             prev = seen.get((qid, did))
             if prev is not None:
                 if prev[1] != rel:
@@ -355,6 +374,12 @@ def build_qrels(
             cols["relevance"].append(rel)
             cols["split"].append(split)
             rep.rows += 1
+        if rep.unknown_doc_rows and rep.rows and unknown_docs == "error":  # none known: "is this the right corpus?"
+            raise DatasetError(
+                f"{path}: {rep.unknown_doc_rows} judgment(s) name documents not in the corpus (e.g. "
+                f"{', '.join(rep.unknown_doc_examples)}); pass --unknown-judgments drop to leave them out, or keep "
+                "to keep them (as BEIR's evaluation does)"
+            )
         rep.queries, rep.documents = len(qids), len(dids)
         report.splits[split] = rep
         judged[split] = qids

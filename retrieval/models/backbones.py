@@ -20,6 +20,8 @@ costs ~600 MB per batch).
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -452,6 +454,115 @@ def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
     return ref, extra
 
 
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_SAMPLES, _SAMPLE_BYTES = 64, 1 << 16  # a weights fingerprint reads at most 4 MiB per file
+
+
+def weights_fingerprint(model: str, gguf_file: str | None = None) -> str | None:
+    """A content fingerprint of a local model (or adapter) folder: its config.json and weight files, each by
+    size and 64 evenly spaced 64 KiB samples (the whole file when smaller). Two different checkpoints under one
+    path (retrained, or "./model" from two working directories) get different system slugs, so their artifacts
+    are kept apart; a copy of the same folder elsewhere gets the same fingerprint. ``None`` for a hub id.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = open(f"{d}/model.safetensors", "wb").write(b"a" * 100)
+    >>> fp = weights_fingerprint(d)
+    >>> _ = open(f"{d}/model.safetensors", "wb").write(b"b" * 100)
+    >>> weights_fingerprint(d) != fp, weights_fingerprint("org/some-hub-id")
+    (True, None)
+    """
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (
+        p.name == "config.json" or p.name.startswith("adapter_") or (
+            p.name == gguf_file if gguf_file else p.suffix in WEIGHT_SUFFIXES)))  # fmt: skip
+    if not files:
+        return None
+    stats = tuple((p.name, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _fingerprint(stats)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(stats: tuple[tuple[str, str, int, int], ...]) -> str:
+    h = hashlib.sha256()
+    for name, path, size, _mtime in stats:  # the mtime only keys the cache: a copy keeps its fingerprint
+        h.update(f"{name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size <= _SAMPLES * _SAMPLE_BYTES:
+                h.update(f.read())
+                continue
+            step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
+            for i in range(_SAMPLES):
+                f.seek(i * step)
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+
+
+def check_model_files(cfg: BackboneConfig) -> None:
+    """Refuse a local model folder without weights, with a missing shard, or with a truncated or corrupt
+    safetensors file, before any work is done (only the safetensors headers are read). Hub ids pass.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = open(f"{d}/config.json", "w").write("{}")
+    >>> try:
+    ...     check_model_files(BackboneConfig(model=d))
+    ... except BackboneError as e:
+    ...     print(str(e).split(": ", 1)[1])
+    no weights (model.safetensors, pytorch_model.bin, a sharded index or a .gguf file); is the download complete?
+    """
+    cfg = with_adapter(cfg)
+    folder = Path(cfg.model).expanduser()
+    if not folder.is_dir():
+        return
+    if cfg.gguf_file:
+        gguf = folder / cfg.gguf_file
+        if gguf.exists():
+            with open(gguf, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise BackboneError(f"{gguf}: not a GGUF file (bad magic bytes)")
+        return
+    files = list(folder.glob("*.safetensors"))
+    for index in WEIGHT_INDEXES:
+        if (folder / index).exists():
+            try:
+                names = set(json.loads((folder / index).read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BackboneError(f"{folder / index}: unreadable weight index ({exc})") from None
+            missing = sorted(n for n in names if not (folder / n).exists())
+            if missing:
+                raise BackboneError(f"{folder}: weight shards named by {index} are missing: {missing[:4]}")
+    if not files and not list(folder.glob("*.bin")) and not list(folder.glob("*.gguf")):
+        raise BackboneError(
+            f"{folder}: no weights (model.safetensors, pytorch_model.bin, a sharded index or a .gguf file); "
+            "is the download complete?"
+        )
+    for path in files:
+        _check_safetensors(path)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header parses and the file holds every tensor it lists (a truncated download fails here)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise BackboneError(f"{path}: corrupt safetensors file (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise BackboneError(f"{path}: corrupt safetensors file (unreadable header)") from None
+    if 8 + n + end > size:
+        raise BackboneError(f"{path}: truncated safetensors file ({size} bytes, its header needs {8 + n + end})")
+
+
 def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
     """The model's config.json as a dict: read without running any of the model's own code."""
     from transformers import PretrainedConfig
@@ -522,6 +633,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     cfg = with_adapter(cfg)
     ref, extra = _model_ref(cfg)
     raw = raw_config(cfg)
+    check_model_files(cfg)
     spec = resolve_family(cfg, raw)
     tokenizer = load_tokenizer(cfg, spec, raw)
     dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"

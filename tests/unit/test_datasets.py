@@ -18,9 +18,10 @@ from storage import ArtifactStore, ConfigDriftError
 from storage.sql import StoreSQL
 
 
-def _ingest(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False):
+def _ingest(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False,
+            unknown: str = "error"):  # fmt: skip
     files = resolve_source(name, str(folder), tmp_path / "cache")
-    return materialise(ArtifactStore(root or tmp_path / "store"), name, files, force=force)
+    return materialise(ArtifactStore(root or tmp_path / "store"), name, files, force=force, unknown_judgments=unknown)
 
 
 def test_tiny_collection_tables(tmp_path, tiny_beir):
@@ -125,12 +126,36 @@ def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
         [{"_id": "q", "text": "q"}],
         {"test": [("q", "a", 1), ("q", "zzz", 1), ("nope", "a", 1), ("q", "a", 1), ("q", "b", 0)]},
     )
-    res = _ingest(tmp_path, folder, name="c")
+    # by default a judgment of a document the corpus lacks is an error, and nothing is stored
+    with pytest.raises(DatasetError, match=r"test.tsv: 1 judgment\(s\) name documents not in the corpus \(e.g. zzz\)"):
+        _ingest(tmp_path, folder, name="c")
+    assert not (tmp_path / "store" / "datasets" / "dataset=c").exists()
+    res = _ingest(tmp_path, folder, name="c", unknown="drop")
     rep = res.manifest.stats["report"]["splits"]["test"]
     assert (rep["rows"], rep["unknown_doc_rows"], rep["unknown_query_rows"], rep["duplicate_rows"]) == (2, 1, 1, 1)
     assert rep["unknown_doc_examples"] == ["zzz"] and rep["unknown_query_examples"] == ["nope"]
     line = next(x for x in res.report_lines if x.startswith("qrels[test]"))
     assert "1 naming unknown queries" in line and "1 naming unknown documents" in line
+    # keep (BEIR's evaluation keeps them: they count in the ideal DCG) is another config: drift unless forced
+    with pytest.raises(ConfigDriftError):
+        _ingest(tmp_path, folder, name="c", unknown="keep")
+    res = _ingest(tmp_path, folder, name="c", unknown="keep", force=True)
+    qrels = pq.read_table(tmp_path / "store" / "datasets" / "dataset=c" / "qrels.parquet")
+    assert sorted(qrels.column("doc_id").to_pylist()) == ["a", "b", "zzz"]
+    line = next(x for x in res.report_lines if x.startswith("qrels[test]"))
+    assert "kept: 1 naming documents not in the corpus" in line
+
+
+@pytest.mark.parametrize(("empty", "message"), [("corpus.jsonl", "corpus.jsonl: no documents"),
+                                                ("queries.jsonl", "queries.jsonl: no queries")])  # fmt: skip
+def test_empty_corpus_or_queries_file_is_an_error(tmp_path, empty, message):
+    folder = write_beir(
+        tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]}
+    )
+    (folder / empty).write_bytes(b"" if empty == "corpus.jsonl" else b"\n  \n")  # 0 bytes; blank lines only
+    with pytest.raises(DatasetError, match=message):
+        _ingest(tmp_path, folder, name="c")
+    assert not (tmp_path / "store" / "datasets" / "dataset=c").exists()
 
 
 def test_qrels_conflicting_grades_and_bad_rows(tmp_path):
