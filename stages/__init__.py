@@ -13,7 +13,8 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "index", "score", "bm25", "training_data", "train", "evaluate", "summary", "report",
+    "ingest", "tokenize", "encode", "index", "score", "bm25", "rerank", "training_data", "train", "evaluate", "summary",
+    "report",
 )  # fmt: skip
 
 

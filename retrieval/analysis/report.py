@@ -104,7 +104,8 @@ def section_selection(db: StoreSQL, rep: Report) -> None:
 
 
 def section_landscapes(db: StoreSQL, rep: Report) -> None:
-    cells = rows(db, "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' and mode <> 'bm25'")
+    cells = rows(db, "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' "
+                 "and mode not in ('bm25', 'rerank')")  # fmt: skip
     sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
     by: dict[tuple[str, str, str], dict[tuple[int, int], float]] = {}
     for c in cells:
@@ -258,6 +259,18 @@ def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, se
     rep.sections.append(("Footprint", body))
 
 
+def section_reranking(db: StoreSQL, rep: Report) -> None:
+    """DiffuRank rerankers against the first-stage runs they reordered (view ``rerank_gains``)."""
+    gains = rows(db, "select system, method, dataset, split, depth, first_stage, first_mode, ndcg_10, first_ndcg_10, "
+                     "ndcg_10_gain, queries from rerank_gains order by dataset, split, ndcg_10 desc")  # fmt: skip
+    if not gains:
+        return
+    rep.files["rerank_gains.csv"] = _dicts_csv(gains)
+    body = ("NDCG@10 of each reranker (`diffret rerank`) and of the run it reordered, on the same queries "
+            "(view `rerank_gains`).\n\n" + _md_table(gains))  # fmt: skip
+    rep.sections.append(("Reranking", body))
+
+
 def build_report(
     db: StoreSQL,
     name: str = "default",
@@ -278,4 +291,5 @@ def build_report(
     section_correlation(db, rep, n_boot)
     section_tables(db, rep, refs, finetuned or {})
     section_footprint(db, rep, hidden, backbones, settings)
+    section_reranking(db, rep)
     return rep

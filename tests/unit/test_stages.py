@@ -24,6 +24,7 @@ from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
 from stages.report import ReportConfig
+from stages.rerank import RerankConfig
 from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef, find_system, list_systems
@@ -55,6 +56,8 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
                                **common),  # fmt: skip
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
+        "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
+                               prompt=str(Path(__file__).parent / "data" / "rerank_tiny.yaml"), **common),  # fmt: skip
         "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
         "train": TrainConfig(training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2,
                              **common),  # fmt: skip
@@ -99,7 +102,7 @@ def test_every_stage_did_its_work_once(world: dict) -> None:
         assert res.stage == name and res.done > 0 and res.skipped == 0, (name, res)
     assert world["results"]["encode"].done == 2 * (1 + 3)  # K x shards (5 queries: 1 shard; 12 docs: 3)
     assert world["results"]["score"].done == 2 * 2 * 2 * 5  # splits x K_q x K_p x modes
-    assert world["results"]["evaluate"].done == 40 + 2  # + BM25 on test and train
+    assert world["results"]["evaluate"].done == 40 + 2 + 1  # + BM25 on test and train, + the reranked test run
 
 
 @pytest.mark.parametrize("name", list(stages()))
@@ -160,7 +163,7 @@ def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path:
     forced = w["configs"]["score"].model_copy(update={"topk": 3, "force": True})
     assert execute(stages()["score"], forced, log=lambda _: None).done == 40
     res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lambda _: None)
-    assert (res.done, res.skipped) == (40, 2)  # the encoder's runs are stale; BM25's are current
+    assert (res.done, res.skipped) == (40, 3)  # the encoder's runs are stale; BM25's and the reranked are current
 
 
 def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
@@ -190,6 +193,67 @@ def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: di
     enc = execute(stages()["encode"], w["configs"]["encode"], log=lambda _: None)
     assert enc.done >= 1 and shard.read_bytes() == bytes(good)  # redone, byte-identical
     assert runner.invoke(app, ["verify", "--root", w["root"]]).exit_code == 0
+
+
+def test_encode_compacts_its_shard_records_when_it_finishes(world: dict) -> None:
+    root = Path(world["root"])
+    assert not list(root.glob("encodings/**/_shards.jsonl")) and not list(root.glob("tokens/**/_shards.jsonl"))
+    m = json.loads(next(root.glob("encodings/*/dataset=tiny/side=passage/k=2/_manifest.json")).read_text())
+    assert len(m["files"]) == 3 and all(e["mtime_ns"] > 0 for e in m["files"].values())
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, tmp_path: Path, monkeypatch) -> None:
+    from stages.encode import Encode
+
+    w = copy_world(world, tmp_path)
+    stage = next(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=2"))
+    good = {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")}
+    shutil.rmtree(stage)
+    committed: list[str] = []
+    real = Encode.commit
+
+    def commit_then_die(self, unit, result, ctx):  # the process dies after its second recorded shard
+        real(self, unit, result, ctx)
+        committed.append(unit.shard)
+        if len(committed) == 2:
+            raise _Killed
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Encode, "commit", commit_then_die)
+        with pytest.raises(_Killed):
+            execute(stages()["encode"], w["configs"]["encode"], log=lambda _: None)
+    assert json.loads((stage / "_manifest.json").read_text())["files"] == {}  # never rewritten per shard
+    assert [json.loads(r)["name"] for r in (stage / "_shards.jsonl").read_text().splitlines()] == committed
+    res = execute(stages()["encode"], w["configs"]["encode"], log=lambda _: None)
+    assert (res.done, res.skipped) == (1, 7)  # the two recorded shards are not redone
+    assert {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")} == good
+    assert sorted(json.loads((stage / "_manifest.json").read_text())["files"]) == sorted(good)
+    assert not (stage / "_shards.jsonl").exists()
+
+
+def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dict, tmp_path: Path, monkeypatch):
+    from flows.cli import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    w = copy_world(world, tmp_path)
+    shard = sorted(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=1/shard=*.parquet"))[1]
+    st, good = shard.stat(), shard.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    shard.write_bytes(bytes(bad))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as recorded
+    args = ["encode", "-d", "tiny", "--model", str(w["model"]), "--k", "1,2", "--max-length", "96", "--shard-size",
+            "5", "--batch-size", "4", "--root", w["root"]]  # fmt: skip
+    plain = CliRunner().invoke(app, args)
+    assert plain.exit_code == 0 and "0 shard(s) encoded, 8 already done" in plain.output, plain.output
+    assert shard.read_bytes() == bytes(bad)  # trusted by size and mtime
+    verified = CliRunner().invoke(app, [*args, "--verify"])
+    assert verified.exit_code == 0 and "1 shard(s) encoded, 7 already done" in verified.output, verified.output
+    assert shard.read_bytes() == good
 
 
 def test_registry_records_each_system_and_finds_it(world: dict) -> None:

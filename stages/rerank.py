@@ -1,0 +1,174 @@
+"""The rerank stage (``diffret rerank``): a diffusion-LM reranker (DiffuRank) over any stored first-stage run.
+
+    runs/system=<reranker slug>/dataset=<d>/split=<s>/kq=0/kp=0/mode=rerank/run.parquet
+
+The reranker is a registered system (kind ``reranker``) whose slug hashes the backbone, the method and its
+settings, the prompt's content, the depth and the first-stage run it reorders, so the same model over BM25 and
+over a DiffRetriever run are two systems; its runs are evaluated and listed like any other (mode ``rerank``,
+kq = kp = 0). Documents below the depth are dropped (a run of the depth's length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pydantic import Field
+
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.rerank.rerankers import Reranker, RerankerName, load_rerank_prompt, make_reranker
+from storage import StoreError, config_hash
+from storage.layout import RUN_SCHEMA, run_dir
+
+from .base import Context, Plan, Stage
+from .readers import dataset_manifest, side_texts, split_queries
+from .runs import Cell, QueriesConfig, read_run, write_run
+from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
+
+RERANK_MODE = "rerank"
+
+
+class RerankConfig(QueriesConfig):
+    """Parameters of the rerank flow."""
+
+    splits: list[str] = Field(default=["test"], description="Query splits to rerank.")
+    first_stage: str = Field(default="bm25", description="The run to rerank: a system slug (or unique prefix), or "
+                             "bm25 for the store's BM25 system.")  # fmt: skip
+    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
+    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
+    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).")
+    depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
+    method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
+    backbone: BackboneConfig
+    prompt: str | None = Field(default=None, description="A built-in rerank prompt or a YAML file (default: the "
+                               "method's).")  # fmt: skip
+    doc_tokens: int = Field(default=128, ge=1, description="Tokens of each document in a prompt.")
+    window: int = Field(default=20, ge=1, description="Documents per listwise window.")
+    step: int = Field(default=10, ge=1, description="Window step (RankGPT's sliding window).")
+    steps: int = Field(default=4, ge=1, description="Denoising steps of permutation_sampling.")
+    batch_size: int = Field(default=8, ge=1, description="Prompts per forward pass (pairs or windows).")
+
+    def settings(self) -> dict[str, Any]:
+        """What the reranker system's slug hashes (everything that changes its numbers)."""
+        prompt = load_rerank_prompt(self.prompt or _default_prompt(self.method))
+        return {
+            "backbone": backbone_settings(self.backbone), "method": self.method,
+            "prompt": config_hash(prompt.__dict__)[:16], "doc_tokens": self.doc_tokens,
+            "window": self.window, "step": self.step, "depth": self.depth,
+            **({"steps": self.steps} if self.method == "permutation_sampling" else {}),
+        }  # fmt: skip
+
+
+def _default_prompt(method: str) -> str:
+    return "permutation" if method.startswith("permutation") else method
+
+
+def reranker_slug(model: str, method: str, settings: dict[str, Any], first: dict[str, Any]) -> str:
+    """``<model>-<method>-<hash of its settings and the first-stage run>``.
+
+    >>> reranker_slug("org/tiny-llada", "pointwise", {"a": 1}, {"system": "bm25-x"})
+    'tiny-llada-pointwise-0252903d12'
+    """
+    return f"{slug_base(model)}-{method}-{config_hash({'settings': settings, 'first_stage': first})[:10]}"
+
+
+@dataclass
+class RerankUnit:
+    cells: list[Cell]
+    first_stages: dict[str, str]  # split -> the first-stage run folder
+    config: dict[str, Any]  # RerankConfig as a dict
+    record: dict[str, Any]  # the reranker's SystemRecord, registered once the model and its prompts are checked
+
+
+class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True):
+    """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
+
+    def plan(self, config: RerankConfig, ctx: Context) -> Plan:
+        store = ctx.store
+        kind = "bm25" if config.first_stage == "bm25" else None
+        first = find_system(store, SystemRef(system=None if kind else config.first_stage), kind=kind or "encoder")
+        if first.kind == "reranker":
+            raise StoreError(f"{first.system} is a reranker; rerank a first-stage run (BM25 or an encoder's)")
+        settings = config.settings()
+        first_ref = {"system": first.system, "kq": config.first_kq, "kp": config.first_kp, "mode": config.first_mode}
+        slug = reranker_slug(config.backbone.model, config.method, settings, first_ref)
+        corpus = config.corpus_name()
+        inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
+                  "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip
+        plan = Plan(system=slug, work_unit="queries")
+        todo, firsts = [], {}
+        for split in config.splits:
+            src = run_dir(first.system, config.dataset, split, config.first_kq, config.first_kp, config.first_mode)
+            m = store.read_manifest(src)
+            if m is None:
+                raise StoreError(
+                    f"no first-stage run {first.system} kq={config.first_kq} kp={config.first_kp} "
+                    f"mode={config.first_mode} on {config.dataset}/{split} in {store.root}; run it first "
+                    "(`diffret run`, `diffret bm25` or `diffret score`)"
+                )
+            cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
+                   "mode": RERANK_MODE, "topk": config.depth, "first_stage": {**first_ref, "run": m.config_hash},
+                   "settings": settings, "inputs": inputs}  # fmt: skip
+            stage = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
+            if plan.needs(ctx, stage, cfg, config.force):
+                todo.append(Cell(split, 0, 0, RERANK_MODE, stage, cfg))
+                firsts[split] = src
+        record = SystemRecord(system=slug, kind="reranker", model=config.backbone.model, readout=config.method,
+                              settings={**settings, "first_stage": first_ref})  # fmt: skip
+        if todo:
+            plan.units.append(RerankUnit(todo, firsts, config.model_dump(), record.model_dump()))
+            plan.work = sum(len(split_queries(store, config.dataset, c.split)) for c in todo)
+        plan.count = len(todo)
+        return plan
+
+    def run(self, unit: RerankUnit, ctx: Context) -> int:
+        cfg = RerankConfig.model_validate(unit.config)
+        store = ctx.store
+        doc_ids, doc_texts, _ = side_texts(store, cfg.corpus_name(), "passage")
+        text_of = dict(zip(doc_ids, doc_texts, strict=True))
+        q_ids, q_texts, _ = side_texts(store, cfg.dataset, "query")
+        query_text = dict(zip(q_ids, q_texts, strict=True))
+        reranker = make_reranker(
+            cfg.method, load_backbone(cfg.backbone), prompt=cfg.prompt, doc_tokens=cfg.doc_tokens, window=cfg.window,
+            step=cfg.step, batch_size=cfg.batch_size, steps=cfg.steps,
+        )  # fmt: skip  (single-token answers and the context are checked here: a refusal writes nothing)
+        register(store, SystemRecord.model_validate(unit.record))
+        for cell in unit.cells:
+            table, stats = rerank_run(reranker, read_run(store, unit.first_stages[cell.split]), query_text, text_of,
+                                      cfg.depth, ctx.advance)  # fmt: skip
+            ctx.log(f"reranked {cfg.dataset}/{cell.split}: {stats['queries']:,} queries, {stats['forward_passes']:,} "
+                    f"forward passes")  # fmt: skip
+            write_run(store, cell, table, stats)
+        return len(unit.cells)
+
+
+def rerank_run(reranker: Reranker, first: pa.Table, query_text: dict[str, str], doc_text: dict[str, str],
+               depth: int, advance: Any = None) -> tuple[pa.Table, dict[str, Any]]:  # fmt: skip
+    """The reranked run (RUN_SCHEMA) of ``first``'s top ``depth`` per query, and what it took."""
+    by_query: dict[str, list[tuple[int, str]]] = {}
+    for q, d, r in zip(first.column("query_id").to_pylist(), first.column("doc_id").to_pylist(),
+                       first.column("rank").to_pylist(), strict=True):  # fmt: skip
+        by_query.setdefault(q, []).append((r, d))
+    qids = list(by_query)
+    items = []
+    for q in qids:
+        ranked = [d for _, d in sorted(by_query[q])[:depth]]
+        items.append((query_text[q], [(d, doc_text[d]) for d in ranked]))
+    before = reranker.stats.forward_passes
+    out = reranker.rerank(items, progress=advance)
+    cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
+    for q, ranked in zip(qids, out, strict=True):
+        for rank, (d, s) in enumerate(ranked, start=1):
+            cols["query_id"].append(q)
+            cols["doc_id"].append(d)
+            cols["rank"].append(rank)
+            cols["score"].append(s)
+    table = pa.Table.from_pydict(cols, schema=RUN_SCHEMA)
+    stats = {"queries": len(qids), "rows": table.num_rows,
+             "forward_passes": reranker.stats.forward_passes - before,
+             "invalid_without_constraint": reranker.stats.invalid_without_constraint}  # fmt: skip
+    return table, stats
+
+
+stage = Rerank()

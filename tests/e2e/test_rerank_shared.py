@@ -1,0 +1,121 @@
+"""End-to-end: `diffret rerank` of SciFact's BM25 top 100 with each DiffuRank method on the tiny Dream / LLaDA
+checkpoints and splade-tiny (../shared; skipped when absent). The reranked runs are evaluated and listed with
+every other system; running again does nothing; bad input fails with one line and writes nothing.
+
+To keep CI short the dataset is SciFact with its first 12 test queries (the whole corpus, BM25 over it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SHARED, write_beir
+
+DIFFRET = [sys.executable, "-m", "flows.cli"]
+ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": ""}
+N_QUERIES = 12
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=ENV, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def sql(root: Path, query: str) -> list[dict]:
+    return json.loads(run("sql", "--root", str(root), "--format", "json", query).stdout)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scifact, models = SHARED / "data" / "scifact", SHARED / "models"
+    if not (scifact / "corpus.jsonl").exists() or not (models / "tiny-dream-random").exists():
+        pytest.skip("../shared/data/scifact or ../shared/models is absent")
+    tmp = tmp_path_factory.mktemp("rerank")
+    corpus = [json.loads(line) for line in (scifact / "corpus.jsonl").read_text().splitlines() if line.strip()]
+    queries = [json.loads(line) for line in (scifact / "queries.jsonl").read_text().splitlines() if line.strip()]
+    rows = [line.split("\t") for line in (scifact / "qrels" / "test.tsv").read_text().splitlines()[1:]]
+    keep = list(dict.fromkeys(r[0] for r in rows))[:N_QUERIES]
+    qrels = {"test": [(q, d, int(g)) for q, d, g in rows if q in keep]}
+    src = write_beir(tmp / "scifact-12", corpus, [q for q in queries if q["_id"] in keep], qrels)
+    root = tmp / "store"
+    run("download", "scifact", "--source", str(src), "--root", str(root))
+    run("bm25", "--dataset", "scifact", "--root", str(root))
+    return root
+
+
+CASES = [  # (model, method, extra options)
+    ("tiny-dream-random", "pointwise", []),
+    ("tiny-dream-random", "logits_listwise", []),
+    ("tiny-dream-random", "permutation_assignment", []),
+    ("tiny-dream-random", "permutation_sampling", ["--steps", "2", "--depth", "30"]),
+    ("tiny-llada-random", "logits_listwise", []),
+    ("splade-tiny-mlm", "pointwise", []),
+    ("splade-tiny-mlm", "logits_listwise", ["--window", "8", "--step", "4"]),
+]
+
+
+@pytest.mark.e2e
+def test_rerank_each_method_writes_an_evaluated_run(store: Path) -> None:
+    models = SHARED / "models"
+    slugs = []
+    for model, method, extra in CASES:
+        args = ["rerank", "--root", str(store), "--model", str(models / model), "--method", method,
+                "--doc-tokens", "32", *extra]  # fmt: skip
+        p = run(*args)
+        assert "1 run(s) reranked" in p.stdout + p.stderr, p.stdout + p.stderr
+        if not slugs:  # the same command again: nothing to do (checked once; every method plans alike)
+            again = run(*args)
+            assert "0 run(s) reranked, 1 already done" in again.stdout + again.stderr
+        slug = next(r["system"] for r in sql(store, "select system from systems where kind = 'reranker' "
+                                                    f"and readout = '{method}' and model like '%{model}'"))  # fmt: skip
+        slugs.append(slug)
+        depth = 30 if "--depth" in extra else 100
+        got = sql(store, f"select count(distinct query_id) q, count(*) n, min(rank) lo, max(rank) hi from runs "
+                         f"where system = '{slug}'")  # fmt: skip
+        assert got == [{"q": N_QUERIES, "n": N_QUERIES * depth, "lo": 1, "hi": depth}]
+        # the reranked run holds the first stage's candidates, in another order
+        same = sql(store, f"select count(*) n from runs r join runs b on r.query_id = b.query_id and "
+                          f"r.doc_id = b.doc_id where r.system = '{slug}' and b.mode = 'bm25' and b.rank <= {depth}")
+        assert same == [{"n": N_QUERIES * depth}]
+    assert len(set(slugs)) == len(CASES)
+    run("evaluate", "--root", str(store))
+    board = {r["system"]: r for r in sql(store, "select system, mode, ndcg_10, queries from best_cells "
+                                                "where split = 'test'")}  # fmt: skip
+    for slug in slugs:
+        assert board[slug]["mode"] == "rerank" and board[slug]["queries"] == N_QUERIES
+        assert 0.0 <= board[slug]["ndcg_10"] <= 1.0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--first-stage", "nosuch"], "no system named 'nosuch'"),
+        (["--first-stage", "bm25", "--mode", "multi_dense"], "no first-stage run"),
+        (["--depth", "0"], "depth"),
+        (["--method", "logits_listwise", "--window", "20"], "exceeds"),  # splade-tiny's 512 tokens
+        (["--method", "permutation_assignment", "--prompt", "BAD_PROMPT"], "is not a single token"),
+    ],
+)
+def test_rerank_bad_input_is_one_line_and_writes_nothing(store: Path, tmp_path: Path, extra: list[str],
+                                                         message: str) -> None:  # fmt: skip
+    bad_prompt = tmp_path / "bad.yaml"
+    bad_prompt.write_text(
+        'system: ""\nuser: "{query} {documents} {n}"\ndocument: "[{id}] {text}"\nassistant: "{slots}"\n'
+        'slot: "{slot}"\nslot_separator: "\\n"\nidentifiers: [' + ", ".join(f"zqxw{i}" for i in range(20)) + "]\n"
+    )
+    extra = [str(bad_prompt) if x == "BAD_PROMPT" else x for x in extra]
+    models = SHARED / "models"
+    before = sorted(p.relative_to(store) for p in store.rglob("*") if "_locks" not in p.parts)
+    p = run("rerank", "--root", str(store), "--model", str(models / "splade-tiny-mlm"), "--doc-tokens", "64",
+            *extra, check=False)  # fmt: skip
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], p.stdout + p.stderr
+    assert sorted(p.relative_to(store) for p in store.rglob("*") if "_locks" not in p.parts) == before
