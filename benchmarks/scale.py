@@ -4,6 +4,8 @@ rewrite-the-manifest-per-shard approach measured in the same process.
 
     python benchmarks/scale.py                       # 1k, 10k, 100k shards; the old approach at 1k and 10k
     python benchmarks/scale.py --sizes 1000 --old-sizes 1000
+    python benchmarks/scale.py rss|speed|msmarco ...  # the memory half: scoring under the byte budget
+                                                     # (benchmarks/scale_scoring.py, same arguments)
 
 Shard files are tiny Parquet tables written once without timing (the point is the bookkeeping, not the
 Parquet writing); every bookkeeping call goes through the real :class:`storage.ArtifactStore`:
@@ -27,6 +29,7 @@ import hashlib
 import io
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -128,6 +131,10 @@ def old_bookkeeping(root: str, shards: list[tuple[str, FileEntry]]) -> dict[str,
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("rss", "speed", "msmarco", "child"):
+        from scale_scoring import main as scoring  # this folder is on the path when run as a script
+
+        return scoring()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000,100000", help="Shard counts (comma-separated).")
     ap.add_argument("--old-sizes", default="1000,10000", help="Shard counts to run the old approach at too.")
