@@ -115,13 +115,13 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             t = tokenize_texts(tokenizer, texts[s:e], unit.max_length)
             t = t.add_column(0, "id", pa.array(ids[s:e], pa.string()))
             t = t.append_column("text", pa.array(texts[s:e], pa.string())).cast(TOKENS_SCHEMA)
-            out.append((name, ctx.store.write_shard(unit.stage, name, t)))
+            entry = ctx.store.write_shard(unit.stage, name, t)
+            # recorded as each shard is written (an appended record, safe from any process): a run killed
+            # half-way through a side keeps the shards it finished
+            ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
+            out.append((name, entry))
         ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
         return out
-
-    def commit(self, unit: TokenizeUnit, result: list[tuple[str, FileEntry]], ctx: Context) -> None:
-        for name, entry in result:
-            ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
 
     def finish(self, config: TokenizeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Compact each folder's shard records into its manifest (one write per folder)."""

@@ -633,9 +633,12 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     cfg = with_adapter(cfg)
     ref, extra = _model_ref(cfg)
     raw = raw_config(cfg)
-    check_model_files(cfg)
     spec = resolve_family(cfg, raw)
     tokenizer = load_tokenizer(cfg, spec, raw)
+    try:
+        check_model_files(cfg)
+    except BackboneError as exc:
+        raise _load_error(cfg, "its weights", exc, "Check the folder: is the download complete?", raw) from exc
     dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
     kwargs: dict[str, Any] = {dtype_kw: getattr(torch, cfg.dtype), **extra}
     if cfg.attn_implementation:

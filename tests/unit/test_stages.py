@@ -235,6 +235,34 @@ def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, t
     assert not (stage / "_shards.jsonl").exists()
 
 
+def test_tokenize_killed_mid_side_keeps_the_shards_it_finished(world: dict, tmp_path: Path, monkeypatch) -> None:
+    import stages.tokenize as tok
+
+    w = copy_world(world, tmp_path)
+    stage = next(Path(w["root"]).glob("tokens/*/dataset=tiny/side=passage"))
+    good = {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")}
+    assert len(good) == 3
+    shutil.rmtree(stage)
+    real, calls = tok.tokenize_texts, []
+
+    def tokenize_then_die(*a, **k):  # the process dies while tokenizing the side's third shard
+        calls.append(1)
+        if len(calls) == 3:
+            raise _Killed
+        return real(*a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(tok, "tokenize_texts", tokenize_then_die)
+        with pytest.raises(_Killed):
+            execute(stages()["tokenize"], w["configs"]["tokenize"], log=lambda _: None)
+    kept = {p.name: p.stat().st_mtime_ns for p in stage.glob("shard=*.parquet")}
+    assert len(kept) == 2
+    res = execute(stages()["tokenize"], w["configs"]["tokenize"], log=lambda _: None)
+    assert (res.done, res.skipped) == (1, 3)  # only the third passage shard (1 query shard, 2 kept)
+    assert {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")} == good
+    assert all(stage.joinpath(n).stat().st_mtime_ns == t for n, t in kept.items())
+
+
 def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dict, tmp_path: Path, monkeypatch):
     from flows.cli import app
 
