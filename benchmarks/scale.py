@@ -37,7 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import ArtifactStore, FileEntry
-from storage.store import PARQUET_COMPRESSION, SHARD_LOG
+from storage.layout import SHARD_LOG
+from storage.store import PARQUET_COMPRESSION
 
 STAGE = "encodings/system=bench/dataset=msmarco/side=passage/k=16"
 PART = {"system": "bench", "dataset": "msmarco", "side": "passage", "k": "16"}

@@ -188,6 +188,8 @@ MEASURES: tuple[Measure, ...] = (
 PRIMARY = MEASURES[0]
 
 RUN_FILE = "run.parquet"
+SHARD_LOG = "_shards.jsonl"  # a sharded folder's appended shard records (local stores), until compacted
+SHARD_RECORDS_DIR = "_records"  # the same as one small file per shard (object stores cannot append)
 METRICS_FILE = "per_query.parquet"
 
 

@@ -51,8 +51,6 @@ ROW_GROUP_ROWS = 100_000
 _HASH_CHUNK = 8 << 20
 # shards recorded but not yet compacted into their folder's manifest: an append log on local stores (one line per
 # shard, one fsync), one small object per shard on object stores (which cannot append)
-SHARD_LOG = "_shards.jsonl"
-SHARD_RECORDS_DIR = "_records"
 _MANIFEST_CACHE_SIZE = 32
 # parsed manifests of local folders, keyed by path and (inode, size, mtime): a reader of one shard at a time
 # (encode units, scoring) parses a 9k-entry manifest once, not once per shard
@@ -65,7 +63,7 @@ def shard_record_path(stage_dir: str, name: str) -> str:
     >>> shard_record_path("tokens/tokenizer=t/dataset=d/side=query", "shard=00000.parquet")
     'tokens/tokenizer=t/dataset=d/side=query/_records/shard=00000.parquet.json'
     """
-    return f"{stage_dir}/{SHARD_RECORDS_DIR}/{name}.json"
+    return f"{stage_dir}/{layout.SHARD_RECORDS_DIR}/{name}.json"
 
 
 def _info_stat(info: dict[str, Any]) -> tuple[int, int | None]:
@@ -433,7 +431,7 @@ class ArtifactStore:
                 return
             folder = self.abspath(stage_dir)
             os.makedirs(folder, exist_ok=True)
-            fd = os.open(f"{folder}/{SHARD_LOG}", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(f"{folder}/{layout.SHARD_LOG}", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash stays a line of its own
@@ -469,7 +467,7 @@ class ArtifactStore:
         error: a line torn by a crash, a file edited by hand)."""
         out: list[ShardRecord | StoreError] = []
         if self.is_local:
-            path = self.abspath(f"{stage_dir}/{SHARD_LOG}")
+            path = self.abspath(f"{stage_dir}/{layout.SHARD_LOG}")
             try:
                 with open(path, "rb") as f:
                     lines = f.read().split(b"\n")
@@ -482,7 +480,7 @@ class ArtifactStore:
                     except StoreError as exc:
                         out.append(exc)
             return [path], out
-        folder = self.abspath(f"{stage_dir}/{SHARD_RECORDS_DIR}")
+        folder = self.abspath(f"{stage_dir}/{layout.SHARD_RECORDS_DIR}")
         try:
             listed = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
