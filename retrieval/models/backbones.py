@@ -19,6 +19,7 @@ costs ~600 MB per batch).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -546,6 +547,18 @@ def check_model_files(cfg: BackboneConfig) -> None:
         _check_safetensors(path)
 
 
+def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> None:
+    """:func:`check_model_files`, failing as a load error that names the model, its architecture and the
+    transformers version (as every other load failure does)."""
+    try:
+        check_model_files(cfg)
+    except BackboneError as exc:
+        if raw is None:
+            with contextlib.suppress(BackboneError):
+                raw = raw_config(cfg)
+        raise _load_error(cfg, "its weights", exc, "Download or save the model again.", raw) from exc
+
+
 def _check_safetensors(path: Path) -> None:
     """The header parses and the file holds every tensor it lists (a truncated download fails here)."""
     size = path.stat().st_size
@@ -635,10 +648,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     raw = raw_config(cfg)
     spec = resolve_family(cfg, raw)
     tokenizer = load_tokenizer(cfg, spec, raw)
-    try:
-        check_model_files(cfg)
-    except BackboneError as exc:
-        raise _load_error(cfg, "its weights", exc, "Check the folder: is the download complete?", raw) from exc
+    check_weights(cfg, raw)
     dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
     kwargs: dict[str, Any] = {dtype_kw: getattr(torch, cfg.dtype), **extra}
     if cfg.attn_implementation:

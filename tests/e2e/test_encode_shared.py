@@ -37,10 +37,21 @@ def scifact_store(tmp_path, shared_data) -> Path:
 
 
 def _manifests(root: Path) -> dict[str, dict]:
-    return {
-        str(p.parent.relative_to(root)): json.loads(p.read_text())["files"]
-        for p in sorted((root / "encodings").rglob("_manifest.json"))
-    }
+    """Per encodings folder, the shards it holds: listed in its manifest or recorded in its _shards.jsonl (not
+    yet compacted), each by sha256, bytes and rows (not mtime: two stores write at different times)."""
+    out = {}
+    for p in sorted((root / "encodings").rglob("_manifest.json")):
+        files = dict(json.loads(p.read_text())["files"])
+        log = p.parent / "_shards.jsonl"
+        if log.exists():
+            for line in log.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    files[rec["name"]] = rec["file"]
+        out[str(p.parent.relative_to(root))] = {
+            name: {k: v for k, v in entry.items() if k != "mtime_ns"} for name, entry in files.items()
+        }
+    return out
 
 
 ARGS = [
