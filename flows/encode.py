@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from prefect import flow
 
-from retrieval.models.backbones import check_weights
 from stages import StageResult
 from stages import encode as encode_stage
 from stages import tokenize as tokenize_stage
@@ -29,7 +28,6 @@ def tokenize_flow(config: TokenizeConfig) -> dict:
 
 @flow(name="encode", description=encode_stage.stage.description)
 def encode_flow(config: EncodeConfig) -> dict:
-    check_weights(config.backbone)  # no weights / a corrupt file: refused before any tokenizing
     run_in_flow(tokenize_stage.stage, config.tokenize_config())
     return run_in_flow(encode_stage.stage, config)
 
@@ -45,7 +43,6 @@ def run_encode(
     if prefect:
         with prefect_api():
             return StageResult.model_validate(encode_flow(config))
-    check_weights(config.backbone)
     tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
     if tok.done:
         log(f"tokenize: {tok.line()}")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import Readout, ReadoutConfig, make_reader, readout_class
 from storage import FileEntry, IncompleteArtifactError
@@ -27,7 +27,7 @@ from storage.layout import encodings_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
 from .readers import TITLE_SEP
-from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokens_slug
+from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokens_slug, weights_of
 from .tokenize import DEFAULT_MODEL, TokenizeConfig
 
 
@@ -135,7 +135,9 @@ class Encode(
                     )
                     plan.units.append(unit)
                     plan.work += rows
-        register(ctx.store, record)
+        register(ctx.store, record, weights_of(config.backbone))  # refuses a folder retrained in place
+        if plan.units:  # model work to do: no weights, a truncated or corrupt file fail here, before any
+            check_weights(config.backbone)
         return plan
 
     def work_of(self, unit: EncodeUnit) -> int:

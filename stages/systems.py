@@ -59,12 +59,12 @@ def backbone_settings(b: BackboneConfig) -> dict[str, Any]:
         "mask_token": b.mask_token,
         "turn_end": b.turn_end,
         **({"adapter": b.adapter, "merge_adapter": b.merge_adapter} if b.adapter else {}),
-        # a local folder's content: two checkpoints under one path never share a slug (hub ids: None)
-        **_weights(b),
     }
 
 
-def _weights(b: BackboneConfig) -> dict[str, str]:
+def weights_of(b: BackboneConfig) -> dict[str, str]:
+    """Content fingerprints of a local model (and adapter) folder's weights, when they are there (hub ids: none).
+    Recorded in the registry, not hashed into the slug: a re-run with every artifact current needs no weights."""
     out = {}
     if fp := weights_fingerprint(b.model, b.gguf_file):
         out["weights"] = fp
@@ -148,12 +148,24 @@ def encoder_record(s: EncodeSettings) -> SystemRecord:
     )  # fmt: skip
 
 
-def register(store: ArtifactStore, record: SystemRecord) -> None:
-    """Write the record unless the registry holds it already (a record never changes: its slug is its hash)."""
+def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None) -> None:
+    """Write the record unless the registry holds it already (a record never changes: its slug is its hash).
+
+    ``weights`` (:func:`weights_of`) are recorded with it; when the registry holds the system with other
+    weights, the folder now holds another checkpoint than the one its artifacts came from (retrained or
+    replaced in place): refused, so that its results are never reported as the new model's."""
     stage = system_dir(record.system)
     config = record.model_dump()
     old = store.read_manifest(stage)
     if old is not None and old.config_hash == config_hash(config):
+        before = (old.stats or {}).get("weights") or {}
+        changed = sorted(k for k, v in (weights or {}).items() if k in before and before[k] != v)
+        if changed:
+            raise StoreError(
+                f"{record.model}: its weights are not the ones system {record.system} was built from ({changed[0]} "
+                f"{before[changed[0]]} in the registry, {weights[changed[0]]} now), so its stored artifacts are "
+                "another model's; save the new model under another path (it is then a system of its own)"
+            )  # fmt: skip
         return
     if old is not None:
         raise StoreError(
@@ -161,7 +173,8 @@ def register(store: ArtifactStore, record: SystemRecord) -> None:
             f"(fields {[d[0] for d in diff_configs(old.config, config)]} differ); remove that folder"
         )
     path = _local_path(record.model) if record.model else None
-    m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats={"model_path": path})
+    stats = {"model_path": path, **({"weights": weights} if weights else {})}
+    m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats=stats)
     store.write_manifest(stage, m)
 
 

@@ -461,10 +461,9 @@ _SAMPLES, _SAMPLE_BYTES = 64, 1 << 16  # a weights fingerprint reads at most 4 M
 
 
 def weights_fingerprint(model: str, gguf_file: str | None = None) -> str | None:
-    """A content fingerprint of a local model (or adapter) folder: its config.json and weight files, each by
-    size and 64 evenly spaced 64 KiB samples (the whole file when smaller). Two different checkpoints under one
-    path (retrained, or "./model" from two working directories) get different system slugs, so their artifacts
-    are kept apart; a copy of the same folder elsewhere gets the same fingerprint. ``None`` for a hub id.
+    """A content fingerprint of a local model (or adapter) folder: its weight files and config, each by size
+    and 64 evenly spaced 64 KiB samples (the whole file when smaller); a copy of the folder elsewhere has the
+    same one, a checkpoint retrained in place another. ``None`` for a hub id or a folder without weights.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -477,11 +476,12 @@ def weights_fingerprint(model: str, gguf_file: str | None = None) -> str | None:
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return None
-    files = sorted(p for p in folder.iterdir() if p.is_file() and (
-        p.name == "config.json" or p.name.startswith("adapter_") or (
-            p.name == gguf_file if gguf_file else p.suffix in WEIGHT_SUFFIXES)))  # fmt: skip
-    if not files:
+    weights = [p for p in folder.iterdir() if p.is_file() and (p.name == gguf_file if gguf_file else
+                                                                 p.suffix in WEIGHT_SUFFIXES)]  # fmt: skip
+    if not weights:  # nothing to fingerprint (the weights are elsewhere, or not downloaded)
         return None
+    extra = [p for p in folder.iterdir() if p.is_file() and p.name in ("config.json", "adapter_config.json")]
+    files = sorted(weights + extra)
     stats = tuple((p.name, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _fingerprint(stats)
 

@@ -112,15 +112,17 @@ def _damage(model: Path, case: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["no weights", "corrupt header", "truncated"])
-def test_bad_model_folder_fails_before_any_work(tmp_path: Path, tiny_beir: Path, tiny_mlm: Path, case: str) -> None:
+def test_bad_model_folder_fails_before_any_model_work(tmp_path: Path, tiny_beir: Path, tiny_mlm: Path,
+                                                      case: str) -> None:  # fmt: skip
     model = tmp_path / "model"
     shutil.copytree(tiny_mlm, model)
     message = _damage(model, case)
     root = tmp_path / "store"
     p = cli("run", "--source", str(tiny_beir), "--model", str(model), "--root", str(root), *SMALL_RUN)
     assert p.returncode == 2
-    assert message in error_line(p)
-    assert parquet_files(root, "tokens") == [] and parquet_files(root, "encodings") == []
+    line = error_line(p)
+    assert message in line and "(BertForMaskedLM)" in line  # the model, its architecture, the cause
+    assert parquet_files(root, "encodings") == []  # (the token ids, complete, need only the tokenizer)
 
 
 # ------------------------------------------------------------------------------------------- store root
@@ -166,24 +168,28 @@ def _metric_systems(root: Path) -> set[str]:
     return {part.removeprefix("system=") for (f,) in rows for part in Path(f).parts if part.startswith("system=")}
 
 
-def test_two_models_under_one_path_are_kept_apart(tmp_path: Path, tiny_beir: Path) -> None:
-    """A checkpoint retrained in place (same folder, other weights) is another system: its own slug, encodings,
-    runs and metrics; the first model's artifacts are untouched, and running the first again does nothing."""
+def test_a_model_retrained_in_place_is_refused_then_kept_apart_elsewhere(tmp_path: Path, tiny_beir: Path) -> None:
+    """Other weights under a path whose system is stored: refused (the stored artifacts are the first model's,
+    never reported as the new one's), nothing touched; saved under another path, it is a system of its own."""
     model, root = tmp_path / "model", tmp_path / "store"
     save_tiny_mlm(model, seed=0)
-    args = ("run", "--source", str(tiny_beir), "--model", str(model), "--root", str(root), *SMALL_RUN)
-    p = cli(*args)
+    args = ("--source", str(tiny_beir), "--root", str(root), *SMALL_RUN)
+    p = cli("run", "--model", str(model), *args)
     assert p.returncode == 0, p.stdout + p.stderr
     (first,) = _systems(root)
     before = {f: f.stat().st_mtime_ns for f in parquet_files(root, "encodings") + parquet_files(root, "runs")}
     shutil.rmtree(model)
     save_tiny_mlm(model, seed=1)  # "retrained": the same path, other weights
-    p = cli(*args)
+    p = cli("run", "--model", str(model), *args)
+    assert p.returncode == 2
+    assert f"its weights are not the ones system {first} was built from" in error_line(p)
+    assert {f: f.stat().st_mtime_ns for f in before} == before
+    shutil.copytree(model, tmp_path / "model-v2")
+    p = cli("run", "--model", str(tmp_path / "model-v2"), *args)
     assert p.returncode == 0, p.stdout + p.stderr
     systems = _systems(root)
-    assert len(systems) == 2 and first in systems
+    assert len(systems) == 2 and first in systems and _metric_systems(root) == set(systems)
     assert all(f.stat().st_mtime_ns == t for f, t in before.items())  # the first model's files untouched
-    assert _metric_systems(root) == set(systems)
 
 
 # -------------------------------------------------------------------------------------------------- SIGINT
