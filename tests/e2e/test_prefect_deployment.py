@@ -117,10 +117,10 @@ def test_pipeline_deployment_resumes_a_failed_run(scifact: Path, prefect_server:
     failed = work_off(server, first, "pipeline-1", expect="FAILED")
     assert failed["state_type"] == "FAILED"
     stage = root / "datasets" / "dataset=scifact"
-    assert (stage / "_manifest.json").is_file()  # downloaded before failing
-    assert not (root / "tokens").exists()  # the missing weights are refused before any tokenizing
-    assert not (root / "runs").exists()
-    before = {p: p.stat().st_mtime_ns for p in stage.iterdir()}
+    tokens = sorted((root / "tokens").rglob("_manifest.json"))
+    assert (stage / "_manifest.json").is_file() and len(tokens) == 2  # downloaded and tokenized before failing
+    assert not (root / "runs").exists() and not list(root.glob("encodings/**/*.parquet"))
+    before = {p: p.stat().st_mtime_ns for p in [*stage.iterdir(), *tokens]}
 
     weights.with_suffix(".away").rename(weights)
     second = run_deployment(server, config, "pipeline/pipeline")
