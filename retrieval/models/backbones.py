@@ -556,7 +556,8 @@ def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> Non
         if raw is None:
             with contextlib.suppress(BackboneError):
                 raw = raw_config(cfg)
-        raise _load_error(cfg, "its weights", exc, "Download or save the model again.", raw) from exc
+        hint = "Check the folder; download or save the model again."
+        raise _load_error(cfg, "its weights", exc, hint, raw) from exc
 
 
 def _check_safetensors(path: Path) -> None:
