@@ -155,7 +155,7 @@ def build_pieces(
             raise PromptError("the chat template dropped the user message")
         before, after = rendered.split(_SENTINEL, 1)
         prefix, suffix = _ids(tokenizer, before), _ids(tokenizer, after + assistant_prefix)
-        closing = _chat_tail(tokenizer, turn_end_id, eos)
+        closing = chat_tail(tokenizer, turn_end_id, eos)
     else:  # plain text, wrapped in the tokenizer's own special tokens (e.g. [CLS] ... [SEP])
         head, tail = special_wrapping(tokenizer)
         prefix = head + _ids(tokenizer, user_prefix)
@@ -164,7 +164,7 @@ def build_pieces(
     return PromptPieces(tuple(prefix), tuple(suffix), tuple(closing))
 
 
-def _chat_tail(tokenizer: Any, turn_end_id: int | None, eos: int | None) -> list[int]:
+def chat_tail(tokenizer: Any, turn_end_id: int | None, eos: int | None) -> list[int]:
     """The reference's tail: the closing quote (when it is one token), the end of turn (unless it is EOS), then
     EOS up to N_TAIL tokens."""
     quote = _ids(tokenizer, '"')

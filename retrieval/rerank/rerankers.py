@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from ..models.backbones import Backbone
-from ..models.prompts import _chat_tail, special_wrapping
+from ..models.prompts import chat_tail, special_wrapping
 from ..traits import Declared
 from .algorithms import assignment_permutation, decode_permutation, order_by_scores, window_starts, yes_no_score
 
@@ -101,8 +101,10 @@ class PromptBuilder:
         self.mask_id = backbone.mask_id
         self.chat = backbone.has_chat_template
         eos = self.tok.eos_token_id
-        self.tail = _chat_tail(self.tok, backbone.turn_end_id, eos) if self.chat else special_wrapping(self.tok)[1]
-        self.head = [] if self.chat else special_wrapping(self.tok)[0]
+        if self.chat:
+            self.head, self.tail = [], chat_tail(self.tok, backbone.turn_end_id, eos)
+        else:
+            self.head, self.tail = special_wrapping(self.tok)
         cfg = backbone.model.config
         self.context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_sequence_length", None)
         self.strip_before_slot = False
