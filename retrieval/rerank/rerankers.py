@@ -188,15 +188,22 @@ def _pad_right(rows: list[list[int]], pad_id: int, device: torch.device) -> tupl
     return ids.to(device), att.to(device)
 
 
+def position_logits(bb: Backbone, rows: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+    """One bidirectional pass over ``rows`` (padded together; differentiable): the full-vocabulary logits at each
+    row's ``positions``, stacked row by row into ``[sum of positions, vocabulary]`` (the LM head applied at those
+    positions only). The forward of both reranking and reranker training."""
+    ids, att = _pad_right(rows, bb.pad_id, bb.device)
+    hidden = bb.hidden_states(ids, att, bidirectional=True)
+    b_idx = torch.cat([torch.full((len(p),), i, dtype=torch.long) for i, p in enumerate(positions)])
+    s_idx = torch.cat([torch.as_tensor(p, dtype=torch.long) for p in positions])
+    return bb.logits(hidden[b_idx.to(bb.device), s_idx.to(bb.device)])
+
+
 @torch.no_grad()
 def slot_logits(bb: Backbone, rows: list[Encoded], columns: Sequence[int]) -> list[np.ndarray]:
-    """One bidirectional pass over ``rows`` (padded together): per row, the ``[slots, len(columns)]`` logits at
-    its masked slots, of the vocabulary ``columns`` (the LM head applied at the slots only)."""
-    ids, att = _pad_right([r.ids for r in rows], bb.pad_id, bb.device)
-    hidden = bb.hidden_states(ids, att, bidirectional=True)
-    b_idx = torch.cat([torch.full((len(r.slots),), i, dtype=torch.long) for i, r in enumerate(rows)])
-    s_idx = torch.cat([torch.as_tensor(r.slots, dtype=torch.long) for r in rows])
-    logits = bb.logits(hidden[b_idx.to(bb.device), s_idx.to(bb.device)]).float()
+    """One bidirectional pass over ``rows`` (padded together): per row, the ``[slots, len(columns)]``
+    log-probabilities at its masked slots, of the vocabulary ``columns`` (the LM head applied at the slots)."""
+    logits = position_logits(bb, [r.ids for r in rows], [r.slots for r in rows]).float()
     lsm = torch.log_softmax(logits, dim=-1)[:, torch.as_tensor(list(columns), device=bb.device)]
     out, at = [], 0
     for r in rows:

@@ -43,12 +43,9 @@ from ..models.readouts import Readout
 from .objective import contrastive_loss, sparse_vectors
 
 
-class TrainSettings(BaseModel):
-    """Everything that changes a training run's result (its hash names the trained model)."""
+class LoopSettings(BaseModel):
+    """The optimisation settings every training task shares (the contrastive trainer, the rerankers)."""
 
-    kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
-                           "the base model's zero-shot train split selected).")  # fmt: skip
-    kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
     adapter: Literal["lora", "full"] = Field(default="lora", description="lora (peft) or full (every weight).")
     lora_r: int = Field(default=16, ge=1)
     lora_alpha: int = Field(default=64, ge=1)
@@ -58,13 +55,8 @@ class TrainSettings(BaseModel):
     weight_decay: float = Field(default=0.01, ge=0.0)
     grad_clip: float = Field(default=1.0, gt=0)
     epochs: float = Field(default=1.0, gt=0)
-    batch_size: int = Field(default=8, ge=1, description="Groups per micro-batch (the in-batch pool).")
+    batch_size: int = Field(default=8, ge=1, description="Items per micro-batch (groups; lists for rerankers).")
     grad_accum: int = Field(default=4, ge=1, description="Micro-batches per optimizer step.")
-    q_max_len: int = Field(default=32, ge=1, description="Query text tokens (before the prompt).")
-    p_max_len: int = Field(default=156, ge=1, description="Passage text tokens (before the prompt).")
-    n_negatives: int = Field(default=15, ge=0, description="Hard negatives per group.")
-    tau: float = Field(default=0.01, gt=0, description="Temperature of the dense InfoNCE.")
-    sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
     gradient_checkpointing: bool = Field(default=False)
     shard_optimizer: bool = Field(default=False, description="Under DDP, shard the AdamW state across the "
                                   "processes (PyTorch's ZeroRedundancyOptimizer, ZeRO stage 1).")  # fmt: skip
@@ -74,8 +66,34 @@ class TrainSettings(BaseModel):
     seed: int = Field(default=0)
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
+    def lr_factor(self, step: int, steps: int) -> float:
+        """The learning rate's multiplier at ``step`` of ``steps``: linear warm-up over ``warmup_ratio`` of the
+        steps, then linear decay to 0 (subclasses may hold it constant).
 
-def planned_steps(n_groups: int, s: TrainSettings, world: int = 1) -> tuple[int, int]:
+        >>> [round(LoopSettings(warmup_ratio=0.25).lr_factor(s, 8), 3) for s in range(8)]
+        [0.333, 0.667, 1.0, 0.833, 0.667, 0.5, 0.333, 0.167]
+        """
+        warm = int(steps * self.warmup_ratio)
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        return max(0.0, (steps - step) / max(1, steps - warm))
+
+
+class TrainSettings(LoopSettings):
+    """Everything that changes a contrastive training run's result (its hash names the trained model)."""
+
+    kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
+                           "the base model's zero-shot train split selected).")  # fmt: skip
+    kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
+    batch_size: int = Field(default=8, ge=1, description="Groups per micro-batch (the in-batch pool).")
+    q_max_len: int = Field(default=32, ge=1, description="Query text tokens (before the prompt).")
+    p_max_len: int = Field(default=156, ge=1, description="Passage text tokens (before the prompt).")
+    n_negatives: int = Field(default=15, ge=0, description="Hard negatives per group.")
+    tau: float = Field(default=0.01, gt=0, description="Temperature of the dense InfoNCE.")
+    sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
+
+
+def planned_steps(n_groups: int, s: LoopSettings, world: int = 1) -> tuple[int, int]:
     """(optimizer steps per epoch, steps in all) for ``n_groups`` groups on ``world`` processes.
 
     >>> planned_steps(809, TrainSettings(epochs=3))   # 32 groups a step
@@ -87,7 +105,7 @@ def planned_steps(n_groups: int, s: TrainSettings, world: int = 1) -> tuple[int,
     return per_epoch, s.max_steps or max(1, math.ceil(per_epoch * s.epochs))
 
 
-def lora_wrap(bb: Backbone, s: TrainSettings) -> Any:
+def lora_wrap(bb: Backbone, s: LoopSettings) -> Any:
     """Inject LoRA layers into the backbone (in place) on its family's projections; the peft model."""
     from peft import LoraConfig, get_peft_model
 
@@ -168,19 +186,17 @@ class Prepared:
     passage_allowed: list[list[int]] | None = None
 
 
-class Trainer:
-    """Trains a readout's backbone on groups (every readout: the mask readout, S > 1 included, PromptReps,
-    DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one."""
+class Loop:
+    """The task-independent half of training: the adapter (peft LoRA or every weight), AdamW (sharded under DDP
+    when asked), the schedule, the seeded data order, gradient accumulation with prefetched inputs, DDP
+    gradient averaging, resumable checkpoints. A task subclasses it with :meth:`prepare` (a micro-batch's CPU
+    work, run on a prefetch thread) and :meth:`micro_loss` (the forward pass and the loss).
+    ``items`` are the training units one micro-batch takes ``batch_size`` of (groups, ranked lists)."""
 
-    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = TITLE_SEP):
-        if not groups:
-            raise ValueError("no training groups")
-        if settings.kq is None or settings.kp is None:
-            raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
-        reader.check_k([settings.kq])
-        reader.check_k([settings.kp])
-        self.r, self.s, self.groups, self.sep = reader, settings, list(groups), title_sep
-        bb = reader.bb
+    def __init__(self, bb: Backbone, items: Sequence[Any], settings: LoopSettings):
+        if not items:
+            raise ValueError("no training items")
+        self.bb, self.s, self.items = bb, settings, list(items)
         torch.manual_seed(settings.seed)
         if settings.adapter == "lora":
             self.peft = lora_wrap(bb, settings)
@@ -197,7 +213,7 @@ class Trainer:
         self.bf16 = settings.precision == "bfloat16" or auto_bf16  # autocast; the weights stay as loaded
         if self.world > 1:  # the same initial weights everywhere, then each process its own dropout stream
             torch.manual_seed(settings.seed * 1_000_003 + self.rank)
-        self.steps_per_epoch, self.steps = planned_steps(len(self.groups), settings, self.world)
+        self.steps_per_epoch, self.steps = planned_steps(len(self.items), settings, self.world)
         self.sharded = settings.shard_optimizer and self.world > 1
         if self.sharded:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -207,90 +223,45 @@ class Trainer:
             )
         else:
             self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
-        warm = int(self.steps * settings.warmup_ratio)
-
-        def schedule(step: int) -> float:
-            if step < warm:
-                return (step + 1) / (warm + 1)
-            return max(0.0, (self.steps - step) / max(1, self.steps - warm))
-
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: settings.lr_factor(step, self.steps))
         self.step = 0
         self.log: list[dict[str, Any]] = []
-        for side, k in (("query", settings.kq), ("passage", settings.kp)):
-            reader.pieces(side, k)  # the prompt's tokens, before the prefetch thread shares the tokenizer
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="diffret-train-inputs")
-        self._ahead: tuple[int, Future[list[Prepared]]] | None = None
+        self._ahead: tuple[int, Future[list[Any]]] | None = None
+
+    # ------------------------------------------------------------------------------------------ the task
+    def prepare(self, items: list[Any], step: int) -> Any:
+        """A micro-batch's inputs (CPU work only); a function of the items and the step."""
+        raise NotImplementedError
+
+    def micro_loss(self, prepared: Any, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the micro-batch's loss, its logged parts) for inputs from :meth:`prepare`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def samples(prepared: Any) -> int:
+        """The samples in a prepared micro-batch (for samples/s)."""
+        return len(prepared)
 
     # ------------------------------------------------------------------------------------------ data
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.groups), generator=g).tolist()
+        return torch.randperm(len(self.items), generator=g).tolist()
 
-    def micro_batches(self, step: int) -> list[list[Group]]:
-        """This process's groups of optimizer step ``step`` (a function of the seed and the step only): the
-        step's ``grad_accum`` global micro-batches of ``batch_size x world`` groups, this rank's slice of each."""
+    def micro_batches(self, step: int) -> list[list[Any]]:
+        """This process's items of optimizer step ``step`` (a function of the seed and the step only): the
+        step's ``grad_accum`` global micro-batches of ``batch_size x world`` items, this rank's slice of each."""
         b = self.s.batch_size
         per_step = b * self.s.grad_accum * self.world
         epoch, within = divmod(step, self.steps_per_epoch)
         order = self._order(epoch)[within * per_step : (within + 1) * per_step]
-        chosen = [self.groups[i] for i in order]
+        chosen = [self.items[i] for i in order]
         glob = [chosen[i : i + b * self.world] for i in range(0, len(chosen), b * self.world)]
         return [mb[self.rank * b : (self.rank + 1) * b] for mb in glob]
 
-    def _passages(self, g: Group, step: int) -> list[str]:
-        rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
-        pos = rng.choice(g.positives)
-        negs = sample_fill(rng, g.negatives, self.s.n_negatives)
-        return [passage_text(p["title"], p["text"], self.sep) for p in [pos, *negs]]
-
-    def _ids(self, texts: list[str], limit: int) -> list[list[int]]:
-        quiet_length_warning(self.r.bb.tokenizer)
-        ids = self.r.bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [list(t[:limit]) for t in ids]
-
-    def _allowed(self, allowed: list[list[int]] | None, vocab: int) -> torch.Tensor | None:
-        if allowed is None:
-            return None
-        out = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=self.r.bb.device)
-        for i, ids in enumerate(allowed):
-            out[i, [j for j in ids if j < vocab]] = True
-        return out
-
-    def prepare(self, groups: list[Group], step: int) -> Prepared:
-        """A micro-batch's inputs (CPU work only: sampling, tokenisation, the content filter); a function of
-        the groups and the step, so :meth:`train_step` prepares the next step's on a thread meanwhile."""
-        s = self.s
-        queries = [g.query for g in groups]
-        passages = [t for g in groups for t in self._passages(g, step)]
-        filt = self.r.filter if s.sparse_loss else None
-        return Prepared(
-            self._ids(queries, s.q_max_len), self._ids(passages, s.p_max_len), len(passages) // len(groups),
-            [filt.allowed_ids(t) for t in queries] if filt else None,
-            [filt.allowed_ids(t) for t in passages] if filt else None,
-        )  # fmt: skip
-
-    # ------------------------------------------------------------------------------------------ steps
-    def micro_loss(self, groups: list[Group] | Prepared, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        s = self.s
-        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
-        with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            q = self.r.train_forward(x.query_ids, "query", s.kq)
-            p = self.r.train_forward(x.passage_ids, "passage", s.kp)
-        group = x.group
-        qs = ps = None
-        if s.sparse_loss and q.logits is not None and p.logits is not None:
-            qs = sparse_vectors(q.logits, self._allowed(x.query_allowed, q.logits.shape[-1]), q.mask)
-            ps = sparse_vectors(p.logits, self._allowed(x.passage_allowed, p.logits.shape[-1]), p.mask)
-        # this rank's queries against every rank's pool
-        ph, ps = gather(p.dense, self.world), gather(ps, self.world)
-        pm = p.mask if self.world == 1 else gather(p.mask.float(), self.world) > 0.5
-        offset = self.rank * len(x.query_ids)
-        return contrastive_loss(q.dense, q.mask, ph, pm, group, s.tau, qs, ps, offset=offset)
-
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.r.bb.model.train()
+        self.bb.model.train()
         self.opt.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
         batches = self._inputs(self.step)
@@ -306,12 +277,12 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.step += 1
-        n = sum(len(mb.query_ids) for mb in batches) * self.world
+        n = sum(self.samples(mb) for mb in batches) * self.world
         row = {"step": self.step, "lr": lr, **parts, "samples_per_s": n / max(time.perf_counter() - t0, 1e-9)}
         self.log.append(row)
         return row
 
-    def _inputs(self, step: int) -> list[Prepared]:
+    def _inputs(self, step: int) -> list[Any]:
         """Step ``step``'s prepared micro-batches (prefetched when the previous step asked for them), and the
         next step's started on the prefetch thread, so that tokenising overlaps the model's work."""
         ahead = self._ahead
@@ -351,7 +322,7 @@ class Trainer:
                 state = self.state_bytes() if checkpoint or self.world > 1 else b""  # collective under DDP
                 if checkpoint:
                     checkpoint(state)
-        self.r.bb.model.eval()
+        self.bb.model.eval()
         return self.log
 
     # ------------------------------------------------------------------------------------------ state
@@ -402,5 +373,79 @@ class Trainer:
 
     def merged_model(self) -> torch.nn.Module:
         """The trained model with any adapter merged into its weights (a plain transformers model)."""
-        self.r.bb.model.eval()
+        self.bb.model.eval()
         return self.peft.merge_and_unload() if self.peft is not None else self.r.bb.model
+
+
+class Trainer(Loop):
+    """Contrastive training of a readout's backbone on groups (every readout: the mask readout, S > 1
+    included, PromptReps, DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one."""
+
+    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = TITLE_SEP):
+        if not groups:
+            raise ValueError("no training groups")
+        if settings.kq is None or settings.kp is None:
+            raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
+        reader.check_k([settings.kq])
+        reader.check_k([settings.kp])
+        self.r, self.sep = reader, title_sep
+        super().__init__(reader.bb, groups, settings)
+        self.s: TrainSettings = settings
+        self.groups = self.items
+        for side, k in (("query", settings.kq), ("passage", settings.kp)):
+            reader.pieces(side, k)  # the prompt's tokens, before the prefetch thread shares the tokenizer
+
+    @staticmethod
+    def samples(prepared: Prepared) -> int:  # type: ignore[override]
+        return len(prepared.query_ids)
+
+    def _passages(self, g: Group, step: int) -> list[str]:
+        rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
+        pos = rng.choice(g.positives)
+        negs = sample_fill(rng, g.negatives, self.s.n_negatives)
+        return [passage_text(p["title"], p["text"], self.sep) for p in [pos, *negs]]
+
+    def _ids(self, texts: list[str], limit: int) -> list[list[int]]:
+        quiet_length_warning(self.r.bb.tokenizer)
+        ids = self.r.bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [list(t[:limit]) for t in ids]
+
+    def _allowed(self, allowed: list[list[int]] | None, vocab: int) -> torch.Tensor | None:
+        if allowed is None:
+            return None
+        out = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=self.r.bb.device)
+        for i, ids in enumerate(allowed):
+            out[i, [j for j in ids if j < vocab]] = True
+        return out
+
+    def prepare(self, groups: list[Group], step: int) -> Prepared:  # type: ignore[override]
+        """A micro-batch's inputs (CPU work only: sampling, tokenisation, the content filter); a function of
+        the groups and the step, so :meth:`train_step` prepares the next step's on a thread meanwhile."""
+        s = self.s
+        queries = [g.query for g in groups]
+        passages = [t for g in groups for t in self._passages(g, step)]
+        filt = self.r.filter if s.sparse_loss else None
+        return Prepared(
+            self._ids(queries, s.q_max_len), self._ids(passages, s.p_max_len), len(passages) // len(groups),
+            [filt.allowed_ids(t) for t in queries] if filt else None,
+            [filt.allowed_ids(t) for t in passages] if filt else None,
+        )  # fmt: skip
+
+    def micro_loss(  # type: ignore[override]
+        self, groups: list[Group] | Prepared, step: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        s = self.s
+        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
+        with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            q = self.r.train_forward(x.query_ids, "query", s.kq)
+            p = self.r.train_forward(x.passage_ids, "passage", s.kp)
+        group = x.group
+        qs = ps = None
+        if s.sparse_loss and q.logits is not None and p.logits is not None:
+            qs = sparse_vectors(q.logits, self._allowed(x.query_allowed, q.logits.shape[-1]), q.mask)
+            ps = sparse_vectors(p.logits, self._allowed(x.passage_allowed, p.logits.shape[-1]), p.mask)
+        # this rank's queries against every rank's pool
+        ph, ps = gather(p.dense, self.world), gather(ps, self.world)
+        pm = p.mask if self.world == 1 else gather(p.mask.float(), self.world) > 0.5
+        offset = self.rank * len(x.query_ids)
+        return contrastive_loss(q.dense, q.mask, ph, pm, group, s.tau, qs, ps, offset=offset)
