@@ -20,6 +20,7 @@ import typer
 from rich.markup import escape
 
 from retrieval.models.backbones import BackboneConfig
+from retrieval.rerank.training import RerankTrainSettings
 from retrieval.training.loop import TrainSettings
 from storage.layout import DEFAULT_ROOT
 
@@ -247,6 +248,35 @@ def train(
     res = _run("train", prefect, root=root, force=force, training_set=training_set, backbone=enc["backbone"],
                readout=enc["readout"], title_sep=enc["title_sep"], settings=train_settings, name=name,
                checkpoint_every=checkpoint_every, merge=merge)  # fmt: skip
+    console.print(f"model: {res.details.get('model_dir')}", highlight=False, soft_wrap=True)
+
+
+@app.command("train-reranker")
+@config_options(BackboneConfig, "backbone")
+@config_options(RerankTrainSettings, "train_settings", exclude=("adapter",))
+def train_reranker(
+    backbone: dict, train_settings: dict,
+    source: Annotated[str | None, Opt("--source", "-s", help="A RankZephyr-format jsonl / jsonl.gz of ranked "
+                                      "lists.")] = None,
+    dataset: Annotated[str | None, Opt("--dataset", "-d", help="Teacher lists from this stored dataset's qrels "
+                                       "over a first-stage run.")] = None,
+    split: str = "train",
+    first_stage: Annotated[str, Opt(help="The run giving the candidates: bm25, or a system slug.")] = "bm25",
+    kq: Annotated[int, Opt(help="The first-stage run's K_q (0 for BM25).")] = 0,
+    kp: Annotated[int, Opt(help="The first-stage run's K_p (0 for BM25).")] = 0,
+    mode: Annotated[str, Opt(help="The first-stage run's mode (bm25 for BM25).")] = "bm25",
+    full: Annotated[bool, Opt("--full", help="Train every weight (else LoRA r 16, alpha 32).")] = False,
+    merge: Annotated[bool, Opt("--merge", help="LoRA: save the merged weights instead of the adapter.")] = False,
+    checkpoint_every: int = 50, name: str | None = None,
+    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+) -> None:  # fmt: skip
+    """Fine-tune a DiffuRank reranker (listwise CE / RankNet for pointwise and logits_listwise, MDLM SFT for the
+    permutation methods) on RankZephyr lists or qrels-ordered lists from the store; resumable. Rerank with it:
+    `diffret rerank --model <the printed folder> --method <the same method>`."""
+    train_settings = {**train_settings, "adapter": "full" if full else "lora"}
+    res = _run("train-reranker", prefect, root=root, force=force, source=source, dataset=dataset, split=split,
+               first_stage=first_stage, first_kq=kq, first_kp=kp, first_mode=mode, backbone=backbone,
+               settings=train_settings, name=name, checkpoint_every=checkpoint_every, merge=merge)  # fmt: skip
     console.print(f"model: {res.details.get('model_dir')}", highlight=False, soft_wrap=True)
 
 

@@ -4,6 +4,7 @@ in this process or under Prefect through one ``run_stage``.
 
     download -> tokenize -> encode -> (index) -> score / bm25 -> evaluate -> summary -> report
                                                    bm25 (train split) -> training (groups) -> train
+                                                   bm25 (train split) + qrels -> train-reranker -> rerank
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "index", "score", "bm25", "rerank", "training_data", "train", "evaluate", "summary",
-    "report",
+    "ingest", "tokenize", "encode", "index", "score", "bm25", "rerank", "training_data", "train", "train_reranker",
+    "evaluate", "summary", "report",
 )  # fmt: skip
 
 

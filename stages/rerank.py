@@ -18,7 +18,7 @@ from pydantic import Field
 
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.rerankers import Reranker, RerankerName, load_rerank_prompt, make_reranker
-from storage import StoreError, config_hash
+from storage import ArtifactStore, StoreError, config_hash
 from storage.layout import RUN_SCHEMA, run_dir
 
 from .base import Context, Plan, Stage
@@ -73,6 +73,28 @@ def reranker_slug(model: str, method: str, settings: dict[str, Any], first: dict
     return f"{slug_base(model)}-{method}-{config_hash({'settings': settings, 'first_stage': first})[:10]}"
 
 
+def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str, kq: int, kp: int,
+                    mode: str) -> tuple[str, str]:  # fmt: skip
+    """(system, run folder) of a stored first-stage run (see :func:`first_stage_system`); a missing run is a clear
+    error naming what to run."""
+    slug = first_stage_system(store, system)
+    src = run_dir(slug, dataset, split, kq, kp, mode)
+    if store.read_manifest(src) is None:
+        raise StoreError(f"no first-stage run {slug} kq={kq} kp={kp} mode={mode} on {dataset}/{split} in "
+                         f"{store.root}; run it first (`diffret run`, `diffret bm25` or `diffret score`)")  # fmt: skip
+    return slug, src
+
+
+def first_stage_system(store: ArtifactStore, system: str) -> str:
+    """The slug of a first-stage system: ``bm25`` names the store's BM25 system, anything else a system slug or
+    unique prefix of an encoder's; a reranker is refused."""
+    kind = "bm25" if system == "bm25" else None
+    first = find_system(store, SystemRef(system=None if kind else system), kind=kind or "encoder")
+    if first.kind == "reranker":
+        raise StoreError(f"{first.system} is a reranker; rerank a first-stage run (BM25 or an encoder's)")
+    return first.system
+
+
 @dataclass
 class RerankUnit:
     cells: list[Cell]
@@ -86,12 +108,9 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
 
     def plan(self, config: RerankConfig, ctx: Context) -> Plan:
         store = ctx.store
-        kind = "bm25" if config.first_stage == "bm25" else None
-        first = find_system(store, SystemRef(system=None if kind else config.first_stage), kind=kind or "encoder")
-        if first.kind == "reranker":
-            raise StoreError(f"{first.system} is a reranker; rerank a first-stage run (BM25 or an encoder's)")
         settings = config.settings()
-        first_ref = {"system": first.system, "kq": config.first_kq, "kp": config.first_kp, "mode": config.first_mode}
+        first = first_stage_system(store, config.first_stage)
+        first_ref = {"system": first, "kq": config.first_kq, "kp": config.first_kp, "mode": config.first_mode}
         slug = reranker_slug(config.backbone.model, config.method, settings, first_ref)
         corpus = config.corpus_name()
         inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
@@ -99,14 +118,9 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         plan = Plan(system=slug, work_unit="queries")
         todo, firsts = [], {}
         for split in config.splits:
-            src = run_dir(first.system, config.dataset, split, config.first_kq, config.first_kp, config.first_mode)
-            m = store.read_manifest(src)
-            if m is None:
-                raise StoreError(
-                    f"no first-stage run {first.system} kq={config.first_kq} kp={config.first_kp} "
-                    f"mode={config.first_mode} on {config.dataset}/{split} in {store.root}; run it first "
-                    "(`diffret run`, `diffret bm25` or `diffret score`)"
-                )
+            _, src = first_stage_run(store, config.dataset, split, config.first_stage, config.first_kq,
+                                     config.first_kp, config.first_mode)  # fmt: skip
+            m = store.require_manifest(src)
             cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
                    "mode": RERANK_MODE, "topk": config.depth, "first_stage": {**first_ref, "run": m.config_hash},
                    "settings": settings, "inputs": inputs}  # fmt: skip

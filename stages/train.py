@@ -29,7 +29,7 @@ from pydantic import Field
 from retrieval.data.training import groups_from_table
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Trainer, TrainSettings, planned_steps, world
+from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
 from storage import Manifest, StoreError
 from storage.layout import (
     GROUPS_FILE,
@@ -121,61 +121,71 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)
         settings = TrainSettings.model_validate(cfg["settings"])
         trainer = Trainer(reader, groups, settings, cfg["title_sep"])
-        lead = trainer.rank == 0  # under DDP only the first process logs and writes
-        log = ctx.log if lead else (lambda _m: None)
-        log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
-            f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps"
-            + (f", {trainer.world} processes" if trainer.world > 1 else ""))  # fmt: skip
-        ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
-        if store.exists(ckpt):
-            trainer.load_state(store.read_bytes(ckpt))
-            log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
-            ctx.advance(trainer.step)
-        save = (lambda b: store.write_bytes(ckpt, b)) if lead else None
+        return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, {"groups": len(groups)})
 
-        def on_step(row: dict[str, Any]) -> None:
-            ctx.note = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.1f} samples/s"
-            ctx.advance(1)
 
-        trainer.run(on_step=on_step, checkpoint=save, every=unit.checkpoint_every)
-        stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
-                 "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], "groups": len(groups),
-                 "processes": trainer.world}  # fmt: skip
-        if lead:
-            self._save(unit, cfg, trainer, bb.tokenizer, stats, ctx)
-            store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
-            log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
-                f"encode it with --model {store.abspath(unit.stage)}")  # fmt: skip
-        trainer.close()
-        return {**stats, "log": trainer.log}
+def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer: Any, ctx: Context,
+                 stats: dict[str, Any], ylabel: str = "InfoNCE") -> dict[str, Any]:  # fmt: skip
+    """Train ``trainer`` to its last step from the unit's checkpoint (when a killed run left one), checkpointing
+    every ``unit.checkpoint_every`` steps; then save the model folder (adapter or merged weights, tokenizer, log,
+    loss curve) and drop the checkpoint. Under DDP only the first process logs and writes. The train stages'
+    shared second half (contrastive and reranker training)."""
+    store = ctx.store
+    lead = trainer.rank == 0
+    log = ctx.log if lead else (lambda _m: None)
+    log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
+        f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps"
+        + (f", {trainer.world} processes" if trainer.world > 1 else ""))  # fmt: skip
+    ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
+    if store.exists(ckpt):
+        trainer.load_state(store.read_bytes(ckpt))
+        log(f"resumed {unit.name} at step {trainer.step} of {trainer.steps}")
+        ctx.advance(trainer.step)
+    save = (lambda b: store.write_bytes(ckpt, b)) if lead else None
 
-    @staticmethod
-    def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Trainer, tokenizer: Any, stats: dict[str, Any],
-              ctx: Context) -> None:  # fmt: skip
-        m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
-        log = trainer.log
-        with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
-            if trainer.peft is not None and not cfg["merge"]:
-                base = cfg["backbone"]["model"]
-                local = Path(base).expanduser()
-                trainer.peft.peft_config["default"].base_model_name_or_path = (
-                    str(local.resolve()) if local.exists() else base
-                )
-                trainer.r.bb.model.eval()
-                trainer.peft.save_pretrained(tmp)
-                gguf = cfg["backbone"].get("gguf_file")
-                if gguf:  # the base is a GGUF file in its folder: loading the adapter alone needs its name
-                    Path(tmp, BASE_FILE).write_text(json.dumps({"gguf_file": gguf}))
-            else:
-                trainer.merged_model().save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            with ctx.store.stage_writer(unit.stage, m) as w:
-                for f in sorted(Path(tmp).rglob("*")):
-                    if f.is_file():
-                        w.write_file(str(f.relative_to(tmp)), f.read_bytes())
-                rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
-                w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
-                w.write_file("loss.png", _loss_png(log, unit.name))
+    def on_step(row: dict[str, Any]) -> None:
+        ctx.note = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.1f} samples/s"
+        ctx.advance(1)
+
+    trainer.run(on_step=on_step, checkpoint=save, every=unit.checkpoint_every)
+    stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
+             "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], **stats,
+             "processes": trainer.world}  # fmt: skip
+    if lead:
+        _save(unit, cfg, trainer, tokenizer, stats, ctx, ylabel)
+        store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
+        log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
+            f"use it with --model {store.abspath(unit.stage)}")  # fmt: skip
+    trainer.close()
+    return {**stats, "log": trainer.log}
+
+
+def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, stats: dict[str, Any],
+          ctx: Context, ylabel: str) -> None:  # fmt: skip
+    m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
+    log = trainer.log
+    with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
+        if trainer.peft is not None and not cfg["merge"]:
+            base = cfg["backbone"]["model"]
+            local = Path(base).expanduser()
+            trainer.peft.peft_config["default"].base_model_name_or_path = (
+                str(local.resolve()) if local.exists() else base
+            )
+            trainer.bb.model.eval()
+            trainer.peft.save_pretrained(tmp)
+            gguf = cfg["backbone"].get("gguf_file")
+            if gguf:  # the base is a GGUF file in its folder: loading the adapter alone needs its name
+                Path(tmp, BASE_FILE).write_text(json.dumps({"gguf_file": gguf}))
+        else:
+            trainer.merged_model().save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            for f in sorted(Path(tmp).rglob("*")):
+                if f.is_file():
+                    w.write_file(str(f.relative_to(tmp)), f.read_bytes())
+            rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
+            w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
+            w.write_file("loss.png", _loss_png(log, unit.name, ylabel))
 
 
 def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
@@ -222,7 +232,7 @@ def loss_markdown(name: str, log: list[dict[str, Any]], png: bytes, rows: int = 
     return "\n".join(lines)
 
 
-def _loss_png(log: list[dict[str, Any]], title: str) -> bytes:
+def _loss_png(log: list[dict[str, Any]], title: str, ylabel: str = "InfoNCE") -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +244,7 @@ def _loss_png(log: list[dict[str, Any]], title: str) -> bytes:
         if any(r.get(key) is not None for r in log):
             ax.plot(steps, [r.get(key) for r in log], label=key)
     ax.set_xlabel("step")
-    ax.set_ylabel("InfoNCE")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.legend()
     buf = io.BytesIO()

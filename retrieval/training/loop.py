@@ -374,7 +374,7 @@ class Loop:
     def merged_model(self) -> torch.nn.Module:
         """The trained model with any adapter merged into its weights (a plain transformers model)."""
         self.bb.model.eval()
-        return self.peft.merge_and_unload() if self.peft is not None else self.r.bb.model
+        return self.peft.merge_and_unload() if self.peft is not None else self.bb.model
 
 
 class Trainer(Loop):

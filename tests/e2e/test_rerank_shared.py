@@ -1,8 +1,11 @@
 """End-to-end: `diffret rerank` of SciFact's BM25 top 100 with each DiffuRank method on the tiny Dream / LLaDA
 checkpoints and splade-tiny (../shared; skipped when absent). The reranked runs are evaluated and listed with
-every other system; running again does nothing; bad input fails with one line and writes nothing.
+every other system; running again does nothing; bad input fails with one line and writes nothing. A reranker
+trained by `diffret train-reranker` (qrels-ordered lists over BM25 on the train split, and a RankZephyr-format
+file) reranks like any model; on another base model it is refused.
 
-To keep CI short the dataset is SciFact with its first 12 test queries (the whole corpus, BM25 over it)."""
+To keep CI short the dataset is SciFact with its first 12 test and 12 train queries (the whole corpus, BM25 over
+it)."""
 
 from __future__ import annotations
 
@@ -42,10 +45,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = [line.split("\t") for line in (scifact / "qrels" / "test.tsv").read_text().splitlines()[1:]]
     keep = list(dict.fromkeys(r[0] for r in rows))[:N_QUERIES]
     qrels = {"test": [(q, d, int(g)) for q, d, g in rows if q in keep]}
-    src = write_beir(tmp / "scifact-12", corpus, [q for q in queries if q["_id"] in keep], qrels)
+    train = [line.split("\t") for line in (scifact / "qrels" / "train.tsv").read_text().splitlines()[1:]]
+    keep_train = list(dict.fromkeys(r[0] for r in train))[:N_QUERIES]
+    qrels["train"] = [(q, d, int(g)) for q, d, g in train if q in keep_train]
+    src = write_beir(tmp / "scifact-12", corpus, [q for q in queries if q["_id"] in {*keep, *keep_train}], qrels)
     root = tmp / "store"
     run("download", "scifact", "--source", str(src), "--root", str(root))
-    run("bm25", "--dataset", "scifact", "--root", str(root))
+    run("bm25", "--dataset", "scifact", "--split", "test", "--split", "train", "--root", str(root))
     return root
 
 
@@ -119,3 +125,72 @@ def test_rerank_bad_input_is_one_line_and_writes_nothing(store: Path, tmp_path: 
     errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], p.stdout + p.stderr
     assert sorted(p.relative_to(store) for p in store.rglob("*") if "_locks" not in p.parts) == before
+
+
+def _tree(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*") if "_locks" not in p.parts)
+
+
+@pytest.mark.e2e
+def test_a_trained_reranker_reranks_and_is_refused_on_another_base(store: Path, tmp_path: Path) -> None:
+    models = SHARED / "models"
+    small = ["--batch-size", "2", "--grad-accum", "1", "--list-size", "6", "--doc-tokens", "32", "--max-steps", "3"]
+    args = ["train-reranker", "--root", str(store), "-d", "scifact", "--model", str(models / "splade-tiny-mlm"),
+            "--method", "pointwise", "--loss", "ranknet", *small]  # fmt: skip
+    p = run(*args)
+    assert "1 model(s) trained" in p.stdout + p.stderr, p.stdout + p.stderr
+    folder = str(next(store.glob("models/model=splade-tiny-mlm-rr-*")))
+    assert f"model: {folder}" in " ".join((p.stdout + p.stderr).split()), p.stdout + p.stderr
+    assert (Path(folder) / "adapter_config.json").exists() and not list(store.glob("checkpoints/**/last.pt"))
+    again = run(*args)
+    assert "0 model(s) trained, 1 already done" in again.stdout + again.stderr
+    log = sql(store, "select count(*) n from read_parquet('" + folder + "/train_log.parquet')")
+    assert log == [{"n": 3}]
+
+    p = run("rerank", "--root", str(store), "--model", folder, "--method", "pointwise", "--depth", "20",
+            "--doc-tokens", "32", "--batch-size", "32")  # fmt: skip
+    assert "1 run(s) reranked" in p.stdout + p.stderr, p.stdout + p.stderr
+    slug = next(r["system"] for r in sql(store, "select system from systems where kind = 'reranker' and "
+                                                f"model = '{folder}'"))  # fmt: skip
+    run("evaluate", "--root", str(store))
+    got = sql(store, f"select mode, queries from best_cells where system = '{slug}' and split = 'test'")
+    assert got == [{"mode": "rerank", "queries": N_QUERIES}]
+
+    # the adapter on another base model: one line, nothing written
+    before = _tree(store)
+    p = run("rerank", "--root", str(store), "--model", str(models / "tiny-dream-random"), "--adapter", folder,
+            "--method", "pointwise", "--depth", "20", check=False)  # fmt: skip
+    errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "was trained on" in errors[0], p.stdout + p.stderr
+    assert _tree(store) == before
+
+
+@pytest.mark.e2e
+def test_a_permutation_reranker_trains_by_mdlm_on_rankzephyr_lists(store: Path, tmp_path: Path) -> None:
+    passages = ["Aspirin reduces fever.", "The moon orbits the earth.", "Fever is a symptom.", "Tea is a drink."]
+    human = ("I will provide you with 4 passages, each indicated by a numerical identifier [].\n"
+             + "".join(f"[{i + 1}] {t}\n" for i, t in enumerate(passages))
+             + "Search Query: what reduces fever.\nRank the 4 passages above.")  # fmt: skip
+    lines = [json.dumps({"id": f"z{k}", "conversations": [{"from": "human", "value": human},
+                                                          {"from": "gpt", "value": "[1] > [3] > [4] > [2]"}]})
+             for k in range(4)]  # fmt: skip
+    src = tmp_path / "rank_zephyr.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    models = SHARED / "models"
+    args = ["train-reranker", "--root", str(store), "--source", str(src), "--model", str(models / "tiny-dream-random"),
+            "--method", "permutation_assignment", "--masking", "random", "--batch-size", "2", "--grad-accum", "1",
+            "--list-size", "4", "--doc-tokens", "16", "--max-steps", "2"]  # fmt: skip
+    p = run(*args)
+    assert "1 model(s) trained" in p.stdout + p.stderr, p.stdout + p.stderr
+    manifest = next(store.glob("models/model=tiny-dream-random-rr-*/_manifest.json"))
+    cfg = json.loads(manifest.read_text())["config"]
+    assert cfg["settings"]["loss"] == "mdlm" and cfg["settings"]["masking"] == "random"
+
+    # a malformed file and a missing one: one line each, nothing written
+    before = _tree(store)
+    src.write_text(lines[0] + "\n{oops\n")
+    for source, message in ((src, "line 2: not JSON"), (tmp_path / "missing.jsonl", "no such file")):
+        p = run(*[str(source) if a == str(src) else a for a in args], "--name", "bad", check=False)
+        errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
+        assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stdout + p.stderr
+        assert _tree(store) == before

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from retrieval.models.backbones import BackboneConfig, BackboneError, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
+from retrieval.rerank.training import RerankTrainer, RerankTrainSettings
 from retrieval.training.loop import Trainer, TrainSettings
 from stages import execute, stages
 from stages.bm25 import BM25Config
@@ -30,6 +31,7 @@ from stages.summary import SummaryConfig
 from stages.systems import SystemRef, find_system, list_systems
 from stages.tokenize import TokenizeConfig
 from stages.train import TrainConfig
+from stages.train_reranker import TrainRerankerConfig
 from stages.training_data import TrainingDataConfig
 from storage import ArtifactStore, ConfigDriftError, StoreError
 from storage.sql import StoreSQL
@@ -42,6 +44,9 @@ QRELS = {"test": [("q0", "d0", 1), ("q1", "d2", 1), ("q2", "d4", 2)], "train": [
 
 TRAIN = TrainSettings(adapter="full", kq=1, kp=2, batch_size=2, grad_accum=1, n_negatives=2, max_steps=4, lr=1e-3,
                       q_max_len=8, p_max_len=12)  # fmt: skip
+TINY_PROMPT = str(Path(__file__).parent / "data" / "rerank_tiny.yaml")
+RERANK_TRAIN = RerankTrainSettings(adapter="full", method="logits_listwise", prompt=TINY_PROMPT, list_size=3,
+                                   doc_tokens=8, batch_size=1, grad_accum=1, max_steps=4, lr=1e-3)  # fmt: skip
 
 
 def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
@@ -57,10 +62,12 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
         "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
-                               prompt=str(Path(__file__).parent / "data" / "rerank_tiny.yaml"), **common),  # fmt: skip
+                               prompt=TINY_PROMPT, **common),  # fmt: skip
         "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
         "train": TrainConfig(training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2,
                              **common),  # fmt: skip
+        "train-reranker": TrainRerankerConfig(dataset="tiny", backbone=bb, name="tiny-rr", settings=RERANK_TRAIN,
+                                              checkpoint_every=2, **common),  # fmt: skip
         "evaluate": EvaluateConfig(**common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
@@ -130,6 +137,7 @@ DRIFT = {  # stage -> (change of a setting, the field the error names)
     "bm25": (lambda w: {"topk": 10}, "topk"),
     "training": (lambda w: {"depth": 4}, "depth"),
     "train": (lambda w: {"settings": TRAIN.model_copy(update={"lr": 2e-3})}, "settings.lr"),
+    "train-reranker": (lambda w: {"settings": RERANK_TRAIN.model_copy(update={"loss": "ranknet"})}, "settings.loss"),
     "evaluate": (lambda w: {"relevance_level": 2}, "relevance_level"),
     "index": (lambda w: {"overfetch": 5}, "overfetch"),
     "summary": (lambda w: {"bm25": None}, "bm25"),
@@ -377,8 +385,42 @@ def test_killed_training_resumes_bit_identical(world: dict, tmp_path: Path, monk
     assert resumed.read_bytes() == straight.read_bytes()
     assert not list(Path(w["root"]).glob("checkpoints/model=tiny-ft-*"))  # removed once saved
     with StoreSQL(ArtifactStore(w["root"])) as db:
-        _, rows = db.query("select model, count(*), min(step), max(step) from train_log group by model")
-    assert rows == [("tiny-ft", 4, 1, 4)]
+        _, rows = db.query("select model, count(*), min(step), max(step) from train_log group by model order by 1")
+    assert rows == [("tiny-ft", 4, 1, 4), ("tiny-rr", 4, 1, 4)]
+
+
+def test_killed_reranker_training_resumes_bit_identical(world: dict, tmp_path: Path, monkeypatch) -> None:
+    w = copy_world(world, tmp_path)
+    straight = Path(world["root"]) / "models" / "model=tiny-rr" / "model.safetensors"
+    real_step = RerankTrainer.train_step
+
+    def dies_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt("killed")
+        return real_step(self)
+
+    shutil.rmtree(Path(w["root"]) / "models" / "model=tiny-rr")
+    monkeypatch.setattr(RerankTrainer, "train_step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        execute(stages()["train-reranker"], w["configs"]["train-reranker"], log=lambda _: None)
+    monkeypatch.setattr(RerankTrainer, "train_step", real_step)
+    lines: list[str] = []
+    res = execute(stages()["train-reranker"], w["configs"]["train-reranker"], log=lines.append)
+    assert res.done == 1 and any("resumed tiny-rr at step 2 of 4" in x for x in lines)
+    assert (Path(w["root"]) / "models" / "model=tiny-rr" / "model.safetensors").read_bytes() == straight.read_bytes()
+    assert not list(Path(w["root"]).glob("checkpoints/model=tiny-rr-*"))
+
+
+def test_every_stage_has_a_flow_and_a_deployment() -> None:
+    import yaml
+
+    from flows.runner import FLOWS
+
+    root = Path(__file__).parents[2]
+    entries = {d["entrypoint"] for d in yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]}
+    for name in stages():
+        module, fn = FLOWS[name]
+        assert f"{module.replace('.', '/')}.py:{fn}" in entries, name
 
 
 def test_trained_model_encodes_as_a_system_of_its_own(world: dict, tmp_path: Path) -> None:

@@ -1,0 +1,147 @@
+"""The train-reranker stage (``diffret train-reranker``): DiffuRank's rerankers fine-tuned on ranked lists.
+
+    models/model=<base>-rr-<hash>/       the peft adapter (or merged weights with --merge / --full), tokenizer,
+                                         train_log.parquet, loss.png: `diffret rerank --model <folder>` takes it
+    checkpoints/model=<name>/last.pt     the resumable state while training runs (removed at the end)
+
+Lists come from a RankZephyr-format file (``--source``: the published jsonl / jsonl.gz, or plain
+``{"query", "candidates", "ranking"?, "labels"?}`` lines) or from the store (``--dataset``): each judged query
+of the split, its relevant documents first (by grade, then the first stage's order) then the first-stage
+run's other documents, ``list_size`` in all, the grades as labels. The model's name hashes the lists' inputs
+(the file's sha256, or the dataset's and the run's config hashes), the backbone and every training setting.
+Optimisation, resume and DDP are the contrastive train stage's (:func:`stages.train.fit_and_save`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from retrieval.data.collections import DatasetError
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.rerank.training import RankedList, RerankTrainer, RerankTrainSettings, qrels_lists, read_ranked_lists
+from retrieval.training.loop import planned_steps, world
+from storage import StoreError
+from storage.layout import model_dir
+from storage.manifest import config_hash
+from storage.store import sha256_file
+
+from .base import Context, Plan, Stage, StageConfig
+from .readers import dataset_manifest, qrels_table, side_texts
+from .rerank import first_stage_run
+from .runs import read_run
+from .systems import slug_base
+from .train import TrainUnit, fit_and_save
+
+
+class TrainRerankerConfig(StageConfig):
+    """Parameters of the train-reranker flow (one of ``source`` or ``dataset``)."""
+
+    source: str | None = Field(default=None, description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.")
+    dataset: str | None = Field(default=None, description="Teacher lists from this stored dataset: its qrels over a "
+                                "first-stage run.")  # fmt: skip
+    split: str = Field(default="train", description="The split whose judged queries become lists.")
+    first_stage: str = Field(default="bm25", description="The run giving the candidates: bm25 or a system slug.")
+    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
+    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
+    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).")
+    backbone: BackboneConfig
+    settings: RerankTrainSettings = Field(default_factory=RerankTrainSettings)
+    name: str | None = Field(default=None, description="The model's name (default: <base>-rr-<hash>).")
+    checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
+    merge: bool = Field(default=False, description="LoRA: save the merged weights instead of the adapter alone.")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> TrainRerankerConfig:
+        if (self.source is None) == (self.dataset is None):
+            raise ValueError("give exactly one of source (a RankZephyr-format file) and dataset (qrels lists from the "
+                             "store)")  # fmt: skip
+        return self
+
+
+class TrainReranker(Stage, name="train-reranker", config=TrainRerankerConfig, noun="model(s)", verb="trained",
+                    reports_progress=True, task_tags=("gpu",)):  # fmt: skip
+    """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
+
+    def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
+        store = ctx.store
+        cfg: dict[str, Any] = {"task": "reranker", "backbone": config.backbone.model_dump(exclude={"device"}),
+                               "settings": config.settings.model_dump(), "world_size": world()[1],
+                               "merge": config.merge}  # fmt: skip
+        if config.source is not None:
+            path = Path(config.source).expanduser()
+            if not path.is_file():
+                raise DatasetError(f"ranked lists {config.source!r}: no such file")
+            cfg |= {"source": str(path.resolve()), "inputs": {"source": sha256_file(str(path))[0]}}
+            n_lists = sum(1 for line in _lines(path) if line.strip())
+        else:
+            dataset = str(config.dataset)
+            _, run = first_stage_run(store, dataset, config.split, config.first_stage, config.first_kq,
+                                     config.first_kp, config.first_mode)  # fmt: skip
+            qrels = qrels_table(store, dataset, config.split)
+            if qrels.num_rows == 0:
+                raise StoreError(f"{dataset}/{config.split} has no judgments to build teacher lists from")
+            cfg |= {"dataset": dataset, "split": config.split, "first_stage": run,
+                    "inputs": {"dataset": dataset_manifest(store, dataset).config_hash,
+                               "run": store.require_manifest(run).config_hash}}  # fmt: skip
+            n_lists = len(set(qrels.column("query_id").to_pylist()))
+        name = config.name or f"{slug_base(config.backbone.model)}-rr-{config_hash(cfg)[:10]}"
+        cfg["model"] = name
+        _, steps = planned_steps(n_lists, config.settings, cfg["world_size"])
+        plan = Plan(system=name, work=0, work_unit="steps")
+        stage = model_dir(name)
+        if plan.needs(ctx, stage, cfg, config.force):
+            plan.units.append(TrainUnit(stage, name, cfg, steps, config.checkpoint_every))
+            plan.work = steps
+        plan.details["model_dir"] = ctx.store.abspath(stage)
+        return plan
+
+    def work_of(self, unit: TrainUnit) -> int:
+        return unit.steps
+
+    def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
+        cfg = unit.config
+        lists, stats = self.lists(cfg, ctx)
+        if not lists:
+            raise DatasetError(f"no ranked list to train on ({stats})")
+        ctx.log(f"{len(lists):,} ranked lists" + "".join(f", {k} {v:,}" for k, v in stats.items() if k != "lists"
+                                                            and v))  # fmt: skip
+        bb = load_backbone(BackboneConfig.model_validate(cfg["backbone"]))
+        trainer = RerankTrainer(bb, lists, RerankTrainSettings.model_validate(cfg["settings"]))
+        loss = cfg["settings"]["loss"]
+        return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, {"lists": len(lists)}, ylabel=loss)
+
+    @staticmethod
+    def lists(cfg: dict[str, Any], ctx: Context) -> tuple[list[RankedList], dict[str, int]]:
+        if "source" in cfg:
+            out = list(read_ranked_lists(cfg["source"]))
+            return out, {"lists": len(out)}
+        store, dataset = ctx.store, cfg["dataset"]
+        qrels = qrels_table(store, dataset, cfg["split"])
+        judged: dict[str, dict[str, int]] = {}
+        for q, d, g in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "relevance")), strict=True):
+            judged.setdefault(q, {})[d] = int(g)
+        run = read_run(store, cfg["first_stage"], columns=["query_id", "doc_id", "rank"]).sort_by(
+            [("query_id", "ascending"), ("rank", "ascending")]
+        )
+        ranked: dict[str, list[str]] = {}
+        for q, d in zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(), strict=True):
+            ranked.setdefault(q, []).append(d)
+        q_ids, q_texts, _ = side_texts(store, dataset, "query")
+        doc_ids, doc_texts, _ = side_texts(store, store.require_manifest(cfg["first_stage"]).config["corpus"],
+                                           "passage")  # fmt: skip
+        return qrels_lists(dict(zip(q_ids, q_texts, strict=True)), judged, ranked,
+                           dict(zip(doc_ids, doc_texts, strict=True)), cfg["settings"]["list_size"])  # fmt: skip
+
+
+def _lines(path: Path) -> Any:
+    import gzip
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:  # type: ignore[operator]
+        yield from f
+
+
+stage = TrainReranker()
