@@ -89,9 +89,16 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
             "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
         }  # fmt: skip
-        name = config.name or f"{slug_base(config.backbone.model)}-ft-{config_hash(cfg)[:10]}"
+        return self.model_plan(ctx, config, cfg, "ft", int(data.total_rows()))
+
+    @staticmethod
+    def model_plan(ctx: Context, config: Any, cfg: dict[str, Any], tag: str, n_items: int) -> Plan:
+        """The plan of a training stage: the model's name (``config.name`` or ``<base>-<tag>-<hash of cfg>``), its
+        folder, and one unit unless a current model is stored. ``config`` has backbone, settings, name, force and
+        checkpoint_every."""
+        name = config.name or f"{slug_base(config.backbone.model)}-{tag}-{config_hash(cfg)[:10]}"
         cfg["model"] = name
-        _, steps = planned_steps(int(data.total_rows()), config.settings, cfg["world_size"])
+        _, steps = planned_steps(n_items, config.settings, cfg["world_size"])
         plan = Plan(system=name, work=0, work_unit="steps")
         stage = model_dir(name)
         if plan.needs(ctx, stage, cfg, config.force):

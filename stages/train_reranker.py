@@ -22,18 +22,15 @@ from pydantic import Field, model_validator
 from retrieval.data.collections import DatasetError
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.training import RankedList, RerankTrainer, RerankTrainSettings, qrels_lists, read_ranked_lists
-from retrieval.training.loop import planned_steps, world
+from retrieval.training.loop import world
 from storage import StoreError
-from storage.layout import model_dir
-from storage.manifest import config_hash
 from storage.store import sha256_file
 
-from .base import Context, Plan, Stage, StageConfig
+from .base import Context, Plan, StageConfig
 from .readers import dataset_manifest, qrels_table, side_texts
 from .rerank import first_stage_run
 from .runs import read_run
-from .systems import slug_base
-from .train import TrainUnit, fit_and_save
+from .train import Train, TrainUnit, fit_and_save
 
 
 class TrainRerankerConfig(StageConfig):
@@ -61,7 +58,7 @@ class TrainRerankerConfig(StageConfig):
         return self
 
 
-class TrainReranker(Stage, name="train-reranker", config=TrainRerankerConfig, noun="model(s)", verb="trained",
+class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, noun="model(s)", verb="trained",
                     reports_progress=True, task_tags=("gpu",)):  # fmt: skip
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
 
@@ -87,19 +84,7 @@ class TrainReranker(Stage, name="train-reranker", config=TrainRerankerConfig, no
                     "inputs": {"dataset": dataset_manifest(store, dataset).config_hash,
                                "run": store.require_manifest(run).config_hash}}  # fmt: skip
             n_lists = len(set(qrels.column("query_id").to_pylist()))
-        name = config.name or f"{slug_base(config.backbone.model)}-rr-{config_hash(cfg)[:10]}"
-        cfg["model"] = name
-        _, steps = planned_steps(n_lists, config.settings, cfg["world_size"])
-        plan = Plan(system=name, work=0, work_unit="steps")
-        stage = model_dir(name)
-        if plan.needs(ctx, stage, cfg, config.force):
-            plan.units.append(TrainUnit(stage, name, cfg, steps, config.checkpoint_every))
-            plan.work = steps
-        plan.details["model_dir"] = ctx.store.abspath(stage)
-        return plan
-
-    def work_of(self, unit: TrainUnit) -> int:
-        return unit.steps
+        return self.model_plan(ctx, config, cfg, "rr", n_lists)
 
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
         cfg = unit.config

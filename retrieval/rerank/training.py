@@ -19,8 +19,6 @@ Lists come from RankZephyr-format files (:func:`read_ranked_lists`) or from a ru
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from ..data.collections import _parse_json_object, iter_lines
 from ..models.backbones import Backbone
 from ..training.loop import Loop, LoopSettings
 from .rerankers import Encoded, RerankerName, RerankError, make_reranker, position_logits
@@ -112,20 +111,10 @@ def _ordered(qid: str, query: str, docs: dict[int, str], ranking: list[int], lab
 
 def read_ranked_lists(path: str | Path) -> Iterator[RankedList]:
     """Ranked lists from a JSON lines file (``.jsonl`` or ``.jsonl.gz``; RankZephyr's training data as published,
-    or plain objects, see :func:`parse_ranked_list`); a malformed line fails with its number."""
+    or plain objects, see :func:`parse_ranked_list`); a malformed line fails naming the file and line."""
     p = Path(path)
-    opener = gzip.open if p.name.endswith(".gz") else open
-    with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RerankError(f"{p.name} line {n}: not JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise RerankError(f"{p.name} line {n}: expected a JSON object")
-            yield parse_ranked_list(obj, f"{p.name} line {n}")
+    for n, line in iter_lines(p):
+        yield parse_ranked_list(_parse_json_object(p, n, line), f"{p}:{n}")
 
 
 def qrels_lists(queries: Mapping[str, str], judged: Mapping[str, Mapping[str, int]],
@@ -169,7 +158,7 @@ def listwise_ce(scores: torch.Tensor, labels: torch.Tensor | None) -> torch.Tens
     >>> round(float(listwise_ce(torch.tensor([0.0, 0.0]), None)), 4)  # log 2
     0.6931
     >>> round(float(listwise_ce(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0]))), 4)
-    0.9194
+    1.0514
     """
     logp = torch.log_softmax(scores, dim=-1)
     if labels is None or float(labels.sum()) <= 0:

@@ -189,7 +189,7 @@ def test_a_permutation_reranker_trains_by_mdlm_on_rankzephyr_lists(store: Path, 
     # a malformed file and a missing one: one line each, nothing written
     before = _tree(store)
     src.write_text(lines[0] + "\n{oops\n")
-    for source, message in ((src, "line 2: not JSON"), (tmp_path / "missing.jsonl", "no such file")):
+    for source, message in ((src, "rank_zephyr.jsonl:2: malformed JSON"), (tmp_path / "missing.jsonl", "no such file")):
         p = run(*[str(source) if a == str(src) else a for a in args], "--name", "bad", check=False)
         errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
         assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stdout + p.stderr

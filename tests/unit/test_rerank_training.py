@@ -95,7 +95,7 @@ def test_rankzephyr_and_plain_lists_and_their_errors(tmp_path) -> None:
     assert got[0].labels is None
     assert (got[1].docs, got[1].labels) == (["x", "y", "z"], [0.0, 2.0, 1.0])
     bad = {
-        "not JSON": "{oops",
+        "malformed JSON": "{oops",
         "neither 'conversations' nor 'query'": json.dumps({"text": "x"}),
         "names unknown or repeated": json.dumps({"query": "q", "candidates": ["a", "b"], "ranking": [1, 1]}),
         "2 labels for 3": json.dumps({"query": "q", "candidates": ["a", "b", "c"], "labels": [1, 0]}),
@@ -105,7 +105,7 @@ def test_rankzephyr_and_plain_lists_and_their_errors(tmp_path) -> None:
     for why, line in bad.items():
         f = tmp_path / "bad.jsonl"
         f.write_text(json.dumps(rows[1]) + "\n" + line + "\n")
-        with pytest.raises(RerankError, match=f"bad.jsonl line 2: .*{re.escape(why)}"):
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{re.escape(why)}"):
             list(read_ranked_lists(f))
 
 
