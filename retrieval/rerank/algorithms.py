@@ -7,7 +7,7 @@ hand computation or a brute force without any model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,21 +90,17 @@ class Decoded:
     unconstrained_valid: bool  # whether the same decoding without the constraint gave a permutation too
 
 
-def constrained_permutation(slot_logits: Callable[[list[int | None]], np.ndarray], n: int, steps: int,
-                            constrained: bool = True) -> list[int | None]:  # fmt: skip
-    """Fill ``n`` masked rank slots over ``steps`` denoising steps with low-confidence remasking (LLaDA's
-    Algorithm 5, greedy): at each step every open slot proposes its most probable identifier, and the most
-    confident proposals are committed, ``n / steps`` per step (the remainder in the first steps).
+def permutation_decoder(n: int, steps: int, constrained: bool = True,
+                        ) -> Generator[list[int | None], np.ndarray, list[int | None]]:  # fmt: skip
+    """:func:`constrained_permutation` as a generator: it yields the state before each denoising step and
+    receives that step's ``[n, n]`` logits, returning the final state; so that many windows decode in lockstep,
+    one batched forward pass per step (the permutation reranker's batching across queries).
 
-    ``slot_logits(state)`` gives ``[n, n]`` logits (rank slot x identifier) for the current state (``None`` at
-    open slots). With ``constrained``, an identifier once used is out of every other slot's choices, also
-    within a step: commits go in confidence order and each open slot re-proposes among the identifiers left,
-    so the result is always a permutation. Confidence is the probability under the softmax over the
-    identifiers still feasible.
-
-    >>> logits = np.array([[5.0, 0, 0], [4.0, 1, 0], [3.0, 2, 1]])  # every slot prefers candidate 0
-    >>> constrained_permutation(lambda s: logits, 3, 1), constrained_permutation(lambda s: logits, 3, 1, False)
-    ([0, 1, 2], [0, 0, 0])
+    >>> d = permutation_decoder(2, 2)
+    >>> next(d)
+    [None, None]
+    >>> d.send(np.array([[5.0, 0], [4.0, 1]]))
+    [0, None]
     """
     if n < 1 or steps < 1:
         raise ValueError(f"need n >= 1 and steps >= 1, got {n} and {steps}")
@@ -113,7 +109,7 @@ def constrained_permutation(slot_logits: Callable[[list[int | None]], np.ndarray
     state: list[int | None] = [None] * n
     used = np.zeros(n, dtype=bool)
     for k in per_step:
-        logits = np.asarray(slot_logits(list(state)), np.float64)
+        logits = np.asarray((yield list(state)), np.float64)
         if logits.shape != (n, n):
             raise ValueError(f"slot logits must be [{n}, {n}], got {list(logits.shape)}")
         for _ in range(k):
@@ -131,6 +127,31 @@ def constrained_permutation(slot_logits: Callable[[list[int | None]], np.ndarray
             state[best_slot] = best_id
             used[best_id] = True
     return state
+
+
+def constrained_permutation(slot_logits: Callable[[list[int | None]], np.ndarray], n: int, steps: int,
+                            constrained: bool = True) -> list[int | None]:  # fmt: skip
+    """Fill ``n`` masked rank slots over ``steps`` denoising steps with low-confidence remasking (LLaDA's
+    Algorithm 5, greedy): at each step every open slot proposes its most probable identifier, and the most
+    confident proposals are committed, ``n / steps`` per step (the remainder in the first steps).
+
+    ``slot_logits(state)`` gives ``[n, n]`` logits (rank slot x identifier) for the current state (``None`` at
+    open slots). With ``constrained``, an identifier once used is out of every other slot's choices, also
+    within a step: commits go in confidence order and each open slot re-proposes among the identifiers left,
+    so the result is always a permutation. Confidence is the probability under the softmax over the
+    identifiers still feasible.
+
+    >>> logits = np.array([[5.0, 0, 0], [4.0, 1, 0], [3.0, 2, 1]])  # every slot prefers candidate 0
+    >>> constrained_permutation(lambda s: logits, 3, 1), constrained_permutation(lambda s: logits, 3, 1, False)
+    ([0, 1, 2], [0, 0, 0])
+    """
+    decoder = permutation_decoder(n, steps, constrained)
+    state = next(decoder)
+    while True:
+        try:
+            state = decoder.send(np.asarray(slot_logits(state), np.float64))
+        except StopIteration as done:
+            return done.value
 
 
 def decode_permutation(slot_logits: Callable[[list[int | None]], np.ndarray], n: int, steps: int) -> Decoded:

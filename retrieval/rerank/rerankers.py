@@ -29,7 +29,7 @@ import yaml
 from ..models.backbones import Backbone
 from ..models.prompts import chat_tail, special_wrapping
 from ..traits import Declared
-from .algorithms import assignment_permutation, decode_permutation, order_by_scores, window_starts, yes_no_score
+from .algorithms import assignment_permutation, order_by_scores, permutation_decoder, window_starts, yes_no_score
 
 _SLOT = "XSLOTX"  # a sentinel that tokenizes as ordinary text
 
@@ -365,24 +365,40 @@ class PermutationAssignment(_Permutation, name="permutation_assignment"):
 
 
 class PermutationSampling(_Permutation, name="permutation_sampling"):
+    """Every window of the batch decodes in lockstep, its constrained and its unconstrained decoding (the latter
+    only counts the outputs the constraint repaired): one batched forward pass per denoising step."""
 
     def rank_windows(self, windows):  # type: ignore[no-untyped-def]
         rows = self.rows(windows)
-        out = []
-        for row, (_, docs) in zip(rows, windows, strict=True):
-            n = len(docs)
-
-            def logits_for(state: list[int | None], row: Encoded = row, n: int = n) -> np.ndarray:
-                ids = list(row.ids)
-                for slot, ident in zip(row.slots, state, strict=True):
+        live = []  # [window, constrained, decoder, state]
+        for w, (_, docs) in enumerate(windows):
+            for constrained in (True, False):
+                decoder = permutation_decoder(len(docs), self.steps, constrained)
+                live.append([w, constrained, decoder, next(decoder)])
+        done: dict[tuple[int, bool], list[int | None]] = {}
+        while live:
+            filled = []
+            for w, _, _, state in live:
+                ids = list(rows[w].ids)
+                for slot, ident in zip(rows[w].slots, state, strict=True):
                     if ident is not None:
                         ids[slot] = self.cols[ident]
-                self.stats.forward_passes += 1
-                return slot_logits(self.bb, [Encoded(ids, row.slots)], self.cols[:n])[0]
-
-            d = decode_permutation(logits_for, n, self.steps)
-            self.stats.invalid_without_constraint += int(not d.unconstrained_valid)
-            out.append(d.perm)
+                filled.append(Encoded(ids, rows[w].slots))
+            self.stats.forward_passes += 1
+            still = []
+            for d, lg in zip(live, slot_logits(self.bb, filled, self.cols), strict=True):
+                n = len(windows[d[0]][1])
+                try:
+                    d[3] = d[2].send(lg[:, :n])
+                    still.append(d)
+                except StopIteration as end:
+                    done[(d[0], d[1])] = end.value
+            live = still
+        out = []
+        for w, (_, docs) in enumerate(windows):
+            free = done[(w, False)]
+            self.stats.invalid_without_constraint += int(sorted(free) != list(range(len(docs))))  # type: ignore[type-var]
+            out.append([int(x) for x in done[(w, True)] if x is not None])
         return out
 
 
