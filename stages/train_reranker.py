@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from retrieval.data.collections import DatasetError
+from retrieval.data.collections import DatasetError, iter_lines
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.training import RankedList, RerankTrainer, RerankTrainSettings, qrels_lists, read_ranked_lists
 from retrieval.training.loop import world
@@ -72,7 +72,7 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
             if not path.is_file():
                 raise DatasetError(f"ranked lists {config.source!r}: no such file")
             cfg |= {"source": str(path.resolve()), "inputs": {"source": sha256_file(str(path))[0]}}
-            n_lists = sum(1 for line in _lines(path) if line.strip())
+            n_lists = sum(1 for _ in iter_lines(path))  # non-blank lines; bad UTF-8 is refused here already
         else:
             dataset = str(config.dataset)
             _, run = first_stage_run(store, dataset, config.split, config.first_stage, config.first_kq,
@@ -119,14 +119,6 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
                                            "passage")  # fmt: skip
         return qrels_lists(dict(zip(q_ids, q_texts, strict=True)), judged, ranked,
                            dict(zip(doc_ids, doc_texts, strict=True)), cfg["settings"]["list_size"])  # fmt: skip
-
-
-def _lines(path: Path) -> Any:
-    import gzip
-
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:  # type: ignore[operator]
-        yield from f
 
 
 stage = TrainReranker()
