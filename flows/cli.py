@@ -261,6 +261,8 @@ def train_reranker(
     dataset: Annotated[str | None, Opt("--dataset", "-d", help="Teacher lists from this stored dataset's qrels "
                                        "over a first-stage run.")] = None,
     split: str = "train",
+    teacher: Annotated[str, Opt(help="qrels: relevant documents first, then the run's; run: the run's own order "
+                                "(distillation).")] = "qrels",
     first_stage: Annotated[str, Opt(help="The run giving the candidates: bm25, or a system slug.")] = "bm25",
     kq: Annotated[int, Opt(help="The first-stage run's K_q (0 for BM25).")] = 0,
     kp: Annotated[int, Opt(help="The first-stage run's K_p (0 for BM25).")] = 0,
@@ -275,6 +277,7 @@ def train_reranker(
     `diffret rerank --model <the printed folder> --method <the same method>`."""
     train_settings = {**train_settings, "adapter": "full" if full else "lora"}
     res = _run("train-reranker", prefect, root=root, force=force, source=source, dataset=dataset, split=split,
+               teacher=teacher,
                first_stage=first_stage, first_kq=kq, first_kp=kp, first_mode=mode, backbone=backbone,
                settings=train_settings, name=name, checkpoint_every=checkpoint_every, merge=merge)  # fmt: skip
     console.print(f"model: {res.details.get('model_dir')}", highlight=False, soft_wrap=True)

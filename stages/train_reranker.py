@@ -15,19 +15,26 @@ Optimisation, resume and DDP are the contrastive train stage's (:func:`stages.tr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from retrieval.data.collections import DatasetError, iter_lines
 from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.rerank.training import RankedList, RerankTrainer, RerankTrainSettings, qrels_lists, read_ranked_lists
+from retrieval.rerank.training import (
+    RankedList,
+    RerankTrainer,
+    RerankTrainSettings,
+    qrels_lists,
+    read_ranked_lists,
+    run_lists,
+)
 from retrieval.training.loop import world
 from storage import StoreError
 from storage.store import sha256_file
 
 from .base import Context, Plan, StageConfig
-from .readers import dataset_manifest, qrels_table, side_texts
+from .readers import dataset_manifest, qrels_table, side_texts, split_queries
 from .rerank import first_stage_run
 from .runs import read_run
 from .train import Train, TrainUnit, fit_and_save
@@ -39,7 +46,10 @@ class TrainRerankerConfig(StageConfig):
     source: str | None = Field(default=None, description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.")
     dataset: str | None = Field(default=None, description="Teacher lists from this stored dataset: its qrels over a "
                                 "first-stage run.")  # fmt: skip
-    split: str = Field(default="train", description="The split whose judged queries become lists.")
+    split: str = Field(default="train", description="The split whose queries become lists.")
+    teacher: Literal["qrels", "run"] = Field(default="qrels", description="qrels: the judged queries, relevant "
+                                             "documents first, then the run's; run: the run's own order (distill a "
+                                             "stronger first stage), every query it ranks.")  # fmt: skip
     first_stage: str = Field(default="bm25", description="The run giving the candidates: bm25 or a system slug.")
     first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
     first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
@@ -78,12 +88,14 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
             _, run = first_stage_run(store, dataset, config.split, config.first_stage, config.first_kq,
                                      config.first_kp, config.first_mode)  # fmt: skip
             qrels = qrels_table(store, dataset, config.split)
-            if qrels.num_rows == 0:
-                raise StoreError(f"{dataset}/{config.split} has no judgments to build teacher lists from")
-            cfg |= {"dataset": dataset, "split": config.split, "first_stage": run,
+            if qrels.num_rows == 0 and config.teacher == "qrels":
+                raise StoreError(f"{dataset}/{config.split} has no judgments to build teacher lists from; give "
+                                 "--teacher run to learn the run's order")  # fmt: skip
+            cfg |= {"dataset": dataset, "split": config.split, "first_stage": run, "teacher": config.teacher,
                     "inputs": {"dataset": dataset_manifest(store, dataset).config_hash,
                                "run": store.require_manifest(run).config_hash}}  # fmt: skip
-            n_lists = len(set(qrels.column("query_id").to_pylist()))
+            n_lists = len(set(qrels.column("query_id").to_pylist())) if config.teacher == "qrels" else len(
+                split_queries(store, dataset, config.split))
         return self.model_plan(ctx, config, cfg, "rr", n_lists)
 
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
@@ -104,10 +116,6 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
             out = list(read_ranked_lists(cfg["source"]))
             return out, {"lists": len(out)}
         store, dataset = ctx.store, cfg["dataset"]
-        qrels = qrels_table(store, dataset, cfg["split"])
-        judged: dict[str, dict[str, int]] = {}
-        for q, d, g in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "relevance")), strict=True):
-            judged.setdefault(q, {})[d] = int(g)
         run = read_run(store, cfg["first_stage"], columns=["query_id", "doc_id", "rank"]).sort_by(
             [("query_id", "ascending"), ("rank", "ascending")]
         )
@@ -117,8 +125,17 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
         q_ids, q_texts, _ = side_texts(store, dataset, "query")
         doc_ids, doc_texts, _ = side_texts(store, store.require_manifest(cfg["first_stage"]).config["corpus"],
                                            "passage")  # fmt: skip
-        return qrels_lists(dict(zip(q_ids, q_texts, strict=True)), judged, ranked,
-                           dict(zip(doc_ids, doc_texts, strict=True)), cfg["settings"]["list_size"])  # fmt: skip
+        queries = {q: t for q, t in zip(q_ids, q_texts, strict=True)}
+        text_of, size = dict(zip(doc_ids, doc_texts, strict=True)), cfg["settings"]["list_size"]
+        if cfg.get("teacher", "qrels") == "run":
+            split = set(split_queries(store, dataset, cfg["split"]))
+            out = run_lists({q: t for q, t in queries.items() if q in split}, ranked, text_of, size)
+            return out, {"lists": len(out)}
+        qrels = qrels_table(store, dataset, cfg["split"])
+        judged: dict[str, dict[str, int]] = {}
+        for q, d, g in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "relevance")), strict=True):
+            judged.setdefault(q, {})[d] = int(g)
+        return qrels_lists(queries, judged, ranked, text_of, size)
 
 
 stage = TrainReranker()

@@ -150,6 +150,22 @@ def qrels_lists(queries: Mapping[str, str], judged: Mapping[str, Mapping[str, in
     return out, stats
 
 
+def run_lists(queries: Mapping[str, str], ranked: Mapping[str, Sequence[str]], text_of: Mapping[str, str],
+              size: int) -> list[RankedList]:  # fmt: skip
+    """Teacher lists from a run alone (distillation from a stronger first stage): each query's top ``size``
+    documents in the run's order, no labels.
+
+    >>> [ls.docs for ls in run_lists({"q": "cat"}, {"q": ["d2", "d1", "d3"]}, {"d1": "a", "d2": "b", "d3": "c"}, 2)]
+    [['b', 'a']]
+    """
+    out = []
+    for q, docs in ranked.items():
+        keep = [d for d in docs if d in text_of][:size]
+        if q in queries and keep:
+            out.append(RankedList(q, queries[q], [text_of[d] for d in keep]))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- losses
 def listwise_ce(scores: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
     """Softmax cross-entropy of one list's scores (teacher order) against its labels normalised to sum 1, or

@@ -19,6 +19,7 @@ from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.rerank.training import RerankTrainer, RerankTrainSettings
 from retrieval.training.loop import Trainer, TrainSettings
 from stages import execute, stages
+from stages.base import Context
 from stages.bm25 import BM25Config
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
@@ -490,3 +491,22 @@ def test_training_budget_defaults_to_the_zero_shot_train_selection(world: dict, 
     with pytest.raises(StoreError, match="no training budget given.*give --kq and --kp"):
         execute(stages()["train"], cfg.model_copy(update={"backbone": BackboneConfig(model=str(other))}),
                 log=lambda _: None)  # fmt: skip
+
+
+def test_reranker_teacher_lists_from_qrels_or_from_the_run_alone(world: dict, tmp_path: Path) -> None:
+    w = copy_world(world, tmp_path)
+    stage = stages()["train-reranker"]
+    ctx = Context(store=ArtifactStore(w["root"]), log=lambda _: None)
+    for teacher, n in (("qrels", 2), ("run", 2)):  # train: q3 -> d6, q4 -> d8; BM25 ranks both queries
+        cfg = w["configs"]["train-reranker"].model_copy(update={"teacher": teacher, "name": f"tiny-rr-{teacher}"})
+        plan = stage.plan(cfg, ctx)
+        lists, stats = stage.lists(plan.units[0].config, ctx)
+        assert stats["lists"] == len(lists) == n
+        if teacher == "qrels":
+            assert [ls.labels[0] for ls in lists] == [1.0, 1.0] and all(ls.labels[1:] == [0.0] * 2 for ls in lists)
+            assert lists[0].docs[0].startswith(CORPUS[6]["title"]) or lists[0].docs[0].startswith(CORPUS[8]["title"])
+        else:
+            assert all(ls.labels is None and len(ls.docs) == 3 for ls in lists)
+    res = execute(stage, w["configs"]["train-reranker"].model_copy(update={"teacher": "run", "name": "tiny-rr-run"}),
+                  log=lambda _: None)  # fmt: skip
+    assert res.done == 1
