@@ -6,28 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_harness import DIFFRET, ENV, run, sql
 
 from storage import ArtifactStore, IncompleteArtifactError
 from storage.sql import StoreSQL
-
-DIFFRET = [sys.executable, "-m", "flows.cli"]
-ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": ""}
-
-
-def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=ENV, timeout=600)
-    if check and p.returncode != 0:
-        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def sql_json(root: Path, query: str) -> list[dict]:
-    return json.loads(run("sql", "--root", str(root), "--format", "json", query).stdout)
 
 
 @pytest.mark.e2e
@@ -35,19 +21,19 @@ def test_scifact_nfcorpus_cranfield(tmp_path, shared_data):
     root = tmp_path / "store"
     for name in ("scifact", "nfcorpus", "cranfield"):
         run("download", name, "--source", str(shared_data / name), "--root", str(root))
-    rows = sql_json(
+    rows = sql(
         root,
         "select split, count(distinct query_id) q, count(*) n from qrels "
         "where dataset = 'scifact' group by 1 order by 1",
     )
     assert rows == [{"split": "test", "q": 300, "n": 339}, {"split": "train", "q": 809, "n": 919}]
-    counts = {r["dataset"]: r["n"] for r in sql_json(root, "select dataset, count(*) n from corpus group by 1")}
+    counts = {r["dataset"]: r["n"] for r in sql(root, "select dataset, count(*) n from corpus group by 1")}
     assert counts == {"scifact": 5183, "nfcorpus": 3633, "cranfield": 1400}
-    nf = sql_json(
+    nf = sql(
         root, "select count(distinct query_id) q, count(*) n from qrels where dataset='nfcorpus' and split='test'"
     )
     assert nf == [{"q": 323, "n": 12334}]
-    cran = sql_json(root, "select count(distinct query_id) q from queries where dataset = 'cranfield'")
+    cran = sql(root, "select count(distinct query_id) q from queries where dataset = 'cranfield'")
     assert cran == [{"q": 225}]
     # the same command again does nothing and says so
     again = run("download", "scifact", "--source", str(shared_data / "scifact"), "--root", str(root))
@@ -61,7 +47,7 @@ def test_scifact_nfcorpus_cranfield(tmp_path, shared_data):
 def test_msmarco_mirror_subfolders(tmp_path, shared_data):
     root = tmp_path / "store"
     run("download", "trec-dl-2019", "--source", str(shared_data / "msmarco-passage"), "--root", str(root))
-    rows = sql_json(root, "select count(distinct query_id) q, count(*) n from qrels where dataset = 'trec-dl-2019'")
+    rows = sql(root, "select count(distinct query_id) q, count(*) n from qrels where dataset = 'trec-dl-2019'")
     assert rows == [{"q": 43, "n": 9260}]
 
 
@@ -97,7 +83,7 @@ def test_broken_copies_fail_clearly_and_write_nothing(tmp_path, shared_data):
 
     assert not (root / "datasets" / "dataset=scifact").exists()
     assert not any((root / "_staging").iterdir())
-    assert sql_json(root, "select count(*) n from corpus") == [{"n": 0}]
+    assert sql(root, "select count(*) n from corpus") == [{"n": 0}]
 
 
 @pytest.mark.e2e

@@ -7,24 +7,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_harness import DIFFRET, ENV, run
 from conftest import SHARED
 
-DIFFRET = [sys.executable, "-m", "flows.cli"]
-ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
 SPLADE = SHARED / "models" / "splade-tiny-mlm"
 SMOL = SHARED / "models" / "smollm2-135m-instruct-gguf"
-
-
-def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=ENV, timeout=900)
-    if check and p.returncode != 0:
-        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 @pytest.fixture

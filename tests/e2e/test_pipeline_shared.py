@@ -8,33 +8,18 @@ clear errors and resume behaviour of score and evaluate.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import run, sql
 from conftest import SHARED
 
-DIFFRET = [sys.executable, "-m", "flows.cli"]
-ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
 SPLADE = SHARED / "models" / "splade-tiny-mlm"
 DATA = SHARED / "data"
 MODES = ["single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max"]
 
 pytestmark = pytest.mark.e2e
-
-
-def run(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=env or ENV, timeout=1200)
-    if check and p.returncode != 0:
-        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def sql(root: Path, query: str) -> list[dict]:
-    return json.loads(run("sql", "--root", str(root), "-f", "json", query).stdout)
 
 
 GRID = [

@@ -10,28 +10,13 @@ it)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import run, sql
 from conftest import SHARED, write_beir
 
-DIFFRET = [sys.executable, "-m", "flows.cli"]
-ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": ""}
 N_QUERIES = 12
-
-
-def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([*DIFFRET, *args], capture_output=True, text=True, env=ENV, timeout=900)
-    if check and p.returncode != 0:
-        raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def sql(root: Path, query: str) -> list[dict]:
-    return json.loads(run("sql", "--root", str(root), "--format", "json", query).stdout)
 
 
 @pytest.fixture(scope="module")
