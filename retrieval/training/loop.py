@@ -391,7 +391,6 @@ class Trainer(Loop):
         self.r, self.sep = reader, title_sep
         super().__init__(reader.bb, groups, settings)
         self.s: TrainSettings = settings
-        self.groups = self.items
         for side, k in (("query", settings.kq), ("passage", settings.kp)):
             reader.pieces(side, k)  # the prompt's tokens, before the prefetch thread shares the tokenizer
 
