@@ -59,15 +59,15 @@ def scifact_groups(n: int, negatives: int, seed: int = 0) -> list[Group]:
 
 
 def settings(args: argparse.Namespace, **kw) -> TrainSettings:
-    return TrainSettings(adapter=args.adapter, kq=args.k, kp=args.k, batch_size=args.batch_size, grad_accum=1,
-                         n_negatives=args.negatives, lr=1e-4, warmup_ratio=0.0, max_steps=1_000_000,
+    return TrainSettings(adapter=args.adapter, kq=args.k, kp=args.k, batch_size=args.batch_size,
+                         pool_size=args.batch_size, global_batch=args.batch_size, n_negatives=args.negatives, lr=1e-4, warmup_ratio=0.0, max_steps=1_000_000,
                          p_max_len=args.p_max_len, q_max_len=32, **kw)  # fmt: skip
 
 
 def make_trainer(args: argparse.Namespace, groups: list[Group], **kw) -> Trainer:
     torch.manual_seed(0)
     bb = load_backbone(BackboneConfig(model=args.model, device=args.device))
-    return Trainer(make_reader(bb, ReadoutConfig(), 512), groups, settings(args, **kw))
+    return Trainer(make_reader(bb, ReadoutConfig()), groups, settings(args, **kw))
 
 
 def sync(device: torch.device) -> None:

@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from retrieval.models.backbones import BackboneConfig
 from retrieval.rerank.training import RerankTrainSettings
+from retrieval.search.rules import ScoreRules
 from retrieval.training.loop import TrainSettings
 from storage.layout import DEFAULT_ROOT
 
@@ -49,6 +50,10 @@ Splits = Annotated[list[str] | None, Opt("--split", help="Query split(s), repeat
 Ks = Annotated[str, Opt(help="Budgets, comma-separated.")]
 TrainTopk = Annotated[int, Opt(min=1, help="Documents per train-split query (at most --topk; test splits: --topk).")]
 Modes = Annotated[list[str] | None, Opt("--mode", help="Scoring mode(s), repeatable (default: all five).")]
+SelfHits = Annotated[str, Opt(help="A retrieved document whose id is the query's (ArguAna, Quora): keep (the "
+                              "reference evaluator's) | drop (BEIR's evaluation).")]  # fmt: skip
+Ties = Annotated[str, Opt(help="Tied documents within a measure's depth: trec (pytrec_eval's order, the reference's) "
+                          "| rank (the stored rank order).")]  # fmt: skip
 Format = Annotated[OutputFormat, Opt("--format", "-f", help="Output format.")]
 VerifyShards = Annotated[bool, Opt("--verify", help="Re-hash every stored shard (sha256) before resuming; default: "
                                    "trust a shard whose size and mtime match its record.")]  # fmt: skip
@@ -167,27 +172,30 @@ def encode(
 
 @app.command()
 @system_options("filter")
+@config_options(ScoreRules, "rules")
 def score(
-    dataset: Dataset, settings: dict, system: System = None, corpus: Corpus = None, split: Splits = None,
-    kq: Ks = GRID, kp: Ks = GRID, mode: Modes = None, topk: Annotated[int, Opt(help="Documents per query.")] = 1000,
-    train_topk: TrainTopk = 100, device: Annotated[str, Opt(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dataset: Dataset, settings: dict, rules: dict, system: System = None, corpus: Corpus = None,
+    split: Splits = None, kq: Ks = GRID, kp: Ks = GRID, mode: Modes = None,
+    topk: Annotated[int, Opt(help="Documents per query.")] = 1000, train_topk: TrainTopk = 100,
+    self_hits: SelfHits = "keep", device: Annotated[str, Opt(help="auto | cpu | cuda | cuda:N")] = "auto",
     block_mb: Annotated[float, Opt(help="Memory for the scoring blocks, MiB (results do not depend on it).")] = 256,
     root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Exact search for every (K_q, K_p, mode) cell of a stored system: one run per cell in the store."""
     _run("score", prefect, root=root, force=force, dataset=dataset, corpus=corpus, system=system_ref(system, settings),
          splits=split or ["test"], kq=_ints(kq), kp=_ints(kp), topk=topk, train_topk=train_topk, device=device,
-         block_mb=block_mb, **_modes(mode))  # fmt: skip
+         block_mb=block_mb, rules=rules, self_hits=self_hits, **_modes(mode))  # fmt: skip
 
 
 @app.command()
 def bm25(
     dataset: Dataset, corpus: Corpus = None, split: Splits = None, topk: int = 1000, k1: float = 0.9, b: float = 0.4,
-    train_topk: TrainTopk = 100, root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    train_topk: TrainTopk = 100, self_hits: SelfHits = "keep", root: Root = DEFAULT_ROOT, force: Force = False,
+    prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """BM25 baseline runs (bm25s, Lucene variant, English stemmer and stopwords)."""
     _run("bm25", prefect, root=root, force=force, dataset=dataset, corpus=corpus, splits=split or ["test"], topk=topk,
-         train_topk=train_topk, bm25={"k1": k1, "b": b})  # fmt: skip
+         train_topk=train_topk, self_hits=self_hits, bm25={"k1": k1, "b": b})  # fmt: skip
 
 
 @app.command()
@@ -246,7 +254,7 @@ def train(
     enc = encode_settings(settings)
     train_settings = {**train_settings, "adapter": "full" if full else "lora"}
     res = _run("train", prefect, root=root, force=force, training_set=training_set, backbone=enc["backbone"],
-               readout=enc["readout"], title_sep=enc["title_sep"], settings=train_settings, name=name,
+               readout=enc["readout"], settings=train_settings, name=name,
                checkpoint_every=checkpoint_every, merge=merge)  # fmt: skip
     console.print(f"model: {res.details.get('model_dir')}", highlight=False, soft_wrap=True)
 
@@ -289,11 +297,11 @@ def evaluate(
     dataset: Annotated[list[str] | None, Opt("--dataset", "-d", help="Dataset(s), repeatable (default: all).")] = None,
     split: Splits = None, relevance_level: Annotated[int | None, Opt(help="Grade that binary measures count "
                                                                      "(default: 2 on TREC DL, else 1).")] = None,
-    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    ties: Ties = "trec", root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """Per-query metrics (pytrec_eval) for every run in the store without current ones."""
     _run("evaluate", prefect, root=root, force=force, systems=system or None, datasets=dataset or None,
-         splits=split or None, relevance_level=relevance_level)  # fmt: skip
+         splits=split or None, relevance_level=relevance_level, ties=ties)  # fmt: skip
 
 
 @app.command()
@@ -334,11 +342,13 @@ def export_run(
 
 @app.command()
 @system_options("settings")
+@config_options(ScoreRules, "rules")
 def run(
-    settings: dict, dataset: Dataset = "scifact", source: Annotated[str | None, Opt("--source", "-s")] = None,
+    settings: dict, rules: dict, dataset: Dataset = "scifact",
+    source: Annotated[str | None, Opt("--source", "-s")] = None,
     corpus_source: Annotated[str | None, Opt(help="Mirror of the judged corpus (TREC DL).")] = None,
     unknown_judgments: UnknownJudgments = "error",
-    preset: Annotated[str, Opt(help="paper: the 5x5 grid; laptop: {1,4,16}^2, 256 tokens, batch 16.")] = "paper",
+    preset: Annotated[str, Opt(help="paper: the 5x5 grid; laptop: {1,4,16}^2, batch 16.")] = "paper",
     kq: Annotated[str | None, Opt(help="Query budgets (default: the preset's).")] = None,
     kp: Annotated[str | None, Opt(help="Passage budgets (default: the preset's).")] = None,
     batch_size: Annotated[int | None, Opt(help="Texts per forward pass (default: the preset's).")] = None,
@@ -346,7 +356,8 @@ def run(
     train_topk: TrainTopk = 100,
     index_type: Annotated[str, Opt("--index", help="skip | none (flat) | IVF_PQ | IVF_HNSW_SQ")] = "skip",
     shard_size: int = 1000, workers: int = 0, dask_address: str | None = None, verify: VerifyShards = False,
-    root: Root = DEFAULT_ROOT, force: Force = False, prefect: Prefect = None,
+    self_hits: SelfHits = "keep", ties: Ties = "trec", root: Root = DEFAULT_ROOT, force: Force = False,
+    prefect: Prefect = None,
 ) -> None:  # fmt: skip
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
     import time
@@ -359,15 +370,14 @@ def run(
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
         base = PRESETS[preset]
-        if "max_length" in base and settings["max_length"] == 512:
-            settings["max_length"] = base["max_length"]
         config = PipelineConfig(
             root=root, force=force, dataset=dataset, source=source, corpus_source=corpus_source, bm25=bm25,
             unknown_judgments=unknown_judgments, train_topk=train_topk,
             splits=split or ["test"], kq=_ints(base["kq"] if kq is None else kq),
             kp=_ints(base["kp"] if kp is None else kp), index=index_type,
             batch_size=batch_size or base["batch_size"], shard_size=shard_size, workers=workers, verify=verify,
-            dask_address=dask_address, device=settings["backbone.device"], **encode_settings(settings), **_modes(mode),
+            dask_address=dask_address, device=settings["backbone.device"], rules=rules, self_hits=self_hits, ties=ties,
+            **encode_settings(settings), **_modes(mode),
         )  # fmt: skip
         if use_prefect(prefect) or workers or dask_address:
             with prefect_api():

@@ -17,9 +17,10 @@ from pydantic import Field
 
 from retrieval.data.sources import corpus_of
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import ReadoutConfig
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig
 from retrieval.search.bm25 import BM25Settings
 from retrieval.search.modes import MODE_NAMES
+from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
 from stages.base import GRID_K, KList, ModeList, StageConfig
 from stages.bm25 import BM25Config
@@ -42,7 +43,7 @@ from .runner import run_stage
 # (pass --model for a small checkpoint too).
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"kq": "1,2,4,8,16", "kp": "1,2,4,8,16", "batch_size": 32},
-    "laptop": {"kq": "1,4,16", "kp": "1,4,16", "max_length": 256, "batch_size": 16},
+    "laptop": {"kq": "1,4,16", "kp": "1,4,16", "batch_size": 16},
 }
 
 
@@ -61,7 +62,7 @@ class PipelineConfig(StageConfig):
     splits: list[str] = Field(default=["test"], description="Query splits to score and evaluate.")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1, description="Tokens per input, prompt included.")
+    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input, prompt included.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
@@ -79,6 +80,12 @@ class PipelineConfig(StageConfig):
     dask_address: str | None = None
     verify: bool = Field(default=False, description="Re-hash every stored shard when resuming (default: size, mtime).")
     device: str = Field(default="auto", description="Scoring device: auto | cpu | cuda | cuda:N.")
+    rules: ScoreRules = Field(default_factory=ScoreRules, description="How each mode scores (default: the "
+                              "reference evaluator's).")  # fmt: skip
+    self_hits: Literal["keep", "drop"] = Field(default="keep", description="A retrieved document whose id is the "
+                                               "query's: keep (the reference's) or drop (BEIR's evaluation).")
+    ties: Literal["trec", "rank"] = Field(default="trec", description="Evaluation order of tied documents within a "
+                                          "measure's depth: trec (pytrec_eval's, the reference's) or rank (stored).")
 
     # ------------------------------------------------------------------------- stage configs
     def _common(self) -> dict[str, Any]:
@@ -115,12 +122,13 @@ class PipelineConfig(StageConfig):
         return ScoreConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
             kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk, device=self.device,
-            **self._common(),
+            rules=self.rules, self_hits=self.self_hits, **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
         return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
-                          train_topk=self.train_topk, bm25=BM25Settings(), **self._common())  # fmt: skip
+                          train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
+                          **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
@@ -129,7 +137,8 @@ class PipelineConfig(StageConfig):
         )  # fmt: skip
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
-        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, **self._common())
+        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, ties=self.ties,
+                              **self._common())  # fmt: skip
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
         return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone
 from retrieval.models.encoding import encode_rows
-from retrieval.models.readouts import Readout, ReadoutConfig, make_reader, readout_class
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
 from storage import FileEntry, IncompleteArtifactError
 from storage.layout import encodings_dir, tokens_dir
 
@@ -39,7 +39,8 @@ class EncodeConfig(StageConfig):
     k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1, description="Tokens per input, prompt included (512 zero-shot).")
+    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input, prompt included "
+                            "(run_encode.sh's 256; encode.py's 512).")  # fmt: skip
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     batch_size: int = Field(default=32, ge=1)
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")

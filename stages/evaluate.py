@@ -13,7 +13,7 @@ equal to its recall_100 (the train split selects budgets by NDCG@10, which it do
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -44,6 +44,11 @@ class EvaluateConfig(StageConfig):
     )
     relevance_level: int | None = Field(
         default=None, ge=1, description="Grade counted relevant by binary measures (default: 2 for TREC DL, else 1)."
+    )
+    ties: Literal["trec", "rank"] = Field(
+        default="trec", description="trec: a measure of depth d reads the run's first d documents, ordered among "
+        "themselves as pytrec_eval orders them (ties by doc_id descending; the reference evaluator's); rank: the "
+        "stored rank order (diffret 0.1's)."
     )
 
 
@@ -77,12 +82,14 @@ def list_runs(
     return out
 
 
-def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int) -> dict[str, Any]:
+def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int,
+                   ties: str = "trec") -> dict[str, Any]:  # fmt: skip
     return {
         "run": run.stage,
         "split": run.partition["split"],
         "measures": list(measures),
         "relevance_level": relevance_level,
+        "ties": ties,
         "mrr_cutoff": 10,
         "missing_queries": "score 0",
         "inputs": {
@@ -116,7 +123,7 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
             level = config.relevance_level if config.relevance_level is not None else default_relevance_level(ds)
             if ds not in qrels_sha:  # one manifest read per dataset, not per run
                 qrels_sha[ds] = dataset_manifest(store, ds).files["qrels.parquet"].sha256
-            cfg = metrics_config(run, qrels_sha[ds], config.measures, level)
+            cfg = metrics_config(run, qrels_sha[ds], config.measures, level, config.ties)
             stage = metrics_dir(p["system"], ds, p["split"], int(p["kq"]), int(p["kp"]), p["mode"])
             plan.add_folder(ctx, stage, cfg, config.force)
         return plan
@@ -128,8 +135,13 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         if not qrels:
             raise ValueError(f"dataset {p['dataset']!r} has no qrels for split {p['split']!r}")
         measures = unit.config["measures"]
-        run = run_from_table(read_run(store, unit.config["run"]))
-        table = evaluate(qrels, run, measures, unit.config["relevance_level"])
+        ranked = unit.config.get("ties", "rank") == "trec"
+        stored = read_run(store, unit.config["run"])
+        if ranked:  # each query's documents in rank order, with their scores
+            run = run_from_table(stored.sort_by([("query_id", "ascending"), ("rank", "ascending")]), order="score")
+        else:
+            run = run_from_table(stored)
+        table = evaluate(qrels, run, measures, unit.config["relevance_level"], ranked=ranked)
         pairs = list(zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True))
         means = {}
         for name in measures:

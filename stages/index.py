@@ -20,6 +20,7 @@ from pydantic import Field
 from retrieval.search import lance
 from retrieval.search.encodings import Encodings
 from retrieval.search.exact import SearchSettings, search_pass
+from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, FileEntry, Manifest
 from storage.layout import encodings_dir, index_dir
 
@@ -27,6 +28,9 @@ from .base import GRID_K, Context, Folder, KList, Plan, Stage
 from .readers import corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries
 from .runs import QueriesConfig
 from .systems import SystemRef, find_system
+
+# LanceDB's MaxSim scale (the mean over query vectors, unclamped): recall is measured against exact search under it
+LANCE_RULES = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean")
 
 
 class IndexConfig(QueriesConfig):
@@ -69,7 +73,7 @@ def check_against_exact(
     db_path: str, queries_by_kq: dict[int, Encodings], passages: Any, k: int = 100, overfetch: int | None = None
 ) -> dict[str, Any]:
     """recall@10 / @100 and latency of the index against exact MaxSim, per K_q."""
-    exact, doc_ids = search_pass(queries_by_kq, passages, ["multi_dense"], SearchSettings(topk=k))
+    exact, doc_ids = search_pass(queries_by_kq, passages, ["multi_dense"], SearchSettings(topk=k, rules=LANCE_RULES))
     out: dict[str, Any] = {}
     for kq, q in queries_by_kq.items():
         ex = [[doc_ids[i] for i in row if i >= 0] for row in exact[(kq, "multi_dense")].index]

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from retrieval.data.collections import TITLE_SEP, passage_text
 from retrieval.search.encodings import Encodings, encodings_from_table, select
+from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, IncompleteArtifactError, Manifest
 from storage.layout import dataset_dir
 
@@ -99,20 +100,24 @@ def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | Non
     return m
 
 
-def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu") -> Iterator[Encodings]:
-    """The shards of an encoding folder in order, each verified against the manifest."""
+def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
+                   sparse_factor: float = 1.0) -> Iterator[Encodings]:  # fmt: skip
+    """The shards of an encoding folder in order, each verified against the manifest, ready to score under
+    ``rules`` (see ``encodings_from_table``)."""
     for name in sorted(m.files):
-        yield encodings_from_table(store.read_table(stage, name), device)
+        yield encodings_from_table(store.read_table(stage, name), device, rules, sparse_factor)
 
 
-def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu") -> Encodings:
+def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
+                   sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
     tables = [store.read_table(stage, name) for name in sorted(m.files)]
-    return encodings_from_table(pa.concat_tables(tables), device)
+    return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor)
 
 
-def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu") -> Encodings:
+def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu",
+                    rules: ScoreRules | None = None, sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
     """The encodings of the queries ``ids``, in that order (a clear error when one is missing)."""
-    enc = read_encodings(store, stage, encoding_manifest(store, stage), device)
+    enc = read_encodings(store, stage, encoding_manifest(store, stage), device, rules, sparse_factor)
     try:
         return select(enc, ids)
     except KeyError as exc:

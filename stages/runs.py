@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import Field
@@ -14,6 +14,7 @@ from pydantic import Field
 from retrieval.data.sources import corpus_of
 from retrieval.search import doc_order, run_table
 from retrieval.search.modes import FUSIONS
+from retrieval.search.rules import ScoreRules
 from retrieval.search.runs import run_file_bytes
 from retrieval.search.scoring import TopK
 from storage import ArtifactStore, Manifest, StoreError
@@ -23,14 +24,6 @@ from .base import StageConfig
 
 TRAIN_SPLIT = "train"
 TRAIN_TOPK = 100  # train runs feed negatives (top 30) and the train-split budget selection (NDCG@10)
-
-# BEIR drops a retrieved document whose id equals the query id on these (a query is itself a document)
-SELF_RETRIEVAL_DATASETS = ("arguana", "quora", "cqadupstack")
-
-
-def default_ignore_identical_ids(dataset: str) -> bool:
-    return dataset.startswith(SELF_RETRIEVAL_DATASETS)
-
 
 class QueriesConfig(StageConfig):
     """Which queries (a dataset) against which passages (its corpus, or the collection its qrels judge)."""
@@ -50,14 +43,14 @@ class RetrievalConfig(QueriesConfig):
     topk: int = Field(default=1000, ge=1, description="Documents kept per query.")
     train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per query of the train split "
                             "(at most topk): enough for hard negatives and budget selection.")  # fmt: skip
-    ignore_identical_ids: bool | None = Field(
-        default=None, description="Drop a document whose id equals the query id (default: on for ArguAna, Quora)."
+    self_hits: Literal["keep", "drop"] = Field(
+        default="keep", description="A retrieved document whose id is the query's (ArguAna, Quora): keep (the "
+        "reference evaluator's) or drop (BEIR's evaluation; diffret 0.1's default on those datasets)."
     )
 
     def ignore_ids(self) -> bool:
-        if self.ignore_identical_ids is None:
-            return default_ignore_identical_ids(self.dataset)
-        return self.ignore_identical_ids
+        """Whether search drops a document whose id equals the query id (``self_hits="drop"``)."""
+        return self.self_hits == "drop"
 
     def depth(self, split: str) -> int:
         """Documents kept per query of ``split``: ``train_topk`` (at most ``topk``) on train, else ``topk``.
@@ -79,11 +72,15 @@ class Cell:
 
 
 def cell_config(system: str, dataset: str, corpus: str, split: str, kq: int, kp: int, mode: str, topk: int,
-                fusion_depth: int, ignore: bool, inputs: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+                fusion_depth: int, ignore: bool, inputs: dict[str, str],
+                rules: ScoreRules | None = None) -> dict[str, Any]:  # fmt: skip
+    """A run folder's config: what it searched, how deep, and the scoring rules its mode depends on."""
     cfg: dict[str, Any] = {
         "system": system, "dataset": dataset, "corpus": corpus, "split": split, "kq": kq, "kp": kp, "mode": mode,
         "topk": topk, "ignore_identical_ids": ignore, "inputs": inputs,
     }  # fmt: skip
+    if rules is not None:
+        cfg["rules"] = rules.for_mode(mode, FUSIONS.get(mode, ()))
     if mode in FUSIONS:
         cfg["fusion"] = {"runs": list(FUSIONS[mode]), "norm": "minmax", "weights": [0.5, 0.5], "depth": fusion_depth}
     return cfg

@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from pydantic import Field
 
 from retrieval.devices import resolve_device
+from retrieval.models.readouts import sparse_quantised
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
+from retrieval.search.rules import ScoreRules
 from storage.layout import encodings_dir, run_dir
 
 from .base import GRID_K, Context, KList, ModeList, Plan, Stage
@@ -36,6 +38,8 @@ class ScoreConfig(RetrievalConfig):
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
                             "queries and passages are cut so that they fit; results do not depend on it.")
+    rules: ScoreRules = Field(default_factory=ScoreRules, description="How each mode scores (default: the "
+                              "reference evaluator's).")  # fmt: skip
 
 
 @dataclass
@@ -51,6 +55,7 @@ class ScorePass:
     settings: SearchSettings
     fusion_depth: int
     device: str
+    sparse_factor: float = 1.0  # ScoreRules.sparse_factor for this system's sparse weights
 
 
 class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored"):
@@ -78,7 +83,8 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                               "passage_encodings": p_man[kp].config_hash}  # fmt: skip
                     for mode in modes:
                         cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode,
-                                          config.depth(split), config.fusion_depth, ignore, inputs)  # fmt: skip
+                                          config.depth(split), config.fusion_depth, ignore, inputs,
+                                          config.rules)  # fmt: skip
                         stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
                         if plan.needs(ctx, stage, cfg, config.force):
                             todo.append(Cell(split, kq, kp, mode, stage, cfg))
@@ -87,27 +93,32 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
         settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore,
-                                  block_bytes=int(config.block_mb * (1 << 20)))
+                                  block_bytes=int(config.block_mb * (1 << 20)), rules=config.rules)
         device = str(resolve_device(config.device))
+        factor = config.rules.sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]
             stages = {kq: q_stages[kq] for kq in sorted({c.kq for c in cells})}
             deep = replace(settings, topk=search_depth(cells))  # each cell's run is a prefix, cut to its depth
             plan.units.append(
-                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, deep, config.fusion_depth, device)
+                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, deep, config.fusion_depth, device,
+                          factor)  # fmt: skip
             )
         return plan
 
     def run(self, unit: ScorePass, ctx: Context) -> int:
         store = ctx.store
-        queries = {kq: query_encodings(store, st, unit.query_ids, unit.device) for kq, st in unit.query_stages.items()}
+        rules, factor = unit.settings.rules, unit.sparse_factor
+        queries = {kq: query_encodings(store, st, unit.query_ids, unit.device, rules, factor)
+                   for kq, st in unit.query_stages.items()}  # fmt: skip
         p_man = encoding_manifest(store, unit.passage_stage)
-        passages = iter_encodings(store, unit.passage_stage, p_man, unit.device)
+        passages = iter_encodings(store, unit.passage_stage, p_man, unit.device, rules, factor)
         n = p_man.total_rows()
         ctx.log(f"scoring K_p={unit.kp}: {len(unit.cells)} cell(s) over {n:,} passages on {unit.device}")
         base = base_modes_needed({c.mode for c in unit.cells})
         tops, doc_ids = search_pass(queries, passages, base, unit.settings)
-        write_runs(store, unit.cells, all_modes(tops, unit.fusion_depth), unit.query_ids, doc_ids, unit.split_rows)
+        runs = all_modes(tops, unit.fusion_depth, rules)
+        write_runs(store, unit.cells, runs, unit.query_ids, doc_ids, unit.split_rows)
         return len(unit.cells)
 
 

@@ -9,14 +9,15 @@ apart; they never rebuild a slug from their own options.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from retrieval.models.backbones import BackboneConfig, load_tokenizer, weights_fingerprint
-from retrieval.models.readouts import ReadoutConfig, readout_class
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from storage import ArtifactStore, Manifest, StoreError, config_hash
 from storage.layout import system_dir
 from storage.manifest import diff_configs
@@ -27,14 +28,53 @@ SYSTEMS_STAGE = "systems"
 
 
 class EncodeSettings(BaseModel):
-    """Everything that determines the numbers of an encoder system (its slug hashes :func:`numeric_settings`)."""
+    """Everything that determines the numbers of an encoder system (its slug hashes :func:`numeric_settings`).
+
+    The readout's ``auto`` settings are resolved here (:meth:`ReadoutConfig.resolved`), the encode path from the
+    model (:func:`finetuned_model`), so a slug always records concrete values.
+    """
 
     backbone: BackboneConfig
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=512, ge=1, description="Tokens per input: the prompt and the text (see the "
-                            "readout's truncation).")  # fmt: skip
+    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input: the prompt and the text "
+                            "(see the readout's truncation); run_encode.sh's 256, encode.py's own default 512.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
                            "'. '; diffret 0.1: ' ').")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _resolve_readout(self) -> EncodeSettings:
+        if not self.readout.is_resolved:
+            self.readout = self.readout.resolved(finetuned_model(self.backbone))
+        return self
+
+
+# what marks a fine-tuned model: diffret train's manifest in its folder, or a reference checkpoint's config
+REFERENCE_TRAINED_CONFIGS = ("retriever_config.json", "ar_retriever_config.json")
+
+
+def finetuned_model(backbone: BackboneConfig) -> bool:
+    """Whether a model (or its adapter) is a fine-tuned retriever: a folder ``diffret train`` saved (its
+    ``_manifest.json`` of stage ``models`` names a readout) or a reference checkpoint (``retriever_config.json``,
+    ``ar_retriever_config.json``). Hub ids are not (pass ``--finetuned yes``).
+
+    >>> finetuned_model(BackboneConfig(model="org/some-base"))
+    False
+    """
+    for name in (backbone.adapter, backbone.model):
+        if not name:
+            continue
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            continue
+        if any((folder / f).exists() for f in REFERENCE_TRAINED_CONFIGS):
+            return True
+        try:
+            m = json.loads((folder / "_manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("stage") == "models" and "readout" in (m.get("config") or {}):
+            return True
+    return False
 
 
 def slug_base(model: str) -> str:
@@ -77,7 +117,7 @@ def encoder_slug(s: EncodeSettings) -> str:
     """``<model basename>-<readout>-<hash of numeric_settings>``.
 
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
-    'tiny-bert-diffretriever-ba23743f66'
+    'tiny-bert-diffretriever-49546d2856'
     """
     name = slug_base(s.backbone.adapter or s.backbone.model)  # an adapter is named by its folder
     return f"{name}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import tokenize_texts
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH
 from storage import FileEntry
 from storage.layout import TOKENS_SCHEMA, shard_name, tokens_dir
 
@@ -34,7 +35,7 @@ class TokenizeConfig(StageConfig):
     dataset: str = Field(description="A dataset already in the store (diffret download).")
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
-    max_length: int = Field(default=512, ge=1, description="Text tokens kept per text.")
+    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Text tokens kept per text.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
     verify: bool = Field(

@@ -42,7 +42,6 @@ from storage.layout import (
 from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
-from .readers import TITLE_SEP
 from .systems import SystemRef, find_system, slug_base
 from .tokenize import DEFAULT_MODEL
 
@@ -53,7 +52,6 @@ class TrainConfig(StageConfig):
     training_set: str = Field(description="A stored training set (diffret training-data).")
     backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     settings: TrainSettings = Field(default_factory=TrainSettings)
     name: str | None = Field(default=None, description="The model's name (default: <base>-ft-<hash>).")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
@@ -76,7 +74,14 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
         data = ctx.store.require_manifest(training_dir(config.training_set))
+        config = config.model_copy(update={"settings": config.settings.resolved(config.readout.readout)})
         budget_from = "given"
+        n = config.settings.promptreps_n
+        if (config.settings.kq is None or config.settings.kp is None) and config.readout.readout == "promptreps" and n:
+            kq, kp, budget_from = n, n, f"PromptReps' cap N = {n} (the paper's fine-tuning)"
+            given = {k: v for k, v in (("kq", config.settings.kq), ("kp", config.settings.kp)) if v is not None}
+            config = config.model_copy(update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp,
+                                                                                               **given})})  # fmt: skip
         if config.settings.kq is None or config.settings.kp is None:
             kq, kp, budget_from = selected_budget(ctx, config)
             given = {k: v for k, v in (("kq", config.settings.kq), ("kp", config.settings.kp)) if v is not None}
@@ -85,8 +90,8 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         cfg = {
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
-            "readout": config.readout.model_dump(), "title_sep": config.title_sep,
-            "settings": config.settings.model_dump(), "inputs": {"training": data.config_hash},
+            "readout": config.readout.model_dump(), "settings": config.settings.model_dump(),
+            "inputs": {"training": data.config_hash},
             "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
         }  # fmt: skip
         return self.model_plan(ctx, config, cfg, "ft", int(data.total_rows()))
@@ -127,7 +132,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         bb = load_backbone(backbone)
         reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)
         settings = TrainSettings.model_validate(cfg["settings"])
-        trainer = Trainer(reader, groups, settings, cfg["title_sep"])
+        trainer = Trainer(reader, groups, settings)
         return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, {"groups": len(groups)})
 
 

@@ -26,14 +26,17 @@ UNKNOWN_DOCS = ("error", "drop", "keep")  # what to do with judgments of documen
 
 
 def passage_text(title: str | None, text: str, sep: str = TITLE_SEP) -> str:
-    """A passage as the encoders read it: ``title + sep + text``, or the text alone without a title.
+    """A passage as the encoders read it: ``title + sep + text``, the text alone without a title, the title
+    alone without a text (the reference encoder's, scripts/encode.py L79-81, and trainer's).
 
     >>> passage_text("Cats", "They purr.")
     'Cats. They purr.'
-    >>> passage_text("", "They purr.", " ")
-    'They purr.'
+    >>> passage_text("", "They purr.", " "), passage_text("Cats", "")
+    ('They purr.', 'Cats')
     """
-    return f"{title}{sep}{text}" if title else text
+    if not title:
+        return text
+    return f"{title}{sep}{text}" if text else title
 
 
 class DatasetError(ValueError):

@@ -16,6 +16,7 @@ import heapq
 import re
 from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
+from itertools import islice
 
 import pyarrow as pa
 import pytrec_eval
@@ -28,6 +29,7 @@ from .trec import _rows
 DEFAULT_MEASURES: tuple[str, ...] = tuple(m.pytrec for m in MEASURES)
 
 _MRR_RE = re.compile(r"^mrr_([1-9][0-9]*)$")
+_DEPTH_RE = re.compile(r"^(?:ndcg_cut|P|recall|success|map_cut|mrr)_([1-9][0-9]*)$")  # measures of a run's top d
 _NON_NUMERIC = ("runid", "relstring")  # pytrec_eval returns garbage floats for these trec_eval text measures
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -53,11 +55,22 @@ def _check_measure(measure: str) -> None:
         raise ValueError(f"pytrec_eval reports measure {measure!r} as {sorted(out)}; ask for one of those names")
 
 
+def measure_depth(measure: str) -> int | None:
+    """The run depth a measure reads (``ndcg_cut_10`` -> 10, ``mrr_10`` -> 10), or None for the whole run.
+
+    >>> measure_depth("ndcg_cut_10"), measure_depth("recall_1000"), measure_depth("map")
+    (10, 1000, None)
+    """
+    m = _DEPTH_RE.match(measure)
+    return int(m.group(1)) if m else None
+
+
 def evaluate(
     qrels: Mapping[str, Mapping[str, int]],
     run: Mapping[str, Mapping[str, float]],
     measures: Sequence[str] = DEFAULT_MEASURES,
     relevance_level: int = 1,
+    ranked: bool = False,
 ) -> pa.Table:
     """Per-query metrics (METRICS_SCHEMA), one row per judged query and measure, queries sorted by id.
 
@@ -66,12 +79,18 @@ def evaluate(
     grades as gains. Judged queries absent from the run score 0; run queries without judgments are ignored;
     qrels entries with no judgments at all are skipped (pytrec_eval drops them).
 
+    With ``ranked`` each query's documents are in rank order in its dict, and a measure of depth d
+    (:func:`measure_depth`) sees the first d of them with their scores, as the reference evaluator passes its
+    top 10 to pytrec_eval: which documents are in the top d is the run's choice, their order within it
+    pytrec_eval's (score descending, ties by doc_id descending).
+
     Parameters
     ----------
     qrels : {query_id: {doc_id: grade}}
     run : {query_id: {doc_id: score}}
     measures : pytrec_eval names (``ndcg_cut_10``, ``recall_100``, ...) or ``mrr_<k>``.
     relevance_level : the lowest grade binary measures count as relevant.
+    ranked : cut each measure's run at its depth in the dicts' order first.
 
     Examples
     --------
@@ -96,6 +115,19 @@ def evaluate(
     full = {q: {d: float(s) for d, s in (run.get(q) or {}).items()} for q in judged}
 
     per_query: dict[str, dict[str, float]] = {q: {} for q in judged}
+    if ranked:
+        by_depth: dict[int | None, list[str]] = {}
+        for m in names:
+            by_depth.setdefault(measure_depth(m), []).append(m)
+        for depth, group in by_depth.items():
+            cut = full if depth is None else {q: dict(islice(docs.items(), depth)) for q, docs in full.items()}
+            mrr = [m for m in group if _mrr_cut(m) is not None]  # recip_rank of the cut run
+            asked = [m for m in group if _mrr_cut(m) is None] + (["recip_rank"] if mrr else [])
+            result = pytrec_eval.RelevanceEvaluator(judged, asked, relevance_level).evaluate(cut)
+            for q, values in result.items():
+                per_query[q].update({m: values[m] for m in group if m in values})
+                per_query[q].update({m: values["recip_rank"] for m in mrr})
+        return _table(per_query, names)
     plain = [m for m in names if _mrr_cut(m) is None]
     if plain:
         result = pytrec_eval.RelevanceEvaluator(judged, plain, relevance_level).evaluate(full)
@@ -108,7 +140,10 @@ def evaluate(
             top = {q: dict(heapq.nlargest(k, docs.items(), key=lambda kv: (kv[1], kv[0]))) for q, docs in full.items()}
             for q, values in rr.evaluate(top).items():
                 per_query[q][f"mrr_{k}"] = values["recip_rank"]
+    return _table(per_query, names)
 
+
+def _table(per_query: dict[str, dict[str, float]], names: list[str]) -> pa.Table:
     qcol: list[str] = []
     mcol: list[str] = []
     vcol: list[float] = []

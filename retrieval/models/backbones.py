@@ -115,6 +115,8 @@ class FamilySpec:
     remote_transformers: tuple[str, str] | None = None  # [min, max) transformers versions its remote code runs on
     remote_mask: Literal["2d", "4d"] = "2d"  # the attention mask its remote code takes
     lora_targets: tuple[str, ...] = field(default=())  # module names of its attention and feed-forward projections
+    lora_head: bool = False  # LoRA on the vocabulary head too by default (the reference's LLaDA targets)
+    remote_lora_targets: tuple[str, ...] = field(default=())  # the names under its own code (loader remote)
 
 
 QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -130,7 +132,8 @@ FAMILIES: dict[str, FamilySpec] = {
     "llada": FamilySpec(
         "llada", "AutoModel", bidirectional=True, mask_token_id=126336, turn_end="<|eot_id|>",
         native=NativeLoader("LlamaForCausalLM", "PreTrainedTokenizerFast", _llama_config, _LLADA_KEYS),
-        remote_transformers=("4.46", "5"), remote_mask="2d", lora_targets=QWEN2_TARGETS,
+        remote_transformers=("4.46", "5"), remote_mask="2d", lora_targets=QWEN2_TARGETS, lora_head=True,
+        remote_lora_targets=("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"),
     ),  # fmt: skip
     "causal": FamilySpec("causal", "AutoModelForCausalLM", bidirectional=False, lora_targets=QWEN2_TARGETS),
 }
@@ -316,6 +319,10 @@ class Backbone:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def rebind_head(self) -> None:
+        """Bind the trunk and head again from the model (after peft wrapped some of its modules in place)."""
+        self.trunk, self.head = _split_head(self.model)
 
 
 def bidirectional_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

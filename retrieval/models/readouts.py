@@ -28,6 +28,10 @@ from .backbones import Backbone, BackboneError
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
 from .sparse import make_filter, per_position_sparse, pooled_weights, topk_sparse
 
+# Tokens per input, the prompt counted (truncation="prompt"): run_encode.sh's 256, which produced the paper's
+# encodings; scripts/encode.py's own default (and the reference-parity fixtures') is 512.
+DEFAULT_MAX_LENGTH = 256
+
 
 @dataclass
 class Encoded:
@@ -96,11 +100,11 @@ class Readout(Declared):
     k_values: ClassVar[Literal["grid", "one value", "1"]]  # the budgets one encode takes
     k_meaning: ClassVar[str]  # what K is for this readout (shown in errors and docs)
 
-    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = 512):
+    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH):
         if self.needs_causal_lm and backbone.spec.bidirectional:
             raise BackboneError(f"the {self.name} readout needs a causal LM; {backbone.name} is {backbone.family}")
         self.bb = backbone
-        self.cfg = config
+        self.cfg = config.resolved()  # settings left at auto: the zero-shot path unless finetuned says otherwise
         self.max_length = max_length
         self.filter = make_filter(backbone.tokenizer, config.content_filter) if self.has_sparse else None
         self._pieces: dict[tuple[str, str, int], PromptPieces] = {}
@@ -178,20 +182,20 @@ class Readout(Declared):
         ids = [i for i in self.filter.allowed_ids(text) if i != getattr(self, "_mask_id", None)]
         return torch.as_tensor(ids, dtype=torch.long, device=device)
 
-    def sparse_from(
-        self, logits_k_v: torch.Tensor, text: str | None, quantise: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The sparse vector of one text from the logits at its kept slots [n, V] (see ``ReadoutConfig.sparse``)."""
+    def sparse_from(self, logits_k_v: torch.Tensor, text: str | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sparse vector of one text from the logits at its kept slots [n, V] of K (see ``ReadoutConfig.sparse``
+        and ``sparse_quantise``)."""
         allowed = self.allowed(text, logits_k_v.device)
+        topk, quantise = int(self.cfg.sparse_topk or 128), str(self.cfg.sparse_quantise)
         if self.cfg.sparse == "pooled":
-            return topk_sparse(pooled_weights(logits_k_v), None if allowed is None else allowed.tolist(),
-                               self.cfg.sparse_topk)  # fmt: skip
+            return topk_sparse(pooled_weights(logits_k_v), None if allowed is None else allowed.tolist(), topk,
+                               quantise)  # fmt: skip
         if allowed is None:
             allowed = torch.arange(logits_k_v.shape[-1], device=logits_k_v.device)
             mask_id = getattr(self, "_mask_id", None)
             if mask_id is not None:
                 allowed = allowed[allowed != mask_id]
-        return per_position_sparse(allowed, logits_k_v[:, allowed], self.cfg.sparse_topk, quantise=quantise)
+        return per_position_sparse(allowed, logits_k_v[:, allowed], topk, quantise, pooled_bf16=k > 1)
 
 
 class MaskReadout(
@@ -206,11 +210,11 @@ class MaskReadout(
     by confidence over S passes (appendix A.1).
     """
 
-    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = 512):
+    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH):
         super().__init__(backbone, config, max_length)
         self._mask_id = backbone.mask_id  # fail early: a masked readout needs a mask token
         self._stop = torch.zeros(0, dtype=torch.long)
-        if config.stop_cut:
+        if self.cfg.stop_cut:
             self._stop = torch.as_tensor(sorted(backbone.stop_ids), dtype=torch.long, device=backbone.device)
 
     def overhead(self, side: str, k: int) -> tuple[int, int]:
@@ -253,7 +257,7 @@ class MaskReadout(
             lg = self.bb.logits(h[i]).float() if logits is None else logits[i].float()  # [K, V]
             toks = lg.argmax(-1) if decoded is None else decoded[i]
             n = self._cutoff(toks, k)
-            ids, w = self.sparse_from(lg[:n], texts[i] if texts else None)
+            ids, w = self.sparse_from(lg[:n], texts[i] if texts else None, k)
             tokens = toks.cpu().numpy().astype(np.int32)
             out.append(Encoded(_f16(h[i, :n]), ids, w, b.lengths[i], stopped=n < k, tokens=tokens))
         return out
@@ -315,26 +319,31 @@ class PromptRepsReadout(
 
     Slot 0 is the hidden state at the opening quote (the last prompt token), slot t the hidden state at the
     t-th generated token; each slot's logits give the sparse vector. ``promptreps_stop``: ``reference`` keeps
-    the slots up to the one that predicts the closing quote (the single-token ``"``) or a special token;
-    ``quote_in_token`` (diffret 0.1) drops the slot that predicts any token containing the quote (unless it
-    is the first).
+    the slots up to the one that predicts the closing quote (the single-token ``"``) or a special token (the
+    zero-shot encoder's); ``none`` decodes exactly K - 1 words and keeps all K slots (the reference's fine-tuned
+    model, in training and in encoding); ``quote_in_token`` (diffret 0.1) drops the slot that predicts any token
+    containing the quote (unless it is the first).
     """
 
     def overhead(self, side: str, k: int) -> tuple[int, int]:
         p = self.pieces(side, k)
         return len(p.prefix) + len(p.suffix), k
 
-    def stop_tokens(self) -> set[int]:
-        """The tokens whose prediction ends the words (see ``promptreps_stop``)."""
-        if getattr(self, "_stop_tokens", None) is None:
+    def stop_tokens(self, stop: str | None = None) -> set[int]:
+        """The tokens whose prediction ends the words (see ``promptreps_stop``; ``stop`` overrides it)."""
+        stop = stop or self.cfg.promptreps_stop
+        if stop == "none":
+            return set()
+        cache = self.__dict__.setdefault("_stop_tokens", {})
+        if stop not in cache:
             tok = self.bb.tokenizer
-            if self.cfg.promptreps_stop == "reference":
+            if stop == "reference":
                 quote = tok('"', add_special_tokens=False)["input_ids"]
-                self._stop_tokens = self.bb.stop_ids | (set(quote) if len(quote) == 1 else set())
+                cache[stop] = self.bb.stop_ids | (set(quote) if len(quote) == 1 else set())
             else:
                 vocab = tok.get_vocab().items()
-                self._stop_tokens = {i for t, i in vocab if '"' in tok.convert_tokens_to_string([t])}
-        return self._stop_tokens
+                cache[stop] = {i for t, i in vocab if '"' in tok.convert_tokens_to_string([t])}
+        return cache[stop]
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
@@ -342,19 +351,20 @@ class PromptRepsReadout(
         out_list = []
         for i in range(len(rows)):
             n = int(n_reps[i])
-            sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, quantise=False)
+            sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, k)
             tokens = G[i].cpu().numpy().astype(np.int32)
             out_list.append(Encoded(_f16(H[i, :n]), sp_ids, sp_w, len(rows[i]), bool(stopped[i]), tokens))
         return out_list
 
-    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
-        """With gradients: the words are decoded greedily without gradients (at most K, the cap N = 4 of the
-        paper's fine-tuning), then one causal pass over the prompt and the decoded words gives every slot's
-        hidden state and logits at once (the states the KV-cached decoding reads); slots after the stop are
-        masked out."""
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int, stop: str = "none") -> TrainReps:
+        """With gradients: the words are decoded greedily without gradients (the cap N = 4 of the paper's
+        fine-tuning), then one causal pass over the prompt and the decoded words gives every slot's hidden state and
+        logits at once (the states the KV-cached decoding reads). ``stop="none"`` (the reference's trainer,
+        promptreps_trainable.py L493-529): exactly K - 1 words, all K slots; ``reference``: the words end at the
+        closing quote and the slots after it are masked out (diffret 0.1)."""
         token_ids = self._fit(token_ids, side, k)
         with torch.no_grad():
-            rows, _, _, G, n_reps, _ = self._decode(token_ids, side, k)
+            rows, _, _, G, n_reps, _ = self._decode(token_ids, side, k, stop)
         t = G.shape[1]
         full = [r + G[i, : t - 1].tolist() for i, r in enumerate(rows)]  # the last decoded word is never read
         ids, att, offs = _pad(full, self.bb.pad_id, "left", self.bb.device)
@@ -365,17 +375,17 @@ class PromptRepsReadout(
         mask = torch.arange(t, device=ids.device)[None, :] < n_reps[:, None]
         return TrainReps(h, mask, self.bb.logits(h))
 
-    def _decode(self, token_ids: list[list[int]], side: str, k: int) -> tuple[list[list[int]], torch.Tensor,
-                                                                               torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(input rows, hidden [B, T, H], logits [B, T, V], decoded [B, T], slots kept [B], stopped [B])."""
+    def _decode(self, token_ids: list[list[int]], side: str, k: int, stop_rule: str | None = None) -> tuple[
+            list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(input rows, hidden [B, T, H], logits [B, T, V], decoded [B, T], slots kept [B], stopped [B]);
+        ``stop_rule`` overrides ``promptreps_stop``."""
         p = self.pieces(side, k)
         rows = [list(p.prefix) + list(t) + list(p.suffix) for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, "left", self.bb.device)
         bsz = len(rows)
         stop = torch.zeros(self.bb.model.config.vocab_size, dtype=torch.bool, device=ids.device)
-        stop[[i for i in self.stop_tokens() if i < stop.numel()]] = True
-        reference = self.cfg.promptreps_stop == "reference"
+        stop[[i for i in self.stop_tokens(stop_rule) if i < stop.numel()]] = True
+        reference = (stop_rule or self.cfg.promptreps_stop) != "quote_in_token"
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         past = None
         cur_ids, cur_pos = ids, pos
@@ -425,17 +435,20 @@ class _SingleVector(
         return super().encode(token_ids, texts, side, k)
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        rows, h = self._vectors(token_ids, side)
+        rows, h = self._vectors(token_ids, side, texts)
         return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
+    def _vectors(self, token_ids: list[list[int]], side: str = "query",
+                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
         """(input rows, one vector per text [B, H])."""
         raise NotImplementedError
 
-    def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
-        """With gradients: the one vector per text (no sparse side)."""
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int,
+                      texts: list[str] | None = None) -> TrainReps:  # fmt: skip
+        """With gradients: the one vector per text (no sparse side); ``texts``: the texts of ``token_ids`` (RepLLaMA
+        tokenizes its prefix with them)."""
         self._one(k)
-        _, h = self._vectors(self._fit(token_ids, side, k), side)
+        _, h = self._vectors(self._fit(token_ids, side, k), side, texts)
         return TrainReps(h[:, None], _all_real(h[:, None]))
 
 
@@ -443,7 +456,8 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
     """DiffEmbed: the mean of the last hidden states over the text and its special tokens (no prompt),
     bidirectional."""
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
+    def _vectors(self, token_ids: list[list[int]], side: str = "query",
+                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
         head, tail = special_wrapping(self.bb.tokenizer)
         rows = [head + list(t) + tail for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
@@ -453,18 +467,30 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
 
 
 class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
-    """RepLLaMA: the hidden state of the final EOS after ``query: `` / ``passage: `` (causal attention)."""
+    """RepLLaMA: the hidden state of the final EOS after ``query: `` / ``passage: `` (causal attention). The prefix
+    and the text are tokenized as one string (repllama.py L194-209; ``repllama_prefix`` ``separate``: the prefix's
+    ids before the text's, diffret 0.1)."""
+
+    def _prefix(self, side: str) -> list[int]:
+        return list(self.bb.tokenizer(f"{side}: ", add_special_tokens=False)["input_ids"])
 
     def overhead(self, side: str, k: int) -> tuple[int, int]:
         counted, extra = super().overhead(side, k)
-        return counted + 8, extra
+        eos = 1 if self.bb.tokenizer.eos_token_id is not None else 0
+        return counted + len(self._prefix(side)) + eos, extra
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query") -> tuple[list[list[int]], torch.Tensor]:
+    def _vectors(self, token_ids: list[list[int]], side: str = "query",
+                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
         tok = self.bb.tokenizer
-        prefix = tok(f"{side}: ", add_special_tokens=False)["input_ids"]
+        prefix = self._prefix(side)
         head, _ = special_wrapping(tok)
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        rows = [head + list(prefix) + list(t) + eos for t in token_ids]
+        if self.cfg.repllama_prefix == "joined" and texts is not None:  # as many tokens as prefix + (cut) text
+            joined = tok([f"{side}: {t}" for t in texts], add_special_tokens=False)["input_ids"]
+            body = [list(j[: len(prefix) + len(t)]) for j, t in zip(joined, token_ids, strict=True)]
+        else:
+            body = [prefix + list(t) for t in token_ids]
+        rows = [head + b + eos for b in body]
         ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
         last = torch.as_tensor([o + len(r) - 1 for o, r in zip(offs, rows, strict=True)], device=ids.device)
@@ -482,11 +508,19 @@ class ReadoutConfig(BaseModel):
     """How a text becomes vectors: the readout (see READOUTS) and its settings.
 
     The defaults are the reference encoder's (ielab/diffretriever, whose code produced the paper's numbers);
-    every other value is a named deviation (diffret 0.1's behaviour among them).
+    every other value is a named deviation (diffret 0.1's behaviour among them). The reference encodes a
+    fine-tuned model another way than a zero-shot one (scripts/encode.py's ``trained_*`` path): ``finetuned``
+    chooses the path, and the settings left at None / ``auto`` take that path's value (:meth:`resolved`); a
+    system's slug records the resolved values.
     """
 
     readout: ReadoutName = Field(
         default="diffretriever", description="diffretriever | promptreps | diffembed | repllama"
+    )
+    finetuned: Literal["auto", "yes", "no"] = Field(
+        default="auto", description="Encode as the reference encodes a fine-tuned model (all K slots, sparse top 256 "
+        "rounded; PromptReps: exactly K slots, pooled top 256); auto: a model `diffret train` saved or a reference "
+        "checkpoint (retriever_config.json)."
     )
     prompt: str = Field(
         default="auto", description="auto (one_word at K=1, few_words at K>1), a variant, or a YAML path"
@@ -498,19 +532,67 @@ class ReadoutConfig(BaseModel):
         default="prompt", description="max_length counts the prompt and the text (prompt) or the text only (text)."
     )
     denoise_steps: int = Field(default=1, ge=1, description="S: forward passes for the mask readout (1 = the paper's)")
-    stop_cut: bool = Field(default=True, description="Mask readout: drop the slots from the first special token read.")
-    promptreps_stop: Literal["reference", "quote_in_token"] = Field(
-        default="reference", description="PromptReps: when the words end (see PromptRepsReadout)."
+    stop_cut: bool | None = Field(default=None, description="Mask readout: drop the slots from the first special "
+                                  "token read (default: zero-shot yes, fine-tuned no, as the reference).")  # fmt: skip
+    promptreps_stop: Literal["auto", "reference", "quote_in_token", "none"] = Field(
+        default="auto", description="PromptReps: when the words end (see PromptRepsReadout; auto: reference "
+        "zero-shot, none (exactly K slots) fine-tuned)."
     )
-    sparse: Literal["per_position", "pooled"] = Field(
-        default="per_position", description="per_position: top-k per slot, rounded to 0.01, max over slots; "
-        "pooled: max over slots, then top-k."
+    sparse: Literal["auto", "per_position", "pooled"] = Field(
+        default="auto", description="per_position: top-k per slot, x100 integers, max over slots; pooled: max over "
+        "slots, then top-k (auto: the reference's per readout and path)."
     )
-    sparse_topk: int = Field(default=128, ge=1, description="Sparse terms kept per slot (per_position) or in all.")
+    sparse_topk: int | None = Field(default=None, ge=1, description="Sparse terms kept per slot (per_position) or in "
+                                    "all (default: 128 zero-shot mask readout, else 256, as the reference).")
+    sparse_quantise: Literal["auto", "truncate", "round", "none"] = Field(
+        default="auto", description="Sparse weights as x100 integers, truncated (zero-shot mask readout) or rounded "
+        "(fine-tuned), or unquantised (zero-shot PromptReps); auto: the reference's."
+    )
     content_filter: Literal["nltk", "regex", "none"] = Field(
         default="nltk", description="Sparse: keep the text's content words (nltk: the reference's; regex: 0.1's)."
     )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")
+    repllama_prefix: Literal["joined", "separate"] = Field(
+        default="joined", description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's) or the "
+        "prefix and the text apart (diffret 0.1)."
+    )
+
+    def resolved(self, finetuned: bool | None = None) -> ReadoutConfig:
+        """Every ``auto`` / None setting replaced by its path's value (``finetuned``: the detected path when
+        ``finetuned`` is ``auto``; None: zero-shot).
+
+        >>> r = ReadoutConfig().resolved(finetuned=True)
+        >>> (r.finetuned, r.stop_cut, r.sparse, r.sparse_topk, r.sparse_quantise)
+        ('yes', False, 'per_position', 256, 'round')
+        >>> r = ReadoutConfig(readout="promptreps").resolved(finetuned=False)
+        >>> (r.promptreps_stop, r.sparse, r.sparse_topk, r.sparse_quantise)
+        ('reference', 'per_position', 256, 'none')
+        """
+        ft = {"yes": True, "no": False}.get(self.finetuned, bool(finetuned))
+        mask = self.readout == "diffretriever"
+        if self.sparse != "auto":
+            sparse = self.sparse
+        elif ft and (self.readout == "promptreps" or self.denoise_steps > 1):
+            sparse = "pooled"  # encode.py L449-458: the pooled vector's top-k (trained PromptReps, S > 1)
+        else:
+            sparse = "per_position"
+        if self.sparse_quantise != "auto":
+            quantise = self.sparse_quantise
+        else:
+            quantise = "round" if ft else ("truncate" if mask else "none")
+        return self.model_copy(update={
+            "finetuned": "yes" if ft else "no",
+            "stop_cut": (not ft) if self.stop_cut is None else self.stop_cut,
+            "promptreps_stop": ("none" if ft else "reference") if self.promptreps_stop == "auto"
+            else self.promptreps_stop,
+            "sparse": sparse,
+            "sparse_topk": ((128 if mask and not ft else 256) if self.sparse_topk is None else self.sparse_topk),
+            "sparse_quantise": quantise,
+        })  # fmt: skip
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.finetuned != "auto" and self == self.resolved()
 
 
 def readout_class(name: str) -> type[Readout]:
@@ -521,6 +603,19 @@ def readout_class(name: str) -> type[Readout]:
         raise ValueError(f"unknown readout {name!r}; expected one of {', '.join(READOUTS)}") from None
 
 
-def make_reader(backbone: Backbone, config: ReadoutConfig, max_length: int = 512) -> Readout:
+def sparse_quantised(readout: str | None, settings: dict | None) -> bool:
+    """Whether a system's stored sparse weights are multiples of 0.01 (the reference stores them as x100
+    integers): ``sparse_quantise`` truncate or round. Zero-shot PromptReps' are stored unscaled, as the reference's.
+
+    >>> sparse_quantised("diffretriever", {}), sparse_quantised("promptreps", {"finetuned": "no"})
+    (True, False)
+    """
+    if readout is None or not readout_class(readout).has_sparse:
+        return False
+    cfg = ReadoutConfig.model_validate({**(settings or {}), "readout": readout}).resolved()
+    return cfg.sparse_quantise != "none"
+
+
+def make_reader(backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH) -> Readout:
     """The readout of ``config`` over a loaded backbone; ``max_length`` bounds each input (see ``truncation``)."""
     return readout_class(config.readout)(backbone, config, max_length)

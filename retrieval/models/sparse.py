@@ -2,11 +2,12 @@
 
 Two ways to build a text's sparse vector from the logits at its K slots (``ReadoutConfig.sparse``):
 
-- ``per_position`` (the reference encoder's, the default): per slot, keep the text's content words,
-  log(1 + ReLU), the top 128, weights rounded down to multiples of 0.01 (stored x100 as integers, then as
-  bfloat16, as the reference stores them); then the max over the K slots of every term kept anywhere.
-- ``pooled`` (diffret 0.1): the max over the K slots of log(1 + ReLU(logits)) first, then the content words,
-  then the top ``sparse_topk`` (256), unrounded.
+- ``per_position`` (the reference encoder's for the mask readout): per slot, keep the text's content words,
+  log(1 + ReLU), the top ``sparse_topk`` (128 zero-shot, 256 fine-tuned), weights x100 as integers (truncated
+  zero-shot, rounded fine-tuned: ``quantise``); then the max over the K slots of every term kept anywhere, held
+  as bfloat16 when K > 1 (the reference pools K > 1 shards into bfloat16).
+- ``pooled`` (the reference's for fine-tuned PromptReps and S > 1; diffret 0.1's): the max over the K slots of
+  log(1 + ReLU(logits)) first, then the content words, then the top ``sparse_topk``, quantised the same way.
 
 Content-word filters (``ReadoutConfig.content_filter``):
 
@@ -42,7 +43,26 @@ STOPWORDS = frozenset(
 )
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?", re.UNICODE)
-PER_POSITION_TOPK = 128  # the reference keeps the top 128 terms of every slot
+PER_POSITION_TOPK = 128  # the reference keeps the top 128 terms of every slot (zero-shot)
+QUANTISE = ("truncate", "round", "none")  # x100 integers: int() (zero-shot), round() (fine-tuned), or the floats
+
+
+def quantised(vals: torch.Tensor, quantise: str) -> torch.Tensor:
+    """Weights as the reference stores them, x100: ``truncate`` (zero-shot encoders), ``round`` (encode.py for
+    fine-tuned models) or ``none`` (the floats, x1).
+
+    >>> quantised(torch.tensor([0.6931, 1.0986]), "truncate").tolist()
+    [69.0, 109.0]
+    >>> quantised(torch.tensor([0.6951]), "round").tolist()
+    [70.0]
+    """
+    if quantise == "truncate":
+        return (vals * 100).int().float()
+    if quantise == "round":
+        return (vals.float() * 100).round()
+    if quantise == "none":
+        return vals
+    raise ValueError(f"unknown sparse quantisation {quantise!r}; expected one of {', '.join(QUANTISE)}")
 
 
 def content_words(text: str) -> list[str]:
@@ -137,8 +157,15 @@ def pooled_weights(logits: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.relu(logits.float())).amax(dim=-2)
 
 
-def topk_sparse(weights: torch.Tensor, allowed: Iterable[int] | None, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keep the ``allowed`` vocabulary ids (None = all), drop zeros, return the top ``k`` as (ids, weights)."""
+def topk_sparse(weights: torch.Tensor, allowed: Iterable[int] | None, k: int,
+                quantise: str = "none") -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Keep the ``allowed`` vocabulary ids (None = all), drop zeros, return the top ``k`` as (ids, weights), the
+    weights quantised to steps of 0.01 as :func:`quantised` says (``none``: as they are).
+
+    >>> ids, w = topk_sparse(torch.tensor([0.0, 0.6951, 0.2]), None, 1, "round")
+    >>> ids.tolist(), w.tolist()
+    ([1], [0.699999988079071])
+    """
     w = weights.float()
     if allowed is not None:
         idx = torch.as_tensor(list(allowed), dtype=torch.long, device=w.device)
@@ -148,7 +175,12 @@ def topk_sparse(weights: torch.Tensor, allowed: Iterable[int] | None, k: int) ->
     else:
         idx = torch.arange(w.shape[-1], device=w.device)
         vals = w
-    return topk_pairs(idx, vals, k)
+    ids, vals_np = topk_pairs(idx, vals, k)
+    if quantise != "none":
+        q = quantised(torch.from_numpy(vals_np), quantise) / 100
+        keep = q > 0
+        ids, vals_np = ids[keep.numpy()], q[keep].numpy().astype(np.float32)
+    return ids, vals_np
 
 
 def topk_pairs(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,28 +197,32 @@ def topk_pairs(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[np.ndarra
 
 
 def per_position_sparse(
-    ids: torch.Tensor, logits: torch.Tensor, topk: int = PER_POSITION_TOPK, quantise: bool = True
+    ids: torch.Tensor, logits: torch.Tensor, topk: int = PER_POSITION_TOPK, quantise: str = "truncate",
+    pooled_bf16: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The reference's sparse vector from the logits of the candidate ids at each of K slots.
 
     ``ids`` [C] are the vocabulary ids that may appear (the content words, the mask excluded); ``logits``
-    [K, C] their logits at each slot. Per slot: log(1 + ReLU), the top ``topk``; with ``quantise`` (the mask
-    readout's) weights rounded down to multiples of 0.01; then the max over the slots, held as bfloat16 (the
-    reference's storage). Returns (ids, weights), heaviest first, positive weights only.
+    [K, C] their logits at each slot. Per slot: log(1 + ReLU), the top ``topk``, the weights x100 as
+    :func:`quantised` says (``truncate``: the zero-shot encoders', ``round``: encode.py's for fine-tuned models);
+    then the max over the slots, held as bfloat16 with ``pooled_bf16`` (the reference's storage of K > 1 shards).
+    Returns (ids, weights in steps of 0.01), heaviest first, positive weights only.
 
     >>> ids, w = per_position_sparse(torch.tensor([7, 9]), torch.tensor([[1.0, 0.5], [-1.0, 2.0]]), topk=1)
     >>> ids.tolist(), w.tolist()     # slot 0 keeps 7 (log 2 = 0.693 -> 0.69), slot 1 keeps 9 (log 3 -> 1.09)
     ([9, 7], [1.090000033378601, 0.6899999976158142])
+    >>> per_position_sparse(torch.tensor([7, 9]), torch.tensor([[1.0, 0.5], [-1.0, 2.0]]), 1, "round")[1].tolist()
+    [1.100000023841858, 0.6899999976158142]
     """
     if ids.numel() == 0 or logits.shape[0] == 0:
         return np.zeros(0, np.int32), np.zeros(0, np.float32)
     w = torch.log1p(torch.relu(logits.float()))  # [K, C]
     kk = min(topk, w.shape[1])
     vals, pos = torch.topk(w, kk, dim=-1)  # [K, kk]
-    scale = 100.0 if quantise else 1.0
-    if quantise:
-        vals = (vals * scale).int().float()  # the reference's quantisation: x100, truncated
+    scale = 1.0 if quantise == "none" else 100.0
+    vals = quantised(vals, quantise)
     pooled = torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
     pooled.scatter_reduce_(0, pos.reshape(-1), vals.reshape(-1), reduce="amax")
-    pooled = pooled.to(torch.bfloat16).float() / scale  # stored as bfloat16, as the reference stores it
-    return topk_pairs(ids, pooled, ids.numel())
+    if pooled_bf16:
+        pooled = pooled.to(torch.bfloat16).float()  # stored as bfloat16, as the reference stores it
+    return topk_pairs(ids, pooled / scale, ids.numel())

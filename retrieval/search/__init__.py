@@ -14,6 +14,7 @@ from .modes import (
     fuse_minmax,
     modes_for,
 )
+from .rules import ScoreRules
 from .runs import doc_order, run_table
 from .scoring import NEG, SparseQueries, TopK, Workspace, maxsim
 
@@ -25,6 +26,7 @@ __all__ = [
     "NEG",
     "Encodings",
     "Mode",
+    "ScoreRules",
     "SearchSettings",
     "SparseQueries",
     "TopK",

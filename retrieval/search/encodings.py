@@ -9,6 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from .rules import ScoreRules, round_bf16_
+
 
 @dataclass
 class SparseFlat:
@@ -48,7 +50,7 @@ class Encodings:
     ids: list[str]
     multi: torch.Tensor  # [N, K, H]; rows beyond a text's n_reps are zero
     mask: torch.Tensor  # [N, K] bool: real vectors
-    single: torch.Tensor  # [N, H]: normalised mean of the normalised vectors
+    single: torch.Tensor  # [N, H]: mean of the normalised vectors (ScoreRules.single_renorm: normalised again)
     sparse_ids: list[np.ndarray]  # per text, int64 vocabulary ids
     sparse_weights: list[np.ndarray]  # per text, float32 weights
     flat: SparseFlat | None = field(default=None, repr=False, compare=False)  # the same sparse vectors, flat
@@ -103,8 +105,24 @@ def padded(vectors: list[np.ndarray], device: str | torch.device = "cpu") -> tup
     return multi.to(dev), mask.to(dev)
 
 
-def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu") -> Encodings:
-    """Convert rows of the encodings schema (storage.layout.encodings_schema) into tensors."""
+def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", rules: ScoreRules | None = None,
+                         sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
+    """Convert rows of the encodings schema (storage.layout.encodings_schema) into tensors to score.
+
+    Each vector is L2-normalised; ``single`` is the mean of a text's normalised vectors (normalised again with
+    ``rules.single_renorm``); ``rules.dtype == "bfloat16"`` rounds the normalised vectors and the mean to
+    bfloat16 as the released evaluator does. Sparse weights are multiplied by ``sparse_factor`` (and rounded to
+    integers when it is not 1: the reference's stored x100 integers, see ``ScoreRules.sparse_factor``).
+
+    >>> import pyarrow as pa
+    >>> from storage.layout import encodings_schema
+    >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 2, "dense": [[3.0, 4.0], [0.0, 1.0]],
+    ...     "sparse_ids": [7], "sparse_weights": [0.69]}], schema=encodings_schema(2))
+    >>> e = encodings_from_table(t, sparse_factor=100.0)
+    >>> [round(x, 2) for x in e.single[0].tolist()], e.sparse_weights[0].tolist()   # mean of (.6, .8), (0, 1)
+    ([0.3, 0.9], [69.0])
+    """
+    rules = rules or ScoreRules()
     n = table.num_rows
     ids = table.column("id").to_pylist()
     n_reps = table.column("n_reps").to_numpy().astype(np.int64)
@@ -118,13 +136,25 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu") ->
         bad = ids[int(np.argmin(n_reps))]
         raise ValueError(f"encodings: text {bad!r} has no vector (n_reps = 0)")
     kmax = int(n_reps.max()) if n else 1
-    vecs = normalise(torch.from_numpy(flat))
+    vecs = torch.from_numpy(flat)
+    if rules.bf16:  # the released evaluator: norm and division in bfloat16
+        b = vecs.to(torch.bfloat16)
+        vecs = (b / torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp(min=1e-12)).float()
+    else:
+        vecs = normalise(vecs)
     multi = torch.zeros(n, kmax, hidden)
     mask = torch.arange(kmax)[None, :] < torch.from_numpy(n_reps)[:, None]
     multi[mask] = vecs
-    mean = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
-    single = normalise(mean)
+    single = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
+    if rules.single_renorm:
+        single = normalise(single)
+    if rules.bf16:
+        round_bf16_(single)
     flat = _sparse_flat(table)
+    if sparse_factor != 1.0:
+        flat.weights = np.rint(flat.weights * np.float32(sparse_factor)).astype(np.float32)
+    if rules.bf16:
+        round_bf16_(torch.from_numpy(flat.weights))  # the released evaluator's sparse operands
     sparse_ids = np.split(flat.ids, flat.offsets[1:-1]) if n else []
     sparse_weights = np.split(flat.weights, flat.offsets[1:-1]) if n else []
     dev = torch.device(device)

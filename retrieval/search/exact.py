@@ -12,13 +12,14 @@ LanceDB index is checked against.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .encodings import Encodings
 from .modes import BASE_MODES, MODES, ScoreContext
+from .rules import ScoreRules
 from .scoring import NEG, BlockPlan, RunningTopK, TopK, Workspace, plan_blocks, query_vocab
 
 DEFAULT_BLOCK_MB = 256
@@ -27,8 +28,9 @@ DEFAULT_BLOCK_MB = 256
 @dataclass
 class SearchSettings:
     topk: int = 1000
-    ignore_identical_ids: bool = False  # BEIR drops a document whose id equals the query id (ArguAna, Quora)
+    ignore_identical_ids: bool = False  # drop a document whose id equals the query id (BEIR's evaluation does)
     block_bytes: int = DEFAULT_BLOCK_MB << 20  # what the scoring blocks may hold at once (not the inputs)
+    rules: ScoreRules = field(default_factory=ScoreRules)  # how each mode scores (the reference's by default)
 
 
 def search_pass(
@@ -67,7 +69,7 @@ def search_pass(
     device = next(iter(queries.values())).multi.device
     sparse = "sparse_max" in modes
     vocab = query_vocab(*(q.sparse() for q in queries.values())) if sparse else np.zeros(0, np.int64)
-    ctx = ScoreContext(Workspace(), vocab)
+    ctx = ScoreContext(Workspace(), vocab, rules=st.rules)
     tops = {(kq, m): RunningTopK(len(q), st.topk, device) for kq, q in queries.items() for m in modes}
     prepared = {
         (kq, m): MODES[m].prepare(q, ctx, device) for kq, q in queries.items() for m in modes if MODES[m].prepare

@@ -454,13 +454,15 @@ def default_search_params(info: IndexInfo | None, limit: int) -> dict[str, int]:
 def maxsim_scores(query: np.ndarray, doc_vectors: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Exact MaxSim of a normalised ``query`` [K_q, H] against concatenated docs [sum n, H] (``lengths`` per doc).
 
-    The same :func:`retrieval.search.scoring.maxsim` as exact search, on the docs padded to one block.
+    The same :func:`retrieval.search.scoring.maxsim` as exact search, on the docs padded to one block, on
+    LanceDB's scale: the mean over the query vectors, unclamped (``index`` checks recall against exact search
+    under the same rules).
     """
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     docs = [doc_vectors[starts[i] : starts[i + 1]] for i in range(len(lengths))]
     p_multi, p_mask = padded(docs)
     q = torch.from_numpy(np.ascontiguousarray(query, dtype=np.float32))[None]
-    return maxsim(q, torch.ones(q.shape[:2], dtype=torch.bool), p_multi, p_mask)[0].numpy()
+    return maxsim(q, torch.ones(q.shape[:2], dtype=torch.bool), p_multi, p_mask, clamp=False, reduce="mean")[0].numpy()
 
 
 def _check_query(q: np.ndarray, hidden: int, i: int) -> np.ndarray:

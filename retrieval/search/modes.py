@@ -1,15 +1,16 @@
 """The scoring modes of the paper (section 3.3), as one table: each mode's name, scorer and needs.
 
-- ``single_dense``: each text's K vectors are L2-normalised, averaged, and the mean normalised again;
-  score = inner product (cosine of the means).
-- ``multi_dense``: MaxSim on L2-normalised vectors, (1/K_q) * sum_i max_j <q_i, p_j>, where K_q is the
-  query's number of vectors (its ``n_reps``).
-- ``sparse_max``: inner product of the max-pooled sparse vectors (the encoder already applied
-  log(1 + ReLU), max pooling over K and the content filter). A document sharing no term with the query
-  is not retrieved (score 0 means no match, as in an inverted index).
-- ``fusion_single_sparse_max`` / ``fusion_multi_sparse_max``: per query, min-max normalise each run's
-  top ``depth`` (1000), 0.5 / 0.5 over the union; a document missing from one run gets 0 there. When
-  all of a run's scores for a query are equal, they normalise to 1.
+How each mode computes its scores follows ``rules.ScoreRules`` (by default the reference evaluator's):
+
+- ``single_dense``: inner product of the means of each text's L2-normalised vectors.
+- ``multi_dense``: MaxSim on L2-normalised vectors, sum over the query's vectors (its ``n_reps``) of the best
+  passage-vector score clamped at 0.
+- ``sparse_max``: inner product of the max-pooled sparse vectors (the encoder already applied log(1 + ReLU),
+  max pooling over K and the content filter), over the x100 integers the reference stores; documents
+  sharing no term score 0 and fill the run to its depth.
+- ``fusion_single_sparse_max`` / ``fusion_multi_sparse_max``: per query, min-max normalise each run's top
+  ``depth`` (1000) as ``(s - min) / max(max - min, 1e-9)``, 0.5 / 0.5 over the union; a document missing from
+  one run gets 0 there.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from . import scoring
 from .encodings import Encodings
+from .rules import ScoreRules, round_bf16_
 from .scoring import MAXSIM_QUERIES, NEG, SparsePassages, SparseQueries, TopK, Workspace, maxsim
 
 
@@ -33,13 +35,15 @@ class ScoreContext:
     workspace: Workspace
     vocab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     tile_elems: int | None = None  # CPU MaxSim tile buffer entries (None: scoring.CPU_TILE_ELEMS)
+    rules: ScoreRules = field(default_factory=ScoreRules)
 
 
 # A scorer gets query rows ``start:end`` and a passage block (with what was prepared once per query set and
 # once per passage block) and returns their [end - start, N] scores, which the caller may modify.
 def _single(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any, ctx: ScoreContext) -> torch.Tensor:
     out = ctx.workspace.get("score", end - start, len(p), p.single)
-    return torch.mm(q.single[start:end], p.single.T, out=out)
+    torch.mm(q.single[start:end], p.single.T, out=out)
+    return round_bf16_(out) if ctx.rules.bf16 else out
 
 
 def _multi(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any, ctx: ScoreContext) -> torch.Tensor:
@@ -52,7 +56,8 @@ def _multi(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any,
         step = end - start
     for s in range(start, end, step):
         e = min(s + step, end)
-        maxsim(q.multi[s:e], q.mask[s:e], p.multi, p.mask, ctx.workspace, out[s - start : e - start], ctx.tile_elems)
+        maxsim(q.multi[s:e], q.mask[s:e], p.multi, p.mask, ctx.workspace, out[s - start : e - start], ctx.tile_elems,
+               ctx.rules.maxsim_clamp, ctx.rules.maxsim_reduce, ctx.rules.bf16)  # fmt: skip
     return out
 
 
@@ -67,7 +72,11 @@ def _prepare_sparse_passages(p: Encodings, ctx: ScoreContext, device: torch.devi
 def _sparse(_q: Encodings, start: int, end: int, p: Encodings, qp: SparseQueries, pp: SparsePassages,
             ctx: ScoreContext) -> torch.Tensor:  # fmt: skip
     sc = qp.scores(pp, start, end, out=ctx.workspace.get("score", end - start, len(p), pp.dense))
-    return sc.masked_fill_(sc <= 0, NEG)  # no shared term: not retrieved
+    if ctx.rules.bf16:
+        round_bf16_(sc)
+    if ctx.rules.sparse_floor == "positive":
+        sc.masked_fill_(sc <= 0, NEG)  # no shared term: not retrieved
+    return sc
 
 
 Scorer = Callable[[Encodings, int, int, Encodings, Any, Any, ScoreContext], torch.Tensor]
@@ -137,14 +146,20 @@ def base_modes_needed(modes: Iterable[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- fusion
-def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float] = (0.5, 0.5)) -> TopK:
+def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float] = (0.5, 0.5),
+                flat: str = "zero") -> TopK:  # fmt: skip
     """Per query: min-max normalise each run's top ``depth``, weighted sum over the union (missing = 0).
+
+    Each run's scores become ``(s - min) / max(max - min, 1e-9)`` (the reference's ``normalized_fusion``), so
+    a run whose scores for a query are all equal gives 0 (``flat="one"``: 1, diffret 0.1's). Ties rank by
+    document index (the earlier passage first).
 
     Parameters
     ----------
     a, b : two runs over the same queries (``TopK.index`` -1 marks padding).
     depth : documents of each run that are normalised, and documents kept.
     weights : the weight of each run.
+    flat : what a run whose scores are all equal normalises to: ``zero`` or ``one``.
 
     Examples
     --------
@@ -156,6 +171,8 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     """
     if a.scores.shape[0] != b.scores.shape[0]:
         raise ValueError(f"fusion of runs over different query sets ({a.scores.shape[0]} vs {b.scores.shape[0]})")
+    if flat not in ("zero", "one"):
+        raise ValueError(f"fusion flat must be zero or one, not {flat!r}")
     out_s, out_i = [], []
     for qi in range(a.scores.shape[0]):
         acc: dict[int, float] = {}
@@ -166,7 +183,10 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
             if not len(s):
                 continue
             lo, hi = s.min(), s.max()
-            norm = (s - lo) / (hi - lo) if hi > lo else np.ones_like(s)
+            if flat == "one" and hi <= lo:
+                norm = np.ones_like(s)
+            else:
+                norm = (s - lo) / max(hi - lo, 1e-9)
             for d, v in zip(ix.tolist(), norm.tolist(), strict=True):
                 acc[d] = acc.get(d, 0.0) + w * v
         docs = np.fromiter(acc.keys(), np.int64, len(acc))
@@ -183,11 +203,13 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     return TopK(scores, index)
 
 
-def all_modes(base: dict[tuple[int, str], TopK], depth: int = 1000) -> dict[tuple[int, str], TopK]:
+def all_modes(base: dict[tuple[int, str], TopK], depth: int = 1000,
+              rules: ScoreRules | None = None) -> dict[tuple[int, str], TopK]:  # fmt: skip
     """The base runs plus every fusion whose two inputs are present (keys: (K_q, mode))."""
+    flat = (rules or ScoreRules()).fusion_flat
     out = dict(base)
     for kq in sorted({kq for kq, _ in base}):
         for fused, (m1, m2) in FUSIONS.items():
             if (kq, m1) in base and (kq, m2) in base:
-                out[(kq, fused)] = fuse_minmax(base[(kq, m1)], base[(kq, m2)], depth)
+                out[(kq, fused)] = fuse_minmax(base[(kq, m1)], base[(kq, m2)], depth, flat=flat)
     return out

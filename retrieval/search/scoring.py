@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .encodings import SparseFlat
+from .rules import round_bf16_
 
 NEG = float("-inf")
 
@@ -201,13 +202,19 @@ def maxsim(
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     tile_elems: int | None = None,
+    clamp: bool = True,
+    reduce: str = "sum",
+    bf16: bool = False,
 ) -> torch.Tensor:
-    """[Q, N] MaxSim scores (paper eq. 3): (1/K_q) sum over real query vectors of the max over real passage vectors.
+    """[Q, N] MaxSim scores (paper eq. 3) as the reference evaluator computes them: over the real query vectors,
+    the sum of each one's best score against the real passage vectors, clamped at 0.
 
     Vectors are expected L2-normalised, so each inner product is a cosine. One GEMM per passage slot j
     (``[Q*K_q, H] x [H, N]``) is folded into a running element-wise max, so the [Q*K_q, N*K_p] similarity
     matrix is never materialised (K_p times less memory, no separate amax pass). A passage's padding
-    slots (``p_mask`` False) are -inf before the max; a query's padding slots are left out of the mean.
+    slots (``p_mask`` False) are -inf before the max; a query's padding slots are left out of the sum.
+    ``clamp=False, reduce="mean"`` is diffret 0.1's (1/K_q) sum_i max_j; ``bf16`` rounds each slot's best score
+    to bfloat16 (the released evaluator's bfloat16 matmul and max; see ``rules.ScoreRules``).
 
     Parameters
     ----------
@@ -223,26 +230,30 @@ def maxsim(
     >>> p = torch.tensor([[[1.0, 0.0], [0.6, 0.8]],             # passage 0: both slots real
     ...                   [[0.0, 1.0], [9.0, 9.0]]])            # passage 1: second slot is padding
     >>> pm = torch.tensor([[True, True], [True, False]])
-    >>> maxsim(q, torch.ones(1, 2, dtype=torch.bool), p, pm).tolist()   # (1 + 0.8) / 2, (0 + 1) / 2
+    >>> maxsim(q, torch.ones(1, 2, dtype=torch.bool), p, pm).tolist()   # 1 + 0.8, 0 + 1
+    [[1.7999999523162842, 1.0]]
+    >>> maxsim(q, torch.ones(1, 2, dtype=torch.bool), p, pm, reduce="mean").tolist()
     [[0.8999999761581421, 0.5]]
     """
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"MaxSim reduce must be sum or mean, not {reduce!r}")
+    opts = (clamp, reduce, bf16)
     nq, kq, _ = q_multi.shape
     n = p_multi.shape[0]
     ws = workspace or Workspace()
     elems = CPU_TILE_ELEMS if tile_elems is None else tile_elems
     tile = n if q_multi.device.type != "cpu" else max(1, elems // max(1, nq * kq))
     if tile >= n and out is None:
-        return _maxsim_tile(q_multi, q_mask, p_multi, p_mask, ws)
+        return _maxsim_tile(q_multi, q_mask, p_multi, p_mask, ws, *opts)
     if out is None:
         out = torch.empty(nq, n, dtype=q_multi.dtype, device=q_multi.device)
     for s in range(0, n, tile):
-        out[:, s : s + tile] = _maxsim_tile(q_multi, q_mask, p_multi[s : s + tile], p_mask[s : s + tile], ws)
+        out[:, s : s + tile] = _maxsim_tile(q_multi, q_mask, p_multi[s : s + tile], p_mask[s : s + tile], ws, *opts)
     return out
 
 
-def _maxsim_tile(
-    q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p_mask: torch.Tensor, ws: Workspace
-) -> torch.Tensor:
+def _maxsim_tile(q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p_mask: torch.Tensor,
+                 ws: Workspace, clamp: bool, reduce: str, bf16: bool) -> torch.Tensor:  # fmt: skip
     nq, kq, h = q_multi.shape
     n, kp, _ = p_multi.shape
     qf = q_multi.reshape(nq * kq, h)
@@ -257,10 +268,18 @@ def _maxsim_tile(
             out.masked_fill_(pad[None, :, j], NEG)
         if j:
             torch.maximum(best, tmp, out=best)
+    if bf16:
+        round_bf16_(best)
+    if clamp:
+        best.clamp_(min=0.0)
     b = best.view(nq, kq, n)
-    if bool(q_mask.all()):
+    full = bool(q_mask.all())
+    if not full:
+        b.masked_fill_(~q_mask[:, :, None], 0.0)
+    if reduce == "sum":
+        return b.sum(1)
+    if full:
         return b.mean(1)
-    b.masked_fill_(~q_mask[:, :, None], 0.0)
     return b.sum(1) / q_mask.sum(1, keepdim=True).clamp_min(1).to(b.dtype)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from ..data.collections import TITLE_SEP, passage_text
+from ..data.collections import passage_text
 from ..data.training import Group, sample_fill
 from ..models.backbones import Backbone, BackboneError
 from ..models.encoding import quiet_length_warning
@@ -66,6 +66,14 @@ class LoopSettings(BaseModel):
     seed: int = Field(default=0)
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
+    def step_items(self, world: int = 1) -> int:
+        """Items per optimizer step over every process: ``batch_size x grad_accum x world``."""
+        return self.batch_size * self.grad_accum * world
+
+    def pool_items(self, world: int = 1) -> int:
+        """Items of one micro-batch over every process (each process holds ``batch_size``)."""
+        return self.batch_size * world
+
     def lr_factor(self, step: int, steps: int) -> float:
         """The learning rate's multiplier at ``step`` of ``steps``: linear warm-up over ``warmup_ratio`` of the
         steps, then linear decay to 0 (subclasses may hold it constant).
@@ -79,45 +87,176 @@ class LoopSettings(BaseModel):
         return max(0.0, (steps - step) / max(1, steps - warm))
 
 
+Schedule = Literal["auto", "cosine", "hf_linear", "linear"]
+BASELINES = ("diffembed", "repllama")  # the re-trained single-vector baselines (scripts/train_diffembed.py, ...)
+
+
+def hf_lr_factor(step: int, steps: int, warmup_ratio: float, kind: str) -> float:
+    """transformers' schedules as the reference's Trainer builds them: warm-up over ceil(warmup_ratio x steps)
+    steps from 0 (the first update runs at lr 0), then cosine (``get_cosine_schedule_with_warmup``, half a cycle)
+    or linear decay to 0.
+
+    >>> [round(hf_lr_factor(s, 10, 0.06, "cosine"), 3) for s in (0, 1, 2, 5, 9)]
+    [0.0, 1.0, 0.97, 0.587, 0.03]
+    >>> [round(hf_lr_factor(s, 10, 0.06, "hf_linear"), 3) for s in (0, 1, 2, 9)]
+    [0.0, 1.0, 0.889, 0.111]
+    """
+    warm = math.ceil(steps * warmup_ratio)
+    if step < warm:
+        return step / max(1, warm)
+    progress = (step - warm) / max(1, steps - warm)
+    if kind == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return max(0.0, (steps - step) / max(1, steps - warm))
+
+
 class TrainSettings(LoopSettings):
-    """Everything that changes a contrastive training run's result (its hash names the trained model)."""
+    """Everything that changes a contrastive training run's result (its hash names the trained model).
+
+    The defaults are the reference trainers' (ielab/diffretriever: scripts/train_diffretriever.py with the paper's
+    Table 7, train_promptreps.py, and the re-trained baselines' train_diffembed.py / train_repllama.py); settings
+    left at None / ``auto`` take the readout's reference value (:meth:`resolved`), which the model's hash records.
+    diffret 0.1's settings are all reachable by value: ``schedule linear``, ``pool_size 8 global_batch 32``,
+    ``promptreps_decode stop``, ``promptreps_n 0``, ``train_title_sep '. '``, ``lora_head false``.
+    """
 
     kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
-                           "the base model's zero-shot train split selected).")  # fmt: skip
+                           "the base model's zero-shot train split selected; PromptReps: promptreps_n).")  # fmt: skip
     kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
-    batch_size: int = Field(default=8, ge=1, description="Groups per micro-batch (the in-batch pool).")
-    q_max_len: int = Field(default=32, ge=1, description="Query text tokens (before the prompt).")
-    p_max_len: int = Field(default=156, ge=1, description="Passage text tokens (before the prompt).")
-    n_negatives: int = Field(default=15, ge=0, description="Hard negatives per group.")
-    tau: float = Field(default=0.01, gt=0, description="Temperature of the dense InfoNCE.")
+    batch_size: int = Field(default=8, ge=1, description="Groups per forward pass (memory); a larger pool is built "
+                            "by gradient caching.")  # fmt: skip
+    pool_size: int | None = Field(default=None, ge=1, description="Queries whose passages form one InfoNCE pool (in-"
+                                  "batch negatives), over every process (default: 32, Table 7's 8 per GPU x 4 GPUs "
+                                  "gathered; baselines: 8 per process). Beyond batch_size: gradient caching.")
+    global_batch: int | None = Field(default=None, ge=1, description="Queries per optimizer step (default: 128, as "
+                                     "the reference; a multiple of the pool). None with grad_accum: batch_size x "
+                                     "grad_accum x processes (diffret 0.1).")  # fmt: skip
+    weight_decay: float | None = Field(default=None, ge=0.0, description="AdamW weight decay (default: 0.01; the "
+                                       "baselines' scripts: 0).")  # fmt: skip
+    schedule: Schedule = Field(default="auto", description="cosine (HF, warm-up ceil(ratio x steps) from 0: the "
+                               "reference's), hf_linear (the baselines' scripts), linear (diffret 0.1); auto: the "
+                               "readout's reference.")  # fmt: skip
+    gather: Literal["auto", "yes", "no"] = Field(default="auto", description="Pool the processes' passages (the "
+                                                 "reference's DiffRetriever / PromptReps; the baselines do not).")
+    q_max_len: int | None = Field(default=None, ge=1, description="Query tokens (default: 32 text tokens; DiffEmbed "
+                                  "64, RepLLaMA 32, in all, special tokens and prefix included).")  # fmt: skip
+    p_max_len: int | None = Field(default=None, ge=1, description="Passage tokens (default: 156 text tokens; "
+                                  "DiffEmbed 256, RepLLaMA 156, in all).")  # fmt: skip
+    n_negatives: int | None = Field(default=None, ge=0, description="Hard negatives per group (default: 15; "
+                                    "DiffEmbed 7).")  # fmt: skip
+    tau: float | None = Field(default=None, gt=0, description="Temperature of the dense InfoNCE (default: 0.01; the "
+                              "baselines: 0.02).")  # fmt: skip
     sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
+    train_title_sep: str | None = Field(default=None, description="A training passage is title + this + text (default:"
+                                        " ' ', the reference trainer's; an empty text: the title alone); the baselines"
+                                        " read the text only.")  # fmt: skip
+    promptreps_decode: Literal["fixed", "stop"] = Field(default="fixed", description="PromptReps: decode exactly K - "
+                                                        "1 words and read all K slots (the reference's trainer), or "
+                                                        "stop at the closing quote (diffret 0.1).")  # fmt: skip
+    promptreps_n: int = Field(default=4, ge=0, description="PromptReps: the cap N trained at when kq / kp are not "
+                              "given (the paper's fine-tuning: 4; 0: the zero-shot selection, diffret 0.1).")
+    lora_head: bool | None = Field(default=None, description="LoRA on the vocabulary head too (default: LLaDA, whose "
+                                   "reference targets' ff_out matches its head).")  # fmt: skip
+
+    def resolved(self, readout: str) -> TrainSettings:
+        """Every None / ``auto`` setting replaced by ``readout``'s reference value.
+
+        >>> s = TrainSettings().resolved("diffretriever")
+        >>> (s.tau, s.weight_decay, s.schedule, s.gather, s.pool_size, s.global_batch, s.n_negatives)
+        (0.01, 0.01, 'cosine', 'yes', 32, 128, 15)
+        >>> s = TrainSettings().resolved("diffembed")
+        >>> (s.tau, s.weight_decay, s.schedule, s.gather, s.pool_size, s.n_negatives, s.q_max_len, s.p_max_len)
+        (0.02, 0.0, 'hf_linear', 'no', 8, 7, 64, 256)
+        """
+        base = readout in BASELINES
+        pick = {
+            "tau": 0.02 if base else 0.01,
+            "weight_decay": 0.0 if base else 0.01,
+            "pool_size": 8 if base else 32,
+            "global_batch": 128,
+            "n_negatives": 7 if readout == "diffembed" else 15,
+            "q_max_len": 64 if readout == "diffembed" else 32,
+            "p_max_len": 256 if readout == "diffembed" else 156,
+            "train_title_sep": " ",
+        }
+        update: dict[str, Any] = {k: v for k, v in pick.items() if getattr(self, k) is None}
+        if self.schedule == "auto":
+            update["schedule"] = "hf_linear" if base else "cosine"
+        if self.gather == "auto":
+            update["gather"] = "no" if base else "yes"
+        return self.model_copy(update=update)
+
+    def lr_factor(self, step: int, steps: int) -> float:
+        """The schedule's multiplier (``schedule``; ``linear`` is LoopSettings' diffret 0.1 schedule)."""
+        kind = "cosine" if self.schedule == "auto" else self.schedule
+        if kind == "linear":
+            return super().lr_factor(step, steps)
+        return hf_lr_factor(step, steps, self.warmup_ratio, kind)
+
+    def step_items(self, world: int = 1) -> int:
+        """Groups per optimizer step: ``global_batch``, or batch_size x grad_accum x processes without it."""
+        return self.global_batch or super().step_items(world)
+
+    def pool_items(self, world: int = 1) -> int:
+        """Groups per InfoNCE pool over all processes (each process holds pool_items / world of them)."""
+        if self.pool_size is None:
+            return super().pool_items(world)
+        return self.pool_size * (world if self.gather == "no" else 1)
 
 
 def planned_steps(n_groups: int, s: LoopSettings, world: int = 1) -> tuple[int, int]:
-    """(optimizer steps per epoch, steps in all) for ``n_groups`` groups on ``world`` processes.
+    """(optimizer steps per epoch, steps in all) for ``n_groups`` groups on ``world`` processes (a last partial
+    step is dropped).
 
-    >>> planned_steps(809, TrainSettings(epochs=3))   # 32 groups a step
-    (25, 75)
-    >>> planned_steps(809, TrainSettings(epochs=3), world=2)   # 64 groups a step
+    >>> planned_steps(809, TrainSettings(epochs=3).resolved("diffretriever"))   # 128 groups a step
+    (6, 18)
+    >>> planned_steps(809, LoopSettings(epochs=3), world=2)   # 8 x 4 x 2 = 64 items a step
     (12, 36)
     """
-    per_epoch = max(1, n_groups // (s.batch_size * s.grad_accum * world))
+    per_epoch = max(1, n_groups // s.step_items(world))
     return per_epoch, s.max_steps or max(1, math.ceil(per_epoch * s.epochs))
 
 
+def lora_targets(bb: Backbone, head: bool | None = None) -> tuple[str, ...]:
+    """The module names LoRA wraps: the family's projections, and the vocabulary head when ``head`` (None: the
+    family's reference default, LLaDA's: its reference targets' ``ff_out`` matches the head as well as the
+    feed-forward output, backbone_adapters.py L197-207). LLaDA under its own code (``loader remote``) takes the
+    reference's names as they are.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from retrieval.models.backbones import FAMILIES
+    >>> lora_targets(NS(spec=FAMILIES["llada"], loader="native"))[-1], "lm_head" in lora_targets(NS(
+    ...     spec=FAMILIES["dream"], loader="native"))
+    ('lm_head', False)
+    """
+    spec = bb.spec
+    if getattr(bb, "loader", "native") == "remote" and spec.remote_lora_targets:
+        return spec.remote_lora_targets
+    if head is None:
+        head = spec.lora_head
+    return spec.lora_targets + (("lm_head",) if head else ())
+
+
 def lora_wrap(bb: Backbone, s: LoopSettings) -> Any:
-    """Inject LoRA layers into the backbone (in place) on its family's projections; the peft model."""
+    """Inject LoRA layers into the backbone (in place) on its family's projections (:func:`lora_targets`); the peft
+    model. The backbone's head is bound again afterwards, so that a wrapped head is the one reading logits."""
     from peft import LoraConfig, get_peft_model
 
     names = {n.rsplit(".", 1)[-1] for n, m in bb.model.named_modules() if isinstance(m, torch.nn.Linear)}
-    targets = [t for t in bb.spec.lora_targets if t in names]
+    wanted = lora_targets(bb, getattr(s, "lora_head", None))
+    if getattr(s, "lora_head", None) and "lm_head" in wanted and "lm_head" not in names:
+        raise BackboneError(f"{bb.name}: no linear lm_head to put LoRA on (lora_head); its linear modules: "
+                            f"{', '.join(sorted(names))}")  # fmt: skip
+    targets = [t for t in wanted if t in names]
     if not targets:
         raise BackboneError(
             f"{bb.name}: no LoRA targets of the {bb.family} family ({', '.join(bb.spec.lora_targets) or 'none'}) "
             f"among its linear modules ({', '.join(sorted(names))}); use --full or add them to the family"
         )
     cfg = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout, target_modules=targets)
-    return get_peft_model(bb.model, cfg)
+    peft = get_peft_model(bb.model, cfg)
+    bb.rebind_head()
+    return peft
 
 
 def world() -> tuple[int, int]:
@@ -177,13 +316,47 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
 
 @dataclass
 class Prepared:
-    """One micro-batch's inputs: token ids, the group size, the content words' vocabulary ids (sparse loss)."""
+    """One micro-batch's inputs: token ids, the group size, the content words' vocabulary ids (sparse loss), and
+    the texts (RepLLaMA tokenizes its prefix and the text as one string)."""
 
     query_ids: list[list[int]]
     passage_ids: list[list[int]]
     group: int
     query_allowed: list[list[int]] | None = None
     passage_allowed: list[list[int]] | None = None
+    query_texts: list[str] | None = None
+    passage_texts: list[str] | None = None
+
+    def chunk(self, start: int, end: int) -> Prepared:
+        """Groups ``start:end`` (their queries and their passages)."""
+        g = self.group
+
+        def cut(xs: list | None, n: int = 1) -> list | None:
+            return None if xs is None else xs[start * n : end * n]
+
+        return Prepared(cut(self.query_ids), cut(self.passage_ids, g), g, cut(self.query_allowed),  # type: ignore[arg-type]
+                        cut(self.passage_allowed, g), cut(self.query_texts), cut(self.passage_texts, g))  # fmt: skip
+
+
+class RandContext:
+    """The RNG states (CPU, and CUDA where used) at creation, restored on entry: a forward pass run again under it
+    draws the same dropout masks (gradient caching's second pass)."""
+
+    def __init__(self, device: torch.device):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    def __enter__(self) -> None:
+        self._saved = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda is not None else None)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self._saved[0])
+        if self._saved[1] is not None:
+            torch.cuda.set_rng_state(self._saved[1], self.device)
 
 
 class Loop:
@@ -214,6 +387,11 @@ class Loop:
         if self.world > 1:  # the same initial weights everywhere, then each process its own dropout stream
             torch.manual_seed(settings.seed * 1_000_003 + self.rank)
         self.steps_per_epoch, self.steps = planned_steps(len(self.items), settings, self.world)
+        self.pool, per_step = settings.pool_items(self.world), settings.step_items(self.world)
+        if self.pool % self.world or per_step % self.pool:
+            raise ValueError(f"a step of {per_step} items must be whole pools of {self.pool}, and a pool shared "
+                             f"evenly by {self.world} process(es)")  # fmt: skip
+        self.share = self.pool // self.world  # this process's items of each pool
         self.sharded = settings.shard_optimizer and self.world > 1
         if self.sharded:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -249,15 +427,20 @@ class Loop:
         return torch.randperm(len(self.items), generator=g).tolist()
 
     def micro_batches(self, step: int) -> list[list[Any]]:
-        """This process's items of optimizer step ``step`` (a function of the seed and the step only): the
-        step's ``grad_accum`` global micro-batches of ``batch_size x world`` items, this rank's slice of each."""
-        b = self.s.batch_size
-        per_step = b * self.s.grad_accum * self.world
+        """This process's items of optimizer step ``step`` (a function of the seed and the step only): the step's
+        pools (``pool_items`` over every process each), this rank's slice of each."""
+        per_step, pool, share = self.s.step_items(self.world), self.pool, self.share
         epoch, within = divmod(step, self.steps_per_epoch)
         order = self._order(epoch)[within * per_step : (within + 1) * per_step]
         chosen = [self.items[i] for i in order]
-        glob = [chosen[i : i + b * self.world] for i in range(0, len(chosen), b * self.world)]
-        return [mb[self.rank * b : (self.rank + 1) * b] for mb in glob]
+        glob = [chosen[i : i + pool] for i in range(0, len(chosen), pool)]
+        return [mb[self.rank * share : (self.rank + 1) * share] for mb in glob]
+
+    def micro_backward(self, prepared: Any, step: int, n: int) -> dict[str, float]:
+        """Backpropagate one of a step's ``n`` micro-batches (its loss / n); its logged parts."""
+        loss, parts = self.micro_loss(prepared, step)
+        (loss / n).backward()
+        return parts
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -266,8 +449,7 @@ class Loop:
         parts: dict[str, float] = {}
         batches = self._inputs(self.step)
         for mb in batches:
-            loss, p = self.micro_loss(mb, self.step)
-            (loss / len(batches)).backward()
+            p = self.micro_backward(mb, self.step, len(batches))
             for k, v in p.items():
                 parts[k] = parts.get(k, 0.0) + v / len(batches)
         if self.world > 1:
@@ -379,16 +561,26 @@ class Loop:
 
 class Trainer(Loop):
     """Contrastive training of a readout's backbone on groups (every readout: the mask readout, S > 1
-    included, PromptReps, DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one."""
+    included, PromptReps, DiffEmbed, RepLLaMA); ``run`` resumes from a checkpoint when given one.
 
-    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings, title_sep: str = TITLE_SEP):
+    Settings left at None / ``auto`` take the readout's reference values (:meth:`TrainSettings.resolved`). A pool
+    larger than ``batch_size`` groups per process is trained by gradient caching (GradCache, Gao et al. 2021, as
+    Tevatron offers it): the pool is encoded in chunks of ``batch_size`` without gradients, the loss over the
+    whole pool gives the gradient of every representation, then each chunk is encoded again with gradients (the
+    same dropout masks) and backpropagates its representations' gradients. Loss and gradients equal one pass over
+    the whole pool; memory is one chunk's activations plus the pool's representations.
+    """
+
+    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings):
         if not groups:
             raise ValueError("no training groups")
         if settings.kq is None or settings.kp is None:
             raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
         reader.check_k([settings.kq])
         reader.check_k([settings.kp])
-        self.r, self.sep = reader, title_sep
+        settings = settings.resolved(reader.name)
+        self.r = reader
+        self.baseline = reader.name in BASELINES
         super().__init__(reader.bb, groups, settings)
         self.s: TrainSettings = settings
         for side, k in (("query", settings.kq), ("passage", settings.kp)):
@@ -398,11 +590,27 @@ class Trainer(Loop):
     def samples(prepared: Prepared) -> int:  # type: ignore[override]
         return len(prepared.query_ids)
 
+    def _text(self, p: dict[str, Any]) -> str:
+        """A training passage as the reference's trainers build it: title + sep + text (the title alone without a
+        text; train_diffretriever.py L307-310), the text alone for the baselines (train_diffembed.py L73-82)."""
+        if self.baseline:
+            return p["text"]
+        return passage_text(p["title"], p["text"], self.s.train_title_sep if self.s.train_title_sep is not None
+                            else " ")  # fmt: skip
+
     def _passages(self, g: Group, step: int) -> list[str]:
         rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
         pos = rng.choice(g.positives)
-        negs = sample_fill(rng, g.negatives, self.s.n_negatives)
-        return [passage_text(p["title"], p["text"], self.sep) for p in [pos, *negs]]
+        negs = sample_fill(rng, g.negatives, int(self.s.n_negatives or 0))
+        return [self._text(p) for p in [pos, *negs]]
+
+    def _limit(self, side: str, k: int, n: int) -> int:
+        """Text tokens kept: ``n``, or for the baselines ``n`` in all (their scripts count special tokens and
+        RepLLaMA's prefix)."""
+        if not self.baseline:
+            return n
+        counted, extra = self.r.overhead(side, k)
+        return max(1, n - counted - extra)
 
     def _ids(self, texts: list[str], limit: int) -> list[list[int]]:
         quiet_length_warning(self.r.bb.tokenizer)
@@ -425,26 +633,83 @@ class Trainer(Loop):
         passages = [t for g in groups for t in self._passages(g, step)]
         filt = self.r.filter if s.sparse_loss else None
         return Prepared(
-            self._ids(queries, s.q_max_len), self._ids(passages, s.p_max_len), len(passages) // len(groups),
+            self._ids(queries, self._limit("query", s.kq, int(s.q_max_len))),  # type: ignore[arg-type]
+            self._ids(passages, self._limit("passage", s.kp, int(s.p_max_len))),  # type: ignore[arg-type]
+            len(passages) // len(groups),
             [filt.allowed_ids(t) for t in queries] if filt else None,
             [filt.allowed_ids(t) for t in passages] if filt else None,
+            queries, passages,
         )  # fmt: skip
 
-    def micro_loss(  # type: ignore[override]
-        self, groups: list[Group] | Prepared, step: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def _forward(self, ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> Any:
+        kw: dict[str, Any] = {}
+        if self.r.name == "promptreps":
+            kw["stop"] = "none" if self.s.promptreps_decode == "fixed" else "reference"
+        if self.r.name == "repllama":
+            kw["texts"] = texts
+        return self.r.train_forward(ids, side, k, **kw)
+
+    def _reps(self, x: Prepared) -> tuple[torch.Tensor, ...]:
+        """(query dense, mask, sparse, passage dense, mask, sparse) of a micro-batch, with gradients."""
         s = self.s
-        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
         with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            q = self.r.train_forward(x.query_ids, "query", s.kq)
-            p = self.r.train_forward(x.passage_ids, "passage", s.kp)
-        group = x.group
+            q = self._forward(x.query_ids, x.query_texts, "query", s.kq)  # type: ignore[arg-type]
+            p = self._forward(x.passage_ids, x.passage_texts, "passage", s.kp)  # type: ignore[arg-type]
         qs = ps = None
         if s.sparse_loss and q.logits is not None and p.logits is not None:
             qs = sparse_vectors(q.logits, self._allowed(x.query_allowed, q.logits.shape[-1]), q.mask)
             ps = sparse_vectors(p.logits, self._allowed(x.passage_allowed, p.logits.shape[-1]), p.mask)
-        # this rank's queries against every rank's pool
-        ph, ps = gather(p.dense, self.world), gather(ps, self.world)
-        pm = p.mask if self.world == 1 else gather(p.mask.float(), self.world) > 0.5
-        offset = self.rank * len(x.query_ids)
-        return contrastive_loss(q.dense, q.mask, ph, pm, group, s.tau, qs, ps, offset=offset)
+        return q.dense, q.mask, qs, p.dense, p.mask, ps
+
+    def _loss(self, reps: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """InfoNCE of this rank's queries against the pool (every rank's passages when ``gather``)."""
+        qd, qm, qs, pd, pm, ps = reps
+        pool = self.world if self.s.gather == "yes" else 1
+        ph, ps = gather(pd, pool), gather(ps, pool)
+        pm = pm if pool == 1 else gather(pm.float(), pool) > 0.5
+        offset = self.rank * qd.shape[0] if pool > 1 else 0
+        return contrastive_loss(qd, qm, ph, pm, group, float(self.s.tau), qs, ps, offset=offset)  # type: ignore[arg-type]
+
+    def micro_loss(  # type: ignore[override]
+        self, groups: list[Group] | Prepared, step: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
+        return self._loss(self._reps(x), x.group)
+
+    def micro_backward(self, prepared: Any, step: int, n: int) -> dict[str, float]:  # type: ignore[override]
+        """One pool's loss / n backpropagated: in one pass when this process's share fits ``batch_size`` groups,
+        else by gradient caching (:meth:`cached_backward`)."""
+        x = prepared if isinstance(prepared, Prepared) else self.prepare(prepared, step)
+        if len(x.query_ids) <= self.s.batch_size:
+            return super().micro_backward(x, step, n)
+        return self.cached_backward(x, n)
+
+    def cached_backward(self, x: Prepared, n: int = 1) -> dict[str, float]:
+        """Gradient caching over chunks of ``batch_size`` groups: the same loss and gradients as one pass."""
+        b, dev = self.s.batch_size, self.r.bb.device
+        chunks = [x.chunk(i, min(i + b, len(x.query_ids))) for i in range(0, len(x.query_ids), b)]
+        states, parts_of = [], []
+        with torch.no_grad():
+            for c in chunks:
+                states.append(RandContext(dev))
+                parts_of.append(self._reps(c))
+        leaves = []
+        for j in range(6):  # every representation of the pool, a leaf that collects its gradient
+            got = [r[j] for r in parts_of]
+            leaves.append(None if got[0] is None else torch.cat(got).detach().requires_grad_(j not in (1, 4)))
+        loss, parts = self._loss(tuple(leaves), x.group)  # type: ignore[arg-type]
+        (loss / n).backward()
+        start = [0, 0]
+        for c, state in zip(chunks, states, strict=True):
+            with state:
+                reps = self._reps(c)
+            surrogate = torch.zeros((), device=dev)
+            for j, rep in enumerate(reps):
+                if rep is None or j in (1, 4):
+                    continue
+                side = 0 if j < 3 else 1
+                grad = leaves[j].grad[start[side] : start[side] + rep.shape[0]]  # type: ignore[union-attr]
+                surrogate = surrogate + (rep.float() * grad.float()).sum()
+            surrogate.backward()
+            start = [start[0] + len(c.query_ids), start[1] + len(c.passage_ids)]
+        return parts

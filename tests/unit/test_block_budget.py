@@ -55,20 +55,21 @@ def _random(rng: np.random.Generator, n: int, k: int, prefix: str) -> Encodings:
 
 
 def _brute(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
-    """[Q, N] scores by the definitions (float64; exact for the tied data)."""
+    """[Q, N] scores by the definitions under the default rules (the reference evaluator's; float64, exact for
+    the tied data): MaxSim clamped at 0 and summed, a sparse score of 0 retrieved like any other."""
     out = np.zeros((len(q), len(p)))
     for i in range(len(q)):
         qv = q.multi[i][q.mask[i]].double().numpy()
         qd = dict(zip(q.sparse_ids[i].tolist(), q.sparse_weights[i].tolist(), strict=True))
         for j in range(len(p)):
             if mode == "multi_dense":
-                out[i, j] = (qv @ p.multi[j][p.mask[j]].double().numpy().T).max(1).mean()
+                out[i, j] = np.maximum((qv @ p.multi[j][p.mask[j]].double().numpy().T).max(1), 0.0).sum()
             elif mode == "single_dense":
                 out[i, j] = q.single[i].double() @ p.single[j].double()
             else:
                 s = sum(qd.get(t, 0.0) * w for t, w in zip(p.sparse_ids[j].tolist(), p.sparse_weights[j].tolist(),
                                                           strict=True))  # fmt: skip
-                out[i, j] = s if s > 0 else -np.inf
+                out[i, j] = s
     return out
 
 

@@ -28,8 +28,9 @@ def ids_of(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def encode(bb: Backbone, texts: list[str], k: int = 4, side: str = "query", **cfg) -> list[Encoded]:
-    reader = make_reader(bb, ReadoutConfig(**cfg))
+def encode(bb: Backbone, texts: list[str], k: int = 4, side: str = "query", max_length: int = 256,
+           **cfg) -> list[Encoded]:  # fmt: skip
+    reader = make_reader(bb, ReadoutConfig(**cfg), max_length)
     return reader.encode([ids_of(bb.tokenizer, t) for t in texts], texts, side, k)
 
 
@@ -113,7 +114,7 @@ def test_per_position_sparse_by_hand():
     got_ids, got_w = per_position_sparse(ids, logits, topk=2)
     # slot 0 adds 3 (log 1.5 = 0.405 -> 0.40), max with slot 1's 0.91; slot 1 adds 8 (log 1.7 = 0.530 -> 0.53)
     assert {i: round(float(w), 4) for i, w in zip(got_ids, got_w, strict=True)} == {5: 1.09, 3: 0.91, 8: 0.53}
-    got_ids, got_w = per_position_sparse(ids, logits, topk=2, quantise=False)
+    got_ids, got_w = per_position_sparse(ids, logits, topk=2, quantise="none")
     assert np.allclose(sorted(got_w), sorted(np.log1p([2.0, 1.5, 0.7])), atol=1e-2)  # bf16 storage
     assert per_position_sparse(torch.tensor([], dtype=torch.long), logits[:, :0])[0].size == 0
 
@@ -152,7 +153,7 @@ def test_long_text_is_cut_to_the_model_positions(backbones, readout):
     text = " ".join([TEXTS["long"]] * 30)
     assert len(ids_of(tok, text)) > limit
     k = 4 if readout == "diffretriever" else 1
-    e = encode(bb, [text, TEXTS["short"]], k=k, readout=readout)[0]
+    e = encode(bb, [text, TEXTS["short"]], k=k, readout=readout, max_length=4096)[0]
     assert e.n_tokens == limit and e.dense.shape == (k, bb.hidden_size) and np.isfinite(e.dense).all()
 
 

@@ -11,6 +11,7 @@ from retrieval.models.encoding import encoded_table
 from retrieval.models.readouts import Encoded
 from retrieval.search import (
     Encodings,
+    ScoreRules,
     SearchSettings,
     TopK,
     all_modes,
@@ -52,7 +53,13 @@ def _encodings(rng, n, k, prefix, vary=False) -> Encodings:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
-def _brute_scores(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
+# diffret 0.1's scoring, every rule the named option that restores it
+LEGACY = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean", single_renorm=True, sparse_scale="unit",
+                    sparse_floor="positive", fusion_flat="one")  # fmt: skip
+RULES = [pytest.param(ScoreRules(), id="reference"), pytest.param(LEGACY, id="diffret-0.1")]
+
+
+def _brute_scores(q: Encodings, p: Encodings, mode: str, rules: ScoreRules = ScoreRules()) -> np.ndarray:
     """Straight loops over the definitions (float64)."""
     out = np.zeros((len(q), len(p)))
     for i in range(len(q)):
@@ -60,10 +67,12 @@ def _brute_scores(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
         for j in range(len(p)):
             pv = p.multi[j][p.mask[j]].double().numpy()
             if mode == "multi_dense":
-                out[i, j] = (qv @ pv.T).max(1).mean()
+                best = (qv @ pv.T).max(1)
+                best = np.maximum(best, 0.0) if rules.maxsim_clamp else best
+                out[i, j] = best.sum() if rules.maxsim_reduce == "sum" else best.mean()
             elif mode == "single_dense":
                 a, b = qv.mean(0), pv.mean(0)
-                out[i, j] = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+                out[i, j] = a @ b / (np.linalg.norm(a) * np.linalg.norm(b) if rules.single_renorm else 1.0)
             else:
                 qd = dict(zip(q.sparse_ids[i].tolist(), q.sparse_weights[i].tolist(), strict=True))
                 out[i, j] = sum(qd.get(t, 0.0) * w for t, w in zip(p.sparse_ids[j], p.sparse_weights[j], strict=True))
@@ -79,7 +88,7 @@ def _brute_top(scores: np.ndarray, k: int, positive_only: bool = False) -> list[
     return out
 
 
-def _brute_fusion(a: np.ndarray, b: np.ndarray, depth: int, b_positive: bool) -> np.ndarray:
+def _brute_fusion(a: np.ndarray, b: np.ndarray, depth: int, b_positive: bool, flat: float = 1.0) -> np.ndarray:
     fused = np.full(a.shape, -np.inf)
     for i in range(a.shape[0]):
         acc: dict[int, float] = {}
@@ -90,7 +99,7 @@ def _brute_fusion(a: np.ndarray, b: np.ndarray, depth: int, b_positive: bool) ->
             vals = np.array([s for _, s in top])
             lo, hi = vals.min(), vals.max()
             for j, s in top:
-                acc[j] = acc.get(j, 0.0) + 0.5 * ((s - lo) / (hi - lo) if hi > lo else 1.0)
+                acc[j] = acc.get(j, 0.0) + 0.5 * ((s - lo) / (hi - lo) if hi > lo else flat)
         for j, v in acc.items():
             fused[i, j] = v
     return fused
@@ -110,44 +119,49 @@ def _assert_same_top(top: TopK, ref: list[list[tuple[int, float]]], k: int) -> N
             assert strict_ref == strict_got, qi
 
 
+@pytest.mark.parametrize("rules", RULES)
 @pytest.mark.parametrize("tile_elems", [None, 40], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vary", [False, True])
-def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile_elems, monkeypatch) -> None:
+def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile_elems, rules: ScoreRules,
+                                                   monkeypatch) -> None:  # fmt: skip
     if tile_elems is not None:  # CPU MaxSim in tiles of 40 // (Q*K_q) documents: 1 to 5 per tile here
         monkeypatch.setattr(scoring, "CPU_TILE_ELEMS", tile_elems)
     rng = np.random.default_rng(7)
     q_tables = {kq: _table(rng, 23, kq, "q", vary) for kq in (1, 3)}
     p_table = _table(rng, 400, 4, "d", vary)
-    on_device = encodings_from_table(p_table, device)
+    on_device = encodings_from_table(p_table, device, rules)
     # tiny block budget: sub-blocks of a few passages and query blocks of a few rows, to exercise the running top-k
-    st = SearchSettings(topk=150, block_bytes=40_000)
+    st = SearchSettings(topk=150, block_bytes=40_000, rules=rules)
     blocks = [select(on_device, on_device.ids[s : s + 90]) for s in range(0, 400, 90)]
-    queries = {kq: encodings_from_table(t, device) for kq, t in q_tables.items()}
+    queries = {kq: encodings_from_table(t, device, rules) for kq, t in q_tables.items()}
     base, doc_ids = search_pass(queries, blocks, settings=st)
     passages = encodings_from_table(p_table)  # the brute force reads CPU copies
     assert doc_ids == passages.ids
-    runs = all_modes(base, depth=150)
+    runs = all_modes(base, depth=150, rules=rules)
     assert {m for _, m in runs} == set(MODES)
+    positive = rules.sparse_floor == "positive"
+    flat = 1.0 if rules.fusion_flat == "one" else 0.0
     for kq, t in q_tables.items():
         q = encodings_from_table(t)
-        full = {m: _brute_scores(q, passages, m) for m in ("single_dense", "multi_dense", "sparse_max")}
+        full = {m: _brute_scores(q, passages, m, rules) for m in ("single_dense", "multi_dense", "sparse_max")}
         for mode in MODES:
             if mode.startswith("fusion_"):
                 dense = "single_dense" if "single" in mode else "multi_dense"
-                ref = _brute_top(_brute_fusion(full[dense], full["sparse_max"], 150, True), 100, True)
+                ref = _brute_top(_brute_fusion(full[dense], full["sparse_max"], 150, positive, flat), 100, True)
                 ref = [[(j, s) for j, s in r if s > -np.inf] for r in ref]
             else:
-                ref = _brute_top(full[mode], 100, positive_only=mode == "sparse_max")
+                ref = _brute_top(full[mode], 100, positive_only=positive and mode == "sparse_max")
             _assert_same_top(runs[(kq, mode)], ref, 100)
 
 
-def test_maxsim_masks_padding_and_averages_over_real_query_vectors() -> None:
+def test_maxsim_masks_padding_over_real_query_vectors() -> None:
     q = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])
     qm = torch.tensor([[True, True, False]])
     p = torch.tensor([[[1.0, 0.0], [-5.0, -5.0]]])  # second vector is padding: must not count
     pm = torch.tensor([[True, False]])
-    assert maxsim(q, qm, p, pm).item() == pytest.approx(0.5)
+    assert maxsim(q, qm, p, pm).item() == pytest.approx(1.0)  # the reference's: 1 + max(0, 0), a sum
+    assert maxsim(q, qm, p, pm, clamp=False, reduce="mean").item() == pytest.approx(0.5)  # diffret 0.1's mean
 
 
 def test_padding_rows_do_not_change_scores() -> None:
@@ -186,7 +200,10 @@ def test_fusion_minmax_union_missing_is_zero_and_constant_runs() -> None:
     const = fuse_minmax(
         TopK(np.array([[1.0]], np.float32), np.array([[4]])), TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64))
     )
-    assert const.index[0, 0] == 4 and const.scores[0, 0] == pytest.approx(0.5)
+    assert const.index[0, 0] == 4 and const.scores[0, 0] == 0.0  # all equal: (s - min) / max(0, 1e-9) = 0
+    one = fuse_minmax(TopK(np.array([[1.0]], np.float32), np.array([[4]])),
+                      TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64)), flat="one")  # fmt: skip
+    assert one.scores[0, 0] == pytest.approx(0.5)  # diffret 0.1: all equal normalises to 1
 
 
 def test_run_table_orders_by_score_then_doc_id_and_drops_pads() -> None:
