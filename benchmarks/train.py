@@ -60,8 +60,9 @@ def scifact_groups(n: int, negatives: int, seed: int = 0) -> list[Group]:
 
 def settings(args: argparse.Namespace, **kw) -> TrainSettings:
     return TrainSettings(adapter=args.adapter, kq=args.k, kp=args.k, batch_size=args.batch_size,
-                         pool_size=args.batch_size, global_batch=args.batch_size, n_negatives=args.negatives, lr=1e-4, warmup_ratio=0.0, max_steps=1_000_000,
-                         p_max_len=args.p_max_len, q_max_len=32, **kw)  # fmt: skip
+                         pool_size=args.batch_size, global_batch=args.batch_size, n_negatives=args.negatives,
+                         lr=1e-4, warmup_ratio=0.0, max_steps=1_000_000, p_max_len=args.p_max_len, q_max_len=32,
+                         **kw)  # fmt: skip
 
 
 def make_trainer(args: argparse.Namespace, groups: list[Group], **kw) -> Trainer:
