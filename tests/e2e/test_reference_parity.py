@@ -64,7 +64,7 @@ def encoded(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(f"parity-{family}") / "store"
     cli("download", "scifact-mini", "--source", str(MINI), "--root", str(root))
     cli("encode", "-d", "scifact-mini", "--model", str(model), "--k", ",".join(map(str, KS)), "--batch-size", "8",
-        "--root", str(root))  # fmt: skip
+        "--max-length", "512", "--root", str(root))  # fixtures: encode.py's default 512  # fmt: skip
     store = ArtifactStore(root)
     record = find_system(store, SystemRef(model=str(model)))
     settings = EncodeSettings.model_validate(record.settings | {"backbone": BackboneConfig(model=str(model))})

@@ -86,10 +86,12 @@ def test_two_gloo_processes_match_one_at_the_same_global_batch(tmp_path):
     root = str(tmp_path / "store")
     run("training-data", "--source", str(_groups_file(tmp_path / "groups.jsonl")), "--name", "tiny", "--root", root)
     common = ["train", "-t", "tiny", "--model", str(model), "--kq", "2", "--kp", "2", "--n-negatives", "2",
-              "--lora-dropout", "0", "--lr", "5e-3", "--warmup-ratio", "0", "--grad-accum", "2", "--epochs", "2",
-              "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex", "--root", root]  # fmt: skip
-    run(*common, "--batch-size", "4", "--name", "one")  # 1 process x 4 groups x 2 micro-batches = 8 a step
-    out = run(*common, "--batch-size", "2", "--name", "two", procs=2)  # 2 processes x 2 groups x 2 = 8 a step
+              "--lora-dropout", "0", "--lr", "5e-3", "--warmup-ratio", "0", "--pool-size", "8", "--global-batch", "8",
+              "--epochs", "2", "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex",
+              "--root", root]  # fmt: skip
+    # one pool of 8 queries a step: 1 process in gradient-cached chunks of 4, 2 processes 4 each in chunks of 2
+    run(*common, "--batch-size", "4", "--name", "one")
+    out = run(*common, "--batch-size", "2", "--name", "two", procs=2)
     assert "2 processes" in out.stdout + out.stderr
     # the AdamW state sharded across the 2 processes (ZeRO stage 1), consolidated into every checkpoint
     run(*common, "--batch-size", "2", "--name", "zero", "--shard-optimizer", "--checkpoint-every", "1", procs=2)
@@ -114,8 +116,9 @@ def test_sigkill_mid_training_then_rerun_is_bit_identical(tmp_path, procs):
     root = str(tmp_path / "store")
     run("training-data", "--source", str(_groups_file(tmp_path / "groups.jsonl")), "--name", "tiny", "--root", root)
     args = ["train", "-t", "tiny", "--model", str(model), "--kq", "2", "--kp", "2", "--n-negatives", "2",
-            "--batch-size", "2", "--grad-accum", "1", "--max-steps", "150", "--checkpoint-every", "5",
-            "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex", "--root", root]  # fmt: skip
+            "--batch-size", "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "150",
+            "--checkpoint-every", "5", "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex",
+            "--root", root]  # fmt: skip
     if procs > 1:  # torchrun, the AdamW state sharded: the checkpoint consolidates it, the resume re-shards it
         args.append("--shard-optimizer")
     run(*args, "--name", "straight", procs=procs)

@@ -36,7 +36,8 @@ def test_train_on_scifact_then_encode_and_score_the_fine_tuned_model(tmp_path, s
     cli("bm25", "-d", "scifact", "--split", "train", "--root", root)
     cli("training-data", "-d", "scifact", "--root", root)
     out = cli("train", "-t", "scifact", "--model", str(SPLADE), "--full", "--kq", "4", "--kp", "4", "--max-steps", "6",
-              "--batch-size", "4", "--grad-accum", "1", "--n-negatives", "3", "--lr", "1e-4", "--root", root)
+              "--batch-size", "4", "--pool-size", "4", "--global-batch", "4", "--n-negatives", "3", "--lr", "1e-4",
+              "--root", root)  # fmt: skip
     model = next(x for x in (out.stdout + out.stderr).splitlines() if x.startswith("model: "))[len("model: "):]
     manifest = json.loads(open(os.path.join(model, "_manifest.json")).read())
     assert manifest["stats"]["steps"] == 6 and manifest["stats"]["trainable"] == manifest["stats"]["parameters"]
