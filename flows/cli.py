@@ -334,6 +334,7 @@ def export_run(
 
     with _errors():
         store = ArtifactStore(root)
+        store.refuse_inside(output, "--output")
         slug = find_system(store, SystemRef(system=system)).system
         table = read_run(store, run_dir(slug, dataset, split, kq, kp, mode))
         write_trec_run(table, output, tag=f"{slug}.{mode}.kq{kq}.kp{kp}")
@@ -345,7 +346,8 @@ def export_run(
 @config_options(ScoreRules, "rules")
 def run(
     settings: dict, rules: dict, dataset: Dataset = "scifact",
-    source: Annotated[str | None, Opt("--source", "-s")] = None,
+    source: Annotated[str | None, Opt("--source", "-s", help="Mirror of the dataset: a BEIR-layout folder, "
+                                      ".zip/.tar.gz or URL (offline: ../shared/data/<name>).")] = None,
     corpus_source: Annotated[str | None, Opt(help="Mirror of the judged corpus (TREC DL).")] = None,
     unknown_judgments: UnknownJudgments = "error",
     preset: Annotated[str, Opt(help="paper: the 5x5 grid; laptop: {1,4,16}^2, batch 16.")] = "paper",
@@ -452,12 +454,12 @@ def verify(root: Root = DEFAULT_ROOT) -> None:
 
     with _errors():
         checked, problems = ArtifactStore(root).verify_all()
-    for line in problems:
-        console.print(f"[bold red]damaged:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    for line in problems:  # results go to stdout (errors of the command itself to stderr)
+        out.print(f"[bold red]damaged:[/] {escape(line)}", highlight=False, soft_wrap=True)
     if problems:
-        console.print(f"{len(problems)} problem(s) in {checked:,} file(s)", highlight=False)
+        out.print(f"{len(problems)} problem(s) in {checked:,} file(s)", highlight=False)
         raise typer.Exit(code=1)
-    console.print(f"{checked:,} file(s) match their manifests", highlight=False)
+    out.print(f"{checked:,} file(s) match their manifests", highlight=False)
 
 
 @app.command()
@@ -503,8 +505,21 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+HELP_WIDTH = 160  # --help is laid out at least this wide: option names and their help are never cut
+
+
+def _help_width() -> None:
+    import shutil
+
+    import typer.rich_utils
+
+    if not os.environ.get("TERMINAL_WIDTH"):
+        typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the stages show their own progress
+    _help_width()
     try:
         app()
         code = 0

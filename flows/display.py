@@ -64,6 +64,19 @@ def wide() -> Console:
     return out if out.is_terminal else Console(emoji=False, width=100_000)
 
 
+def cell(value: Any) -> str:
+    """A value in a printed table: floats to 6 significant digits (CSV and JSON keep every digit).
+
+    >>> cell(0.45678912345678), cell(None), cell(3), cell(1234567.891)
+    ('0.456789', 'NULL', '3', '1.23457e+06')
+    """
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
 def print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat) -> None:
     if fmt is OutputFormat.csv:
         buf = io.StringIO()
@@ -76,7 +89,7 @@ def print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat) -> None:
     else:
         table = Table(*cols, show_lines=False)
         for r in rows:
-            table.add_row(*("NULL" if v is None else str(v) for v in r))
+            table.add_row(*(cell(v) for v in r))
         wide().print(table, crop=False)  # piped output is not squeezed to 80 columns
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from retrieval.data.sources import corpus_of
 from retrieval.models.backbones import BackboneConfig
@@ -24,7 +24,7 @@ from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
 from stages.base import GRID_K, KList, ModeList, StageConfig
 from stages.bm25 import BM25Config
-from stages.encode import EncodeConfig
+from stages.encode import EncodeConfig, check_k_within
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
@@ -86,6 +86,11 @@ class PipelineConfig(StageConfig):
                                                "query's: keep (the reference's) or drop (BEIR's evaluation).")
     ties: Literal["trec", "rank"] = Field(default="trec", description="Evaluation order of tied documents within a "
                                           "measure's depth: trec (pytrec_eval's, the reference's) or rank (stored).")
+
+    @model_validator(mode="after")
+    def _k_within_max_length(self) -> PipelineConfig:
+        check_k_within([*self.kq, *self.kp], self.max_length)
+        return self
 
     # ------------------------------------------------------------------------- stage configs
     def _common(self) -> dict[str, Any]:

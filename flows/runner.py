@@ -112,22 +112,28 @@ class ArtifactProgress:
 def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
     """The body of every stage flow: plan, run the units (as tasks when the stage is distributed), commit."""
     ctx = Context(ArtifactStore(config.root), get_run_logger().info, ArtifactProgress())
-    plan = stage.plan(config, ctx)
-    ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) to run, {plan.skipped} already done")
-    results: list[Any] = []
-    if plan.units and stage.distributed:
-        results = _units_flow.with_options(task_runner=_task_runner(config))(stage.name, config.root, plan.units)
-    elif plan.units:
-        total = plan.work if plan.work is not None else len(plan.units)
-        advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-        if stage.reports_progress:
-            ctx.advance = advance
-        for unit in plan.units:
-            results.append(stage.run(unit, ctx))
-            stage.commit(unit, results[-1], ctx)
-            if not stage.reports_progress:
-                advance(stage.work_of(unit))
-    result = stage.result(plan, stage.finish(config, plan, results, ctx))
+    with ctx.held:
+        plan = stage.plan(config, ctx)
+        ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) to run, {plan.skipped} already done")
+        results: list[Any] = []
+        try:
+            if plan.units and stage.distributed:
+                runner = _task_runner(config)
+                results = _units_flow.with_options(task_runner=runner)(stage.name, config.root, plan.units)
+            elif plan.units:
+                total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
+                advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+                if stage.reports_progress:
+                    ctx.advance = advance
+                for unit in plan.units:
+                    results.append(stage.run(unit, ctx))
+                    stage.commit(unit, results[-1], ctx)
+                    if not stage.reports_progress:
+                        advance(stage.work_of(unit))
+        except BaseException:
+            stage.abort(config, plan, ctx)
+            raise
+        result = stage.result(plan, stage.finish(config, plan, results, ctx))
     create_markdown_artifact(result.markdown(), key=artifact_key(stage.name, plan.system or "summary"),
                              description=stage.name)  # fmt: skip
     return result.model_dump(mode="json")

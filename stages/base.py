@@ -9,6 +9,7 @@ through Prefect or not, resumes where the last one stopped.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,12 @@ class Context:
     report: ProgressFn | None = None
     advance: Callable[[int], None] = _ignore
     note: str = ""
+    held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # released when the stage ends
+
+    def hold(self, stage_dir: str) -> None:
+        """Hold ``stage_dir``'s run lock until the stage ends: a second process writing the same folder at the
+        same time is refused (it would redo the same work), not raced."""
+        self.held.enter_context(self.store.lock(stage_dir + "/_run"))
 
     def progress(self, label: str, total: int | None, unit: str = "units") -> Callable[[int], None]:
         """An ``advance(n)`` callback for one labelled task of ``total`` units."""
@@ -91,7 +98,8 @@ class Context:
         if st is StageState.STALE:
             self.log(f"{stage_dir}: built from other inputs or settings; rebuilding it")
         elif st is StageState.DAMAGED:
-            self.log(f"{stage_dir}: a file fails its checksum; rebuilding it")
+            self.log(f"{stage_dir}: damaged (a file fails its checksum, or its manifest is unreadable or edited by "
+                     "hand); rebuilding it")  # fmt: skip
         return st
 
 
@@ -115,7 +123,11 @@ class Plan:
     def needs(self, ctx: Context, stage_dir: str, config: dict[str, Any], force: bool) -> bool:
         """Whether ``stage_dir`` must be (re)built for ``config``; a current folder is counted as skipped.
         Drift raises (:meth:`storage.ArtifactStore.state`)."""
-        if ctx.state(stage_dir, config, force) is StageState.CURRENT:
+        return self.needs_folder(ctx, stage_dir, config, force)
+
+    def needs_folder(self, ctx: Context, stage_dir: str, config: dict[str, Any], force: bool, hint: str = "") -> bool:
+        """:meth:`needs`, with the drift error's ``hint`` (what to do instead of --force)."""
+        if ctx.state(stage_dir, config, force, hint=hint) is StageState.CURRENT:
             self.skipped += 1
             return False
         return True
@@ -185,6 +197,11 @@ class Stage(Declared, ABC):
         """Details of the result, once every unit is done (``results``: what each ``run`` returned)."""
         return plan.details
 
+    def abort(self, config: Any, plan: Plan, ctx: Context) -> None:
+        """Undo what ``plan`` prepared and no finished unit needs, when a unit failed: the store is left as it
+        was before the stage started, plus the units that finished (default: nothing prepared)."""
+        return None
+
     def result(self, plan: Plan, details: dict[str, Any]) -> StageResult:
         return StageResult(
             stage=self.name, system=plan.system, done=len(plan.units) if plan.count is None else plan.count,
@@ -205,15 +222,20 @@ def execute(
 ) -> StageResult:
     """Plan and run a stage in this process, unit by unit, committing each one as it finishes."""
     ctx = Context(ArtifactStore(config.root), log, report)
-    plan = stage.plan(config, ctx)
-    total = plan.work if plan.work is not None else len(plan.units)
-    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-    if stage.reports_progress:
-        ctx.advance = advance
-    results = []
-    for unit in plan.units:
-        results.append(stage.run(unit, ctx))
-        stage.commit(unit, results[-1], ctx)
-        if not stage.reports_progress:
-            advance(stage.work_of(unit))
-    return stage.result(plan, stage.finish(config, plan, results, ctx))
+    with ctx.held:
+        plan = stage.plan(config, ctx)
+        total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
+        advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+        if stage.reports_progress:
+            ctx.advance = advance
+        results = []
+        try:
+            for unit in plan.units:
+                results.append(stage.run(unit, ctx))
+                stage.commit(unit, results[-1], ctx)
+                if not stage.reports_progress:
+                    advance(stage.work_of(unit))
+        except BaseException:
+            stage.abort(config, plan, ctx)
+            raise
+        return stage.result(plan, stage.finish(config, plan, results, ctx))

@@ -17,17 +17,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone
+from retrieval.devices import resolve_device
+from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
-from storage import FileEntry, IncompleteArtifactError
-from storage.layout import encodings_dir, tokens_dir
+from storage import FileEntry, IncompleteArtifactError, remove_empty_sharded
+from storage.layout import encodings_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
 from .readers import TITLE_SEP
-from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokens_slug, weights_of
+from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokenizer_of, tokens_slug, weights_of
 from .tokenize import DEFAULT_MODEL, TokenizeConfig
 
 
@@ -50,6 +51,11 @@ class EncodeConfig(StageConfig):
         default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
     )
 
+    @model_validator(mode="after")
+    def _k_within_max_length(self) -> EncodeConfig:
+        check_k_within(self.k, self.max_length)
+        return self
+
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep
@@ -60,6 +66,22 @@ class EncodeConfig(StageConfig):
             root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
             max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size, verify=self.verify,
         )  # fmt: skip
+
+
+def check_k_within(ks: list[int], max_length: int) -> None:
+    """Refuse a budget beyond the tokens asked for (before any work): the K slots come on top of the prompt and
+    text that ``max_length`` counts.
+
+    >>> try:
+    ...     check_k_within([1, 64], 32)
+    ... except ValueError as exc:
+    ...     print(str(exc)[:36])
+    K = 64 is beyond --max-length 32: th
+    """
+    if ks and max(ks) > max_length:
+        raise ValueError(f"K = {max(ks)} is beyond --max-length {max_length}: the K slots come on top of the prompt "
+                         "and text it counts, so every input would be far longer than asked; raise --max-length or "
+                         "lower K")  # fmt: skip
 
 
 def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int) -> dict[str, Any]:
@@ -78,6 +100,7 @@ class EncodeUnit:
     rows: int
     batch_size: int
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
+    weights: dict[str, str] | None = None  # the model's weights fingerprint, recorded with the system
 
 
 _READERS: dict[str, Readout] = {}
@@ -105,7 +128,12 @@ class Encode(
     """Encode a dataset's queries and passages for every K of the grid."""
 
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
-        readout_class(config.readout.readout).check_k(config.k)
+        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
+        cls = readout_class(config.readout.readout)
+        cls.check_k(config.k)
+        if cls.name == "diffretriever":  # a masked readout needs a mask token: refused before any work
+            mask_token_id(tokenizer_of(config.backbone), resolve_family(config.backbone), config.backbone.mask_token,
+                          config.backbone.model)  # fmt: skip
         settings = config.settings()
         record = encoder_record(settings)
         tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
@@ -123,6 +151,7 @@ class Encode(
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
+                ctx.hold(stage)  # another encode of this folder running now is refused, not raced
                 m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
                                                  verify=config.verify)  # fmt: skip
                 plan.details["stages"][f"{side}/k={k}"] = stage
@@ -136,7 +165,11 @@ class Encode(
                     )
                     plan.units.append(unit)
                     plan.work += rows
-        register(ctx.store, record, weights_of(config.backbone))  # refuses a folder retrained in place
+        weights = weights_of(config.backbone)
+        register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
+        plan.details["record"] = (record, weights)  # registered with the first finished shard (commit, finish)
+        for unit in plan.units:
+            unit.weights = weights
         if plan.units:  # model work to do: no weights, a truncated or corrupt file fail here, before any
             check_weights(config.backbone)
         return plan
@@ -155,12 +188,20 @@ class Encode(
 
     def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:
         ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
+        if not ctx.store.exists(manifest_path(system_dir(unit.system))):  # registered once it has artifacts
+            register(ctx.store, encoder_record(EncodeSettings.model_validate(unit.settings)), unit.weights)
 
     def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        """Compact each folder's shard records into its manifest (one write per folder)."""
+        """Compact each folder's shard records into its manifest (one write per folder); register the system."""
         for stage in plan.details["stages"].values():
             ctx.store.compact_shards(stage)
-        return plan.details
+        register(ctx.store, *plan.details["record"])
+        return {k: v for k, v in plan.details.items() if k != "record"}
+
+    def abort(self, config: EncodeConfig, plan: Plan, ctx: Context) -> None:
+        """A failed run: the shards it finished are kept (recorded); the folders it opened that hold none are
+        removed, so no empty encoding folder (or system without encodings) is left behind."""
+        remove_empty_sharded(ctx.store, plan.details["stages"].values())
 
 
 stage = Encode()

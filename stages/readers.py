@@ -88,7 +88,7 @@ def qrels_table(store: ArtifactStore, dataset: str, split: str) -> pa.Table:
 def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | None = None) -> Manifest:
     """The manifest of an encoding folder; with ``expected_rows``, only when it holds every text."""
     m = store.read_manifest(stage)
-    if m is None:
+    if m is None or not m.files:
         raise IncompleteArtifactError(
             f"{store.abspath(stage)}: no encodings; run `diffret encode` for this model, dataset and K first"
         )

@@ -13,11 +13,12 @@ from typing import Any
 from pydantic import Field
 
 from retrieval.analysis.report import Report, build_report
-from storage import Manifest
+from storage import Manifest, StoreError
 from storage.layout import report_dir
 from storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
+from .systems import list_systems
 
 
 class ReportConfig(StageConfig):
@@ -39,11 +40,27 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
     """The paper's analyses and tables from the metrics in the store."""
 
     def plan(self, config: ReportConfig, ctx: Context) -> Plan:
+        if config.out_dir:
+            out = ctx.store.refuse_inside(config.out_dir)
+            if os.path.exists(out) and not os.path.isdir(out):
+                raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the report into")
+        ctx.store.require_root()
+        if not ctx.store.stage_dirs("metrics/*/*/*/*/*/*"):
+            raise StoreError(f"no metrics in the store {ctx.store.root} yet: run `diffret evaluate` (or `diffret run`) "
+                             "first")  # fmt: skip
+        known = {r.system for r, _ in list_systems(ctx.store)}
+        named = [*(config.refs or []), *config.finetuned, *config.finetuned.values()]
+        unknown = [s for s in named if s not in known and s != "bm25"]
+        if unknown:
+            raise StoreError(f"unknown system {unknown[0]!r} in --ref / --finetuned; the store's systems: "
+                             f"{', '.join(sorted(known)) or 'none'}")  # fmt: skip
         cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force"})
         cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query")}
         stage = report_dir(config.name)
         plan = Plan()
-        plan.add_folder(ctx, stage, cfg, config.force)
+        if plan.needs_folder(ctx, stage, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
+                             "second report beside it."):  # fmt: skip
+            plan.units.append(Folder(stage, cfg))
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> Report:

@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import Field
 
+from retrieval.devices import resolve_device
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.rerankers import Reranker, RerankerName, load_rerank_prompt, make_reranker
 from storage import ArtifactStore, StoreError, config_hash
@@ -107,6 +108,7 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
     def plan(self, config: RerankConfig, ctx: Context) -> Plan:
+        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         store = ctx.store
         settings = config.settings()
         first = first_stage_system(store, config.first_stage)

@@ -62,6 +62,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
     def plan(self, config: ScoreConfig, ctx: Context) -> Plan:
+        resolve_device(config.device)  # a device this machine lacks: refused before any work
         store = ctx.store
         record = find_system(store, config.system)
         # a representation without sparse vectors is scored in the dense modes only

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from retrieval.models.backbones import BackboneConfig, load_tokenizer, weights_fingerprint
+from retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from storage import ArtifactStore, Manifest, StoreError, config_hash
 from storage.layout import system_dir
@@ -188,15 +188,21 @@ def encoder_record(s: EncodeSettings) -> SystemRecord:
     )  # fmt: skip
 
 
-def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None) -> None:
+def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None,
+             write: bool = True) -> None:  # fmt: skip
     """Write the record unless the registry holds it already (a record never changes: its slug is its hash).
 
     ``weights`` (:func:`weights_of`) are recorded with it; when the registry holds the system with other
     weights, the folder now holds another checkpoint than the one its artifacts came from (retrained or
-    replaced in place): refused, so that its results are never reported as the new model's."""
+    replaced in place): refused, so that its results are never reported as the new model's. ``write=False``
+    only checks (a stage plans with it and registers once its first unit is done, so a failed run leaves no
+    system without artifacts)."""
     stage = system_dir(record.system)
     config = record.model_dump()
-    old = store.read_manifest(stage)
+    try:
+        old = store.read_manifest(stage)
+    except StoreError:  # unreadable or edited by hand: the record is written again (what verify's repair says)
+        old = None
     if old is not None and old.config_hash == config_hash(config):
         before = (old.stats or {}).get("weights") or {}
         changed = sorted(k for k, v in (weights or {}).items() if k in before and before[k] != v)
@@ -212,6 +218,8 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
             f"{store.abspath(stage)}: another system is registered under {record.system!r} "
             f"(fields {[d[0] for d in diff_configs(old.config, config)]} differ); remove that folder"
         )
+    if not write:
+        return
     path = _local_path(record.model) if record.model else None
     stats = {"model_path": path, **({"weights": weights} if weights else {})}
     m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats=stats)
@@ -224,17 +232,21 @@ def _local_path(model: str) -> str | None:
 
 
 def load(store: ArtifactStore, system: str) -> SystemRecord:
-    m = store.read_manifest(system_dir(system))
+    m = store.read_manifest(system_dir(system))  # a damaged record: its error names the repair
     if m is None:
         raise StoreError(f"no system {system!r} in {store.root}; {_known(store)}")
     return SystemRecord.model_validate(m.config)
 
 
 def list_systems(store: ArtifactStore) -> list[tuple[SystemRecord, dict[str, Any]]]:
-    """Every registered system with its manifest stats (``model_path``), by slug."""
+    """Every registered system with its manifest stats (``model_path``), by slug; a damaged record (unreadable,
+    edited by hand) is left out, so that the others stay usable (``diffret verify`` names it)."""
     out = []
     for slug in store.list_partitions(SYSTEMS_STAGE, "system"):
-        m = store.read_manifest(system_dir(slug))
+        try:
+            m = store.read_manifest(system_dir(slug))
+        except StoreError:
+            continue
         if m is not None:
             out.append((SystemRecord.model_validate(m.config), m.stats))
     return out
@@ -242,7 +254,12 @@ def list_systems(store: ArtifactStore) -> list[tuple[SystemRecord, dict[str, Any
 
 def _known(store: ArtifactStore) -> str:
     names = [r.system for r, _ in list_systems(store)]
-    return f"systems in the store: {', '.join(names)}" if names else "the store has no systems yet (diffret encode)"
+    damaged = sorted(set(store.list_partitions(SYSTEMS_STAGE, "system")) - set(names))
+    note = (f"; damaged registry record(s): {', '.join(damaged)} (diffret verify names the repair)"
+            if damaged else "")  # fmt: skip
+    if not names:
+        return "the store has no systems yet (diffret encode)" + note
+    return f"systems in the store: {', '.join(names)}" + note
 
 
 class SystemRef(BaseModel):
@@ -254,6 +271,11 @@ class SystemRef(BaseModel):
     system: str | None = Field(default=None, description="A system slug, as `diffret systems` lists it (a unique "
                                "prefix is enough).")  # fmt: skip
     model: str | None = Field(default=None, description="The HF id or local folder the system was encoded with.")
+
+    @field_validator("model")
+    @classmethod
+    def _canonical(cls, v: str | None) -> str | None:
+        return canonical_model(v) if v else v
     where: dict[str, Any] = Field(
         default_factory=dict,
         description="Settings the system must have, by name: e.g. {'dtype': 'bfloat16', 'readout.prompt': "
@@ -287,12 +309,16 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
         hint = "run `diffret encode` with these settings first" if kind == "encoder" else "run it first"
         raise StoreError(f"no {kind} system with {asked or 'any settings'} in {store.root}; {_known(store)}; {hint}")
     differ = _differing(r.flat_settings() for r, _ in cands)
-    listing = "; ".join(f"{r.system} ({', '.join(f'{k}={r.flat_settings().get(k)!r}' for k in differ)})"
-                        for r, _ in cands)  # fmt: skip
-    raise StoreError(
-        f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with --system, or add the "
-        f"setting that tells them apart ({', '.join('--' + k.split('.')[-1].replace('_', '-') for k in differ)})"
-    )
+    def apart(r: SystemRecord) -> str:
+        return ", ".join(f"{k}={r.flat_settings().get(k)!r}" for k in differ) or "the same settings"
+
+    listing = "; ".join(f"{r.system} ({apart(r)})" for r, _ in cands)
+    given = {"model"} if ref.model else set()
+    given |= set(ref.where)
+    flags = [f"--{k.split('.')[-1].replace('_', '-')}" for k in differ if k not in given]
+    how = f"or add the setting that tells them apart ({', '.join(flags)})" if flags else "as the settings given fit all"
+    raise StoreError(f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with "
+                     f"--system SLUG, {how}")  # fmt: skip
 
 
 def _differing(settings: Any) -> list[str]:

@@ -19,7 +19,7 @@ from pydantic import Field
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import tokenize_texts
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH
-from storage import FileEntry
+from storage import FileEntry, remove_empty_sharded
 from storage.layout import TOKENS_SCHEMA, shard_name, tokens_dir
 
 from .base import Context, Plan, Stage, StageConfig
@@ -90,6 +90,7 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             cfg = tokens_config(slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n,
                                 ds_hash)  # fmt: skip
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
+            ctx.hold(stage)  # another tokenize of this folder running now is refused, not raced
             m, done = ctx.store.open_sharded(stage, "tokens", part, cfg, force=config.force, verify=config.verify)
             plan.details["stages"][side] = stage
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
@@ -129,6 +130,10 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
         for stage in plan.details["stages"].values():
             ctx.store.compact_shards(stage)
         return plan.details
+
+    def abort(self, config: TokenizeConfig, plan: Plan, ctx: Context) -> None:
+        """A failed run keeps the shards it finished and removes the folders it opened that hold none."""
+        remove_empty_sharded(ctx.store, plan.details["stages"].values())
 
 
 stage = Tokenize()

@@ -27,6 +27,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.data.training import groups_from_table
+from retrieval.devices import resolve_device
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
@@ -73,8 +74,14 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
     """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
+        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         data = ctx.store.require_manifest(training_dir(config.training_set))
         config = config.model_copy(update={"settings": config.settings.resolved(config.readout.readout)})
+        stored = max_negatives(ctx.store, config.training_set, data)
+        if config.settings.n_negatives and config.settings.n_negatives > stored:
+            raise ValueError(f"--n-negatives {config.settings.n_negatives} but training set {config.training_set!r} "
+                             f"stores at most {stored} per group, so every group's would be drawn again and again; "
+                             "lower --n-negatives or mine more (`diffret training-data --n-negatives N`)")  # fmt: skip
         budget_from = "given"
         n = config.settings.promptreps_n
         if (config.settings.kq is None or config.settings.kp is None) and config.readout.readout == "promptreps" and n:
@@ -198,6 +205,16 @@ def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, s
             rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
             w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
             w.write_file("loss.png", _loss_png(log, unit.name, ylabel))
+
+
+def max_negatives(store: Any, name: str, data: Manifest) -> int:
+    """The most hard negatives any group of a stored training set holds (its manifest's stats, else counted)."""
+    if "max_negatives" in data.stats:
+        return int(data.stats["max_negatives"])
+    import pyarrow.compute as pc
+
+    col = store.read_table(training_dir(name), GROUPS_FILE, columns=["negative_passages"]).column(0)
+    return int(pc.max(pc.list_value_length(col)).as_py() or 0)
 
 
 def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from retrieval.data.collections import DatasetError, iter_lines
+from retrieval.devices import resolve_device
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.training import (
     RankedList,
@@ -73,6 +74,7 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
+        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         store = ctx.store
         cfg: dict[str, Any] = {"task": "reranker", "backbone": config.backbone.model_dump(exclude={"device"}),
                                "settings": config.settings.model_dump(), "world_size": world()[1],

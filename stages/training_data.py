@@ -150,6 +150,7 @@ class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(
         if not groups:
             raise DatasetError(f"set {cfg['set']!r}: no training group could be built ({stats})")
         stats["negatives_per_group"] = sum(len(g.negatives) for g in groups) / len(groups)
+        stats["max_negatives"] = max(len(g.negatives) for g in groups)
         m = Manifest.new("training", {"set": cfg["set"]}, cfg, stats=stats)
         with ctx.store.stage_writer(unit.stage, m) as w:
             w.write_parquet(GROUPS_FILE, GROUPS_SCHEMA, [groups_table(groups)])

@@ -10,7 +10,7 @@ from .manifest import (
     config_hash,
     diff_configs,
 )
-from .store import ArtifactStore, StageState, StageWriter
+from .store import ArtifactStore, StageState, StageWriter, remove_empty_sharded
 
 __all__ = [
     "ArtifactStore",
@@ -24,4 +24,5 @@ __all__ = [
     "StoreError",
     "config_hash",
     "diff_configs",
+    "remove_empty_sharded",
 ]

@@ -273,3 +273,43 @@ def schema_for_pattern(pattern: str) -> pa.Schema | None:
     if stage == "tokens":
         return TOKENS_SCHEMA
     return FILE_SCHEMAS.get(pattern.rsplit("/", 1)[-1])
+
+
+# Every kind of stage folder: its glob (relative to the root) and the command whose next run rebuilds a damaged
+# one (run with the settings that made it). Sharded folders (tokens, encodings) trust a shard whose size and mtime
+# match its record, so their repair adds --verify, which re-hashes every shard.
+STAGE_FOLDERS: dict[str, tuple[str, str]] = {
+    "datasets": ("datasets/*", "diffret download <name>"),
+    "tokens": ("tokens/*/*/*", "diffret encode --verify"),
+    "encodings": ("encodings/*/*/*/*", "diffret encode --verify"),
+    "systems": ("systems/*", "diffret encode"),
+    "runs": ("runs/*/*/*/*/*/*", "diffret score"),
+    "metrics": ("metrics/*/*/*/*/*/*", "diffret evaluate"),
+    "index": ("index/*/*/*", "diffret index"),
+    "summaries": ("summaries/*/*/*", "diffret run"),
+    "reports": ("reports/*", "diffret report"),
+    "training": ("training/*", "diffret training-data"),
+    "models": ("models/*", "diffret train"),
+}
+_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank"}
+
+
+def repair_hint(rel: str) -> str:
+    """How to rebuild the stage folder holding ``rel`` (a path relative to the root): the command to run again.
+
+    >>> repair_hint("encodings/system=s/dataset=d/side=query/k=1/shard=00000.parquet")
+    'repair: run `diffret encode --verify` again with the settings that made it'
+    >>> repair_hint("runs/system=b/dataset=d/split=test/kq=0/kp=0/mode=bm25")
+    'repair: run `diffret bm25` again with the settings that made it'
+    """
+    parts = rel.lstrip("/").split("/")
+    entry = STAGE_FOLDERS.get(parts[0])
+    if entry is None:
+        return "repair: run the stage that wrote it again"
+    command = entry[1]
+    if parts[0] == "datasets" and len(parts) > 1 and parts[1].startswith("dataset="):
+        command = f"diffret download {parts[1].split('=', 1)[1]}"
+    if parts[0] == "runs":
+        mode = next((p.split("=", 1)[1] for p in parts if p.startswith("mode=")), "")
+        command = _RUN_COMMANDS.get(mode, command)
+    return f"repair: run `{command}` again with the settings that made it"

@@ -33,10 +33,18 @@ class ConfigDriftError(StoreError):
     def __init__(self, where: str, differences: list[tuple[str, Any, Any]], hint: str = ""):
         self.where = where
         self.differences = differences
-        lines = "\n".join(f"  - {f}: stored {a!r} != requested {b!r}" for f, a, b in differences)
-        super().__init__(
-            f"{where} was produced by a different config; differing fields:\n{lines}" + (f"\n{hint}" if hint else "")
-        )
+        shown = "; ".join(f"{f}: {_shown(a)} stored, {_shown(b)} now" for f, a, b in differences[:6])
+        more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
+        super().__init__(f"{where} was built with other settings ({shown}{more})" + (f". {hint}" if hint else ""))
+
+
+def _shown(value: Any) -> str:
+    """A config value in an error line: ``unset`` for a missing field, ``none`` for an empty mapping."""
+    if value == _MISSING:
+        return "unset"
+    if value == {} or value is None:
+        return "none"
+    return repr(value)
 
 
 # A stage config may hold the fingerprints of what it was computed from (upstream config hashes, file
@@ -115,6 +123,7 @@ class Manifest(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     files: dict[str, FileEntry] = Field(default_factory=dict)
     stats: dict[str, Any] = Field(default_factory=dict)
+    files_hash: str | None = None  # of ``files`` (sha256, bytes, rows) when written; None in older manifests
 
     @classmethod
     def new(cls, stage: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None) -> Manifest:
@@ -129,16 +138,45 @@ class Manifest(BaseModel):
         )
 
     def to_json(self) -> str:
+        """The manifest as written (its ``files_hash`` set to the hash of the files it lists)."""
+        self.files_hash = self.compute_files_hash()
         data = self.model_dump(mode="json")
         data["files"] = {name: entry.to_dict() for name, entry in self.files.items()}
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def compute_files_hash(self) -> str:
+        """A hash of every file entry's sha256, size and rows (not mtimes: a touched file is re-hashed anyway).
+
+        >>> m = Manifest.new("s", {}, {"a": 1})
+        >>> m.compute_files_hash() == Manifest.from_json(m.to_json()).files_hash
+        True
+        """
+        return config_hash({n: [e.sha256, e.bytes, e.rows] for n, e in sorted(self.files.items())})
+
+    def edited(self) -> str | None:
+        """What was edited by hand, if anything: the config (it no longer matches its hash) or the file list (it
+        no longer matches the hash written with it). A manifest edited by hand is not trusted.
+
+        >>> m = Manifest.from_json(Manifest.new("s", {}, {"a": 1}).to_json())
+        >>> m.edited() is None, m.model_copy(update={"config": {"a": 2}}).edited()
+        (True, 'its config')
+        """
+        if self.config_hash != config_hash(self.config):
+            return "its config"
+        if self.files_hash is not None and self.files_hash != self.compute_files_hash():
+            return "its file list (sha256, bytes or rows)"
+        return None
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
             return cls.model_validate_json(text)
         except ValueError as exc:
-            raise StoreError(f"{where}: unreadable manifest ({exc.__class__.__name__}: {exc})") from exc
+            errors = getattr(exc, "errors", None)
+            first = errors()[0] if callable(errors) and errors() else None
+            loc = ".".join(map(str, first["loc"])) if first else ""
+            reason = (first["msg"] + (f", field {loc}" if loc else "")) if first else str(exc)
+            raise StoreError(f"{where}: unreadable manifest ({' '.join(reason.split())})") from None
 
     def total_rows(self) -> int:
         return sum(e.rows or 0 for e in self.files.values())
@@ -172,11 +210,14 @@ _MISSING = "<absent>"
 def diff_configs(stored: dict[str, Any], requested: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """Dotted field names whose values differ between two configs (nested dicts are flattened)."""
     a, b = _flatten(stored), _flatten(requested)
-    return [
+    out = [
         (k, a.get(k, _MISSING), b.get(k, _MISSING))
         for k in sorted(set(a) | set(b))
         if a.get(k, _MISSING) != b.get(k, _MISSING)
     ]
+    # an empty mapping on one side and its fields on the other: the fields say it (not "{} vs unset" as well)
+    return [d for d in out if not (d[1] in ({}, _MISSING) and d[2] in ({}, _MISSING)
+                                   and any(o[0].startswith(d[0] + ".") for o in out))]  # fmt: skip
 
 
 def library_versions() -> dict[str, str]:

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from . import layout
 from .manifest import Manifest, StoreError
-from .store import ArtifactStore
+from .store import FILE_MODE, ArtifactStore
 
 _HEADER = re.compile(r"^--\s*(view|files):\s*(.+?)\s*$")
 
@@ -65,10 +65,17 @@ def load_view_defs() -> list[ViewDef]:
     return out
 
 
+class DamagedView(StoreError):
+    """A view whose files are damaged (a failed checksum, a deleted manifest): the view fails alone, naming the
+    file and the repair; every other view works."""
+
+
 def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> list[str]:
     """Absolute paths matching ``pattern`` that a complete manifest in their folder lists.
 
-    Manifests themselves (``_manifest.json``) are listed as they are; staging and lock folders never are.
+    Manifests themselves (``_manifest.json``) are listed as they are; staging and lock folders never are. A local
+    folder holding matching files but no manifest (a deleted one) or an unreadable / hand-edited manifest is
+    damage: :class:`DamagedView` names it and its repair (a view would otherwise lose its rows silently).
     """
     matches = store.fs.glob(store.abspath(pattern))
     out: list[str] = []
@@ -83,7 +90,13 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
             out.append(path)
             continue
         if folder not in manifests:
-            manifests[folder] = store.read_manifest(folder)
+            try:
+                manifests[folder] = store.read_manifest(folder)
+            except StoreError as exc:
+                raise DamagedView(str(exc)) from None
+            if manifests[folder] is None and store.is_local:
+                raise DamagedView(f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
+                                  f"trusted; {layout.repair_hint(folder)}")  # fmt: skip
         m = manifests[folder]
         if m is None or name not in m.files:
             continue
@@ -93,11 +106,34 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
     return out
 
 
+def damaged_files(store: ArtifactStore, paths: list[str]) -> list[str]:
+    """Of the listed files ``paths`` (absolute), the problems of those that fail their manifest's checksum."""
+    base = store.abspath("")
+    problems = []
+    for path in paths:
+        rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
+        folder, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
+        if name == layout.MANIFEST_NAME:
+            continue
+        m = store.read_manifest(folder)
+        if m is None or name not in m.files:
+            continue
+        try:
+            store.verify_file(folder, name, m.files[name], cached=False)
+        except StoreError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def measure_columns() -> str:
     """``avg(value) FILTER (WHERE measure = 'ndcg_cut_10') AS ndcg_10, ...`` for the headline measures."""
     return ",\n       ".join(
         f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in layout.MEASURES
     )
+
+
+def _sql_str(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _sql_list(paths: list[str]) -> str:
@@ -113,7 +149,7 @@ class SQLRefused(StoreError):
 
 def _placeholder(pattern: str, tmp: str) -> str:
     """A zero-row file standing in for ``pattern`` when nothing matches (typed like the real files)."""
-    rel = pattern.replace("**/", "").replace("*", "__none__")
+    rel = pattern.replace("**/", "").replace("=*", "=0").replace("*", "__none__")  # partition values cast to int
     path = os.path.join(tmp, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     name = os.path.basename(rel)
@@ -140,20 +176,47 @@ class StoreSQL:
         if not store.is_local:
             self.con.register_filesystem(store.fs)
         self.views: list[str] = []
+        self.damaged: dict[str, str] = {}  # view -> why it fails (damaged files, or a damaged view it reads)
+        self.view_files: dict[str, list[str]] = {}  # view -> the files it reads, its own and its views'
         for view in load_view_defs():
             sql = view.sql.replace("@measure_columns", measure_columns())
-            if view.files:
-                files = [url(p) for p in listed_files(store, view.files, verify=verify)]
-                sql = sql.replace("@files", _sql_list(files or [_placeholder(view.files, self._tmp.name)]))
+            files: list[str] = []
             try:
+                if view.files:
+                    files = listed_files(store, view.files, verify=verify)
+                    sql = sql.replace("@files", _sql_list([url(p) for p in files] or [_placeholder(view.files,
+                                                                                                   self._tmp.name)]))
                 self.con.execute(sql)
-            except duckdb.Error as exc:
-                raise StoreError(f"queries/{view.origin}: view {view.name!r} failed: {exc}") from exc
+            except (DamagedView, duckdb.Error, StoreError) as exc:
+                self._fail_alone(view, exc, files)
+            self.view_files[view.name] = files + [f for v in self._reads(view.sql) for f in self.view_files[v]]
             self.views.append(view.name)
         allowed = [url(store.abspath("")).rstrip("/") + "/", self._tmp.name + "/"]
         self.con.execute(f"SET allowed_directories = {_sql_list(allowed)}")
         self.con.execute("SET enable_external_access = false")
         self.con.execute("SET lock_configuration = true")
+
+    def _reads(self, sql: str) -> list[str]:
+        """The views defined so far that ``sql`` names."""
+        return [v for v in self.view_files if re.search(rf"\b{re.escape(v)}\b", sql)]
+
+    def _fail_alone(self, view: ViewDef, exc: Exception, files: list[str]) -> None:
+        """Define ``view`` as one that raises why it cannot be read, so that only queries that read it fail."""
+        if isinstance(exc, StoreError):
+            why = str(exc)
+        else:
+            found = damaged_files(self.store, files)
+            upstream = [v for v in self.damaged if re.search(rf"\b{re.escape(v)}\b", view.sql)]
+            if found:
+                why = f"{found[0]}" + (f" (and {len(found) - 1} more damaged file(s))" if len(found) > 1 else "")
+            elif upstream:
+                why = f"it reads view {upstream[0]!r}, which is damaged: {self.damaged[upstream[0]]}"
+            else:
+                why = f"queries/{view.origin}: view {view.name!r} failed: {' '.join(str(exc).split())}"
+        self.damaged[view.name] = why
+        reason = _sql_str(f"view {view.name}: " + why)  # raised by any query that reads a row of it, count(*) too
+        self.con.execute(f"CREATE OR REPLACE VIEW {view.name} AS SELECT 1 AS damaged FROM range(1) "
+                         f"WHERE error({reason}) IS NULL")  # fmt: skip
 
     def _checked(self, sql: str) -> str:
         """``sql`` if every statement in it is read-only, else :class:`SQLRefused` naming the first that is not."""
@@ -171,11 +234,33 @@ class StoreSQL:
         return sql
 
     def _run(self, sql: str, relation: bool = False) -> Any:
+        if not sql.strip():
+            raise StoreError("empty SQL query: give a SELECT over the views (`diffret views` lists them)")
         try:
-            return self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
+            rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
+            return rel
         except duckdb.PermissionException as exc:
             what = str(exc).splitlines()[0].replace("Permission Error: ", "")
             raise SQLRefused(f"diffret sql reads the store under {self.store.root} only: {what}") from None
+        except duckdb.Error as exc:
+            raise self._translated(exc, sql) from None
+
+    def _translated(self, exc: duckdb.Error, sql: str = "") -> StoreError:
+        """A DuckDB error as one line: a damaged view's reason (and its repair) when the query reads one (its
+        error, or a column it no longer has), else the SQL error."""
+        text = " ".join(str(exc).split())
+        for name, why in self.damaged.items():
+            if f"view {name}: " in text or re.search(rf"\b{re.escape(name)}\b", sql):
+                return DamagedView(f"view {name} cannot be read: {why}")
+        if not isinstance(exc, duckdb.ParserException | duckdb.BinderException | duckdb.CatalogException):
+            base = re.escape(self.store.abspath("").rstrip("/"))
+            named = re.search(rf"({base}/[^'\"\s]+)", text)  # the store file DuckDB could not read, if it says
+            suspects = [named.group(1)] if named else [f for v in self._reads(sql) for f in self.view_files[v]]
+            found = damaged_files(self.store, sorted(set(suspects)))
+            if found:
+                more = f" (and {len(found) - 1} more damaged file(s))" if len(found) > 1 else ""
+                return DamagedView(found[0] + more)
+        return StoreError(f"SQL error: {text}")
 
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Columns and rows of a read-only query (:class:`SQLRefused` for anything else).
@@ -197,17 +282,23 @@ class StoreSQL:
         Examples
         --------
         >>> import os, tempfile
-        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
-        ...     db.export("select 42 as answer", os.path.join(root, "out.csv"))
+        >>> with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+        ...     with StoreSQL(ArtifactStore(root)) as db:
+        ...         db.export("select 42 as answer", os.path.join(out, "answer.csv"))
         1
         """
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".csv", ".parquet"):
             raise StoreError(f"{path}: --out writes .csv or .parquet files")
-        table = self._run(sql, relation=True).to_arrow_table()
+        self.store.refuse_inside(path)
+        try:
+            table = self._run(sql, relation=True).to_arrow_table()
+        except duckdb.Error as exc:
+            raise self._translated(exc, sql) from None
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".diffret-out-", dir=folder)
+        os.fchmod(fd, FILE_MODE)  # a result file readable as any other (mkstemp's 0600 is for secrets)
         os.close(fd)
         try:
             if ext == ".csv":

@@ -101,6 +101,15 @@ class StageState(enum.StrEnum):
 DRIFT_HINT = "Pass --force to replace it, or use another store root."
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp gives 0600)
+
+
 def _fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -118,9 +127,16 @@ class ArtifactStore:
         if not root:
             raise StoreError("store root is empty")
         self.root = root
-        self.fs, base = fsspec.core.url_to_fs(root)
+        try:
+            self.fs, base = fsspec.core.url_to_fs(root)
+        except ImportError as exc:  # an object store whose filesystem package is not installed
+            raise StoreError(f"store root {root}: {exc} (pip install it, or use a local --root)") from None
+        except ValueError as exc:
+            raise StoreError(f"store root {root}: {exc}") from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
+        if self.is_local and os.path.exists(self.base) and not os.path.isdir(self.base):
+            raise StoreError(f"store root {root} is a file, not a folder: check --root")
         self._verified: dict[tuple[str, int, int], str] = {}
 
     def __repr__(self) -> str:
@@ -138,6 +154,26 @@ class ArtifactStore:
         with self.fs.open(self.abspath(rel), "rb") as f:
             return f.read()
 
+    def refuse_inside(self, path: str, flag: str = "--out") -> str:
+        """``path`` (a file or folder a command writes its result to) made absolute, or :class:`StoreError` when it
+        lies inside the store root: a result written there would replace or shadow stored artifacts.
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     try:
+        ...         ArtifactStore(root).refuse_inside(f"{root}/runs/x.csv")
+        ...     except StoreError as exc:
+        ...         print("inside the store root" in str(exc))
+        True
+        """
+        out = os.path.realpath(os.path.expanduser(path))
+        if self.is_local:
+            base = os.path.realpath(self.base)
+            if out == base or out.startswith(base.rstrip(os.sep) + os.sep):
+                raise StoreError(f"{flag} {path} is inside the store root {self.root}: write results outside the "
+                                 "store (its files are only written by its stages)")  # fmt: skip
+        return out
+
     def local_path(self, rel: str) -> str:
         """Absolute local path (DuckDB reads the store directly when it is local)."""
         if not self.is_local:
@@ -153,6 +189,7 @@ class ArtifactStore:
             os.makedirs(folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
             try:
+                os.fchmod(fd, FILE_MODE)
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
@@ -170,21 +207,33 @@ class ArtifactStore:
         self.write_bytes(layout.manifest_path(stage_dir), manifest.to_json().encode())
 
     # ------------------------------------------------------------------------------------ reads
-    def read_manifest(self, stage_dir: str) -> Manifest | None:
+    def read_manifest(self, stage_dir: str, trusted: bool = True) -> Manifest | None:
+        """The folder's manifest (None when it has none). An unreadable one, or (``trusted``) one edited by hand, is
+        a :class:`StoreError` naming the repair; writers deciding what to rebuild pass ``trusted=False``."""
         path = self.abspath(layout.manifest_path(stage_dir))
         try:
             with self.fs.open(path, "rb") as f:
-                text = f.read().decode()
+                text = f.read().decode(errors="replace")
         except FileNotFoundError:
             return None
-        return Manifest.from_json(text, where=path)
+        except (NotADirectoryError, IsADirectoryError):
+            raise StoreError(f"{path}: not a manifest file; {layout.repair_hint(stage_dir)}") from None
+        try:
+            m = Manifest.from_json(text, where=path)
+        except StoreError as exc:
+            raise StoreError(f"{exc}; {layout.repair_hint(stage_dir)}") from None
+        if trusted and (what := m.edited()):
+            raise StoreError(f"{path}: manifest edited by hand ({what}), so the folder is not trusted; "
+                             f"{layout.repair_hint(stage_dir)}")  # fmt: skip
+        return m
 
     def require_manifest(self, stage_dir: str) -> Manifest:
         m = self.read_manifest(stage_dir)
         if m is None:
             hint = ""
             if self.exists(stage_dir):
-                hint = " (the folder exists but has no manifest: an interrupted run; run the stage again)"
+                hint = (f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
+                        f"{layout.repair_hint(stage_dir)})")  # fmt: skip
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
         return m
 
@@ -239,17 +288,19 @@ class ArtifactStore:
         hashed with the same size and mtime); :class:`ChecksumError` names what differs."""
         path = self.abspath(f"{stage_dir}/{name}")
         stat = self.file_stat(f"{stage_dir}/{name}")
+        repair = layout.repair_hint(stage_dir)
         if stat is None:
-            raise ChecksumError(f"{path}: listed in the manifest but missing")
+            raise ChecksumError(f"{path}: listed in the manifest but missing; {repair}")
         size = stat[0]
         key = (path, size, stat[1] or 0)
         if cached and stat[1] is not None and self._verified.get(key) == entry.sha256:
             return
         if size != entry.bytes:
-            raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}")
+            raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}; {repair}")
         digest, _ = sha256_file(path, self.fs)
         if digest != entry.sha256:
-            raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…)")
+            raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…); "
+                                f"{repair}")  # fmt: skip
         self._verified[key] = digest
 
     def verify(self, stage_dir: str) -> Manifest:
@@ -284,14 +335,15 @@ class ArtifactStore:
             if folder.startswith((layout.STAGING_DIR, layout.LOCKS_DIR)):
                 continue
             try:
-                m = self.read_manifest(folder)
+                m = self.read_manifest(folder, trusted=False)
             except StoreError as exc:
                 problems.append(str(exc))
                 continue
             if m is None:
                 continue
-            if m.config_hash != config_hash(m.config):
-                problems.append(f"{self.abspath(folder)}: manifest edited by hand (its config does not match its hash)")
+            if what := m.edited():
+                problems.append(f"{self.abspath(folder)}: manifest edited by hand ({what}); "
+                                f"{layout.repair_hint(folder)}")  # fmt: skip
             files = dict(m.files)
             for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
                 if isinstance(rec, StoreError):
@@ -304,7 +356,26 @@ class ArtifactStore:
                     self.verify_file(folder, name, entry, cached=False)
                 except ChecksumError as exc:
                     problems.append(str(exc))
+        problems += self.orphan_folders()
         return checked, problems
+
+    def orphan_folders(self) -> list[str]:
+        """Stage folders holding files but no manifest (a deleted one): damage, since SQL and the stages would
+        silently leave their files out. One problem line each, with the repair."""
+        out = []
+        base = self.abspath("")
+        for glob, _ in layout.STAGE_FOLDERS.values():
+            for path in sorted(self.fs.glob(self.abspath(glob))):
+                if not self.fs.isdir(path):
+                    continue
+                rel = path[len(base) :].lstrip("/")
+                if self.fs.exists(self.abspath(layout.manifest_path(rel))):
+                    continue
+                files = [p for p in self.fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_"))]
+                if files:
+                    out.append(f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
+                               f"{layout.repair_hint(rel)}")  # fmt: skip
+        return out
 
     def state(
         self, stage_dir: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
@@ -316,7 +387,10 @@ class ArtifactStore:
         fingerprints, see :data:`storage.manifest.INPUTS_KEY`) make it ``STALE``. ``verify=False`` skips the
         checksums (sharded folders verify shard by shard).
         """
-        m = self.read_manifest(stage_dir)
+        try:
+            m = self.read_manifest(stage_dir, trusted=False)
+        except StoreError:  # unreadable: nothing in the folder is trusted, it is rebuilt
+            return StageState.DAMAGED
         if m is None:
             return StageState.ABSENT
         stored = config_hash(m.config)  # the config itself, not the hash recorded beside it
@@ -325,7 +399,7 @@ class ArtifactStore:
             if settings and not force:
                 raise ConfigDriftError(self.abspath(stage_dir), settings, hint or DRIFT_HINT)
             return StageState.STALE
-        if m.config_hash != stored:  # a manifest edited by hand: nothing in the folder is trusted
+        if m.edited():  # a manifest edited by hand: nothing in the folder is trusted
             return StageState.DAMAGED
         if verify:
             try:
@@ -372,9 +446,11 @@ class ArtifactStore:
         (1, {'shard=00000.parquet'})
         """
         st = self.state(stage_dir, config, force=force, verify=False)
-        if st in (StageState.STALE, StageState.DAMAGED):  # other inputs, forced, or a hand-edited manifest
-            self.remove_stage(stage_dir)
         with self.lock(stage_dir + "/_manifest"):
+            if st == StageState.DAMAGED and self._keep_checked_entries(stage_dir):
+                st = StageState.CURRENT  # only the file list was edited: the shards that still verify are kept
+            if st in (StageState.STALE, StageState.DAMAGED):  # other inputs, forced, unreadable or edited config
+                self.remove_stage(stage_dir)
             m = self.read_manifest(stage_dir)
             if m is None:
                 m = Manifest.new(stage, partition, config)
@@ -399,6 +475,29 @@ class ArtifactStore:
                 m.files[name] = entry.model_copy(update={"mtime_ns": seen[1]})
                 self.record_shard(stage_dir, name, m.files[name], m.config_hash)
         return m, done
+
+    def _keep_checked_entries(self, stage_dir: str) -> bool:
+        """A sharded folder whose manifest's file list was edited by hand (its config intact): keep the entries
+        whose file still has that sha256, size and row count, drop the others (their shards are redone) and write
+        the manifest back; False when the manifest is unreadable or its config was edited (then nothing is kept).
+        Call with the manifest lock held."""
+        try:
+            m = self.read_manifest(stage_dir, trusted=False)
+        except StoreError:
+            return False
+        if m is None or m.edited() != "its file list (sha256, bytes or rows)":
+            return False
+        for name, entry in list(m.files.items()):
+            try:
+                self.verify_file(stage_dir, name, entry, cached=False)
+                if entry.rows is not None and name.endswith(".parquet"):
+                    with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+                        if pq.ParquetFile(f).metadata.num_rows != entry.rows:
+                            raise ChecksumError(f"{name}: row count edited")
+            except (ChecksumError, OSError, pa.ArrowInvalid):
+                del m.files[name]
+        self.write_manifest(stage_dir, m)
+        return True
 
     def write_shard(self, stage_dir: str, name: str, table: pa.Table) -> FileEntry:
         """Atomically write one shard file (not yet recorded: see :meth:`record_shard`)."""
@@ -580,7 +679,9 @@ class ArtifactStore:
     # ------------------------------------------------------------------------------------ locks
     @contextlib.contextmanager
     def lock(self, stage_dir: str) -> Iterator[None]:
-        """Exclusive lock for one stage folder (local stores; released by the OS if the process dies).
+        """Exclusive lock for one stage folder (local stores; released by the OS if the process dies). The lock
+        file is removed on release (the holder unlinks it before unlocking; a process that opened the old file
+        finds it gone and takes a new one), so a finished run leaves no lock files.
 
         On object stores there is no lock: the flow assigns each partition to one task.
         """
@@ -588,18 +689,36 @@ class ArtifactStore:
             yield
             return
         folder = self.abspath(layout.LOCKS_DIR)
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, layout.lock_name(stage_dir) + ".lock"), "w") as fh:
+        path = os.path.join(folder, layout.lock_name(stage_dir) + ".lock")
+        while True:
+            os.makedirs(folder, exist_ok=True)
+            try:
+                fh = open(path, "a")  # noqa: SIM115 - held across the yield
+            except FileNotFoundError:  # the folder was removed in between: again
+                continue
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                fh.close()
                 raise StoreError(
                     f"{self.abspath(stage_dir)} is being written by another process; wait for it to finish"
                 ) from None
             try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+                same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fh.close()  # its holder removed the file before we locked it: lock the current one
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when no other lock is held
 
     # --------------------------------------------------------------------------- staged stages
     @contextlib.contextmanager
@@ -672,6 +791,31 @@ class ArtifactStore:
             if name.startswith(f"{key}=") and self.fs.exists(f"{p.rstrip('/')}/{layout.MANIFEST_NAME}"):
                 out.append(name.split("=", 1)[1])
         return sorted(out)
+
+
+def remove_empty_sharded(store: ArtifactStore, stage_dirs: Iterable[str]) -> list[str]:
+    """Remove the sharded folders among ``stage_dirs`` that hold no shard (no file in their manifest, no pending
+    record): what a failed run opened and never filled. The removed folders.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     _ = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
+    ...     remove_empty_sharded(store, ["t/side=q"]), store.exists("t/side=q")
+    (['t/side=q'], False)
+    """
+    removed = []
+    for stage in stage_dirs:
+        with store.lock(stage + "/_manifest"):
+            try:
+                m = store.read_manifest(stage, trusted=False)
+            except StoreError:
+                continue
+            if m is None or m.files or store._pending_records(stage)[0]:
+                continue
+            store.remove_stage(stage)
+            removed.append(stage)
+    return removed
 
 
 class StageWriter:
@@ -747,3 +891,6 @@ class StageWriter:
     def _cleanup(self) -> None:
         if os.path.isdir(self.work_dir):
             shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self.store.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.store.abspath(layout.STAGING_DIR))  # only when no other build is staged

@@ -49,11 +49,14 @@ def _csv(data: list[list[Any]]) -> bytes:
     return buf.getvalue().encode()
 
 
-def _dicts_csv(data: list[dict[str, Any]]) -> bytes:
-    if not data:
-        return b""
-    cols = list(data[0])
-    return _csv([cols] + [[r[c] for c in cols] for r in data])
+def _dicts_csv(data: list[dict[str, Any]], columns: list[str] | None = None) -> bytes:
+    """Rows as CSV with a header line, also without rows (``columns``, or a :class:`views.Rows`' own)."""
+    cols = list(data[0]) if data else list(columns or getattr(data, "columns", []))
+    return _csv([cols] + [[r.get(c) for c in cols] for r in data])
+
+
+CORRELATION_COLUMNS = ["system", "dataset", "split", "mode", "feature", "n", "off_mode", "spearman", "spearman_lo",
+                       "spearman_hi", "kendall", "kendall_lo", "kendall_hi"]  # fmt: skip
 
 
 def _fmt(v: Any, nd: int = 4) -> str:
@@ -158,7 +161,7 @@ def section_oracle(db: StoreSQL, rep: Report, finetuned: dict[str, str]) -> None
                 [ft, r["dataset"], r["split"], r["mode"], kq, kp],
             )
             r["finetuned"] = v[0]["ndcg_10"] if v else None
-    rep.files["oracle.csv"] = _dicts_csv(data)
+    rep.files["oracle.csv"] = _dicts_csv(data, [*getattr(data, "columns", []), "finetuned"])
     body = (
         "Mean NDCG@10 per query at the selected budget (fixed) and with a per-query oracle over K_q "
         "(K_p = K_p*), over K_p (K_q = K_q*) and over both (joint) (view `oracle`); `finetuned`: the "
@@ -176,7 +179,7 @@ def section_oracle(db: StoreSQL, rep: Report, finetuned: dict[str, str]) -> None
 
 def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
     corr = feature_correlations(db, n_boot)
-    rep.files["feature_correlation.csv"] = _dicts_csv(corr)
+    rep.files["feature_correlation.csv"] = _dicts_csv(corr, CORRELATION_COLUMNS)
     peaks = rows(db, "select * from query_peaks order by system, dataset, split, mode, query_id")
     rep.files["query_peaks.csv"] = _dicts_csv(peaks)
     for r in corr:

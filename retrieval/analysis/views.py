@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from storage.layout import PRIMARY
 from storage.sql import StoreSQL
 
 
-def rows(db: StoreSQL, sql: str, params: list | None = None) -> list[dict[str, Any]]:
+class Rows(list):
+    """Query rows as dicts, with the query's column names (kept when there are no rows)."""
+
+    columns: list[str]
+
+
+def rows(db: StoreSQL, sql: str, params: list | None = None) -> Rows:
+    """The rows of a query as dicts (``.columns``: its column names, even without rows)."""
     rel = db.con.execute(sql, params or [])
     cols = [d[0] for d in rel.description]
-    return [dict(zip(cols, r, strict=True)) for r in rel.fetchall()]
+    out = Rows(dict(zip(cols, r, strict=True)) for r in rel.fetchall())
+    out.columns = cols
+    return out
 
 
 

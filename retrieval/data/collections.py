@@ -138,7 +138,8 @@ def _parse_json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DatasetError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        where = f"column {exc.colno}" if exc.msg.endswith(" at") else f"at column {exc.colno}"
+        raise DatasetError(f"{path}:{lineno}: malformed JSON ({exc.msg} {where})") from None
     if not isinstance(obj, dict):
         raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -318,6 +319,11 @@ def read_qrels(path: Path) -> Iterator[tuple[int, str, str, int]]:
             if as_float != as_float or not as_float.is_integer():
                 raise DatasetError(f"{path}:{lineno}: field 'score' must be an integer, got {rel!r}") from None
             relevance = int(as_float)
+        if relevance < 0:
+            raise DatasetError(
+                f"{path}:{lineno}: grade {relevance} is negative; NDCG would count it as a negative gain (TREC's -1 / "
+                "-2 'junk' judgments are non-relevant: write them as 0)"
+            )
         yield lineno, qid, did, relevance
 
 

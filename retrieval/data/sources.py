@@ -195,7 +195,11 @@ def _download_once(url: str, dest: Path, md5: str | None, progress: Progress | N
                 shutil.copyfileobj(src, out, 1 << 20)
     except OSError as exc:
         part.unlink(missing_ok=True)
-        raise DownloadError(f"could not download {url}: {exc}") from exc
+        raise DownloadError(
+            f"could not download {url}: {' '.join(str(exc).split())} (offline? give --source a local BEIR-layout "
+            "folder (corpus.jsonl, queries.jsonl, qrels/) or archive; this repository's checkouts have them in "
+            "../shared/data/<name>)"
+        ) from exc
     if md5 is not None:
         got = file_digest(part, "md5")
         if got != md5:

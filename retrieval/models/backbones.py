@@ -24,6 +24,7 @@ import copy
 import functools
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,12 +164,34 @@ class BackboneConfig(BaseModel):
     merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
                                 "float rounding differs).")  # fmt: skip
 
+    @field_validator("model", "adapter")
+    @classmethod
+    def _canonical_path(cls, v: str | None) -> str | None:
+        """A local folder by its canonical path (absolute, symlinks resolved), however it was typed: the same
+        folder is one system. Hub ids stay as they are."""
+        return canonical_model(v) if v else v
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str) -> str:
         if v != "auto" and v not in FAMILIES:
             raise ValueError(f"unknown backbone family {v!r}; expected auto or one of {', '.join(FAMILIES)}")
         return v
+
+
+def canonical_model(model: str) -> str:
+    """``model`` as an absolute path with symlinks resolved when it names an existing local folder or file, else
+    unchanged (a hub id).
+
+    >>> canonical_model("org/name-on-the-hub")
+    'org/name-on-the-hub'
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     canonical_model(os.path.join(d, ".", "")) == os.path.realpath(d)
+    True
+    """
+    path = Path(model).expanduser()
+    return os.path.realpath(path) if path.exists() else model
 
 
 def detect_family(model_config: Any) -> str:
@@ -231,22 +254,7 @@ class Backbone:
     # ------------------------------------------------------------------------------- tokens
     @property
     def mask_id(self) -> int:
-        tok = self.tokenizer
-        if self._mask_token is not None:
-            ids = tok.convert_tokens_to_ids([self._mask_token])
-            if not ids or ids[0] is None or ids[0] == tok.unk_token_id:
-                raise BackboneError(f"{self.name}: mask token {self._mask_token!r} is not in the vocabulary")
-            return int(ids[0])
-        if self.spec.mask_token_id is not None:
-            return self.spec.mask_token_id
-        if self.spec.mask_token is not None:
-            return int(tok.convert_tokens_to_ids(self.spec.mask_token))
-        if tok.mask_token_id is None:
-            raise BackboneError(
-                f"{self.name} has no mask token, so it cannot be read through [MASK] positions "
-                "(use the promptreps or repllama readout for a causal LM, or set mask_token)"
-            )
-        return int(tok.mask_token_id)
+        return mask_token_id(self.tokenizer, self.spec, self._mask_token, self.name)
 
     @property
     def turn_end_id(self) -> int | None:
@@ -347,6 +355,36 @@ def _pad_id(tokenizer: Any) -> int:
         if tid is not None:
             return int(tid)
     return 0
+
+
+def mask_token_id(tok: Any, spec: FamilySpec, mask_token: str | None = None, name: str = "the model") -> int:
+    """The id a masked readout writes at its slots: ``mask_token`` (an override), the family's, or the tokenizer's;
+    :class:`BackboneError` when there is none or it is not in the vocabulary.
+
+    >>> class Tok:
+    ...     mask_token_id, unk_token_id = None, 0
+    ...     def convert_tokens_to_ids(self, tokens): return [0 for _ in tokens]
+    >>> try:
+    ...     mask_token_id(Tok(), FAMILIES["causal"], name="gpt")
+    ... except BackboneError as exc:
+    ...     print(str(exc)[:40])
+    gpt has no mask token, so it cannot be r
+    """
+    if mask_token is not None:
+        ids = tok.convert_tokens_to_ids([mask_token])
+        if not ids or ids[0] is None or ids[0] == tok.unk_token_id:
+            raise BackboneError(f"{name}: mask token {mask_token!r} is not in the vocabulary")
+        return int(ids[0])
+    if spec.mask_token_id is not None:
+        return spec.mask_token_id
+    if spec.mask_token is not None:
+        return int(tok.convert_tokens_to_ids(spec.mask_token))
+    if tok.mask_token_id is None:
+        raise BackboneError(
+            f"{name} has no mask token, so it cannot be read through [MASK] positions "
+            "(use the promptreps or repllama readout for a causal LM, or set --mask-token)"
+        )
+    return int(tok.mask_token_id)
 
 
 def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[torch.Tensor], torch.Tensor]]:
@@ -634,13 +672,74 @@ def load_tokenizer(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dic
         spec = resolve_family(cfg, raw)
     ref, extra = _model_ref(cfg)
     try:
+        _check_tokenizer_files(cfg)
         if spec.native is not None and cfg.loader == "native":
             cls = getattr(transformers, spec.native.tokenizer_class, None) or transformers.AutoTokenizer
-            return cls.from_pretrained(ref, **extra)
-        return transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
+            tok = cls.from_pretrained(ref, **extra)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         hint = "Check the hub id or folder and its tokenizer files."
         raise _load_error(cfg, "its tokenizer", exc, hint, raw) from exc
+    check_tokenizer(cfg, tok, spec, raw if raw is not None else raw_config(cfg))
+    return tok
+
+
+# a tokenizer's vocabulary lives in one of these (a GGUF file holds its own; an adapter folder names its base)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.model")  # fmt: skip
+
+
+def _check_tokenizer_files(cfg: BackboneConfig) -> None:
+    """A local model folder must hold its tokenizer's vocabulary: without it transformers builds an empty
+    tokenizer and every word becomes [UNK] (a run that succeeds on garbage)."""
+    folder = Path(cfg.model).expanduser()
+    if cfg.gguf_file or not folder.is_dir():
+        return
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise BackboneError(
+            f"the folder has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so every word would become "
+            "[UNK]; copy the tokenizer files of the model it was saved from into it"
+        )
+
+
+def check_tokenizer(cfg: BackboneConfig, tok: Any, spec: FamilySpec, raw: dict[str, Any]) -> None:
+    """Refuse a tokenizer that would degrade silently (:class:`BackboneError` naming what is wrong): a vocabulary
+    that does not match the model's embedding matrix (more ids than rows, or fewer than half of them), a named
+    special token that is not in its vocabulary, a ``mask_token`` / ``turn_end`` override that is not either.
+
+    >>> class Tok:  # a stand-in: 10 tokens, every string unknown
+    ...     unk_token, unk_token_id = "[UNK]", 0
+    ...     def __len__(self): return 10
+    ...     def convert_tokens_to_ids(self, token): return 0
+    >>> check_tokenizer(BackboneConfig(model="m", mask_token="<m>"), Tok(), FAMILIES["mlm"], {"vocab_size": 10})
+    Traceback (most recent call last):
+    ...
+    retrieval.models.backbones.BackboneError: m: mask token '<m>' (--mask-token) is not in its tokenizer's vocabulary
+    """
+    name = cfg.model
+    rows = raw.get("vocab_size") or raw.get("embedding_size") or (raw.get("text_config") or {}).get("vocab_size")
+    size = len(tok)
+    if rows and (size > int(rows) or size < int(rows) // 2):
+        raise BackboneError(
+            f"{name}: its tokenizer has {size:,} tokens but the model's embedding has {int(rows):,} rows: not this "
+            "model's tokenizer (or its files are incomplete); give the folder the tokenizer it was trained with"
+        )
+    unk = getattr(tok, "unk_token_id", None)
+
+    def missing(token: str) -> bool:
+        tid = tok.convert_tokens_to_ids(token)
+        return tid is None or (tid == unk and token != getattr(tok, "unk_token", None))
+
+    for attr in ("bos_token", "eos_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        token = getattr(tok, attr, None)
+        if token and missing(str(token)):
+            raise BackboneError(f"{name}: its {attr} {str(token)!r} is not in its tokenizer's vocabulary (a broken "
+                                "tokenizer_config.json or special_tokens_map.json?)")  # fmt: skip
+    for token, flag in ((cfg.mask_token, "--mask-token"), (cfg.turn_end, "--turn-end")):
+        if token and missing(token):
+            raise BackboneError(f"{name}: {flag.removeprefix('--').replace('-', ' ')} {token!r} ({flag}) is not in "
+                                "its tokenizer's vocabulary")  # fmt: skip
 
 
 def load_backbone(cfg: BackboneConfig) -> Backbone:
@@ -711,7 +810,22 @@ def _load_error(cfg: BackboneConfig, what: str, exc: Exception, hint: str,
         cause = str(exc)
     else:
         cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if raw is None and not Path(cfg.model).expanduser().exists() and _unreachable(exc):
+        return BackboneError(
+            f"cannot reach the Hugging Face hub for {cfg.model!r} (offline, or no cached copy): give a local folder "
+            "with --model PATH (config.json, weights and tokenizer files), or set HF_HOME to a cache that holds it"
+        )
     arch = ", ".join((raw or {}).get("architectures") or []) or (raw or {}).get("model_type") or "unknown architecture"
     return BackboneError(
         f"cannot load {what} from {cfg.model!r} ({arch}) with transformers {transformers.__version__}: {cause}. {hint}"
     )
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a load failed because the hub could not be reached (not because the model is wrong)."""
+    text = " ".join(str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None).lower()
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    return bool(names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}) or any(
+        m in text for m in ("couldn't connect", "could not connect", "offline", "name or service not known",
+                            "connection error", "failed to resolve")
+    )  # fmt: skip

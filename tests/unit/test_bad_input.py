@@ -28,11 +28,12 @@ SMALL_RUN = ["--kq", "1", "--kp", "1", "--no-bm25", "--mode", "multi_dense", "--
 def cli(*argv: str, prelude: str = "", timeout: int = 300, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
     code = f"{prelude}\nimport sys\nsys.argv = ['diffret', *{list(argv)!r}]\nfrom flows.cli import main\nmain()"
     args = [sys.executable, "-c", code]
+    env = {**ENV, **kw.pop("env_extra", {})}
     if kw.pop("background", False):  # SIGINT back to its default: a shell's background job inherits it ignored
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO,
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
                                 start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
 def error_line(p: subprocess.CompletedProcess) -> str:

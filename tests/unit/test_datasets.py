@@ -14,7 +14,7 @@ from conftest import write_beir
 from retrieval.data.collections import DatasetError
 from retrieval.data.sources import resolve_source
 from stages.ingest import materialise
-from storage import ArtifactStore, ConfigDriftError
+from storage import ArtifactStore, ConfigDriftError, StoreError
 from storage.sql import StoreSQL
 
 
@@ -220,10 +220,14 @@ def test_sql_views_see_only_complete_stages(tmp_path, tiny_beir):
         assert db.query("select count(*) from corpus")[1] == [(0,)]
         assert db.query("select count(*) from manifests")[1] == [(0,)]
     _ingest(tmp_path, tiny_beir, root=root)
-    # a stray half-written stage (no manifest) is invisible to SQL
+    # a folder of files without a manifest is damage: the view that would read it fails, naming it; others work
     stray = root / "datasets" / "dataset=stray"
     stray.mkdir(parents=True)
     shutil.copy(root / "datasets" / "dataset=tiny" / "corpus.parquet", stray / "corpus.parquet")
+    with StoreSQL(ArtifactStore(root)) as db:
+        with pytest.raises(StoreError, match="dataset=stray: files without a manifest"):
+            db.query("select dataset, count(*) from corpus group by 1")
+    shutil.rmtree(stray)
     with StoreSQL(ArtifactStore(root)) as db:
         assert db.query("select dataset, count(*) from corpus group by 1")[1] == [("tiny", 3)]
         cols, rows = db.query("select split, judged_queries, judgments from dataset_summary order by 1")
