@@ -16,10 +16,10 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import Field, model_validator
 
 from retrieval.data.sources import corpus_of
+from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig
+from retrieval.models.readouts import ReadoutConfig
 from retrieval.search.bm25 import BM25Settings
-from retrieval.search.modes import MODE_NAMES
 from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
 from stages.base import GRID_K, KList, ModeList, StageConfig
@@ -28,12 +28,9 @@ from stages.encode import EncodeConfig, check_k_within
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
-from stages.readers import TITLE_SEP
-from stages.runs import TRAIN_TOPK
 from stages.score import ScoreConfig
 from stages.summary import SummaryConfig
 from stages.systems import SystemRef
-from stages.tokenize import DEFAULT_MODEL
 from storage import ArtifactStore
 
 from .encode import run_encode
@@ -42,50 +39,63 @@ from .runner import run_stage
 # `diffret run --preset`: the paper's 5 x 5 grid, or for a CPU-only laptop a 3 x 3 grid and shorter texts
 # (pass --model for a small checkpoint too).
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": {"kq": "1,2,4,8,16", "kp": "1,2,4,8,16", "batch_size": 32},
-    "laptop": {"kq": "1,4,16", "kp": "1,4,16", "batch_size": 16},
+    "paper": {"kq": list(GRID_K), "kp": list(GRID_K), "batch_size": 32},
+    "laptop": {"kq": [1, 4, 16], "kp": [1, 4, 16], "batch_size": 16},
 }
 
 
 class PipelineConfig(StageConfig):
-    """Parameters of the whole zero-shot experiment on one dataset (the Prefect UI renders them as a form)."""
+    """The whole zero-shot experiment on one dataset: download, encode the grid, score, BM25, evaluate, summary.
 
-    dataset: str = Field(default="scifact", description="Collection (see `diffret download --help`).")
-    source: str | None = Field(default=None, description="Mirror of the dataset (folder, archive or URL).")
+    Each setting is the one of the stage it goes to, declared there (``like``): the same default and help.
+    """
+
+    preset: Literal["paper", "laptop"] = Field(
+        default="paper", description="paper: the 5 x 5 grid, batch 32; laptop (CPU only): {1, 4, 16}^2, batch 16. "
+        "kq, kp and batch_size given explicitly win.",
+    )
+    dataset: str = like(DownloadConfig, "name", default="scifact", json_schema_extra=cli(short="-d"))
+    source: str | None = like(DownloadConfig, "source")
     corpus_source: str | None = Field(
         default=None, description="Mirror of the judged corpus when it is another collection (TREC DL)."
     )
-    cache_dir: str = Field(default="~/.cache/diffret/downloads")
-    unknown_judgments: Literal["error", "drop", "keep"] = Field(
-        default="error", description="Judgments of documents the corpus lacks: error, drop or keep."
-    )
-    splits: list[str] = Field(default=["test"], description="Query splits to score and evaluate.")
-    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
-    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input, prompt included.")
-    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
-    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
-    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
-    modes: ModeList = Field(default=list(MODE_NAMES))
+    cache_dir: str = like(DownloadConfig, "cache_dir")
+    unknown_judgments: Literal["error", "drop", "keep"] = like(DownloadConfig, "unknown_judgments")
+    splits: list[str] = like(ScoreConfig, "splits")
+    backbone: BackboneConfig = like(EncodeConfig, "backbone")
+    readout: ReadoutConfig = like(EncodeConfig, "readout")
+    max_length: int = like(EncodeConfig, "max_length")
+    title_sep: str = like(EncodeConfig, "title_sep")
+    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's).")
+    kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
+                            "preset's).")  # fmt: skip
+    modes: ModeList = like(ScoreConfig, "modes")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="skip",
         description="LanceDB index per K_p, checked against exact search (none: flat table; skip: no index).",
     )
-    topk: int = Field(default=1000, ge=1)
-    train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per train-split query (<= topk).")
-    batch_size: int = Field(default=32, ge=1)
-    shard_size: int = Field(default=1000, ge=1)
-    workers: int = Field(default=0, ge=0, description="Local Dask workers for encoding (0: in-process).")
-    dask_address: str | None = None
-    verify: bool = Field(default=False, description="Re-hash every stored shard when resuming (default: size, mtime).")
-    device: str = Field(default="auto", description="Scoring device: auto | cpu | cuda | cuda:N.")
-    rules: ScoreRules = Field(default_factory=ScoreRules, description="How each mode scores (default: the "
-                              "reference evaluator's).")  # fmt: skip
-    self_hits: Literal["keep", "drop"] = Field(default="keep", description="A retrieved document whose id is the "
-                                               "query's: keep (the reference's) or drop (BEIR's evaluation).")
-    ties: Literal["trec", "rank"] = Field(default="trec", description="Evaluation order of tied documents within a "
-                                          "measure's depth: trec (pytrec_eval's, the reference's) or rank (stored).")
+    topk: int = like(ScoreConfig, "topk")
+    train_topk: int = like(ScoreConfig, "train_topk")
+    batch_size: int | None = like(EncodeConfig, "batch_size", default=None, description="Texts per forward pass "
+                                  "(default: the preset's).")  # fmt: skip
+    shard_size: int = like(EncodeConfig, "shard_size")
+    workers: int = like(EncodeConfig, "workers")
+    dask_address: str | None = like(EncodeConfig, "dask_address")
+    verify: bool = like(EncodeConfig, "verify")
+    rules: ScoreRules = like(ScoreConfig, "rules")
+    self_hits: Literal["keep", "drop"] = like(ScoreConfig, "self_hits")
+    ties: Literal["trec", "rank"] = like(EvaluateConfig, "ties")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """The preset's grid and batch, where not given explicitly."""
+        if isinstance(data, dict):
+            preset = PRESETS.get(data.get("preset") or "paper", {})
+            data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()
+                                                                                   if v is not None}}  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> PipelineConfig:
@@ -126,8 +136,8 @@ class PipelineConfig(StageConfig):
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
-            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk, device=self.device,
-            rules=self.rules, self_hits=self.self_hits, **self._common(),
+            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
+            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from retrieval.fields import cli
 from retrieval.search.modes import check_modes
 from retrieval.traits import Declared
 from storage import ArtifactStore, StageState
@@ -53,7 +54,8 @@ ProgressFn = Callable[[str, int, int | None, str, str], None]
 class StageConfig(BaseModel):
     """Fields every stage config has: where the store is, and whether to replace artifacts of other settings."""
 
-    root: str = Field(default=DEFAULT_ROOT, description="Artifact store root: a local folder or an fsspec URL.")
+    root: str = Field(default=DEFAULT_ROOT, description="Artifact store root: a local folder or an fsspec URL.",
+                      json_schema_extra=cli(short="-r", envvar="DIFFRET_ROOT"))  # fmt: skip
     force: bool = Field(
         default=False, description="Replace artifacts built with other settings (otherwise refused, naming them)."
     )

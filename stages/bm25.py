@@ -22,7 +22,7 @@ from .systems import SystemRecord, bm25_slug, register
 class BM25Config(RetrievalConfig):
     """Parameters of the BM25 flow."""
 
-    bm25: BM25Settings = Field(default_factory=BM25Settings)
+    bm25: BM25Settings = Field(default_factory=BM25Settings, description="BM25's parameters.")
 
 
 @dataclass

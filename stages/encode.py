@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from retrieval.devices import resolve_device
+from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
@@ -27,29 +28,28 @@ from storage import FileEntry, IncompleteArtifactError, remove_empty_sharded
 from storage.layout import encodings_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
-from .readers import TITLE_SEP
 from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokenizer_of, tokens_slug, weights_of
-from .tokenize import DEFAULT_MODEL, TokenizeConfig
+from .tokenize import TokenizeConfig, default_backbone
 
 
 class EncodeConfig(StageConfig):
     """Parameters of the encode flow (the Prefect UI renders them as a form)."""
 
-    dataset: str = Field(description="A dataset already in the store (diffret download).")
-    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
+    dataset: str = like(TokenizeConfig, "dataset")
+    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to encode.",
+                                                     json_schema_extra=cli(flag="--side"))  # fmt: skip
     k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
-    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
-    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
+    backbone: BackboneConfig = Field(default_factory=default_backbone,
+                                     description="The model and how it is loaded.")  # fmt: skip
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
     max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input, prompt included "
                             "(run_encode.sh's 256; encode.py's 512).")  # fmt: skip
-    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
-    batch_size: int = Field(default=32, ge=1)
-    shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
+    title_sep: str = like(TokenizeConfig, "title_sep")
+    batch_size: int = Field(default=32, ge=1, description="Texts per forward pass.")
+    shard_size: int = like(TokenizeConfig, "shard_size")
     workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
-    verify: bool = Field(
-        default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
-    )
+    verify: bool = like(TokenizeConfig, "verify")
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:

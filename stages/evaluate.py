@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from retrieval.evaluation import DEFAULT_MEASURES, evaluate, qrels_from_table, run_from_table
+from retrieval.fields import cli
 from storage import ArtifactStore, Manifest
 from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
 
@@ -36,11 +37,15 @@ def default_relevance_level(dataset: str) -> int:
 class EvaluateConfig(StageConfig):
     """Parameters of the evaluate flow."""
 
-    systems: list[str] | None = Field(default=None, description="Systems to evaluate (default: every run).")
-    datasets: list[str] | None = Field(default=None, description="Datasets to evaluate (default: all).")
-    splits: list[str] | None = Field(default=None, description="Splits to evaluate (default: all).")
+    systems: list[str] | None = Field(default=None, description="Systems to evaluate (default: every run).",
+                                      json_schema_extra=cli(flag="--system"))  # fmt: skip
+    datasets: list[str] | None = Field(default=None, description="Datasets to evaluate (default: all).",
+                                       json_schema_extra=cli(flag="--dataset", short="-d"))  # fmt: skip
+    splits: list[str] | None = Field(default=None, description="Splits to evaluate (default: all).",
+                                     json_schema_extra=cli(flag="--split"))  # fmt: skip
     measures: list[str] = Field(
-        default=list(DEFAULT_MEASURES), description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10."
+        default=list(DEFAULT_MEASURES), description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10.",
+        json_schema_extra=cli(flag="--measure"),
     )
     relevance_level: int | None = Field(
         default=None, ge=1, description="Grade counted relevant by binary measures (default: 2 for TREC DL, else 1)."

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
+from retrieval.fields import cli
 from retrieval.search import lance
 from retrieval.search.encodings import Encodings
 from retrieval.search.exact import SearchSettings, search_pass
@@ -40,7 +41,10 @@ class IndexConfig(QueriesConfig):
     split: str = Field(default="test", description="Query split of the recall check.")
     kq: KList = Field(default=list(GRID_K), description="Query budgets of the recall check.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets to index (one table each).")
-    index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(default="IVF_PQ", description="none: flat table.")
+    index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
+        default="IVF_PQ", description="The LanceDB index: IVF_PQ, IVF_HNSW_SQ, or none (a flat table).",
+        json_schema_extra=cli(flag="--type"),
+    )
     overfetch: int | None = Field(
         default=None,
         ge=1,

@@ -23,6 +23,7 @@ from retrieval.data.collections import (
     read_queries,
 )
 from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source
+from retrieval.fields import cli
 from storage import ArtifactStore, Manifest, StageState
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
 
@@ -36,12 +37,14 @@ class DownloadConfig(StageConfig):
 
     name: str = Field(
         description="Collection: a BEIR name (scifact, nfcorpus, arguana, fiqa, trec-covid, nq, hotpotqa, quora, "
-        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, or any name with a --source."
+        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, or any name with a --source.",
+        json_schema_extra=cli(positional=True),
     )
     source: str | None = Field(
         default=None,
-        description="Mirror in BEIR layout: a folder, a .zip/.tar.gz, or a URL of either. "
-        "Default: the official location.",
+        description="Mirror of the dataset: a BEIR-layout folder, a .zip/.tar.gz, or a URL of either (offline: "
+        "../shared/data/<name> in this repository's checkouts). Default: the official location.",
+        json_schema_extra=cli(short="-s"),
     )
     cache_dir: str = Field(default="~/.cache/diffret/downloads", description="Where downloaded archives are kept.")
     beir_base_url: str = Field(

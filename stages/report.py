@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from retrieval.analysis.report import Report, build_report
+from retrieval.fields import cli
 from storage import Manifest, StoreError
 from storage.layout import report_dir
 from storage.sql import StoreSQL
@@ -25,9 +26,11 @@ class ReportConfig(StageConfig):
     """Parameters of the report flow."""
 
     name: str = Field(default="default", description="Report name: reports/report=<name>/ in the store.")
-    out_dir: str | None = Field(default=None, description="Also copy the report into this folder.")
+    out_dir: str | None = Field(default=None, description="Also copy the report into this folder (outside the store).",
+                                json_schema_extra=cli(flag="--out", short="-o"))  # fmt: skip
     refs: list[str] | None = Field(
-        default=None, description="Systems the tables' t-test markers compare with († first, ‡ second; default: bm25)."
+        default=None, description="Systems the tables' t-test markers compare with († first, ‡ second; default: bm25).",
+        json_schema_extra=cli(flag="--ref"),
     )
     finetuned: dict[str, str] = Field(default_factory=dict, description="BASE system slug -> fine-tuned slug.")
     n_boot: int = Field(default=1000, ge=10, description="Bootstrap resamples of the correlation CIs.")

@@ -17,8 +17,10 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.devices import resolve_device
+from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.rerankers import Reranker, RerankerName, load_rerank_prompt, make_reranker
+from retrieval.rerank.training import RerankTrainSettings
 from storage import ArtifactStore, StoreError, config_hash
 from storage.layout import RUN_SCHEMA, run_dir
 
@@ -26,6 +28,7 @@ from .base import Context, Plan, Stage
 from .readers import dataset_manifest, side_texts, split_queries
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
+from .tokenize import default_backbone
 
 RERANK_MODE = "rerank"
 
@@ -33,18 +36,25 @@ RERANK_MODE = "rerank"
 class RerankConfig(QueriesConfig):
     """Parameters of the rerank flow."""
 
-    splits: list[str] = Field(default=["test"], description="Query splits to rerank.")
+    dataset: str = like(QueriesConfig, "dataset", default="scifact")
+
+    splits: list[str] = Field(default=["test"], description="Query splits to rerank.",
+                              json_schema_extra=cli(flag="--split"))  # fmt: skip
     first_stage: str = Field(default="bm25", description="The run to rerank: a system slug (or unique prefix), or "
                              "bm25 for the store's BM25 system.")  # fmt: skip
-    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
-    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
-    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).")
+    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).",
+                          json_schema_extra=cli(flag="--kq"))  # fmt: skip
+    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).",
+                          json_schema_extra=cli(flag="--kp"))  # fmt: skip
+    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).",
+                            json_schema_extra=cli(flag="--mode"))  # fmt: skip
     depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
     method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
-    backbone: BackboneConfig
+    backbone: BackboneConfig = Field(default_factory=default_backbone,
+                                     description="The diffusion LM that reranks, and how it is loaded.")  # fmt: skip
     prompt: str | None = Field(default=None, description="A built-in rerank prompt or a YAML file (default: the "
                                "method's).")  # fmt: skip
-    doc_tokens: int = Field(default=128, ge=1, description="Tokens of each document in a prompt.")
+    doc_tokens: int = like(RerankTrainSettings, "doc_tokens")
     window: int = Field(default=20, ge=1, description="Documents per listwise window.")
     step: int = Field(default=10, ge=1, description="Window step (RankGPT's sliding window).")
     steps: int = Field(default=4, ge=1, description="Denoising steps of permutation_sampling.")

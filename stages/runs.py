@@ -12,6 +12,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.data.sources import corpus_of
+from retrieval.fields import cli
 from retrieval.search import doc_order, run_table
 from retrieval.search.modes import FUSIONS
 from retrieval.search.rules import ScoreRules
@@ -28,7 +29,7 @@ TRAIN_TOPK = 100  # train runs feed negatives (top 30) and the train-split budge
 class QueriesConfig(StageConfig):
     """Which queries (a dataset) against which passages (its corpus, or the collection its qrels judge)."""
 
-    dataset: str = Field(description="Queries and qrels (a dataset in the store).")
+    dataset: str = Field(description="Queries and qrels (a dataset in the store).", json_schema_extra=cli(short="-d"))
     corpus: str | None = Field(default=None, description="Passages (default: the dataset's own corpus; TREC DL ->"
                                " msmarco-passage).")  # fmt: skip
 
@@ -39,7 +40,9 @@ class QueriesConfig(StageConfig):
 class RetrievalConfig(QueriesConfig):
     """What every stage that writes runs takes: which queries, against which passages, how deep."""
 
-    splits: list[str] = Field(default=["test"], description="Query splits to score.")
+    splits: list[str] = Field(
+        default=["test"], description="Query splits to score.", json_schema_extra=cli(flag="--split")
+    )
     topk: int = Field(default=1000, ge=1, description="Documents kept per query.")
     train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per query of the train split "
                             "(at most topk): enough for hard negatives and budget selection.")  # fmt: skip

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pydantic import Field
 
 from retrieval.devices import resolve_device
+from retrieval.fields import cli, like
+from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import sparse_quantised
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
@@ -33,9 +35,10 @@ class ScoreConfig(RetrievalConfig):
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose encodings to score.")
     kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
     kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
-    modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).")
+    modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).",
+                            json_schema_extra=cli(flag="--mode"))  # fmt: skip
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
-    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    device: str = like(BackboneConfig, "device")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
                             "queries and passages are cut so that they fit; results do not depend on it.")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How each mode scores (default: the "

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from retrieval.analysis.summary import build_summary
+from retrieval.fields import cli
 from storage import Manifest
 from storage.layout import summary_dir
 from storage.sql import StoreSQL
@@ -27,8 +28,9 @@ class SummaryConfig(StageConfig):
 
     system: str | None = Field(default=None, description="The system to summarise (a slug or a unique prefix; "
                                "default: the store's only encoder system).")  # fmt: skip
-    dataset: str
-    splits: list[str] = Field(default=["test"])
+    dataset: str = Field(description="The dataset its runs were scored on.", json_schema_extra=cli(short="-d"))
+    splits: list[str] = Field(default=["test"], description="The splits to summarise.",
+                              json_schema_extra=cli(flag="--split"))  # fmt: skip
     bm25: str | None = Field(default=None, description="The BM25 system to compare with (a slug or prefix), if any.")
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
+from retrieval.fields import cli
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import tokenize_texts
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH
@@ -29,12 +30,24 @@ from .systems import tokenizer_of, tokens_slug
 DEFAULT_MODEL = "dllm-hub/ModernBERT-base-chat-v0.1"
 
 
+def default_backbone() -> BackboneConfig:
+    """The backbone a stage's command starts from when ``--model`` is not given.
+
+    >>> default_backbone().model
+    'dllm-hub/ModernBERT-base-chat-v0.1'
+    """
+    return BackboneConfig(model=DEFAULT_MODEL)
+
+
 class TokenizeConfig(StageConfig):
     """Parameters of the tokenize stage (part of the encode flow)."""
 
-    dataset: str = Field(description="A dataset already in the store (diffret download).")
-    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"])
-    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
+    dataset: str = Field(description="A dataset already in the store (diffret download).",
+                         json_schema_extra=cli(short="-d"))  # fmt: skip
+    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to "
+                                                     "tokenize.", json_schema_extra=cli(flag="--side"))  # fmt: skip
+    backbone: BackboneConfig = Field(default_factory=default_backbone,
+                                     description="The model whose tokenizer is used.")  # fmt: skip
     max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Text tokens kept per text.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")

@@ -28,6 +28,7 @@ from pydantic import Field
 
 from retrieval.data.training import groups_from_table
 from retrieval.devices import resolve_device
+from retrieval.fields import cli
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
 from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
@@ -44,16 +45,18 @@ from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
 from .systems import SystemRef, find_system, slug_base
-from .tokenize import DEFAULT_MODEL
+from .tokenize import default_backbone
 
 
 class TrainConfig(StageConfig):
     """Parameters of the train flow."""
 
-    training_set: str = Field(description="A stored training set (diffret training-data).")
-    backbone: BackboneConfig = Field(default_factory=lambda: BackboneConfig(model=DEFAULT_MODEL))
-    readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    settings: TrainSettings = Field(default_factory=TrainSettings)
+    training_set: str = Field(description="A stored training set (diffret training-data).",
+                              json_schema_extra=cli(short="-t"))  # fmt: skip
+    backbone: BackboneConfig = Field(default_factory=default_backbone,
+                                     description="The model to fine-tune, and how it is loaded.")  # fmt: skip
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="The readout it is trained through.")
+    settings: TrainSettings = Field(default_factory=TrainSettings, description="The training settings.")
     name: str | None = Field(default=None, description="The model's name (default: <base>-ft-<hash>).")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
     merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "

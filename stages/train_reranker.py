@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 
 from retrieval.data.collections import DatasetError, iter_lines
 from retrieval.devices import resolve_device
+from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.training import (
     RankedList,
@@ -36,29 +37,30 @@ from storage.store import sha256_file
 
 from .base import Context, Plan, StageConfig
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries
-from .rerank import first_stage_run
+from .rerank import RerankConfig, first_stage_run
 from .runs import read_run
-from .train import Train, TrainUnit, fit_and_save
+from .train import Train, TrainConfig, TrainUnit, fit_and_save
 
 
 class TrainRerankerConfig(StageConfig):
     """Parameters of the train-reranker flow (one of ``source`` or ``dataset``)."""
 
-    source: str | None = Field(default=None, description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.")
+    source: str | None = Field(default=None, description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.",
+                               json_schema_extra=cli(short="-s"))  # fmt: skip
     dataset: str | None = Field(default=None, description="Teacher lists from this stored dataset: its qrels over a "
-                                "first-stage run.")  # fmt: skip
+                                "first-stage run.", json_schema_extra=cli(short="-d"))  # fmt: skip
     split: str = Field(default="train", description="The split whose queries become lists.")
     teacher: Literal["qrels", "run"] = Field(default="qrels", description="qrels: the judged queries, relevant "
                                              "documents first, then the run's; run: the run's own order (distill a "
                                              "stronger first stage), every query it ranks.")  # fmt: skip
     first_stage: str = Field(default="bm25", description="The run giving the candidates: bm25 or a system slug.")
-    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
-    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
-    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).")
-    backbone: BackboneConfig
-    settings: RerankTrainSettings = Field(default_factory=RerankTrainSettings)
+    first_kq: int = like(RerankConfig, "first_kq")
+    first_kp: int = like(RerankConfig, "first_kp")
+    first_mode: str = like(RerankConfig, "first_mode")
+    backbone: BackboneConfig = like(TrainConfig, "backbone")
+    settings: RerankTrainSettings = like(TrainConfig, "settings", default_factory=RerankTrainSettings)
     name: str | None = Field(default=None, description="The model's name (default: <base>-rr-<hash>).")
-    checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
+    checkpoint_every: int = like(TrainConfig, "checkpoint_every")
     merge: bool = Field(default=False, description="LoRA: save the merged weights instead of the adapter alone.")
 
     @model_validator(mode="after")

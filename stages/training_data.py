@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 from retrieval.data.collections import DatasetError
 from retrieval.data.sources import corpus_of
 from retrieval.data.training import Group, groups_table, mine_groups, read_tevatron
+from retrieval.fields import cli
 from storage import Manifest, StoreError
 from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
 from storage.store import sha256_file
@@ -37,8 +38,10 @@ class TrainingDataConfig(StageConfig):
     """Parameters of the training-data stage (one of ``source`` or ``dataset``)."""
 
     name: str | None = Field(default=None, description="The set's name (default: the dataset, or the file's stem).")
-    source: str | None = Field(default=None, description="A Tevatron file (jsonl / jsonl.gz / Parquet) or hub id.")
-    dataset: str | None = Field(default=None, description="Mine groups from this stored dataset's train split.")
+    source: str | None = Field(default=None, description="A Tevatron file (jsonl / jsonl.gz / Parquet) or hub id.",
+                               json_schema_extra=cli(short="-s"))  # fmt: skip
+    dataset: str | None = Field(default=None, description="Mine groups from this stored dataset's train split.",
+                                json_schema_extra=cli(short="-d"))  # fmt: skip
     split: str = Field(default="train", description="The split whose judged queries become groups.")
     negatives: str = Field(default="bm25", description="The stored system whose run gives the hard negatives.")
     kq: int | None = Field(default=None, description="The run's K_q (when the system has several runs).")

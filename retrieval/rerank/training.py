@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from ..data.collections import _parse_json_object, iter_lines
+from ..fields import like
 from ..models.backbones import Backbone
 from ..training.loop import Loop, LoopSettings
 from .rerankers import Encoded, RerankerName, RerankError, make_reranker, position_logits
@@ -221,12 +222,12 @@ class RerankTrainSettings(LoopSettings):
                                "method's).")  # fmt: skip
     schedule: Literal["constant", "linear"] = Field(default="constant", description="constant lr (DiffuRank), or "
                                                     "linear warm-up and decay.")  # fmt: skip
-    lora_alpha: int = Field(default=32, ge=1)
-    lora_dropout: float = Field(default=0.0, ge=0.0)
-    warmup_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
-    epochs: float = Field(default=3.0, gt=0)
+    lora_alpha: int = like(LoopSettings, "lora_alpha", default=32)
+    lora_dropout: float = like(LoopSettings, "lora_dropout", default=0.0)
+    warmup_ratio: float = like(LoopSettings, "warmup_ratio", default=0.0)
+    epochs: float = Field(default=3.0, gt=0, description="Passes over the lists (fractions allowed).")
     batch_size: int = Field(default=8, ge=1, description="Lists per micro-batch.")
-    grad_accum: int = Field(default=8, ge=1, description="Micro-batches per optimizer step.")
+    grad_accum: int = like(LoopSettings, "grad_accum", default=8)
 
     @model_validator(mode="after")
     def _loss_fits(self) -> RerankTrainSettings:

@@ -16,8 +16,8 @@ from .scoring import NEG, TopK
 
 class BM25Settings(BaseModel):
     method: str = Field(default="lucene", description="bm25s scoring variant (lucene, robertson, atire, bm25l, bm25+)")
-    k1: float = Field(default=0.9, gt=0)
-    b: float = Field(default=0.4, ge=0, le=1)
+    k1: float = Field(default=0.9, gt=0, description="BM25's term-frequency saturation k1 (Lucene / Pyserini: 0.9).")
+    b: float = Field(default=0.4, ge=0, le=1, description="BM25's length normalisation b (Lucene / Pyserini: 0.4).")
     stemmer: str | None = Field(default="english", description="PyStemmer language, or null for none")
     stopwords: str | None = Field(default="en", description="bm25s stopword list, or null for none")
 

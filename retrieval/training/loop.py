@@ -46,24 +46,29 @@ from .objective import contrastive_loss, sparse_vectors
 class LoopSettings(BaseModel):
     """The optimisation settings every training task shares (the contrastive trainer, the rerankers)."""
 
-    adapter: Literal["lora", "full"] = Field(default="lora", description="lora (peft) or full (every weight).")
-    lora_r: int = Field(default=16, ge=1)
-    lora_alpha: int = Field(default=64, ge=1)
-    lora_dropout: float = Field(default=0.05, ge=0.0)
-    lr: float = Field(default=1e-4, gt=0)
-    warmup_ratio: float = Field(default=0.06, ge=0.0, le=1.0)
-    weight_decay: float = Field(default=0.01, ge=0.0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    epochs: float = Field(default=1.0, gt=0)
+    adapter: Literal["lora", "full"] = Field(
+        default="lora",
+        description="Train LoRA adapters (peft) or every weight (full).",
+        json_schema_extra={"cli": {"switch": {"--full": "full"}}},
+    )
+    lora_r: int = Field(default=16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(default=64, ge=1, description="LoRA scaling alpha.")
+    lora_dropout: float = Field(default=0.05, ge=0.0, description="Dropout on the LoRA layers' input.")
+    lr: float = Field(default=1e-4, gt=0, description="Peak learning rate (AdamW).")
+    warmup_ratio: float = Field(default=0.06, ge=0.0, le=1.0, description="Share of the steps spent warming up.")
+    weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Gradient norm clipping.")
+    epochs: float = Field(default=1.0, gt=0, description="Passes over the training set (fractions allowed).")
     batch_size: int = Field(default=8, ge=1, description="Items per micro-batch (groups; lists for rerankers).")
     grad_accum: int = Field(default=4, ge=1, description="Micro-batches per optimizer step.")
-    gradient_checkpointing: bool = Field(default=False)
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass "
+                                         "(less memory, ~30% more time).")  # fmt: skip
     shard_optimizer: bool = Field(default=False, description="Under DDP, shard the AdamW state across the "
                                   "processes (PyTorch's ZeroRedundancyOptimizer, ZeRO stage 1).")  # fmt: skip
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="auto: bf16 mixed precision on CUDA, fp32 on CPU (Table 7); or either one."
     )
-    seed: int = Field(default=0)
+    seed: int = Field(default=0, description="Seed of the data order, sampling and initialisation.")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
     def step_items(self, world: int = 1) -> int:

@@ -1,0 +1,40 @@
+"""Declaring a config field once: its command-line spelling (``cli``) beside its default, bounds and description,
+and a field that passes another config's setting on (``like``) instead of restating it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def cli(**declared: Any) -> dict[str, Any]:
+    """A field's command-line declarations (``json_schema_extra=cli(flag="--split", short="-d")``; see
+    flows/commands.py): the command is generated from the config.
+
+    >>> cli(short="-d")
+    {'cli': {'short': '-d'}}
+    """
+    return {"cli": declared}
+
+
+def like(model: type[BaseModel], name: str, **overrides: Any) -> Any:
+    """A field declared as ``model``'s field ``name`` (its default, bounds, description and command-line
+    declarations), with ``overrides``: a config that passes a setting on to a stage declares it once, there.
+
+    >>> from pydantic import Field
+    >>> class A(BaseModel):
+    ...     n: int = Field(default=3, ge=1, description="How many.")
+    >>> class B(BaseModel):
+    ...     n: int = like(A, "n", default=5)
+    >>> B.model_fields["n"].description, B().n
+    ('How many.', 5)
+    """
+    info = copy.deepcopy(model.model_fields[name])
+    for key, value in overrides.items():
+        if key == "default":
+            info.default, info.default_factory = value, None
+        else:  # json_schema_extra (the command-line declarations) included: replaced, not merged
+            setattr(info, key, value)
+    return info

@@ -1,0 +1,191 @@
+"""Issue 23: one declaration per stage. Every stage's command is generated from its config: its --help lists every
+field (nested configs flattened) with the field's description and default, and nothing else but --root, --force
+and --prefect; prefect.yaml's deployments validate against the same configs; every config field is described."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.pipeline import PipelineConfig
+from flows.runner import FLOWS
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.readouts import ReadoutConfig
+from stages import stages
+from stages.encode import EncodeConfig
+from stages.systems import EncodeSettings, SystemRef, numeric_settings
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = {stage: stage for stage in stages()} | {"training": "training-data", "encode": "encode"}
+CONFIGS = {name: st.config for name, st in stages().items()} | {"encode": EncodeConfig, "run": PipelineConfig}
+
+
+def command_of(stage: str) -> str:
+    return "run" if stage == "run" else COMMANDS[stage]
+
+
+def _inner(annotation):  # noqa: ANN001, ANN202
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def expected_fields(model: type[BaseModel]) -> dict[str, tuple[str, object]]:
+    """Option name -> (description, default) of every leaf field, nested configs flattened: what the
+    generated --help must show (written from the field declarations, not from the generator)."""
+    out = {}
+    for name, info in model.model_fields.items():
+        inner = _inner(info.annotation)
+        cli = (info.json_schema_extra or {}).get("cli", {}) if isinstance(info.json_schema_extra, dict) else {}
+        if inner is SystemRef:
+            out["--system"] = (info.description, None)
+            keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
+            owners = [(BackboneConfig, ["model", *(k for k in keys if k in BackboneConfig.model_fields)]),
+                      (ReadoutConfig, list(keys["readout"])),
+                      (EncodeSettings, [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")])]
+            for cls, names in owners:
+                for n in names:
+                    out["--" + n.replace("_", "-")] = (cls.model_fields[n].description, None)
+        elif inspect.isclass(inner) and issubclass(inner, BaseModel):
+            out.update(expected_fields(inner))
+        elif "switch" in cli:
+            out[next(iter(cli["switch"]))] = (info.description, None)
+        elif cli.get("positional"):
+            out[name.upper()] = (info.description, info.default)
+        else:
+            out[cli.get("flag", "--" + name.replace("_", "-"))] = (info.description, info.default)
+    return out
+
+
+def help_segments(command: str) -> dict[str, str]:
+    """Option name -> the text the --help shows beside it (description, default), from a wide rendering."""
+    res = CliRunner().invoke(app, [command, "--help"], env={"TERMINAL_WIDTH": "400", "COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    segments: dict[str, str] = {}
+    current = None
+    for line in res.output.splitlines():
+        body = line.strip().strip("│").strip()
+        m = re.match(r"^(?:\*\s+)?(--[a-z0-9-]+|[a-z_]+(?=\s+<))(?:\s+(?:--no-[a-z0-9-]+|-[a-z]))*\s+(.*)$", body)
+        if m:
+            current = m.group(1) if m.group(1).startswith("--") else m.group(1).upper()  # an argument: NAME
+            segments[current] = m.group(2)
+        elif current is not None and body and not body.startswith(("╭", "╰")):
+            segments[current] += " " + body
+    return {k: " ".join(v.split()) for k, v in segments.items()}
+
+
+@pytest.mark.parametrize("stage", list(CONFIGS))
+def test_help_lists_every_field_with_its_description_and_default(stage: str) -> None:
+    expected = expected_fields(CONFIGS[stage])
+    shown = help_segments(command_of(stage))
+    allowed = {"--root", "--force", "--prefect", "--help"}
+    assert set(shown) - set(expected) - allowed == set(), "options beside the config's"
+    assert set(expected) - set(shown) == set(), "config fields without an option"
+    for name, (description, default) in expected.items():
+        text = shown[name]
+        words = " ".join((description or "").split())[:40]
+        assert words and words in text, (stage, name, words, text)
+        if default not in (None, PydanticUndefined) and not isinstance(default, BaseModel | dict | bool):
+            value = ",".join(map(str, default)) if isinstance(default, list) and all(
+                isinstance(x, int) for x in default) else default  # fmt: skip
+            if isinstance(default, list) and not all(isinstance(x, int) for x in default):
+                assert f"(default: {', '.join(map(str, default))})" in text, (stage, name, text)
+            else:
+                assert f"[default: {value}]" in text, (stage, name, text)
+
+
+def _models(model: type[BaseModel], seen: set) -> list[type[BaseModel]]:
+    out = [model]
+    for info in model.model_fields.values():
+        inner = _inner(info.annotation)
+        if inspect.isclass(inner) and issubclass(inner, BaseModel) and inner not in seen:
+            seen.add(inner)
+            out += _models(inner, seen)
+    return out
+
+
+def test_every_config_field_has_a_description() -> None:
+    seen: set = set()
+    missing = [f"{m.__name__}.{n}" for cfg in CONFIGS.values() for m in _models(cfg, seen)
+               for n, info in m.model_fields.items() if not (info.description or "").strip()]  # fmt: skip
+    assert missing == []
+
+
+def test_every_prefect_deployment_validates_against_its_config() -> None:
+    by_flow = {f"{module.replace('.', '/')}.py:{fn}": CONFIGS[stage] for stage, (module, fn) in FLOWS.items()}
+    by_flow["flows/pipeline.py:pipeline_flow"] = PipelineConfig
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    assert {d["entrypoint"] for d in deployments} == set(by_flow), "a stage without a deployment, or the reverse"
+    for d in deployments:
+        config = by_flow[d["entrypoint"]].model_validate(d["parameters"]["config"])
+        assert config.root, d["name"]
+        path, fn = d["entrypoint"].split(":")
+        module = path.removesuffix(".py").replace("/", ".")
+        assert getattr(importlib.import_module(module), fn) is not None
+
+
+def test_a_new_stage_is_a_new_command(tmp_path, monkeypatch) -> None:
+    """The generator takes any config: a field declared once gives its option, default and help."""
+    from pydantic import Field
+
+    from flows.commands import config_command
+    from stages.base import StageConfig, cli
+
+    class Toy(StageConfig):
+        dataset: str = Field(description="The dataset.", json_schema_extra=cli(short="-d"))
+        ks: list[int] = Field(default=[1, 2], description="Budgets.", json_schema_extra=cli(flag="--k"))
+        mode: typing.Literal["a", "b"] = Field(default="a", description="A or b.")
+        pairs: dict[str, str] = Field(default_factory=dict, description="Names.")
+
+    got = {}
+
+    def body(data: dict, prefect: bool | None = None) -> None:
+        got.update(Toy(**data).model_dump())
+
+    import typer
+
+    toy = typer.Typer()
+    toy.command("toy")(config_command(Toy, body, name="toy"))
+    toy.command("other")(lambda: None)
+    res = CliRunner().invoke(toy, ["toy", "-d", "scifact", "--k", "4,16", "--mode", "b", "--root", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert got == {"root": str(tmp_path), "force": False, "dataset": "scifact", "ks": [4, 16], "mode": "b",
+                   "pairs": {}}  # an omitted mapping is its default, not None
+    res = CliRunner().invoke(toy, ["toy", "-d", "x", "--pairs", "a=b", "--pairs", "c=d"])
+    assert res.exit_code == 0, res.output
+    assert got["pairs"] == {"a": "b", "c": "d"}
+    assert CliRunner().invoke(toy, ["toy", "-d", "x", "--mode", "c"]).exit_code == 2  # the Literal's choices
+
+
+def test_a_value_a_validator_derives_is_not_pinned_by_the_command() -> None:
+    """train-reranker's loss defaults to None and is derived from the method (mdlm for the permutation methods):
+    the command must pass None on, not the listwise_ce its default instance derived for pointwise."""
+    import typer
+
+    from flows.commands import config_command
+    from stages.train_reranker import TrainRerankerConfig
+
+    got = {}
+
+    def body(data: dict, prefect: bool | None = None) -> None:
+        got["config"] = TrainRerankerConfig(**data)
+
+    toy = typer.Typer()
+    toy.command("train-reranker")(config_command(TrainRerankerConfig, body, name="train-reranker"))
+    toy.command("other")(lambda: None)
+    res = CliRunner().invoke(toy, ["train-reranker", "-d", "scifact", "--method", "permutation_sampling"])
+    assert res.exit_code == 0, res.output
+    assert got["config"].settings.loss == "mdlm"
+    assert got["config"].backbone.model == "dllm-hub/ModernBERT-base-chat-v0.1"  # the stage's default backbone
