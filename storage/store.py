@@ -806,7 +806,11 @@ def remove_empty_sharded(store: ArtifactStore, stage_dirs: Iterable[str]) -> lis
     """
     removed = []
     for stage in stage_dirs:
-        with store.lock(stage + "/_manifest"):
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(store.lock(stage + "/_manifest"))
+            except StoreError:  # a shard being recorded right now (a unit still finishing as the run stops): not
+                continue  # empty, and never waited for by a run that is stopping
             try:
                 m = store.read_manifest(stage, trusted=False)
             except StoreError:

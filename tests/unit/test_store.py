@@ -419,3 +419,16 @@ def test_sharded_folder_on_a_memory_store():
     assert done == set(_names(2)) and store.read_manifest(SHARDED).config_hash == m.config_hash
     assert not store.fs.exists(store.abspath(f"{SHARDED}/_records/{_names(2)[0]}.json"))
     store.remove_stage(SHARDED)
+
+
+def test_cleanup_of_a_stopping_run_skips_a_folder_being_written(tmp_path) -> None:
+    """A run stopped (Ctrl-C) while a shard is being recorded: its cleanup leaves that folder alone instead of
+    failing with 'being written by another process' (the stop must still exit 130, not 2)."""
+    from storage import remove_empty_sharded
+
+    store = ArtifactStore(str(tmp_path))
+    store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
+    store.open_sharded("t/side=p", "t", {"side": "p"}, {"n": 1})
+    with store.lock("t/side=q/_manifest"):  # held by a recording unit
+        assert remove_empty_sharded(store, ["t/side=q", "t/side=p"]) == ["t/side=p"]
+    assert store.exists("t/side=q") and not store.exists("t/side=p")
