@@ -127,6 +127,12 @@ def stage_command(stage_name: str, command: str | None = None,
     app.command(name, help=body.__doc__)(config_command(cls, body, name=name, extra=[PREFECT]))
 
 
+def _print_bot(res: Any) -> None:
+    s = res.details.get("stats") or {}
+    console.print(f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
+                  f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s", highlight=False)
+
+
 def _print_lines(key: str) -> Callable[[Any], None]:
     def after(res: Any) -> None:
         for line in res.details.get(key, []):
@@ -185,7 +191,10 @@ def _register() -> None:
     app.command("encode", help=_encode.__doc__)(config_command(EncodeConfig, _encode, name="encode", extra=[PREFECT]))
     stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
                                                        markup=False))  # fmt: skip
+    stage_command("bot", after=_print_bot)
     stage_command("score")
+    stage_command("beta")
+    stage_command("late")
     stage_command("bm25")
     stage_command("rerank")
     stage_command("training", "training-data")

@@ -39,3 +39,33 @@ CREATE OR REPLACE VIEW best_cells AS
 SELECT *
 FROM cells
 QUALIFY row_number() OVER (PARTITION BY system, dataset, split, mode ORDER BY ndcg_10 DESC, kq + kp, kq) = 1;
+
+-- view: late_runs
+-- One row per late-parametric run (diffret late): what it re-scored, and what it cost in encoded passages.
+CREATE OR REPLACE VIEW late_runs AS
+SELECT partition ->> 'system' AS system, partition ->> 'dataset' AS dataset, partition ->> 'split' AS split,
+       CAST(partition ->> 'kq' AS INTEGER) AS kq, CAST(partition ->> 'kp' AS INTEGER) AS kp,
+       partition ->> 'mode' AS mode, config ->> 'rescore' AS rescore, CAST(config ->> 'topk' AS INTEGER) AS m,
+       config -> 'first_stage' ->> 'system' AS first_system, config -> 'first_stage' ->> 'mode' AS first_mode,
+       CAST(config -> 'first_stage' ->> 'kq' AS INTEGER) AS first_kq,
+       CAST(config -> 'first_stage' ->> 'kp' AS INTEGER) AS first_kp,
+       CAST(stats ->> 'needed_m' AS BIGINT) AS passages_needed, CAST(stats ->> 'encoded' AS BIGINT) AS encoded_by_run,
+       CAST(stats ->> 'corpus' AS BIGINT) AS corpus
+FROM manifests WHERE stage = 'runs' AND config ->> 'rescore' IS NOT NULL;
+
+-- view: late_gains
+-- One row per late run with NDCG@10 beside its first stage's, the full-corpus run of the same mode (when scored)
+-- and BM25's, on the same dataset and split: SIDR's full / beta / beta(m) against BM25, for any system.
+CREATE OR REPLACE VIEW late_gains AS
+SELECT l.system, l.dataset, l.split, l.rescore, l.kq, l.kp, l.m, l.first_system, l.first_mode,
+       c.ndcg_10, f.ndcg_10 AS first_ndcg_10, full_run.ndcg_10 AS full_ndcg_10, b.ndcg_10 AS bm25_ndcg_10,
+       l.passages_needed, l.corpus, c.queries
+FROM late_runs AS l
+JOIN cells AS c ON c.system = l.system AND c.dataset = l.dataset AND c.split = l.split AND c.kq = l.kq
+               AND c.kp = l.kp AND c.mode = l.mode
+LEFT JOIN cells AS f ON f.system = l.first_system AND f.dataset = l.dataset AND f.split = l.split
+                    AND f.kq = l.first_kq AND f.kp = l.first_kp AND f.mode = l.first_mode
+LEFT JOIN cells AS full_run ON full_run.system = l.system AND full_run.dataset = l.dataset
+                           AND full_run.split = l.split AND full_run.kq = l.kq AND full_run.kp = l.kp
+                           AND full_run.mode = l.rescore
+LEFT JOIN cells AS b ON b.mode = 'bm25' AND b.dataset = l.dataset AND b.split = l.split;

@@ -14,8 +14,8 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "index", "score", "bm25", "rerank", "training_data", "train", "train_reranker",
-    "evaluate", "summary", "report",
+    "ingest", "tokenize", "encode", "bot", "index", "score", "beta", "late", "bm25", "rerank", "training_data", "train",
+    "train_reranker", "evaluate", "summary", "report",
 )  # fmt: skip
 
 

@@ -24,10 +24,11 @@ from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
-from storage import FileEntry, IncompleteArtifactError, remove_empty_sharded
+from storage import FileEntry, remove_empty_sharded
 from storage.layout import encodings_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
+from .readers import tokens_manifest
 from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokenizer_of, tokens_slug, weights_of
 from .tokenize import TokenizeConfig, default_backbone
 
@@ -141,12 +142,8 @@ class Encode(
         stored = settings.model_dump()
         for side in config.sides:
             t_stage = tokens_dir(tokens, config.dataset, side)
-            t_man = ctx.store.read_manifest(t_stage)
-            if t_man is None or t_man.total_rows() != t_man.config.get("inputs", {}).get("rows"):
-                raise IncompleteArtifactError(
-                    f"{ctx.store.abspath(t_stage)}: token ids are missing or incomplete; run `diffret encode` "
-                    "(which tokenizes first) or the tokenize stage"
-                )
+            t_man = tokens_manifest(ctx.store, t_stage, "run `diffret encode` (which tokenizes first) or the "
+                                    "tokenize stage")  # fmt: skip
             for k in config.k:
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k)

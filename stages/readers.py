@@ -84,6 +84,15 @@ def qrels_table(store: ArtifactStore, dataset: str, split: str) -> pa.Table:
     return t.filter(pc.equal(t.column("split"), split))
 
 
+def tokens_manifest(store: ArtifactStore, stage: str, hint: str) -> Manifest:
+    """The manifest of a tokens folder that holds every text of its side; else a clear error ending in ``hint``
+    (what to run)."""
+    m = store.read_manifest(stage)
+    if m is None or m.total_rows() != m.config.get("inputs", {}).get("rows"):
+        raise IncompleteArtifactError(f"{store.abspath(stage)}: token ids are missing or incomplete; {hint}")
+    return m
+
+
 # ------------------------------------------------------------------------------------------ encodings
 def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | None = None) -> Manifest:
     """The manifest of an encoding folder; with ``expected_rows``, only when it holds every text."""

@@ -84,7 +84,7 @@ def slug_base(model: str) -> str:
 
 def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
     """The settings that change the numbers (device, attention kernel and batch size do not)."""
-    return {**backbone_settings(s.backbone), "readout": s.readout.model_dump(), "max_length": s.max_length,
+    return {**backbone_settings(s.backbone), "readout": s.readout.numbers(), "max_length": s.max_length,
             "title_sep": s.title_sep}  # fmt: skip
 
 
@@ -132,13 +132,23 @@ def tokenizer_slug(
 ) -> str:
     """The tokens folder of a (tokenizer, max_length, passage join): the vocabulary is hashed, so a changed
     tokenizer is new."""
-    import hashlib
-
-    vocab = tokenizer.get_vocab()
-    vh = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:8]
-    key = {"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vh, "title_sep": title_sep}
+    key = {"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vocab_hash(tokenizer),
+           "title_sep": title_sep}
     h = config_hash(key)[:10]
     return f"{slug_base(model)}-{h}"
+
+
+def vocab_hash(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary (token -> id): two tokenizers with the same one give the same ids.
+
+    >>> class Tok:
+    ...     def get_vocab(self): return {"a": 0, "b": 1}
+    >>> vocab_hash(Tok())
+    '532c111a'
+    """
+    import hashlib
+
+    return hashlib.sha256(repr(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:8]
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -178,6 +188,23 @@ class SystemRecord(BaseModel):
             else:
                 out[key] = value
         return out
+
+
+def settings_of(record: SystemRecord, device: str = "auto") -> EncodeSettings:
+    """The encode settings an encoder system was made with (its registry record), on ``device``; refused when
+    they do not give back its slug (a record of another version).
+
+    >>> r = encoder_record(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
+    >>> settings_of(r).backbone.model, encoder_slug(settings_of(r)) == r.system
+    ('org/tiny-bert', True)
+    """
+    st = dict(record.settings)
+    backbone = {k: st.pop(k) for k in list(st) if k in BackboneConfig.model_fields}
+    s = EncodeSettings(backbone=BackboneConfig(**backbone, device=device), readout=ReadoutConfig(**st["readout"]),
+                       max_length=st["max_length"], title_sep=st["title_sep"])  # fmt: skip
+    if encoder_slug(s) != record.system:
+        raise StoreError(f"{record.system}: its registry record does not give back its settings; encode it again")
+    return s
 
 
 def encoder_record(s: EncodeSettings) -> SystemRecord:

@@ -100,7 +100,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         cfg = {
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
-            "readout": config.readout.model_dump(), "settings": config.settings.model_dump(),
+            "readout": config.readout.numbers(), "settings": config.settings.model_dump(),
             "inputs": {"training": data.config_hash},
             "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
         }  # fmt: skip

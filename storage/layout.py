@@ -103,6 +103,15 @@ TOKENS_SCHEMA = pa.schema(
 )
 
 
+BOT_FILE = "bot.parquet"
+BOT_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),  # sorted, unique, special ids dropped: binary
+    ]
+)
+
+
 def encodings_schema(hidden_size: int) -> pa.Schema:
     """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length."""
     return pa.schema(
@@ -125,6 +134,17 @@ def shard_name(index: int) -> str:
 
 def tokens_dir(tokenizer: str, dataset: str, side: str) -> str:
     return partition("tokens", tokenizer=tokenizer, dataset=dataset, side=side)
+
+
+def partial_dir(system: str, dataset: str, k: int) -> str:
+    """The passages of a corpus that late re-scoring needed, encoded by one system at K (``part=NNNNN.parquet``
+    in the encodings schema; each run adds the ones still missing)."""
+    return partition("partial", system=system, dataset=dataset, k=k)
+
+
+def bot_dir(tokenizer: str, dataset: str) -> str:
+    """SIDR's binary bag-of-tokens index of a dataset's passages under one tokenizer (``tokens/``'s slug)."""
+    return partition("bot", tokenizer=tokenizer, dataset=dataset)
 
 
 def encodings_dir(system: str, dataset: str, side: str, k: int) -> str:
@@ -263,6 +283,7 @@ FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
 FILE_SCHEMAS[METRICS_FILE] = METRICS_SCHEMA
 FILE_SCHEMAS[GROUPS_FILE] = GROUPS_SCHEMA
 FILE_SCHEMAS[TRAIN_LOG_FILE] = TRAIN_LOG_SCHEMA
+FILE_SCHEMAS[BOT_FILE] = BOT_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:
@@ -286,6 +307,8 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "runs": ("runs/*/*/*/*/*/*", "diffret score"),
     "metrics": ("metrics/*/*/*/*/*/*", "diffret evaluate"),
     "index": ("index/*/*/*", "diffret index"),
+    "bot": ("bot/*/*", "diffret bot"),
+    "partial": ("partial/*/*/*", "diffret late --verify"),
     "summaries": ("summaries/*/*/*", "diffret run"),
     "reports": ("reports/*", "diffret report"),
     "training": ("training/*", "diffret training-data"),

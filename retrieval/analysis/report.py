@@ -274,6 +274,25 @@ def section_reranking(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Reranking", body))
 
 
+def section_late(db: StoreSQL, rep: Report) -> None:
+    """Late-parametric re-scoring (SIDR's full / beta / beta(m) against BM25; view ``late_gains``) and what each
+    pipeline costs: bag-of-tokens builds (view ``bot_indexes``) and passages encoded (view ``late_runs``)."""
+    gains = rows(db, "select system, dataset, split, rescore, m, first_system, first_mode, first_ndcg_10, ndcg_10, "
+                     "full_ndcg_10, bm25_ndcg_10, passages_needed, corpus from late_gains "
+                     "order by dataset, split, system, rescore, m")  # fmt: skip
+    if not gains:
+        return
+    rep.files["late_gains.csv"] = _dicts_csv(gains)
+    bots = rows(db, "select tokenizer, dataset, passages, nnz, bytes, build_seconds from bot_indexes order by 2, 1")
+    body = ("NDCG@10 of each first stage's top m re-scored (`diffret late`), beside the first stage (`beta`: SIDR_beta"
+            " over the bag of tokens), the full-corpus run of the same mode (SIDR_full for a sidr system) and BM25; "
+            "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + _md_table(gains))
+    if bots:
+        rep.files["bot_indexes.csv"] = _dicts_csv(bots)
+        body += "\nBag-of-tokens indexes (`diffret bot`: no model; view `bot_indexes`).\n\n" + _md_table(bots)
+    rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
+
+
 def build_report(
     db: StoreSQL,
     name: str = "default",
@@ -295,4 +314,5 @@ def build_report(
     section_tables(db, rep, refs, finetuned or {})
     section_footprint(db, rep, hidden, backbones, settings)
     section_reranking(db, rep)
+    section_late(db, rep)
     return rep

@@ -10,6 +10,8 @@
   the hidden state at the opening quote, then at each generated token; it stops at the closing quote.
 - ``diffembed``: mean of the last hidden states over the text (no prompt), bidirectional.
 - ``repllama``: hidden state of the final EOS after ``query: `` / ``passage: `` (causal).
+- ``sidr``: SIDR's V_theta: a vocabulary score per position (the official head or the model's LM head), elu1p or
+  log(1 + ReLU), max-pooled over the text's positions, top 768 (the sparse vector; the dense one is the mean).
 
 Every choice where diffret 0.1 differed from the reference is a named setting of ``ReadoutConfig``.
 """
@@ -26,7 +28,7 @@ from pydantic import BaseModel, Field
 from ..traits import Declared
 from .backbones import Backbone, BackboneError
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
-from .sparse import make_filter, per_position_sparse, pooled_weights, topk_sparse
+from .sparse import excluded_ids, make_filter, per_position_sparse, pooled_weights, topk_sparse
 
 # Tokens per input, the prompt counted (truncation="prompt"): run_encode.sh's 256, which produced the paper's
 # encodings; scripts/encode.py's own default (and the reference-parity fixtures') is 512.
@@ -497,10 +499,67 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         return rows, hidden[torch.arange(len(rows), device=ids.device), last]
 
 
+class SidrReadout(
+    Readout, name="sidr", multi_vector=False, has_sparse=True, needs_causal_lm=False, uses_prompt=False,
+    k_values="1", k_meaning="always 1: one sparse vector per text",
+):
+    """SIDR's parametric encoder V_theta (Zhou et al., ICLR 2025; jzhoubu/sidr): one bidirectional pass over the
+    text and its special tokens, a vocabulary score per position, max-pooled over the text's own positions
+    (padding excluded, so a vector does not depend on its batch), the top ``sparse_topk`` (768) kept.
+
+    ``sidr_head``: ``official`` (a LayerNorm of the last hidden states, without affine weights before training,
+    times the input-embedding matrix, no bias) or ``lm`` (the model's own MLM / LM head: SPLADE's). ``sidr_act``:
+    ``elu1p`` (elu(x) + 1, SIDR's) or ``log1p_relu`` (SPLADE's). Special and ``[unusedN]`` ids never score; no
+    content-word filter. The dense vector is the mean of the last hidden states (single_dense works; SIDR's own
+    numbers are ``sparse_max``)."""
+
+    def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH):
+        super().__init__(backbone, config, max_length)
+        self.filter = None  # SIDR keeps every token but the special ones
+        self._banned = torch.as_tensor(sorted(excluded_ids(backbone.tokenizer)), dtype=torch.long)
+
+    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+        if k != 1:
+            raise ValueError(f"the sidr readout has one vector per text; use K = 1 (got {k})")
+        rows, hidden, att = self._forward(token_ids)
+        mean = (hidden * att[..., None]).sum(1) / att.sum(1, keepdim=True).clamp(min=1.0)
+        out = []
+        for i in range(len(rows)):
+            w = self.weights(hidden[i][att[i].bool()])  # the text's own positions only
+            ids, vals = topk_sparse(w, None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
+            out.append(Encoded(_f16(mean[i : i + 1]), ids, vals, n_tokens=len(rows[i])))
+        return out
+
+    def _forward(self, token_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        head, tail = special_wrapping(self.bb.tokenizer)
+        rows = [head + list(t) + tail for t in token_ids]
+        ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
+        return rows, self.bb.hidden_states(ids, att, bidirectional=True).float(), att.float()
+
+    def weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[V] pooled vocabulary weights of one text from its positions' last hidden states [L, H]."""
+        if self.cfg.sidr_head == "lm":
+            scores = self.bb.logits(hidden.to(self.bb.dtype)).float()
+        else:
+            emb = self.bb.model.get_input_embeddings().weight.float()
+            scores = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:]) @ emb.T
+        scores = scores[:, : self._vocab_cut(scores.shape[-1])]
+        act = torch.nn.functional.elu(scores) + 1 if self.cfg.sidr_act == "elu1p" else torch.log1p(scores.relu())
+        pooled = act.max(0).values
+        banned = self._banned[self._banned < pooled.shape[0]].to(pooled.device)
+        pooled[banned] = 0.0
+        return pooled
+
+    def _vocab_cut(self, width: int) -> int:
+        return min(width, len(self.bb.tokenizer))  # padded embedding rows past the tokenizer never score
+
+
 READOUTS: dict[str, type[Readout]] = {
-    cls.name: cls for cls in (MaskReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout)
+    cls.name: cls for cls in (MaskReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
 }
-ReadoutName = Literal["diffretriever", "promptreps", "diffembed", "repllama"]
+ReadoutName = Literal["diffretriever", "promptreps", "diffembed", "repllama", "sidr"]
+SIDR_TOPK = 768  # SIDR's top-k at index and search time
+SIDR_ONLY = ("sidr_head", "sidr_act")  # settings only the sidr readout reads (not in other systems' slugs)
 assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are the registry's
 
 
@@ -515,7 +574,7 @@ class ReadoutConfig(BaseModel):
     """
 
     readout: ReadoutName = Field(
-        default="diffretriever", description="diffretriever | promptreps | diffembed | repllama"
+        default="diffretriever", description="diffretriever | promptreps | diffembed | repllama | sidr"
     )
     finetuned: Literal["auto", "yes", "no"] = Field(
         default="auto", description="Encode as the reference encodes a fine-tuned model (all K slots, sparse top 256 "
@@ -552,6 +611,13 @@ class ReadoutConfig(BaseModel):
         default="nltk", description="Sparse: keep the text's content words (nltk: the reference's; regex: 0.1's)."
     )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")
+    sidr_head: Literal["official", "lm"] = Field(
+        default="official", description="SIDR: LayerNorm x input embeddings (official) or the model's own MLM head "
+        "(lm, SPLADE's)."
+    )
+    sidr_act: Literal["elu1p", "log1p_relu"] = Field(
+        default="elu1p", description="SIDR: elu(x) + 1 (SIDR's) or log(1 + ReLU(x)) (SPLADE's)."
+    )
     repllama_prefix: Literal["joined", "separate"] = Field(
         default="joined", description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's) or the "
         "prefix and the text apart (diffret 0.1)."
@@ -570,6 +636,11 @@ class ReadoutConfig(BaseModel):
         """
         ft = {"yes": True, "no": False}.get(self.finetuned, bool(finetuned))
         mask = self.readout == "diffretriever"
+        if self.readout == "sidr":  # floats, the top 768 of the pooled vector (SIDR's)
+            return self.model_copy(update={
+                "finetuned": "yes" if ft else "no", "stop_cut": False, "promptreps_stop": "none", "sparse": "pooled",
+                "sparse_topk": SIDR_TOPK if self.sparse_topk is None else self.sparse_topk, "sparse_quantise": "none",
+            })  # fmt: skip
         if self.sparse != "auto":
             sparse = self.sparse
         elif ft and (self.readout == "promptreps" or self.denoise_steps > 1):
@@ -589,6 +660,15 @@ class ReadoutConfig(BaseModel):
             "sparse_topk": ((128 if mask and not ft else 256) if self.sparse_topk is None else self.sparse_topk),
             "sparse_quantise": quantise,
         })  # fmt: skip
+
+    def numbers(self) -> dict:
+        """The settings as a system's slug and a training's hash record them: another readout's SIDR-only
+        settings left out (their slugs are what they were before the sidr readout).
+
+        >>> "sidr_act" in ReadoutConfig().numbers(), "sidr_act" in ReadoutConfig(readout="sidr").numbers()
+        (False, True)
+        """
+        return self.model_dump(exclude=None if self.readout == "sidr" else set(SIDR_ONLY))
 
     @property
     def is_resolved(self) -> bool:

@@ -148,6 +148,24 @@ def make_filter(tokenizer: Any, kind: str) -> ContentFilter | None:
     return None if kind == "none" else ContentFilter(tokenizer, kind)
 
 
+_UNUSED = re.compile(r"^[\[<]unused\d+[\]>]$")
+
+
+def excluded_ids(tokenizer: Any) -> set[int]:
+    """Vocabulary ids that never enter a bag of tokens or a SIDR vector: the tokenizer's special tokens and its
+    ``[unusedN]`` placeholders (BERT: ids 0-998, as SIDR drops them).
+
+    >>> class Tok:
+    ...     all_special_ids = [0, 101]
+    ...     def get_vocab(self): return {"[PAD]": 0, "[unused0]": 1, "the": 2, "[CLS]": 101}
+    >>> sorted(excluded_ids(Tok()))
+    [0, 1, 101]
+    """
+    out = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
+    out |= {int(i) for t, i in tokenizer.get_vocab().items() if _UNUSED.match(t)}
+    return out
+
+
 def pooled_weights(logits: torch.Tensor) -> torch.Tensor:
     """[..., K, V] logits -> [..., V]: max over K of log(1 + ReLU(logit)).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -183,10 +184,21 @@ def select(enc: Encodings, ids: list[str]) -> Encodings:
     missing = [x for x in ids if x not in pos]
     if missing:
         raise KeyError(f"{len(missing)} id(s) have no encoding, e.g. {missing[0]!r}")
-    idx = [pos[x] for x in ids]
+    return take(enc, [pos[x] for x in ids])
+
+
+def take(enc: Encodings, rows: Sequence[int]) -> Encodings:
+    """The texts at positions ``rows``, in that order.
+
+    >>> e = Encodings(["a", "b"], torch.zeros(2, 1, 2), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 2),
+    ...               [np.zeros(0)] * 2, [np.zeros(0)] * 2)
+    >>> take(e, [1]).ids
+    ['b']
+    """
+    idx = [int(i) for i in rows]
     t = torch.tensor(idx, dtype=torch.long, device=enc.multi.device)
     return Encodings(
-        list(ids),
+        [enc.ids[i] for i in idx],
         enc.multi[t],
         enc.mask[t],
         enc.single[t],

@@ -20,11 +20,14 @@ from retrieval.rerank.training import RerankTrainer, RerankTrainSettings
 from retrieval.training.loop import Trainer, TrainSettings
 from stages import execute, stages
 from stages.base import Context
+from stages.beta import BetaConfig
 from stages.bm25 import BM25Config
+from stages.bot import BotConfig
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
+from stages.late import LateConfig
 from stages.report import ReportConfig
 from stages.rerank import RerankConfig
 from stages.score import ScoreConfig
@@ -58,10 +61,13 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
     return {
         "download": DownloadConfig(name="tiny", source=str(beir), **common),
         "tokenize": TokenizeConfig(dataset="tiny", backbone=bb, max_length=96, shard_size=5, **common),
+        "bot": BotConfig(dataset="tiny", backbone=bb, max_length=96, **common),
         "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4,
                                **common),  # fmt: skip
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
+        "beta": BetaConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
+        "late": LateConfig(dataset="tiny", system=ref, kq=1, kp=2, depths=[3, 5], **common),
         "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
                                prompt=TINY_PROMPT, **common),  # fmt: skip
         "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
@@ -110,7 +116,9 @@ def test_every_stage_did_its_work_once(world: dict) -> None:
         assert res.stage == name and res.done > 0 and res.skipped == 0, (name, res)
     assert world["results"]["encode"].done == 2 * (1 + 3)  # K x shards (5 queries: 1 shard; 12 docs: 3)
     assert world["results"]["score"].done == 2 * 2 * 2 * 5  # splits x K_q x K_p x modes
-    assert world["results"]["evaluate"].done == 40 + 2 + 1  # + BM25 on test and train, + the reranked test run
+    assert world["results"]["beta"].done == 2 * 2  # splits x K_q
+    assert world["results"]["late"].done == 2  # BM25's top 3 and top 5, re-scored
+    assert world["results"]["evaluate"].done == 40 + 4 + 2 + 2 + 1  # + beta, late, BM25 (test, train), reranked
 
 
 @pytest.mark.parametrize("name", list(stages()))
@@ -136,6 +144,8 @@ DRIFT = {  # stage -> (change of a setting, the field the error names)
     "encode": (None, "readout.sparse_topk"),
     "score": (lambda w: {"topk": 10}, "topk"),
     "bm25": (lambda w: {"topk": 10}, "topk"),
+    "beta": (lambda w: {"topk": 10}, "topk"),
+    "late": (lambda w: {"self_hits": "drop"}, "ignore_identical_ids"),
     "training": (lambda w: {"depth": 4}, "depth"),
     "train": (lambda w: {"settings": TRAIN.model_copy(update={"lr": 2e-3})}, "settings.lr"),
     "train-reranker": (lambda w: {"settings": RERANK_TRAIN.model_copy(update={"loss": "ranknet"})}, "settings.loss"),
@@ -172,7 +182,7 @@ def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path:
     forced = w["configs"]["score"].model_copy(update={"topk": 3, "force": True})
     assert execute(stages()["score"], forced, log=lambda _: None).done == 40
     res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lambda _: None)
-    assert (res.done, res.skipped) == (40, 3)  # the encoder's runs are stale; BM25's and the reranked are current
+    assert (res.done, res.skipped) == (40, 9)  # the encoder's runs are stale; beta's, late's, BM25's, the reranked
 
 
 def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:

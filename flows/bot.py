@@ -1,0 +1,16 @@
+"""The bot flow: SIDR's binary bag-of-tokens index of a dataset's passages, from stored token ids (no model)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from stages.bot import BotConfig, stage
+
+from .runner import run_in_flow
+
+__all__ = ["BotConfig", "bot_flow"]
+
+
+@flow(name="bot", description=stage.description)
+def bot_flow(config: BotConfig) -> dict:
+    return run_in_flow(stage, config)

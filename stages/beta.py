@@ -1,0 +1,152 @@
+"""The beta stage: SIDR_beta search, any stored system's sparse query vectors against a bag-of-tokens index.
+
+    runs/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=0/mode=beta/run.parquet
+
+A query's score for a passage is the sum of its sparse weights over the tokens the passage contains (the bot
+stage's index of the query encoder's own tokenizer): no passage is encoded. SIDR's sparse vectors, DiffRetriever's
+K-mask sparse vectors and PromptReps' all search it the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.readouts import sparse_quantised
+from retrieval.search.bot import beta_search, binary_flat
+from retrieval.search.encodings import SparseFlat
+from retrieval.search.rules import ScoreRules
+from retrieval.search.scoring import TopK
+from storage import IncompleteArtifactError, StoreError
+from storage.layout import BOT_FILE, bot_dir, encodings_dir, run_dir
+
+from .base import Context, KList, Plan, Stage
+from .readers import encoding_manifest, query_encodings, split_queries
+from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
+from .systems import SystemRecord, SystemRef, find_system, tokenizer_of, vocab_hash
+
+BOT_ROWS = 65_536  # passages of the index scored at a time (their [query vocabulary, N] block)
+
+
+class BetaConfig(RetrievalConfig):
+    """Parameters of the beta flow."""
+
+    system: SystemRef = Field(default_factory=SystemRef, description="The query encoder: a stored system with "
+                              "sparse query vectors.")  # fmt: skip
+    kq: KList = Field(default=[1], description="Query budgets K_q (their query encodings must be stored).")
+    bot: str | None = Field(default=None, description="The bag-of-tokens index's tokenizer slug (`diffret sql "
+                            "'from bot_indexes'`); default: the one the system's queries were tokenized with.")
+
+
+@dataclass
+class BetaUnit:
+    cells: list[Cell]
+    query_stages: dict[int, str]
+    bot_stage: str
+    query_ids: list[str]
+    split_rows: dict[str, list[int]]
+    sparse_factor: float
+
+
+class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written"):
+    """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
+
+    def plan(self, config: BetaConfig, ctx: Context) -> Plan:
+        store, corpus = ctx.store, config.corpus_name()
+        record = find_system(store, config.system)
+        if not record.has_sparse:
+            raise ValueError(f"{record.system}: the {record.readout} readout has no sparse vectors; beta search needs "
+                             "a sparse query side (sidr, diffretriever, promptreps)")  # fmt: skip
+        q_stages = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
+        q_hashes = {}
+        tokens = None
+        for kq, st in q_stages.items():
+            m = encoding_manifest(store, st)
+            q_hashes[str(kq)] = m.config_hash
+            tokens = m.config.get("tokens", tokens)
+        slug = config.bot or tokens
+        b_stage = bot_dir(str(slug), corpus)
+        b_man = store.read_manifest(b_stage)
+        if b_man is None:
+            raise IncompleteArtifactError(
+                f"{store.abspath(b_stage)}: no bag-of-tokens index; run `diffret bot -d {corpus} --model "
+                f"{record.model}` first"
+            )
+        check_tokenizer(record, b_man.config)
+        inputs = {"queries": q_hashes, "bot": b_man.config_hash}
+        split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
+        plan = Plan(system=record.system)
+        cells = []
+        for split in config.splits:
+            for kq in config.kq:
+                cfg = cell_config(record.system, config.dataset, corpus, split, kq, 0, "beta", config.depth(split), 0,
+                                  config.ignore_ids(), {"queries": q_hashes[str(kq)], "bot": b_man.config_hash})
+                cfg.pop("fusion", None)
+                cfg["bot"] = b_man.partition
+                stage = run_dir(record.system, config.dataset, split, kq, 0, "beta")
+                if plan.needs(ctx, stage, cfg, config.force):
+                    cells.append(Cell(split, kq, 0, "beta", stage, cfg))
+        if cells:
+            query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
+            row = {q: i for i, q in enumerate(query_ids)}
+            split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
+            factor = ScoreRules().sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+            plan.units.append(BetaUnit(cells, {kq: q_stages[kq] for kq in {c.kq for c in cells}}, b_stage, query_ids,
+                                       split_rows, factor))  # fmt: skip
+        plan.count = len(cells)
+        plan.details["inputs"] = inputs
+        return plan
+
+    def run(self, unit: BetaUnit, ctx: Context) -> int:
+        store = ctx.store
+        depth = search_depth(unit.cells)
+        ignore = bool(unit.cells[0].config["ignore_identical_ids"])
+        man = store.require_manifest(unit.bot_stage)
+        table = store.read_table(unit.bot_stage, BOT_FILE)
+        doc_ids = table.column("id").to_pylist()
+        bags = binary_flat(table.column("token_ids"))
+        del table
+        tops: dict[tuple[int, str], TopK] = {}
+        for kq, st in unit.query_stages.items():
+            enc = query_encodings(store, st, unit.query_ids, "cpu", None, unit.sparse_factor)
+            q = SparseFlat.from_lists(enc.sparse_ids, enc.sparse_weights)
+            blocks = (bags.rows(a, min(a + BOT_ROWS, len(bags))) for a in range(0, len(bags), BOT_ROWS))
+            top = beta_search(q, blocks, depth + (1 if ignore else 0))
+            tops[(kq, "beta")] = drop_self_hits(top, unit.query_ids, doc_ids, depth) if ignore else top
+        write_runs(store, unit.cells, tops, unit.query_ids, doc_ids, unit.split_rows)
+        ctx.log(f"beta search: {len(unit.query_ids):,} queries over {len(doc_ids):,} passages' bags of tokens "
+                f"({man.partition.get('tokenizer')})")  # fmt: skip
+        return len(unit.cells)
+
+
+def check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:
+    """Refuse a bag-of-tokens index built with another vocabulary than the query encoder's, naming both."""
+    backbone = BackboneConfig(model=record.model or "", gguf_file=record.settings.get("gguf_file"))
+    mine = vocab_hash(tokenizer_of(backbone))
+    theirs = bot_config.get("vocab_hash")
+    if theirs is not None and theirs != mine:
+        raise StoreError(f"the bag-of-tokens index {bot_config.get('tokenizer')!r} was built with another tokenizer "
+                         f"than the query encoder {record.system!r} ({record.model}): their token ids do not "
+                         "mean the same words; build one with `diffret bot --model <the encoder's model>`")
+
+
+def drop_self_hits(top: TopK, query_ids: list[str], doc_ids: list[str], depth: int) -> TopK:
+    """The top ``depth`` without the document whose id is the query's (BEIR's evaluation of ArguAna / Quora).
+
+    >>> t = TopK(np.array([[3.0, 2.0, 1.0]], np.float32), np.array([[1, 0, 2]]))
+    >>> drop_self_hits(t, ["b"], ["a", "b", "c"], 2).index.tolist()
+    [[0, 2]]
+    """
+    scores = np.full((len(query_ids), depth), -np.inf, np.float32)
+    index = np.full((len(query_ids), depth), -1, np.int64)
+    for i, q in enumerate(query_ids):
+        keep = [j for j, d in enumerate(top.index[i]) if d < 0 or doc_ids[d] != q][:depth]
+        scores[i, : len(keep)], index[i, : len(keep)] = top.scores[i, keep], top.index[i, keep]
+    return TopK(scores, index)
+
+
+stage = Beta()

@@ -1,0 +1,99 @@
+"""The bot stage: SIDR's binary bag-of-tokens index of a dataset's passages, from stored token ids (no model).
+
+    bot/tokenizer=<slug>/dataset=<d>/bot.parquet        id, token_ids (distinct, sorted, special ids dropped)
+
+It reads the passage side's ``tokens/`` shard by shard (the same ids every readout of that tokenizer reads), so
+memory is one shard's, and records in its manifest what it cost: build seconds, bytes, passages, nnz and density
+(the ``bot_indexes`` view). Beta search (SIDR_beta) scores a query encoder's sparse vectors against it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from retrieval.data.sources import corpus_of
+from retrieval.fields import like
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.sparse import excluded_ids
+from retrieval.search.bot import bag_of_tokens
+from storage import IncompleteArtifactError, Manifest
+from storage.layout import BOT_FILE, BOT_SCHEMA, bot_dir, tokens_dir
+
+from .base import Context, Folder, Plan, Stage, StageConfig
+from .readers import tokens_manifest
+from .systems import tokenizer_of, tokens_slug, vocab_hash
+from .tokenize import TokenizeConfig
+
+
+class BotConfig(StageConfig):
+    """Parameters of the bot flow: whose tokenizer, which passages."""
+
+    dataset: str = like(TokenizeConfig, "dataset")
+    backbone: BackboneConfig = like(TokenizeConfig, "backbone")
+    max_length: int = like(TokenizeConfig, "max_length")
+    title_sep: str = like(TokenizeConfig, "title_sep")
+
+
+class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
+    """SIDR's binary bag-of-tokens index of a corpus: a pass over its stored token ids, no model."""
+
+    def plan(self, config: BotConfig, ctx: Context) -> Plan:
+        corpus = corpus_of(config.dataset)
+        slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
+        t_stage = tokens_dir(slug, corpus, "passage")
+        t_man = tokens_manifest(ctx.store, t_stage, f"run `diffret tokenize -d {corpus} --side passage --model "
+                                f"{config.backbone.model}` (or `diffret encode`) first")  # fmt: skip
+        tokenizer = tokenizer_of(config.backbone)
+        cfg = {
+            "tokenizer": slug, "dataset": corpus, "excluded_ids": sorted(excluded_ids(tokenizer)),
+            "vocab_size": len(tokenizer), "vocab_hash": vocab_hash(tokenizer),
+            "inputs": {"tokens": t_man.config_hash, "rows": t_man.total_rows()},
+        }  # fmt: skip
+        stage = bot_dir(slug, corpus)
+        plan = Plan(system=slug, details={"stage": stage})
+        if plan.needs(ctx, stage, cfg, config.force):
+            plan.units.append(Folder(stage, cfg))
+        return plan
+
+    def run(self, unit: Folder, ctx: Context) -> dict[str, Any]:
+        store, c = ctx.store, unit.config
+        t_stage = tokens_dir(c["tokenizer"], c["dataset"], "passage")
+        t_man = store.require_manifest(t_stage)
+        if t_man.config_hash != c["inputs"]["tokens"]:
+            raise IncompleteArtifactError(f"{store.abspath(t_stage)}: changed since the bot stage planned; run again")
+        start = time.perf_counter()
+        counts = {"passages": 0, "nnz": 0}
+
+        def batches() -> Iterator[pa.Table]:
+            for name in sorted(t_man.files):  # shard by shard: memory is one shard's
+                t = store.read_table(t_stage, name, columns=["id", "token_ids"])
+                bags = bag_of_tokens(t.column("token_ids"), c["excluded_ids"])
+                counts["passages"] += len(bags)
+                counts["nnz"] += len(bags.values)
+                yield pa.table({"id": t.column("id"), "token_ids": bags}, schema=BOT_SCHEMA)
+
+        m = Manifest.new("bot", {"tokenizer": c["tokenizer"], "dataset": c["dataset"]}, c)
+        with store.stage_writer(unit.stage, m) as w:
+            entry = w.write_parquet(BOT_FILE, BOT_SCHEMA, batches())
+            vocab = int(c["vocab_size"])
+            seconds = time.perf_counter() - start
+            m.stats = {
+                "passages": counts["passages"], "nnz": counts["nnz"], "bytes": entry.bytes,
+                "build_seconds": round(seconds, 3), "vocab_size": vocab,
+                "mean_tokens": counts["nnz"] / max(counts["passages"], 1),
+                "density": counts["nnz"] / max(counts["passages"] * vocab, 1),
+            }  # fmt: skip
+        ctx.log(f"bag of tokens {c['dataset']}: {counts['passages']:,} passages, {counts['nnz']:,} distinct tokens, "
+                f"{entry.bytes:,} bytes in {seconds:.1f}s")  # fmt: skip
+        return m.stats
+
+    def finish(self, config: BotConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        stats = results[0] if results else ctx.store.require_manifest(plan.details["stage"]).stats
+        return {**plan.details, "stats": stats}
+
+
+stage = Bot()
