@@ -76,7 +76,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
                 f"{store.abspath(b_stage)}: no bag-of-tokens index; run `diffret bot -d {corpus} --model "
                 f"{record.model}` first"
             )
-        check_tokenizer(record, b_man.config)
+        _check_tokenizer(record, b_man.config)
         inputs = {"queries": q_hashes, "bot": b_man.config_hash}
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
         plan = Plan(system=record.system)
@@ -123,7 +123,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
         return len(unit.cells)
 
 
-def check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:
+def _check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:
     """Refuse a bag-of-tokens index built with another vocabulary than the query encoder's, naming both."""
     backbone = BackboneConfig(model=record.model or "", gguf_file=record.settings.get("gguf_file"))
     mine = vocab_hash(tokenizer_of(backbone))

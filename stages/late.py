@@ -176,7 +176,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         rescore_mode = unit.cells[0].config["rescore"]
         stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids)}
         for m in sorted({int(c.config["topk"]) for c in unit.cells}):
-            cands = [first_split_top(first, q, m) for q in query_ids]
+            cands = [_first_top(first, q, m) for q in query_ids]
             top = rescore(queries, cands, passages, p_index, [rescore_mode], unit.cells[0].kq, settings)[rescore_mode]
             row = {q: i for i, q in enumerate(query_ids)}
             for cell in (c for c in unit.cells if int(c.config["topk"]) == m):
@@ -254,7 +254,7 @@ def _top(run: pa.Table, depth: int, position: dict[str, int]) -> dict[str, np.nd
     return {q: np.array([p for _, p in sorted(v)], np.int64) for q, v in out.items()}
 
 
-def first_split_top(first: dict[str, dict[str, np.ndarray]], query: str, m: int) -> np.ndarray:
+def _first_top(first: dict[str, dict[str, np.ndarray]], query: str, m: int) -> np.ndarray:
     """A query's first-stage top ``m`` (from whichever split holds it)."""
     for by_query in first.values():
         if query in by_query:

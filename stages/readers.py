@@ -86,7 +86,16 @@ def qrels_table(store: ArtifactStore, dataset: str, split: str) -> pa.Table:
 
 def tokens_manifest(store: ArtifactStore, stage: str, hint: str) -> Manifest:
     """The manifest of a tokens folder that holds every text of its side; else a clear error ending in ``hint``
-    (what to run)."""
+    (what to run).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     try:
+    ...         tokens_manifest(ArtifactStore(root), "tokens/x", "run the tokenize stage")
+    ...     except IncompleteArtifactError as exc:
+    ...         print(str(exc).split(": ", 1)[1])
+    token ids are missing or incomplete; run the tokenize stage
+    """
     m = store.read_manifest(stage)
     if m is None or m.total_rows() != m.config.get("inputs", {}).get("rows"):
         raise IncompleteArtifactError(f"{store.abspath(stage)}: token ids are missing or incomplete; {hint}")
