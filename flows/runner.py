@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.futures import as_completed
 
 from stages import Context, Stage, StageConfig, StageResult, execute
+from stages.base import run_units
 from storage import ArtifactStore
 from tasks.keys import artifact_key
 
@@ -124,15 +125,7 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
                 runner = _task_runner(config)
                 results = _units_flow.with_options(task_runner=runner)(stage.name, config.root, plan.units)
             elif plan.units:
-                total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
-                advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-                if stage.reports_progress:
-                    ctx.advance = advance
-                for unit in plan.units:
-                    results.append(stage.run(unit, ctx))
-                    stage.commit(unit, results[-1], ctx)
-                    if not stage.reports_progress:
-                        advance(stage.work_of(unit))
+                results = run_units(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)
             raise

@@ -226,18 +226,25 @@ def execute(
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
         plan = stage.plan(config, ctx)
-        total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
-        advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-        if stage.reports_progress:
-            ctx.advance = advance
-        results = []
         try:
-            for unit in plan.units:
-                results.append(stage.run(unit, ctx))
-                stage.commit(unit, results[-1], ctx)
-                if not stage.reports_progress:
-                    advance(stage.work_of(unit))
+            results = run_units(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)
             raise
         return stage.result(plan, stage.finish(config, plan, results, ctx))
+
+
+def run_units(stage: Stage, plan: Plan, ctx: Context) -> list[Any]:
+    """Run a plan's units in this process, one after another, committing each as it finishes (progress by the
+    stage's work, or reported by the stage itself); their results. The caller aborts the stage on failure."""
+    total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
+    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+    if stage.reports_progress:
+        ctx.advance = advance
+    results: list[Any] = []
+    for unit in plan.units:
+        results.append(stage.run(unit, ctx))
+        stage.commit(unit, results[-1], ctx)
+        if not stage.reports_progress:
+            advance(stage.work_of(unit))
+    return results

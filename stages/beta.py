@@ -85,7 +85,6 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
             for kq in config.kq:
                 cfg = cell_config(record.system, config.dataset, corpus, split, kq, 0, "beta", config.depth(split), 0,
                                   config.ignore_ids(), {"queries": q_hashes[str(kq)], "bot": b_man.config_hash})
-                cfg.pop("fusion", None)
                 cfg["bot"] = b_man.partition
                 stage = run_dir(record.system, config.dataset, split, kq, 0, "beta")
                 if plan.needs(ctx, stage, cfg, config.force):

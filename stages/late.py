@@ -194,9 +194,9 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         after encoding what it lacks (one new part); and how many were encoded now."""
         store = ctx.store
         want = pa.array([corpus_ids[i] for i in needed.tolist()], pa.string())
-        if unit.full_stage is not None:
+        if unit.full_stage is not None:  # only the needed rows of each shard are kept (a corpus's vectors are large)
             m = store.require_manifest(unit.full_stage)
-            parts = [store.read_table(unit.full_stage, n) for n in sorted(m.files)]
+            parts = [_rows(store.read_table(unit.full_stage, n), want) for n in sorted(m.files)]
             return _rows(pa.concat_tables(parts), want), 0
         stage = unit.partial_stage
         ctx.hold(stage)
