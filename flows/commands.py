@@ -190,7 +190,8 @@ def _numeric_paths() -> list[str]:
     """The settings that tell stored encoder systems apart: "backbone.dtype", "readout.prompt", "max_length", ..."""
     keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
     out = [f"backbone.{k}" for k in keys if k not in ("readout", "model", *EncodeSettings.model_fields)]
-    out += [f"readout.{k}" for k in keys["readout"]]
+    sidr = numeric_settings(EncodeSettings(backbone={"model": "x"}, readout=ReadoutConfig(readout="sidr")))["readout"]
+    out += [f"readout.{k}" for k in dict.fromkeys([*keys["readout"], *sidr])]  # the SIDR-only settings too
     return out + [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")]
 
 

@@ -123,3 +123,16 @@ SELECT stage,
        sum(rows) AS rows
 FROM artifact_files
 GROUP BY ALL;
+
+-- view: index_costs
+-- What each index of a corpus cost to build and store: the bag of tokens (diffret bot: no model), BM25's (built in
+-- memory by every bm25 run: its seconds, no bytes kept) and a SIDR system's parametric index (its passage
+-- encodings: bytes; their encoding time is not recorded by the encode stage).
+CREATE OR REPLACE VIEW index_costs AS
+SELECT 'bag of tokens' AS index, tokenizer AS name, dataset, bytes, build_seconds FROM bot_indexes
+UNION ALL
+SELECT 'bm25', system, dataset, NULL, max(index_seconds) FROM search_costs WHERE mode = 'bm25' GROUP BY ALL
+UNION ALL
+SELECT 'parametric (sidr)', f.system, f.dataset, sum(f.bytes), NULL
+FROM footprint AS f JOIN systems AS s ON s.system = f.system
+WHERE f.stage = 'encodings' AND f.side = 'passage' AND s.readout = 'sidr' GROUP BY ALL;

@@ -9,7 +9,8 @@ FROM read_parquet(@files, hive_partitioning = true, hive_types = {'set': VARCHAR
 
 -- view: train_log
 -- files: models/model=*/train_log.parquet
--- One row per optimizer step of each fine-tuned model: the loss, its dense and sparse parts, lr, samples/s.
+-- One row per optimizer step of each fine-tuned model: the loss, its dense and sparse parts (SIDR: its top-k and
+-- bag-of-tokens parts), lr, samples/s.
 CREATE OR REPLACE VIEW train_log AS
-SELECT model, step, loss, dense, sparse, lr, samples_per_s
-FROM read_parquet(@files, hive_partitioning = true, hive_types = {'model': VARCHAR});
+SELECT model, step, loss, dense, sparse, topk, bot, lr, samples_per_s
+FROM read_parquet(@files, hive_partitioning = true, hive_types = {'model': VARCHAR}, union_by_name = true);

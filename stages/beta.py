@@ -9,6 +9,7 @@ K-mask sparse vectors and PromptReps' all search it the same way.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,14 +110,16 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
         doc_ids = table.column("id").to_pylist()
         bags = binary_flat(table.column("token_ids"))
         del table
-        tops: dict[tuple[int, str], TopK] = {}
         for kq, st in unit.query_stages.items():
             enc = query_encodings(store, st, unit.query_ids, "cpu", None, unit.sparse_factor)
             q = SparseFlat.from_lists(enc.sparse_ids, enc.sparse_weights)
+            start = time.perf_counter()
             blocks = (bags.rows(a, min(a + BOT_ROWS, len(bags))) for a in range(0, len(bags), BOT_ROWS))
             top = beta_search(q, blocks, depth + (1 if ignore else 0))
-            tops[(kq, "beta")] = drop_self_hits(top, unit.query_ids, doc_ids, depth) if ignore else top
-        write_runs(store, unit.cells, tops, unit.query_ids, doc_ids, unit.split_rows)
+            top = drop_self_hits(top, unit.query_ids, doc_ids, depth) if ignore else top
+            seconds = time.perf_counter() - start
+            cells = [c for c in unit.cells if c.kq == kq]
+            write_runs(store, cells, {(kq, "beta"): top}, unit.query_ids, doc_ids, unit.split_rows, seconds)
         ctx.log(f"beta search: {len(unit.query_ids):,} queries over {len(doc_ids):,} passages' bags of tokens "
                 f"({man.partition.get('tokenizer')})")  # fmt: skip
         return len(unit.cells)

@@ -69,11 +69,13 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written")
         ctx.log(f"BM25 over {len(doc_ids):,} passages for {len(query_ids):,} queries")
         settings = BM25Settings.model_validate(cfg["bm25"])
         depth = search_depth(unit.cells)  # the deepest split's; each cell's run is cut to its own depth
+        clock: dict[str, float] = {}
         top = bm25_search(doc_texts, [text_of[q] for q in query_ids], depth, settings, query_ids, doc_ids,
-                          cfg["ignore_identical_ids"])  # fmt: skip
+                          cfg["ignore_identical_ids"], clock)  # fmt: skip
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}
-        write_runs(ctx.store, unit.cells, {(0, "bm25"): top}, query_ids, doc_ids, split_rows)
+        write_runs(ctx.store, unit.cells, {(0, "bm25"): top}, query_ids, doc_ids, split_rows, clock["search_seconds"],
+                   {"index_seconds": round(clock["index_seconds"], 4)})  # fmt: skip
         return len(unit.cells)
 
 

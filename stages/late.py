@@ -12,6 +12,7 @@ the ones encoded by this run, and the corpus.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from .base import Context, Plan, Stage
 from .encode import EncodeConfig, encodings_config, reader_for
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_run
-from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, write_run
+from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
 from .systems import EncodeSettings, SystemRef, find_system, settings_of
 
 PART = "part={:05d}.parquet"
@@ -164,7 +165,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         first: dict[str, dict[str, np.ndarray]] = {s: _top(read_run(store, unit.first_runs[s]), depth, position)
                                                    for s in splits}  # fmt: skip
         needed = np.unique(np.concatenate([v for s in splits for v in first[s].values()] + [np.zeros(0, np.int64)]))
-        table, encoded = self._passages(unit, ctx, needed, corpus_ids)
+        table, encoded, encode_seconds = self._passages(unit, ctx, needed, corpus_ids)
         settings = SearchSettings(rules=ScoreRules.model_validate(unit.cells[0].config["rules"]),
                                   ignore_identical_ids=bool(unit.cells[0].config["ignore_identical_ids"]))
         passages = encodings_from_table(table, "cpu", settings.rules, unit.sparse_factor)
@@ -174,30 +175,36 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         queries = query_encodings(store, unit.q_stage, query_ids, "cpu", settings.rules, unit.sparse_factor)
         lex = doc_order(corpus_ids)
         rescore_mode = unit.cells[0].config["rescore"]
-        stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids)}
+        stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
+                 "encode_seconds": round(encode_seconds, 4)}  # fmt: skip
         for m in sorted({int(c.config["topk"]) for c in unit.cells}):
             cands = [_first_top(first, q, m) for q in query_ids]
+            start = time.perf_counter()
             top = rescore(queries, cands, passages, p_index, [rescore_mode], unit.cells[0].kq, settings)[rescore_mode]
+            m_cells = [c for c in unit.cells if int(c.config["topk"]) == m]
+            timing = search_stats(time.perf_counter() - start, len(query_ids), len(m_cells))
             row = {q: i for i, q in enumerate(query_ids)}
-            for cell in (c for c in unit.cells if int(c.config["topk"]) == m):
+            for cell in m_cells:
                 rows = [row[q] for q in split_queries(store, _dataset(unit), cell.split)]
                 t = run_table(top, query_ids, corpus_ids, rows, lex, depth=m)
                 needed_m = int(len(np.unique(np.concatenate([cands[i] for i in rows] + [np.zeros(0, np.int64)]))))
-                write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **stats, "needed_m": needed_m})
+                write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **stats, "needed_m": needed_m,
+                                           **timing})  # fmt: skip
         ctx.log(f"late re-scoring ({rescore_mode}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
                 f"{encoded:,} encoded now")  # fmt: skip
         return stats
 
     def _passages(self, unit: LateUnit, ctx: Context, needed: np.ndarray,
-                  corpus_ids: list[str]) -> tuple[pa.Table, int]:  # fmt: skip
+                  corpus_ids: list[str]) -> tuple[pa.Table, int, float]:  # fmt: skip
         """The encodings of the ``needed`` passages (global positions): from the full folder, or the partial one
-        after encoding what it lacks (one new part); and how many were encoded now."""
+        after encoding what it lacks (one new part); how many were encoded now, and the seconds that took (the
+        model's loading excluded)."""
         store = ctx.store
         want = pa.array([corpus_ids[i] for i in needed.tolist()], pa.string())
         if unit.full_stage is not None:  # only the needed rows of each shard are kept (a corpus's vectors are large)
             m = store.require_manifest(unit.full_stage)
             parts = [_rows(store.read_table(unit.full_stage, n), want) for n in sorted(m.files)]
-            return _rows(pa.concat_tables(parts), want), 0
+            return _rows(pa.concat_tables(parts), want), 0, 0.0
         stage = unit.partial_stage
         ctx.hold(stage)
         part = {"system": unit.system, "dataset": unit.corpus, "k": str(unit.partial_config["k"])}
@@ -215,15 +222,18 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                 rows.append(t.filter(pc.is_in(t.column("id"), value_set=miss)))
             todo = pa.concat_tables(rows)
             reader = reader_for(EncodeSettings.model_validate(unit.settings))
+            start = time.perf_counter()
             new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
                               todo.column("text").to_pylist(), "passage", int(unit.partial_config["k"]),
                               unit.batch_size, ctx.advance)  # fmt: skip
+            seconds = time.perf_counter() - start
             name = PART.format(len(done))  # open_sharded compacted every earlier record: the next free number
             entry = store.write_shard(stage, name, new)
             store.record_shard(stage, name, entry, man.config_hash)
             store.compact_shards(stage)
             have.append(new)
-        return _rows(pa.concat_tables(have), want), len(missing)
+            return _rows(pa.concat_tables(have), want), len(missing), seconds
+        return _rows(pa.concat_tables(have), want), 0, 0.0
 
 
     def abort(self, config: LateConfig, plan: Plan, ctx: Context) -> None:

@@ -113,13 +113,31 @@ def write_run(store: ArtifactStore, cell: Cell, table: pa.Table, stats: dict[str
 
 
 def write_runs(store: ArtifactStore, cells: list[Cell], runs: dict[tuple[int, str], TopK], query_ids: list[str],
-               doc_ids: list[str], split_rows: dict[str, list[int]]) -> None:  # fmt: skip
-    """Each cell's run (its split's queries, cut to its depth) from the (K_q, mode) results of one pass."""
+               doc_ids: list[str], split_rows: dict[str, list[int]], seconds: float | None = None,
+               extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Each cell's run (its split's queries, cut to its depth) from the (K_q, mode) results of one pass;
+    ``seconds``: the pass's search time, recorded with every cell it wrote (:func:`search_stats`), ``extra``
+    more of its stats (BM25's ``index_seconds``)."""
     lex = doc_order(doc_ids)  # once per pass, not once per cell
+    timing = {**search_stats(seconds, len(query_ids), len(cells)), **(extra or {})}
     for cell in cells:
         rows = split_rows[cell.split]
         table = run_table(runs[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex, depth=int(cell.config["topk"]))
-        write_run(store, cell, table, {"queries": len(rows), "rows": table.num_rows})
+        write_run(store, cell, table, {"queries": len(rows), "rows": table.num_rows, **timing})
+
+
+def search_stats(seconds: float | None, queries: int, cells: int) -> dict[str, Any]:
+    """What a search pass cost, as a run's manifest records it (view ``search_costs``): its wall seconds, the
+    queries it searched (every split's at once) and the cells it wrote (a pass scores several modes at once).
+
+    >>> search_stats(1.5, 300, 2)
+    {'search_seconds': 1.5, 'searched_queries': 300, 'pass_cells': 2}
+    >>> search_stats(None, 300, 2)
+    {}
+    """
+    if seconds is None:
+        return {}
+    return {"search_seconds": round(seconds, 4), "searched_queries": queries, "pass_cells": cells}
 
 
 def read_run(store: ArtifactStore, stage: str, columns: list[str] | None = None) -> pa.Table:

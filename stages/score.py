@@ -10,6 +10,7 @@ not planned (no encoding is read).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from pydantic import Field
@@ -120,9 +121,11 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         n = p_man.total_rows()
         ctx.log(f"scoring K_p={unit.kp}: {len(unit.cells)} cell(s) over {n:,} passages on {unit.device}")
         base = base_modes_needed({c.mode for c in unit.cells})
+        start = time.perf_counter()  # reading the passage shards included: it streams them
         tops, doc_ids = search_pass(queries, passages, base, unit.settings)
         runs = all_modes(tops, unit.fusion_depth, rules)
-        write_runs(store, unit.cells, runs, unit.query_ids, doc_ids, unit.split_rows)
+        seconds = time.perf_counter() - start
+        write_runs(store, unit.cells, runs, unit.query_ids, doc_ids, unit.split_rows, seconds)
         return len(unit.cells)
 
 

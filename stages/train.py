@@ -19,10 +19,12 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
@@ -31,20 +33,25 @@ from retrieval.devices import resolve_device
 from retrieval.fields import cli
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
+from retrieval.search.bot import binary_flat
 from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
-from storage import Manifest, StoreError
+from retrieval.training.negatives import RetrievedNegatives
+from storage import IncompleteArtifactError, Manifest, StoreError
 from storage.layout import (
+    BOT_FILE,
     GROUPS_FILE,
     TRAIN_LOG_FILE,
     TRAIN_LOG_SCHEMA,
+    bot_dir,
     checkpoint_path,
+    dataset_dir,
     model_dir,
     training_dir,
 )
 from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
-from .systems import SystemRef, find_system, slug_base
+from .systems import SystemRef, find_system, slug_base, tokenizer_of, vocab_hash
 from .tokenize import default_backbone
 
 
@@ -61,6 +68,9 @@ class TrainConfig(StageConfig):
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
     merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "
                         "folder, no base needed) instead of the adapter alone.")  # fmt: skip
+    bot: str | None = Field(default=None, description="Retrieved negatives: the bag-of-tokens index's tokenizer slug "
+                            "(`diffret sql 'from bot_indexes'`); default: the training corpus's one index with the "
+                            "model's vocabulary.")  # fmt: skip
 
 
 @dataclass
@@ -100,10 +110,17 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         cfg = {
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
-            "readout": config.readout.numbers(), "settings": config.settings.model_dump(),
+            "readout": config.readout.numbers(), "settings": config.settings.recorded(),
             "inputs": {"training": data.config_hash},
             "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
         }  # fmt: skip
+        if config.settings.retrieved_negatives is not None:
+            if config.readout.readout != "sidr":
+                raise ValueError("--retrieved-negatives is SIDR's in-training retrieval: train with --readout sidr")
+            corpus = str(data.config.get("corpus") or data.config["dataset"])
+            _, b_man = _bot_index(ctx.store, config, corpus)
+            cfg["inputs"]["bot"] = b_man.files[BOT_FILE].sha256  # its content: the same bags under any name
+            cfg["bot"] = corpus
         return self.model_plan(ctx, config, cfg, "ft", int(data.total_rows()))
 
     @staticmethod
@@ -142,12 +159,83 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         bb = load_backbone(backbone)
         reader = make_reader(bb, ReadoutConfig.model_validate(cfg["readout"]), 512)
         settings = TrainSettings.model_validate(cfg["settings"])
-        trainer = Trainer(reader, groups, settings)
-        return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, {"groups": len(groups)})
+        negatives = None
+        if settings.retrieved_negatives is not None:
+            stage = _bot_with(store, cfg["bot"], cfg["inputs"]["bot"])
+            negatives = _retrieved_negatives(store, stage, settings.retrieved_negatives)
+        trainer = Trainer(reader, groups, settings, negatives)
+        stats: dict[str, Any] = {"groups": len(groups)}
+        out = fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, stats, extra=lambda: _negative_counts(negatives))
+        return out
+
+
+def _negative_counts(negatives: RetrievedNegatives | None) -> dict[str, Any]:
+    if negatives is None:
+        return {}
+    return {"retrieved_negatives": negatives.drawn, "retrieved_fallback_queries": negatives.fallback}
+
+
+def _bot_index(store: Any, config: TrainConfig, corpus: str) -> tuple[str, Manifest]:
+    """The bag-of-tokens index retrieved negatives search: ``config.bot``, else the corpus's one index built with
+    the model's vocabulary; refused, naming what there is, when there is none or another vocabulary's."""
+    mine = vocab_hash(tokenizer_of(config.backbone))
+    stages = [bot_dir(config.bot, corpus)] if config.bot else store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}")
+    found = []
+    for stage in stages:
+        m = store.read_manifest(stage)
+        if m is not None and (config.bot or m.config.get("vocab_hash") == mine):
+            found.append((stage, m))
+    hint = f"build one with `diffret bot -d {corpus} --model {config.backbone.model}`"
+    if not found:
+        raise IncompleteArtifactError(f"retrieved negatives: no bag-of-tokens index of {corpus!r} with the "
+                                      f"vocabulary of {config.backbone.model}; {hint}")  # fmt: skip
+    if len({m.files[BOT_FILE].sha256 for _, m in found}) > 1:  # the same bags under several names: any of them
+        raise StoreError(f"retrieved negatives: several different bag-of-tokens indexes of {corpus!r} fit "
+                         f"({', '.join(m.partition['tokenizer'] for _, m in found)}); name one with --bot")
+    stage, m = found[0]
+    theirs = m.config.get("vocab_hash")
+    if theirs is not None and theirs != mine:
+        raise StoreError(f"the bag-of-tokens index {m.partition.get('tokenizer')!r} was built with another tokenizer "
+                         f"than {config.backbone.model}: their token ids do not mean the same words; {hint}")
+    return stage, m
+
+
+def _bot_with(store: Any, corpus: str, sha256: str) -> str:
+    """The bag-of-tokens folder of ``corpus`` whose bags file is ``sha256`` (the one a training planned with)."""
+    for stage in store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}"):
+        m = store.read_manifest(stage)
+        if m is not None and BOT_FILE in m.files and m.files[BOT_FILE].sha256 == sha256:
+            return stage
+    raise IncompleteArtifactError(f"the bag-of-tokens index of {corpus!r} this training planned with is gone; run "
+                                  "it again")  # fmt: skip
+
+
+def _retrieved_negatives(store: Any, bot_stage: str, depth: int) -> RetrievedNegatives:
+    """The index and the corpus passages retrieved negatives are drawn from."""
+    man = store.require_manifest(bot_stage)
+    table = store.read_table(bot_stage, BOT_FILE)
+    doc_ids = table.column("id").to_pylist()
+    bags = binary_flat(table.column("token_ids"))
+    del table
+    corpus = store.read_table(dataset_dir(man.config["dataset"]), "corpus.parquet", columns=["doc_id", "title", "text"])
+    row = {d: i for i, d in enumerate(corpus.column("doc_id").to_pylist())}
+    missing = [d for d in doc_ids[:1000] if d not in row]
+    if missing:
+        raise StoreError(f"{store.abspath(bot_stage)}: ids not in the corpus {man.config['dataset']!r} "
+                         f"({', '.join(missing[:3])}); build the index again (`diffret bot --force`)")
+    where = np.asarray([row.get(d, -1) for d in doc_ids], np.int64)
+
+    def passages(rows: list[int]) -> list[dict[str, str]]:
+        t = corpus.take(pa.array(where[rows]))
+        return [{"docid": d, "title": ti or "", "text": x or ""} for d, ti, x in
+                zip(*(t.column(c).to_pylist() for c in ("doc_id", "title", "text")), strict=True)]  # fmt: skip
+
+    return RetrievedNegatives(bags, doc_ids, passages, depth)
 
 
 def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer: Any, ctx: Context,
-                 stats: dict[str, Any], ylabel: str = "InfoNCE") -> dict[str, Any]:  # fmt: skip
+                 stats: dict[str, Any], ylabel: str = "InfoNCE",
+                 extra: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Train ``trainer`` to its last step from the unit's checkpoint (when a killed run left one), checkpointing
     every ``unit.checkpoint_every`` steps; then save the model folder (adapter or merged weights, tokenizer, log,
     loss curve) and drop the checkpoint. Under DDP only the first process logs and writes. The train stages'
@@ -172,7 +260,7 @@ def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer:
     trainer.run(on_step=on_step, checkpoint=save, every=unit.checkpoint_every)
     stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
              "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], **stats,
-             "processes": trainer.world}  # fmt: skip
+             "processes": trainer.world, **(extra() if extra else {})}  # fmt: skip
     if lead:
         _save(unit, cfg, trainer, tokenizer, stats, ctx, ylabel)
         store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
@@ -199,7 +287,11 @@ def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, s
             if gguf:  # the base is a GGUF file in its folder: loading the adapter alone needs its name
                 Path(tmp, BASE_FILE).write_text(json.dumps({"gguf_file": gguf}))
         else:
+            extra = trainer.extra_models()  # off the main model first: its folder holds its own weights only
             trainer.merged_model().save_pretrained(tmp)
+            for sub, model in extra.items():
+                model.save_pretrained(Path(tmp, sub))
+                tokenizer.save_pretrained(Path(tmp, sub))
         tokenizer.save_pretrained(tmp)
         with ctx.store.stage_writer(unit.stage, m) as w:
             for f in sorted(Path(tmp).rglob("*")):
@@ -272,7 +364,7 @@ def _loss_png(log: list[dict[str, Any]], title: str, ylabel: str = "InfoNCE") ->
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [r["step"] for r in log]
-    for key in ("loss", "dense", "sparse"):
+    for key in ("loss", "dense", "sparse", "topk", "bot"):
         if any(r.get(key) is not None for r in log):
             ax.plot(steps, [r.get(key) for r in log], label=key)
     ax.set_xlabel("step")

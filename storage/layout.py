@@ -258,6 +258,8 @@ TRAIN_LOG_SCHEMA = pa.schema(
         pa.field("dense", pa.float64()),
         pa.field("sparse", pa.float64()),
         pa.field("samples_per_s", pa.float64()),
+        pa.field("topk", pa.float64()),  # SIDR's objective: its parametric (top-k) and bag-of-tokens parts
+        pa.field("bot", pa.float64()),
     ]
 )
 

@@ -283,13 +283,27 @@ def section_late(db: StoreSQL, rep: Report) -> None:
     if not gains:
         return
     rep.files["late_gains.csv"] = _dicts_csv(gains)
-    bots = rows(db, "select tokenizer, dataset, passages, nnz, bytes, build_seconds from bot_indexes order by 2, 1")
+    bots = rows(db, "select index, name, dataset, bytes, round(build_seconds, 3) build_seconds from index_costs "
+                    "order by dataset, index, name")  # fmt: skip
     body = ("NDCG@10 of each first stage's top m re-scored (`diffret late`), beside the first stage (`beta`: SIDR_beta"
             " over the bag of tokens), the full-corpus run of the same mode (SIDR_full for a sidr system) and BM25; "
             "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + _md_table(gains))
     if bots:
-        rep.files["bot_indexes.csv"] = _dicts_csv(bots)
-        body += "\nBag-of-tokens indexes (`diffret bot`: no model; view `bot_indexes`).\n\n" + _md_table(bots)
+        rep.files["index_costs.csv"] = _dicts_csv(bots)
+        body += ("\nIndexes: the bag of tokens (`diffret bot`: no model), BM25's and SIDR systems' passage encodings "
+                 "(view `index_costs`).\n\n" + _md_table(bots))
+    costs = rows(db, "select system, dataset, split, rescore, m, first_mode, round(first_ms_per_query, 3) first_ms, "
+                     "round(rescore_ms_per_query, 3) rescore_ms, round(encode_ms_per_passage, 3) encode_ms, "
+                     "round(on_the_fly_ms_per_query, 2) on_the_fly_ms, round(full_ms_per_query, 3) full_ms, "
+                     "round(full_index_encode_seconds, 1) full_index_encode_s, passages_needed, corpus "
+                     "from late_costs "
+                     "order by dataset, split, system, rescore, m")  # fmt: skip
+    if costs:
+        rep.files["late_costs.csv"] = _dicts_csv(costs)
+        body += ("\nCost per query, measured on this store's runs (ms per query of a batched pass, query encoding "
+                 "excluded; view `late_costs`): the first stage's search, the re-scoring of its top m, encode_ms: "
+                 "one passage's encoding; on_the_fly: SIDR's way, the m passages encoded for each query; full: the "
+                 "full-corpus search, after encoding the corpus once (full_index_encode_s).\n\n" + _md_table(costs))
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
 

@@ -246,6 +246,7 @@ class Backbone:
         self._mask_token = mask_token
         self._turn_end = turn_end
         self.trunk, self.head = _split_head(model)
+        self.source: BackboneConfig | None = None  # the config it was loaded from (load_backbone)
         self.pad_id = _pad_id(tokenizer)
         # a causal architecture (or Dream's remote code) takes a 4D mask: every real token sees every real token
         self._causal_arch = _is_causal_arch(model)
@@ -526,8 +527,10 @@ def weights_fingerprint(model: str, gguf_file: str | None = None) -> str | None:
     if not weights:  # nothing to fingerprint (the weights are elsewhere, or not downloaded)
         return None
     extra = [p for p in folder.iterdir() if p.is_file() and p.name in ("config.json", "adapter_config.json")]
+    if (sub := folder / PASSAGE_ENCODER).is_dir():  # a separately trained passage encoder is part of the model
+        extra += [p for p in sub.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json")]
     files = sorted(weights + extra)
-    stats = tuple((p.name, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    stats = tuple((str(p.relative_to(folder)), str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _fingerprint(stats)
 
 
@@ -781,7 +784,22 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     if cfg.adapter:
         model = _apply_adapter(model, cfg, raw)
     model.to(resolve_device(cfg.device))
-    return Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
+    bb = Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
+    bb.source = cfg
+    return bb
+
+
+PASSAGE_ENCODER = "passage_encoder"  # a model folder's sub-folder: its passage encoder, when trained apart (SIDR)
+
+
+def passage_encoder_dir(model: str) -> Path | None:
+    """The separately trained passage encoder a local model folder holds (``passage_encoder/``), if any.
+
+    >>> passage_encoder_dir("org/some-hub-id") is None
+    True
+    """
+    folder = Path(model).expanduser() / PASSAGE_ENCODER
+    return folder if (folder / "config.json").is_file() else None
 
 
 def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any]) -> torch.nn.Module:

@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from ..traits import Declared
-from .backbones import Backbone, BackboneError
+from .backbones import Backbone, BackboneError, load_backbone, passage_encoder_dir
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
 from .sparse import excluded_ids, make_filter, per_position_sparse, pooled_weights, topk_sparse
 
@@ -511,44 +511,94 @@ class SidrReadout(
     times the input-embedding matrix, no bias) or ``lm`` (the model's own MLM / LM head: SPLADE's). ``sidr_act``:
     ``elu1p`` (elu(x) + 1, SIDR's) or ``log1p_relu`` (SPLADE's). Special and ``[unusedN]`` ids never score; no
     content-word filter. The dense vector is the mean of the last hidden states (single_dense works; SIDR's own
-    numbers are ``sparse_max``)."""
+    numbers are ``sparse_max``).
+
+    Query and passage encoders are one model (shared) unless the model folder holds a separately trained passage
+    encoder (``passage_encoder/``, what ``diffret train --readout sidr`` writes by default, as SIDR trains): it is
+    loaded with the same settings and encodes the passages (:meth:`separate` makes one for training)."""
+
+    PASSAGE_MODULE = "diffret_passage_encoder"  # the passage encoder's name as a sub-module while training
 
     def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH):
         super().__init__(backbone, config, max_length)
         self.filter = None  # SIDR keeps every token but the special ones
         self._banned = torch.as_tensor(sorted(excluded_ids(backbone.tokenizer)), dtype=torch.long)
+        self.passage_bb: Backbone | None = None
+        src = backbone.source
+        if src is not None and (folder := passage_encoder_dir(src.model)) is not None:
+            self.passage_bb = load_backbone(src.model_copy(update={"model": str(folder), "adapter": None,
+                                                                   "gguf_file": None}))  # fmt: skip
+
+    def separate(self) -> None:
+        """Give the passage side its own encoder for training: a copy of the model, attached to it as a
+        sub-module so that one optimizer, checkpoint and gradient average cover both (no-op when it has one)."""
+        if self.passage_bb is not None:
+            if self.PASSAGE_MODULE not in self.bb.model._modules:  # loaded apart: train both
+                self.bb.model.add_module(self.PASSAGE_MODULE, self.passage_bb.model)
+            return
+        import copy
+
+        twin = copy.deepcopy(self.bb.model)
+        self.bb.model.add_module(self.PASSAGE_MODULE, twin)
+        bb = self.bb
+        self.passage_bb = Backbone(twin, bb.tokenizer, bb.family, bb._mask_token, bb._turn_end, bb.name, bb.loader)
+
+    def detach_passage_encoder(self) -> torch.nn.Module | None:
+        """The passage encoder taken off the query model (to save the two apart); None when shared."""
+        return self.bb.model._modules.pop(self.PASSAGE_MODULE, None)
+
+    def _side(self, side: str) -> Backbone:
+        return self.passage_bb if side == "passage" and self.passage_bb is not None else self.bb
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         if k != 1:
             raise ValueError(f"the sidr readout has one vector per text; use K = 1 (got {k})")
-        rows, hidden, att = self._forward(token_ids)
+        bb = self._side(side)
+        rows, hidden, att = self._forward(token_ids, bb)
         mean = (hidden * att[..., None]).sum(1) / att.sum(1, keepdim=True).clamp(min=1.0)
         out = []
         for i in range(len(rows)):
-            w = self.weights(hidden[i][att[i].bool()])  # the text's own positions only
+            w = self.weights(hidden[i][att[i].bool()], bb)  # the text's own positions only
             ids, vals = topk_sparse(w, None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
             out.append(Encoded(_f16(mean[i : i + 1]), ids, vals, n_tokens=len(rows[i])))
         return out
 
-    def _forward(self, token_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-        head, tail = special_wrapping(self.bb.tokenizer)
-        rows = [head + list(t) + tail for t in token_ids]
-        ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
-        return rows, self.bb.hidden_states(ids, att, bidirectional=True).float(), att.float()
+    def train_vectors(self, token_ids: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """With gradients, for SIDR's objective: each text's pooled vocabulary vector [B, V] (every id, before
+        top-k) and its binary bag of tokens [B, V] (its own ids, special ids excluded)."""
+        bb = self._side(side)
+        rows, hidden, att = self._forward(self._fit(token_ids, side, 1), bb)
+        vecs = torch.stack([self.weights(hidden[i][att[i].bool()], bb) for i in range(len(rows))])
+        bags = torch.zeros_like(vecs)
+        for i, t in enumerate(token_ids):
+            ids = torch.as_tensor([x for x in t if x < vecs.shape[1]], dtype=torch.long, device=vecs.device)
+            bags[i, ids] = 1.0
+        banned = self._banned[self._banned < vecs.shape[1]].to(vecs.device)
+        bags[:, banned] = 0.0
+        return vecs, bags
 
-    def weights(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[V] pooled vocabulary weights of one text from its positions' last hidden states [L, H]."""
+    def _forward(self, token_ids: list[list[int]], bb: Backbone) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        head, tail = special_wrapping(bb.tokenizer)
+        rows = [head + list(t) + tail for t in token_ids]
+        ids, att, _ = _pad(rows, bb.pad_id, self.cfg.padding_side, bb.device)
+        return rows, bb.hidden_states(ids, att, bidirectional=True).float(), att.float()
+
+    def weights(self, hidden: torch.Tensor, bb: Backbone | None = None) -> torch.Tensor:
+        """[V] pooled vocabulary weights of one text from its positions' last hidden states [L, H] (``bb``: the
+        encoder they came from; default the query side's)."""
+        bb = bb or self.bb
         if self.cfg.sidr_head == "lm":
-            scores = self.bb.logits(hidden.to(self.bb.dtype)).float()
+            scores = bb.logits(hidden.to(bb.dtype)).float()
         else:
-            emb = self.bb.model.get_input_embeddings().weight.float()
+            emb = bb.model.get_input_embeddings().weight.float()
             scores = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:]) @ emb.T
-        scores = scores[:, : self._vocab_cut(scores.shape[-1])]
-        act = torch.nn.functional.elu(scores) + 1 if self.cfg.sidr_act == "elu1p" else torch.log1p(scores.relu())
-        pooled = act.max(0).values
-        banned = self._banned[self._banned < pooled.shape[0]].to(pooled.device)
-        pooled[banned] = 0.0
-        return pooled
+        top = scores[:, : self._vocab_cut(scores.shape[-1])].max(0).values
+        # both activations are non-decreasing, so act(max) == max(act); pooling first keeps training from holding
+        # an [L, V] activation for the backward pass (only the max's indices are kept)
+        pooled = torch.nn.functional.elu(top) + 1 if self.cfg.sidr_act == "elu1p" else torch.log1p(top.relu())
+        keep = torch.ones_like(pooled)
+        keep[self._banned[self._banned < pooled.shape[0]].to(pooled.device)] = 0.0
+        return pooled * keep  # not in place: training backpropagates through it
 
     def _vocab_cut(self, width: int) -> int:
         return min(width, len(self.bb.tokenizer))  # padded embedding rows past the tokenizer never score

@@ -7,6 +7,7 @@ over the corpus order, so BM25 runs are written exactly like every other system'
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -41,16 +42,21 @@ def bm25_search(
     query_ids: list[str] | None = None,
     doc_ids: list[str] | None = None,
     ignore_identical_ids: bool = False,
+    clock: dict[str, float] | None = None,
 ) -> TopK:
-    """Top ``topk`` documents per query (indices into ``doc_texts``); documents scoring 0 are left out."""
+    """Top ``topk`` documents per query (indices into ``doc_texts``); documents scoring 0 are left out.
+    ``clock``, when given, receives the seconds of the index build (``index_seconds``) and of the search
+    (``search_seconds``)."""
     import bm25s
 
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # its index-building DEBUG lines reach Prefect's handler
     s = settings or BM25Settings()
     if not doc_texts:
         raise ValueError("BM25 over an empty corpus")
+    start = time.perf_counter()
     retriever = bm25s.BM25(method=s.method, k1=s.k1, b=s.b)
     retriever.index(_tokenize(doc_texts, s), show_progress=False)
+    built = time.perf_counter()
     k = min(topk + (1 if ignore_identical_ids else 0), len(doc_texts))
     qtok = _tokenize(query_texts, s)
     # bm25s maps query words to its own vocabulary; an empty query (only stopwords) scores 0 everywhere
@@ -68,4 +74,6 @@ def bm25_search(
     scores = np.take_along_axis(scores, order, 1)
     idx = np.take_along_axis(idx, order, 1)
     idx[~np.isfinite(scores)] = -1
+    if clock is not None:
+        clock.update(index_seconds=built - start, search_seconds=time.perf_counter() - built)
     return TopK(scores, idx)

@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -37,10 +37,12 @@ from pydantic import BaseModel, Field
 
 from ..data.collections import passage_text
 from ..data.training import Group, sample_fill
-from ..models.backbones import Backbone, BackboneError
+from ..fields import like
+from ..models.backbones import PASSAGE_ENCODER, Backbone, BackboneError
 from ..models.encoding import quiet_length_warning
 from ..models.readouts import Readout
-from .objective import contrastive_loss, sparse_vectors
+from .negatives import RetrievedNegatives, sparse_rows
+from .objective import contrastive_loss, sidr_loss, sparse_vectors, topk_own
 
 
 class LoopSettings(BaseModel):
@@ -125,6 +127,17 @@ class TrainSettings(LoopSettings):
     ``promptreps_decode stop``, ``promptreps_n 0``, ``train_title_sep '. '``, ``lora_head false``.
     """
 
+    adapter: Literal["lora", "full"] | None = like(LoopSettings, "adapter", default=None, description="Train LoRA "
+                                                   "adapters (peft) or every weight (full); default: lora (sidr: "
+                                                   "full).")  # fmt: skip
+    lr: float | None = like(LoopSettings, "lr", default=None, description="Peak learning rate (AdamW; default: "
+                            "1e-4; sidr: 2e-5).")  # fmt: skip
+    warmup_ratio: float | None = like(LoopSettings, "warmup_ratio", default=None, description="Share of the steps "
+                                      "spent warming up (default: 0.06; sidr: one epoch).")  # fmt: skip
+    grad_clip: float | None = like(LoopSettings, "grad_clip", default=None, description="Gradient norm clipping "
+                                   "(default: 1.0; sidr: 2.0).")  # fmt: skip
+    epochs: float | None = like(LoopSettings, "epochs", default=None, description="Passes over the training set "
+                                "(fractions allowed; default: 1; sidr: 40).")  # fmt: skip
     kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
                            "the base model's zero-shot train split selected; PromptReps: promptreps_n).")  # fmt: skip
     kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
@@ -162,6 +175,30 @@ class TrainSettings(LoopSettings):
                               "given (the paper's fine-tuning: 4; 0: the zero-shot selection, diffret 0.1).")
     lora_head: bool | None = Field(default=None, description="LoRA on the vocabulary head too (default: LLaDA, whose "
                                    "reference targets' ff_out matches its head).")  # fmt: skip
+    retrieved_negatives: int | None = Field(default=None, ge=1, description="SIDR: draw each step's negatives from "
+                                            "the top N of a beta search by the current query encoder over the "
+                                            "training corpus's bag-of-tokens index, judged-relevant passages "
+                                            "dropped (SIDR's in-training retrieval: N 20-100); default: the training "
+                                            "set's stored negatives.")  # fmt: skip
+    encoders: Literal["shared", "separate"] | None = Field(default=None, description="SIDR: one encoder for queries "
+                                                           "and passages (shared), or a passage encoder of its own "
+                                                           "trained beside the query encoder and saved in the model "
+                                                           "folder's passage_encoder/ (separate: SIDR's, the "
+                                                           "default; full fine-tuning only).")  # fmt: skip
+
+    def recorded(self) -> dict[str, Any]:
+        """The settings as a trained model's hash records them: a setting added later is left out while it is off,
+        so the models trained before it keep their names.
+
+        >>> "retrieved_negatives" in TrainSettings().recorded(), TrainSettings(retrieved_negatives=50).recorded()[
+        ...     "retrieved_negatives"]
+        (False, 50)
+        """
+        out = self.model_dump()
+        for name in ("retrieved_negatives", "encoders"):
+            if out[name] is None:
+                del out[name]
+        return out
 
     def resolved(self, readout: str) -> TrainSettings:
         """Every None / ``auto`` setting replaced by ``readout``'s reference value.
@@ -169,12 +206,30 @@ class TrainSettings(LoopSettings):
         >>> s = TrainSettings().resolved("diffretriever")
         >>> (s.tau, s.weight_decay, s.schedule, s.gather, s.pool_size, s.global_batch, s.n_negatives)
         (0.01, 0.01, 'cosine', 'yes', 32, 128, 15)
+        >>> s = TrainSettings().resolved("sidr")   # SIDR's: full fine-tuning, one warm-up epoch, linear decay
+        >>> (s.adapter, s.lr, s.epochs, s.warmup_ratio, s.grad_clip, s.schedule, s.n_negatives, s.weight_decay)
+        ('full', 2e-05, 40.0, 0.025, 2.0, 'hf_linear', 1, 0.0)
         >>> s = TrainSettings().resolved("diffembed")
         >>> (s.tau, s.weight_decay, s.schedule, s.gather, s.pool_size, s.n_negatives, s.q_max_len, s.p_max_len)
         (0.02, 0.0, 'hf_linear', 'no', 8, 7, 64, 256)
         """
+        if readout == "sidr":  # SIDR's (jzhoubu/sidr): batch 128 gathered, 1 hard negative, query 128, passage 256
+            epochs = self.epochs or 40.0
+            pick: dict[str, Any] = {
+                "adapter": "full", "lr": 2e-5, "warmup_ratio": min(1.0, 1.0 / epochs), "grad_clip": 2.0,
+                "epochs": epochs, "kq": 1, "kp": 1, "weight_decay": 0.0, "pool_size": 128, "global_batch": 128,
+                "n_negatives": 1, "q_max_len": 128, "p_max_len": 256, "train_title_sep": " ", "tau": 1.0,
+                "encoders": "separate",
+            }  # fmt: skip
+            update = {k: v for k, v in pick.items() if getattr(self, k) is None}
+            update.update(schedule="hf_linear" if self.schedule == "auto" else self.schedule,
+                          gather="yes" if self.gather == "auto" else self.gather)  # fmt: skip
+            return self.model_copy(update=update)
         base = readout in BASELINES
+        loop = LoopSettings()
         pick = {
+            "adapter": loop.adapter, "lr": loop.lr, "warmup_ratio": loop.warmup_ratio, "grad_clip": loop.grad_clip,
+            "epochs": loop.epochs,
             "tau": 0.02 if base else 0.01,
             "weight_decay": 0.0 if base else 0.01,
             "pool_size": 8 if base else 32,
@@ -331,6 +386,8 @@ class Prepared:
     passage_allowed: list[list[int]] | None = None
     query_texts: list[str] | None = None
     passage_texts: list[str] | None = None
+    groups: list[Group] | None = None  # the groups themselves (retrieved negatives need their ids)
+    retrieved: bool = False  # the negatives were retrieved (:meth:`Trainer.retrieve`)
 
     def chunk(self, start: int, end: int) -> Prepared:
         """Groups ``start:end`` (their queries and their passages)."""
@@ -340,7 +397,8 @@ class Prepared:
             return None if xs is None else xs[start * n : end * n]
 
         return Prepared(cut(self.query_ids), cut(self.passage_ids, g), g, cut(self.query_allowed),  # type: ignore[arg-type]
-                        cut(self.passage_allowed, g), cut(self.query_texts), cut(self.passage_texts, g))  # fmt: skip
+                        cut(self.passage_allowed, g), cut(self.query_texts), cut(self.passage_texts, g),
+                        cut(self.groups), self.retrieved)  # fmt: skip
 
 
 class RandContext:
@@ -558,6 +616,10 @@ class Loop:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
+    def extra_models(self) -> dict[str, torch.nn.Module]:
+        """Models trained beside the main one, saved in sub-folders of its folder (by sub-folder); taken off it."""
+        return {}
+
     def merged_model(self) -> torch.nn.Module:
         """The trained model with any adapter merged into its weights (a plain transformers model)."""
         self.bb.model.eval()
@@ -576,16 +638,33 @@ class Trainer(Loop):
     the whole pool; memory is one chunk's activations plus the pool's representations.
     """
 
-    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings):
+    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings,
+                 negatives: RetrievedNegatives | None = None):  # fmt: skip
         if not groups:
             raise ValueError("no training groups")
+        if (negatives is not None) != (settings.retrieved_negatives is not None):
+            raise ValueError("retrieved negatives need both the setting (its depth) and the bag-of-tokens index")
+        if negatives is not None and reader.name != "sidr":
+            raise ValueError(f"retrieved negatives are SIDR's in-training retrieval: train --readout sidr (got "
+                             f"{reader.name})")  # fmt: skip
+        if reader.name == "sidr":  # one vector per text: K = 1
+            settings = settings.resolved(reader.name)
         if settings.kq is None or settings.kp is None:
             raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
         reader.check_k([settings.kq])
         reader.check_k([settings.kp])
         settings = settings.resolved(reader.name)
+        if settings.encoders == "separate":  # before the loop collects the parameters: the optimizer takes both
+            if reader.name != "sidr" or settings.adapter != "full":
+                raise ValueError("separate query and passage encoders are SIDR's: --readout sidr with full fine-tuning"
+                                 f" (got {reader.name}, {settings.adapter})")  # fmt: skip
+            reader.separate()  # type: ignore[attr-defined]
+        elif settings.encoders == "shared" and reader.name == "sidr" and reader.passage_bb is not None:  # type: ignore[attr-defined]
+            raise ValueError("this model has a separately trained passage encoder; train it with separate encoders")
         self.r = reader
         self.baseline = reader.name in BASELINES
+        self.sidr = reader.name == "sidr"  # SIDR's semi-parametric objective (objective.sidr_loss)
+        self.negatives = negatives
         super().__init__(reader.bb, groups, settings)
         self.s: TrainSettings = settings
         for side, k in (("query", settings.kq), ("passage", settings.kp)):
@@ -594,6 +673,11 @@ class Trainer(Loop):
     @staticmethod
     def samples(prepared: Prepared) -> int:  # type: ignore[override]
         return len(prepared.query_ids)
+
+    def extra_models(self) -> dict[str, torch.nn.Module]:
+        """SIDR's separately trained passage encoder (``passage_encoder/``), taken off the query model."""
+        twin = self.r.detach_passage_encoder() if self.sidr else None  # type: ignore[attr-defined]
+        return {} if twin is None else {PASSAGE_ENCODER: twin.eval()}
 
     def _text(self, p: dict[str, Any]) -> str:
         """A training passage as the reference's trainers build it: title + sep + text (the title alone without a
@@ -643,7 +727,7 @@ class Trainer(Loop):
             len(passages) // len(groups),
             [filt.allowed_ids(t) for t in queries] if filt else None,
             [filt.allowed_ids(t) for t in passages] if filt else None,
-            queries, passages,
+            queries, passages, list(groups),
         )  # fmt: skip
 
     def _forward(self, ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> Any:
@@ -655,8 +739,14 @@ class Trainer(Loop):
         return self.r.train_forward(ids, side, k, **kw)
 
     def _reps(self, x: Prepared) -> tuple[torch.Tensor, ...]:
-        """(query dense, mask, sparse, passage dense, mask, sparse) of a micro-batch, with gradients."""
+        """(query dense, mask, sparse, passage dense, mask, sparse) of a micro-batch, with gradients; SIDR: (query
+        vector, its bag of tokens, None, passage vector, its bag of tokens, None)."""
         s = self.s
+        if self.sidr:
+            with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                qv, qb = self.r.train_vectors(x.query_ids, "query")  # type: ignore[attr-defined]
+                pv, pb = self.r.train_vectors(x.passage_ids, "passage")  # type: ignore[attr-defined]
+            return qv, qb, None, pv, pb, None  # type: ignore[return-value]
         with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             q = self._forward(x.query_ids, x.query_texts, "query", s.kq)  # type: ignore[arg-type]
             p = self._forward(x.passage_ids, x.passage_texts, "passage", s.kp)  # type: ignore[arg-type]
@@ -670,6 +760,10 @@ class Trainer(Loop):
         """InfoNCE of this rank's queries against the pool (every rank's passages when ``gather``)."""
         qd, qm, qs, pd, pm, ps = reps
         pool = self.world if self.s.gather == "yes" else 1
+        if self.sidr:  # qm / pm: the bags of tokens
+            offset = self.rank * qd.shape[0] if pool > 1 else 0
+            topk = int(self.r.cfg.sparse_topk or 768)
+            return sidr_loss(qd, qm, gather(pd, pool), gather(pm, pool), group, topk, offset)  # type: ignore[arg-type]
         ph, ps = gather(pd, pool), gather(ps, pool)
         pm = pm if pool == 1 else gather(pm.float(), pool) > 0.5
         offset = self.rank * qd.shape[0] if pool > 1 else 0
@@ -678,13 +772,44 @@ class Trainer(Loop):
     def micro_loss(  # type: ignore[override]
         self, groups: list[Group] | Prepared, step: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        x = groups if isinstance(groups, Prepared) else self.prepare(groups, step)
+        x = self._ready(groups if isinstance(groups, Prepared) else self.prepare(groups, step), step)
         return self._loss(self._reps(x), x.group)
+
+    def _ready(self, x: Prepared, step: int) -> Prepared:
+        """The micro-batch as trained: with retrieved negatives, each group's negatives replaced by passages the
+        current query encoder retrieves (:meth:`retrieve`)."""
+        return x if self.negatives is None or x.retrieved else self.retrieve(x, step)
+
+    def retrieve(self, x: Prepared, step: int) -> Prepared:
+        """SIDR's in-training retrieval: the queries encoded by the current model (eval mode, no gradients), their
+        top-k plus own tokens searched over the fixed bag-of-tokens index, and each group's negatives drawn from
+        the top ``retrieved_negatives`` without its judged-relevant passages (seeded by step and query)."""
+        assert self.negatives is not None and x.groups is not None
+        model = self.r.bb.model
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                qv, qb = self.r.train_vectors(x.query_ids, "query")  # type: ignore[attr-defined]
+        finally:
+            model.train(was)
+        queries = sparse_rows(topk_own(qv.float(), qb, int(self.r.cfg.sparse_topk or 768)))
+        relevant = [{str(p["docid"]) for p in g.positives} for g in x.groups]
+        rngs = [random.Random(f"{self.s.seed}:{step}:{g.query_id}:retrieved") for g in x.groups]
+        picks = self.negatives.draw(queries, relevant, x.group - 1, rngs)
+        ids, texts = list(x.passage_ids), list(x.passage_texts or [])
+        limit = self._limit("passage", int(self.s.kp or 1), int(self.s.p_max_len))  # type: ignore[arg-type]
+        for i, got in enumerate(picks):
+            if got:
+                new = [self._text(p) for p in got]
+                a, b = i * x.group + 1, (i + 1) * x.group
+                ids[a:b], texts[a:b] = self._ids(new, limit), new
+        return replace(x, passage_ids=ids, passage_texts=texts or None, retrieved=True)
 
     def micro_backward(self, prepared: Any, step: int, n: int) -> dict[str, float]:  # type: ignore[override]
         """One pool's loss / n backpropagated: in one pass when this process's share fits ``batch_size`` groups,
         else by gradient caching (:meth:`cached_backward`)."""
-        x = prepared if isinstance(prepared, Prepared) else self.prepare(prepared, step)
+        x = self._ready(prepared if isinstance(prepared, Prepared) else self.prepare(prepared, step), step)
         if len(x.query_ids) <= self.s.batch_size:
             return super().micro_backward(x, step, n)
         return self.cached_backward(x, n)

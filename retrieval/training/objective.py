@@ -69,3 +69,46 @@ def contrastive_loss(
         loss = loss + sparse
     parts["loss"] = float(loss.detach())
     return loss, parts
+
+
+def symmetric_nce(q: torch.Tensor, p: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """SIDR's symmetric InfoNCE (temperature 1, dot product): each query against every passage of the pool, plus
+    each query's positive passage against every query.
+
+    >>> q = torch.tensor([[1.0, 0.0], [0.0, 1.0]]); p = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
+    >>> round(float(symmetric_nce(q, p, torch.tensor([0, 1]))), 4)
+    0.2539
+    """
+    scores = q.float() @ p.float().T
+    back = scores[:, targets].T  # [Q positives, Q queries]
+    return F.cross_entropy(scores, targets) + F.cross_entropy(back, torch.arange(len(targets), device=q.device))
+
+
+def topk_own(v: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
+    """``v`` [B, V] kept on its top ``k`` entries and the text's own tokens (``own`` [B, V], 1 where present).
+
+    >>> topk_own(torch.tensor([[3.0, 1.0, 2.0]]), torch.tensor([[0.0, 1.0, 0.0]]), 1).tolist()
+    [[3.0, 1.0, 0.0]]
+    """
+    keep = torch.zeros_like(v, dtype=torch.bool)
+    keep.scatter_(1, torch.topk(v.detach(), min(k, v.shape[1]), dim=1).indices, True)
+    return v * (keep | (own > 0))
+
+
+def sidr_loss(q: torch.Tensor, q_bin: torch.Tensor, p: torch.Tensor, p_bin: torch.Tensor, group: int,
+              topk: int = 768, offset: int = 0) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """SIDR's semi-parametric objective: 1/4 [L(q_topk, p) + L(q, p_topk) + L(q_bin, p) + L(q, p_bin)], each L
+    symmetric (:func:`symmetric_nce`); ``q`` / ``p`` [N, V] the parametric vectors, ``*_bin`` the texts' binary bags
+    of tokens, passages in groups of ``group`` with each query's positive first.
+
+    >>> q = torch.tensor([[1.0, 0.0]]); p = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    >>> loss, parts = sidr_loss(q, q, p, p, group=2)
+    >>> sorted(parts)
+    ['bot', 'loss', 'topk']
+    """
+    targets = (torch.arange(q.shape[0], device=q.device) + offset) * group
+    topk_part = (symmetric_nce(topk_own(q, q_bin, topk), p, targets) +
+                 symmetric_nce(q, topk_own(p, p_bin, topk), targets)) / 4  # fmt: skip
+    bot_part = (symmetric_nce(q_bin, p, targets) + symmetric_nce(q, p_bin, targets)) / 4
+    loss = topk_part + bot_part
+    return loss, {"topk": float(topk_part.detach()), "bot": float(bot_part.detach()), "loss": float(loss.detach())}

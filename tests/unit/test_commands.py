@@ -21,7 +21,7 @@ from flows.cli import app
 from flows.pipeline import PipelineConfig
 from flows.runner import FLOWS
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import ReadoutConfig
+from retrieval.models.readouts import SIDR_ONLY, ReadoutConfig
 from stages import stages
 from stages.encode import EncodeConfig
 from stages.systems import EncodeSettings, SystemRef, numeric_settings
@@ -53,7 +53,7 @@ def expected_fields(model: type[BaseModel]) -> dict[str, tuple[str, object]]:
             out["--system"] = (info.description, None)
             keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
             owners = [(BackboneConfig, ["model", *(k for k in keys if k in BackboneConfig.model_fields)]),
-                      (ReadoutConfig, list(keys["readout"])),
+                      (ReadoutConfig, [*keys["readout"], *SIDR_ONLY]),  # SIDR's settings tell SIDR systems apart
                       (EncodeSettings, [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")])]
             for cls, names in owners:
                 for n in names:

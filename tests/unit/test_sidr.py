@@ -243,6 +243,10 @@ def test_late_rescoring_encodes_only_what_it_needs_and_ranks_as_the_full_run(sto
     with StoreSQL(s) as db:
         _, rows = db.query("select m, passages_needed, corpus from late_runs order by m")
         assert rows == [(2, stats(2)["needed_m"], len(CORPUS)), (4, stats(4)["needed_m"], len(CORPUS))]
+        _, costs = db.query("select m, first_ms_per_query, rescore_ms_per_query, encode_ms_per_passage, "
+                            "on_the_fly_ms_per_query from late_costs order by m")  # fmt: skip
+        assert [c[0] for c in costs] == [2, 4] and all(v is not None and v > 0 for c in costs for v in c[2:])
+        assert costs[1][4] == pytest.approx(costs[1][1] + costs[1][2] + 4 * costs[1][3]) if costs[1][1] else True
     execute(stages()["evaluate"], EvaluateConfig(root=root), log=log)
     from retrieval.analysis.report import build_report
 
@@ -284,3 +288,23 @@ def test_late_refuses_bad_input_in_one_line(store: dict) -> None:
         execute(stages()["late"], LateConfig(dataset="tiny", system=ref, kp=1, mode="sparse_max",
                                              first_stage="bm25", root=store["root"]), log=lambda _: None)  # fmt: skip
     assert sorted(p for p in Path(store["root"]).rglob("*") if "_locks" not in str(p)) == before
+
+
+def test_sidr_settings_tell_stored_systems_apart_from_the_command_line(tmp_path) -> None:
+    """Two SIDR systems of one model that differ in their head are told apart by --sidr-head (a filter of every
+    command that reads a stored system); the ambiguity names that option."""
+    from flows.commands import system_ref_opts
+    from stages.systems import EncodeSettings, encoder_record, find_system, register
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.fs.makedirs(store.abspath(""), exist_ok=True)
+    for head in ("official", "lm"):
+        readout = ReadoutConfig(readout="sidr", sidr_head=head)
+        s = EncodeSettings(backbone=BackboneConfig(model="org/tiny"), readout=readout)
+        register(store, encoder_record(s))
+    flags = {o.flags[0] for o in system_ref_opts(("system",), "")}
+    assert {"--sidr-head", "--sidr-act"} <= flags
+    with pytest.raises(StoreError, match="--sidr-head"):
+        find_system(store, SystemRef(model="org/tiny"))
+    got = find_system(store, SystemRef(model="org/tiny", where={"readout.sidr_head": "lm"}))
+    assert got.settings["readout"]["sidr_head"] == "lm"

@@ -37,7 +37,7 @@ from stages.tokenize import TokenizeConfig
 from stages.train import TrainConfig
 from stages.train_reranker import TrainRerankerConfig
 from stages.training_data import TrainingDataConfig
-from storage import ArtifactStore, ConfigDriftError, StoreError
+from storage import ArtifactStore, ConfigDriftError, IncompleteArtifactError, StoreError
 from storage.sql import StoreSQL
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
@@ -520,3 +520,66 @@ def test_reranker_teacher_lists_from_qrels_or_from_the_run_alone(world: dict, tm
     res = execute(stage, w["configs"]["train-reranker"].model_copy(update={"teacher": "run", "name": "tiny-rr-run"}),
                   log=lambda _: None)  # fmt: skip
     assert res.done == 1
+
+
+def test_the_sidr_readout_trains_with_sidrs_objective_and_defaults(world: dict, tmp_path: Path) -> None:
+    """`diffret train --readout sidr`: SIDR's objective and its hyperparameters as the defaults (full fine-tuning,
+    lr 2e-5, grad clip 2, one hard negative), recorded in the model's manifest; the model then encodes."""
+    w = copy_world(world, tmp_path)
+    small = TrainSettings(max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12)
+    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sidr", "readout": ReadoutConfig(readout="sidr"),
+                                                   "settings": small})  # fmt: skip
+    res = execute(stages()["train"], cfg, log=lambda _: None)
+    assert res.done == 1
+    s = ArtifactStore(w["root"]).require_manifest("models/model=tiny-sidr").config["settings"]
+    assert (s["adapter"], s["lr"], s["grad_clip"], s["n_negatives"], s["kq"], s["kp"]) == ("full", 2e-5, 2.0, 1, 1, 1)
+    assert s["encoders"] == "separate" and "retrieved_negatives" not in s  # SIDR's two encoders, by default
+    model = Path(w["root"]) / "models" / "model=tiny-sidr"
+    # the passage encoder is saved apart and encodes the passages; the query model's folder holds its own weights
+    from retrieval.models.backbones import load_backbone
+
+    reader = make_reader(load_backbone(BackboneConfig(model=str(model))), ReadoutConfig(readout="sidr"))
+    twin = make_reader(load_backbone(BackboneConfig(model=str(model / "passage_encoder"))),
+                       ReadoutConfig(readout="sidr"))  # fmt: skip
+    assert reader.passage_bb is not None and twin.passage_bb is None
+    assert not any("passage_encoder" in k for k in reader.bb.model.state_dict())
+    ids = reader.bb.tokenizer(["the cat sat on the mat", "tea"], add_special_tokens=False)["input_ids"]
+    for a, b in zip(reader.encode(ids, None, "passage", 1), twin.encode(ids, None, "passage", 1), strict=True):
+        assert a.sparse_ids.tolist() == b.sparse_ids.tolist() and np.allclose(a.sparse_weights, b.sparse_weights)
+    lr = TrainSettings(lr=1e-2, max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12)
+    apart = cfg.model_copy(update={"name": "tiny-sidr-lr", "settings": lr})
+    execute(stages()["train"], apart, log=lambda _: None)
+    moved = make_reader(load_backbone(BackboneConfig(model=str(Path(w["root"]) / "models" / "model=tiny-sidr-lr"))),
+                        ReadoutConfig(readout="sidr"))  # fmt: skip
+    q, p = moved.encode(ids, None, "query", 1), moved.encode(ids, None, "passage", 1)
+    assert any(not np.allclose(a.sparse_weights, b.sparse_weights) for a, b in zip(q, p, strict=True))  # two models
+    enc = w["configs"]["encode"].model_copy(update={"backbone": BackboneConfig(model=str(model)), "k": [1],
+                                                    "readout": ReadoutConfig(readout="sidr")})  # fmt: skip
+    execute(stages()["tokenize"], enc.tokenize_config(), log=lambda _: None)
+    assert execute(stages()["encode"], enc, log=lambda _: None).system.startswith("model-tiny-sidr-sidr-")
+
+
+def test_sidr_training_with_retrieved_negatives_reads_the_corpus_bag_of_tokens(world: dict, tmp_path: Path) -> None:
+    """`train --readout sidr --retrieved-negatives N` searches the training corpus's bag-of-tokens index (the bot
+    stage's, found by the model's vocabulary), records it among the model's inputs and counts the negatives it
+    drew; without an index it is refused with the command that builds one, before anything is written."""
+    w = copy_world(world, tmp_path)
+    small = TrainSettings(max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12,
+                          retrieved_negatives=5)  # fmt: skip
+    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sidr-rn", "readout": ReadoutConfig(readout="sidr"),
+                                                   "settings": small})  # fmt: skip
+    store = ArtifactStore(w["root"])
+    saved = tmp_path / "bot"
+    shutil.move(store.abspath("bot"), saved)
+    with pytest.raises(IncompleteArtifactError, match="diffret bot -d"):
+        execute(stages()["train"], cfg, log=lambda _: None)
+    assert not store.exists("models/model=tiny-sidr-rn")
+    shutil.move(saved, store.abspath("bot"))
+    assert execute(stages()["train"], cfg, log=lambda _: None).done == 1
+    m = store.require_manifest("models/model=tiny-sidr-rn")
+    assert m.config["bot"] == "tiny" and len(m.config["inputs"]["bot"]) == 64  # the corpus, its bags' sha256
+    assert m.stats["retrieved_negatives"] + m.stats["retrieved_fallback_queries"] == 2 * 2
+    with pytest.raises(ValueError, match="readout sidr"):
+        other = small.model_copy(update={"n_negatives": 1, "kq": 1, "kp": 1})
+        execute(stages()["train"], cfg.model_copy(update={"readout": ReadoutConfig(), "settings": other}),
+                log=lambda _: None)  # fmt: skip
