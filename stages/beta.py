@@ -18,19 +18,17 @@ from pydantic import Field
 
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import sparse_quantised
-from retrieval.search.bot import beta_search, binary_flat
+from retrieval.search.bot import beta_search, bot_blocks
 from retrieval.search.encodings import SparseFlat
 from retrieval.search.rules import ScoreRules
 from retrieval.search.scoring import TopK
 from storage import IncompleteArtifactError, StoreError
-from storage.layout import BOT_FILE, bot_dir, encodings_dir, run_dir
+from storage.layout import bot_dir, encodings_dir, run_dir
 
 from .base import Context, KList, Plan, Stage
-from .readers import encoding_manifest, query_encodings, split_queries
+from .readers import bot_index, encoding_manifest, query_encodings, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRecord, SystemRef, find_system, tokenizer_of, vocab_hash
-
-BOT_ROWS = 65_536  # passages of the index scored at a time (their [query vocabulary, N] block)
 
 
 class BetaConfig(RetrievalConfig):
@@ -106,16 +104,12 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
         depth = search_depth(unit.cells)
         ignore = bool(unit.cells[0].config["ignore_identical_ids"])
         man = store.require_manifest(unit.bot_stage)
-        table = store.read_table(unit.bot_stage, BOT_FILE)
-        doc_ids = table.column("id").to_pylist()
-        bags = binary_flat(table.column("token_ids"))
-        del table
+        doc_ids, bags = bot_index(store, unit.bot_stage)
         for kq, st in unit.query_stages.items():
             enc = query_encodings(store, st, unit.query_ids, "cpu", None, unit.sparse_factor)
             q = SparseFlat.from_lists(enc.sparse_ids, enc.sparse_weights)
             start = time.perf_counter()
-            blocks = (bags.rows(a, min(a + BOT_ROWS, len(bags))) for a in range(0, len(bags), BOT_ROWS))
-            top = beta_search(q, blocks, depth + (1 if ignore else 0))
+            top = beta_search(q, bot_blocks(bags), depth + (1 if ignore else 0))
             top = drop_self_hits(top, unit.query_ids, doc_ids, depth) if ignore else top
             seconds = time.perf_counter() - start
             cells = [c for c in unit.cells if c.kq == kq]

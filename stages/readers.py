@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from retrieval.data.collections import TITLE_SEP, passage_text
-from retrieval.search.encodings import Encodings, encodings_from_table, select
+from retrieval.search.bot import binary_flat
+from retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
 from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, IncompleteArtifactError, Manifest
-from storage.layout import dataset_dir
+from storage.layout import BOT_FILE, dataset_dir
 
 SIDES = ("query", "passage")
 
@@ -100,6 +101,24 @@ def tokens_manifest(store: ArtifactStore, stage: str, hint: str) -> Manifest:
     if m is None or m.total_rows() != m.config.get("inputs", {}).get("rows"):
         raise IncompleteArtifactError(f"{store.abspath(stage)}: token ids are missing or incomplete; {hint}")
     return m
+
+
+def bot_index(store: ArtifactStore, stage: str) -> tuple[list[str], SparseFlat]:
+    """A stored bag-of-tokens index (the bot stage's folder): its passage ids and their bags, in corpus order.
+
+    >>> import tempfile
+    >>> from storage import Manifest
+    >>> from storage.layout import BOT_FILE, BOT_SCHEMA
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     with store.stage_writer("bot/x", Manifest.new("bot", {}, {})) as w:
+    ...         _ = w.write_parquet(BOT_FILE, BOT_SCHEMA, [pa.table({"id": ["a"], "token_ids": [[3, 7]]}, BOT_SCHEMA)])
+    ...     ids, bags = bot_index(store, "bot/x")
+    >>> ids, bags.ids.tolist()
+    (['a'], [3, 7])
+    """
+    table = store.read_table(stage, BOT_FILE)
+    return table.column("id").to_pylist(), binary_flat(table.column("token_ids"))
 
 
 # ------------------------------------------------------------------------------------------ encodings

@@ -33,7 +33,6 @@ from retrieval.devices import resolve_device
 from retrieval.fields import cli
 from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
 from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.search.bot import binary_flat
 from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
 from retrieval.training.negatives import RetrievedNegatives
 from storage import IncompleteArtifactError, Manifest, StoreError
@@ -51,6 +50,7 @@ from storage.layout import (
 from storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
+from .readers import bot_index
 from .systems import SystemRef, find_system, slug_base, tokenizer_of, vocab_hash
 from .tokenize import default_backbone
 
@@ -165,8 +165,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             negatives = _retrieved_negatives(store, stage, settings.retrieved_negatives)
         trainer = Trainer(reader, groups, settings, negatives)
         stats: dict[str, Any] = {"groups": len(groups)}
-        out = fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, stats, extra=lambda: _negative_counts(negatives))
-        return out
+        return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, stats, extra=lambda: _negative_counts(negatives))
 
 
 def _negative_counts(negatives: RetrievedNegatives | None) -> dict[str, Any]:
@@ -213,10 +212,7 @@ def _bot_with(store: Any, corpus: str, sha256: str) -> str:
 def _retrieved_negatives(store: Any, bot_stage: str, depth: int) -> RetrievedNegatives:
     """The index and the corpus passages retrieved negatives are drawn from."""
     man = store.require_manifest(bot_stage)
-    table = store.read_table(bot_stage, BOT_FILE)
-    doc_ids = table.column("id").to_pylist()
-    bags = binary_flat(table.column("token_ids"))
-    del table
+    doc_ids, bags = bot_index(store, bot_stage)
     corpus = store.read_table(dataset_dir(man.config["dataset"]), "corpus.parquet", columns=["doc_id", "title", "text"])
     row = {d: i for i, d in enumerate(corpus.column("doc_id").to_pylist())}
     missing = [d for d in doc_ids[:1000] if d not in row]

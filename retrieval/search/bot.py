@@ -8,7 +8,7 @@ weights over the tokens the passage contains.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +54,19 @@ def binary_flat(bags: pa.Array | pa.ChunkedArray) -> SparseFlat:
     np.cumsum(lengths, out=offsets[1:])
     ids = arr.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
     return SparseFlat(offsets, ids, np.ones(len(ids), np.float32))
+
+
+BOT_ROWS = 65_536  # passages of a bag-of-tokens index scored at a time (their [query vocabulary, N] block)
+
+
+def bot_blocks(bags: SparseFlat, rows: int = BOT_ROWS) -> Iterator[SparseFlat]:
+    """A bag-of-tokens index in corpus order, ``rows`` passages at a time (what :func:`beta_search` takes).
+
+    >>> [len(b) for b in bot_blocks(binary_flat(pa.array([[1], [2], [3]], pa.list_(pa.int32()))), rows=2)]
+    [2, 1]
+    """
+    for a in range(0, len(bags), rows):
+        yield bags.rows(a, min(a + rows, len(bags)))
 
 
 def beta_search(queries: SparseFlat, blocks: Iterable[SparseFlat], k: int, device: torch.device | str = "cpu",

@@ -647,13 +647,11 @@ class Trainer(Loop):
         if negatives is not None and reader.name != "sidr":
             raise ValueError(f"retrieved negatives are SIDR's in-training retrieval: train --readout sidr (got "
                              f"{reader.name})")  # fmt: skip
-        if reader.name == "sidr":  # one vector per text: K = 1
-            settings = settings.resolved(reader.name)
+        settings = settings.resolved(reader.name)  # SIDR's sets K = 1 (one vector per text)
         if settings.kq is None or settings.kp is None:
             raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
         reader.check_k([settings.kq])
         reader.check_k([settings.kp])
-        settings = settings.resolved(reader.name)
         if settings.encoders == "separate":  # before the loop collects the parameters: the optimizer takes both
             if reader.name != "sidr" or settings.adapter != "full":
                 raise ValueError("separate query and passage encoders are SIDR's: --readout sidr with full fine-tuning"

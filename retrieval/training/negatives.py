@@ -16,10 +16,8 @@ import numpy as np
 import torch
 
 from ..data.training import Passage, sample_fill
-from ..search.bot import beta_search
+from ..search.bot import beta_search, bot_blocks
 from ..search.encodings import SparseFlat
-
-BLOCK_ROWS = 65_536  # passages of the index scored at a time
 
 
 def sparse_rows(vectors: torch.Tensor) -> SparseFlat:
@@ -73,8 +71,7 @@ class RetrievedNegatives:
         top holds no other passage sharing a token with it (its stored negatives stay)."""
         extra = max((len(r) for r in relevant), default=0)
         k = min(self.depth + extra, len(self.bags))
-        blocks = (self.bags.rows(a, min(a + BLOCK_ROWS, len(self.bags))) for a in range(0, len(self.bags), BLOCK_ROWS))
-        top = beta_search(queries, blocks, k)
+        top = beta_search(queries, bot_blocks(self.bags), k)
         out: list[list[Passage] | None] = []
         for i, rel in enumerate(relevant):
             hits = zip(top.index[i].tolist(), top.scores[i].tolist(), strict=True)  # no overlap: not retrieved
