@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.beta import BetaConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["BetaConfig", "beta_flow"]
 
 
-@flow(name="beta", description=stage.description)
+@flow(name="beta", flow_run_name=run_name, description=stage.description)
 def beta_flow(config: BetaConfig) -> dict:
     return run_in_flow(stage, config)

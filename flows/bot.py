@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.bot import BotConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["BotConfig", "bot_flow"]
 
 
-@flow(name="bot", description=stage.description)
+@flow(name="bot", flow_run_name=run_name, description=stage.description)
 def bot_flow(config: BotConfig) -> dict:
     return run_in_flow(stage, config)

@@ -16,17 +16,17 @@ from stages import tokenize as tokenize_stage
 from stages.encode import EncodeConfig
 from stages.tokenize import TokenizeConfig
 
-from .runner import prefect_api, run_in_flow, run_stage
+from .runner import prefect_api, run_in_flow, run_name, run_stage
 
 __all__ = ["EncodeConfig", "TokenizeConfig", "encode_flow", "run_encode", "tokenize_flow"]
 
 
-@flow(name="tokenize", description=tokenize_stage.stage.description)
+@flow(name="tokenize", flow_run_name=run_name, description=tokenize_stage.stage.description)
 def tokenize_flow(config: TokenizeConfig) -> dict:
     return run_in_flow(tokenize_stage.stage, config)
 
 
-@flow(name="encode", description=encode_stage.stage.description)
+@flow(name="encode", flow_run_name=run_name, description=encode_stage.stage.description)
 def encode_flow(config: EncodeConfig) -> dict:
     run_in_flow(tokenize_stage.stage, config.tokenize_config())
     return run_in_flow(encode_stage.stage, config)

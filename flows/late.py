@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.late import LateConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["LateConfig", "late_flow"]
 
 
-@flow(name="late", description=stage.description)
+@flow(name="late", flow_run_name=run_name, description=stage.description)
 def late_flow(config: LateConfig) -> dict:
     return run_in_flow(stage, config)

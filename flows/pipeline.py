@@ -22,19 +22,20 @@ from retrieval.models.readouts import ReadoutConfig
 from retrieval.search.bm25 import BM25Settings
 from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
-from stages.base import GRID_K, KList, ModeList, StageConfig
+from stages.base import GRID_K, KList, ModeList, StageConfig, inline_figures
 from stages.bm25 import BM25Config
 from stages.encode import EncodeConfig, check_k_within
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
 from stages.score import ScoreConfig
-from stages.summary import SummaryConfig
+from stages.summary import SummaryConfig, summary_page
 from stages.systems import SystemRef
 from storage import ArtifactStore
+from storage.layout import summary_dir
 
 from .encode import run_encode
-from .runner import run_stage
+from .runner import run_name, run_stage
 
 # `diffret run --preset`: the paper's 5 x 5 grid, or for a CPU-only laptop a 3 x 3 grid and shorter texts
 # (pass --model for a small checkpoint too).
@@ -198,13 +199,14 @@ def run_pipeline(
     return {"system": system, "bm25": bm25_system, "steps": steps, **sm.details}
 
 
-@flow(name="pipeline", description="Zero-shot DiffRetriever grid on one dataset, end to end, with BM25.")
+@flow(name="pipeline", flow_run_name=run_name,
+      description="Zero-shot DiffRetriever grid on one dataset, end to end, with BM25.")  # fmt: skip
 def pipeline_flow(config: PipelineConfig) -> dict:
-    """The same stages as sub-flow runs (each visible in the UI; each skips what the store already has)."""
+    """The same stages as sub-flow runs (each visible in the UI; each skips what the store already has); the
+    leaderboard of each split, its heatmaps embedded, as an artifact of this run."""
     res = run_pipeline(config, prefect=True, log=get_run_logger().info)
     store = ArtifactStore(config.root)
-    for split, folder in res["folders"].items():
-        with store.fs.open(f"{folder}/summary.md", "rb") as f:
-            text = f.read().decode().replace("](heatmap_", f"]({folder}/heatmap_")  # figures live in the store
-        create_markdown_artifact(text, key=f"leaderboard-{split}", description=f"{config.dataset} {split} leaderboard")
-    return res
+    for split in res["folders"]:
+        page = inline_figures(summary_page(store, summary_dir(res["system"], config.dataset, split)), store)
+        create_markdown_artifact(page, key=f"leaderboard-{split}", description=f"{config.dataset} {split} leaderboard")
+    return {k: v for k, v in res.items() if k != "markdown"}

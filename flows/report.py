@@ -5,21 +5,23 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from stages.base import inline_figures
 from stages.report import ReportConfig, stage
+from storage import ArtifactStore
 from tasks.keys import artifact_key
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["ReportConfig", "report_flow"]
 
 
-@flow(name="report", description=stage.description)
+@flow(name="report", flow_run_name=run_name, description=stage.description)
 def report_flow(config: ReportConfig) -> dict:
     res = run_in_flow(stage, config)
-    folder = res["details"]["folder"]
+    store, folder = ArtifactStore(config.root), res["details"]["folder"]
     for title, body in res["details"]["sections"].items():
-        # figure links point into the store folder
-        body = body.replace("](", f"]({folder}/").replace(f"]({folder}/#", "](#")
+        # figure links point into the store folder; embedded, so that the browser shows them
+        body = inline_figures(body.replace("](", f"]({folder}/").replace(f"]({folder}/#", "](#"), store)
         create_markdown_artifact(
             f"## {title}\n\n{body}", key=artifact_key("report", config.name, title), description=title
         )

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
 
 from stages import Context, Stage, StageConfig, StageResult, execute
-from stages.base import run_units
+from stages.base import inline_figures, run_units
 from storage import ArtifactStore
 from tasks.keys import artifact_key
 
@@ -92,6 +92,42 @@ def run_stage(
 
 
 # ------------------------------------------------------------------------------------------- Prefect
+def run_name() -> str:
+    """A flow run's name in the Prefect UI, from its flow and config: stage, dataset and system
+    (``encode scifact splade-tiny-mlm diffretriever``); Prefect calls it when the run starts."""
+    from prefect.runtime import flow_run
+
+    return describe_run(flow_run.flow_name, flow_run.parameters.get("config"))
+
+
+def describe_run(stage: str, config: Any) -> str:
+    """``stage``, then the dataset(s) and the system(s) a config names (a model's folder name for a backbone).
+
+    >>> describe_run("encode", {"dataset": "scifact", "backbone": {"model": "/m/splade-tiny"},
+    ...                         "readout": {"readout": "sidr"}})
+    'encode scifact splade-tiny sidr'
+    >>> describe_run("score", {"dataset": "nq", "system": {"system": "dream-diffretriever-1a2b"}})
+    'score nq dream-diffretriever-1a2b'
+    """
+    if hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json")
+    config = config if isinstance(config, dict) else {}
+
+    def tail(model: Any) -> str:
+        return str(model).rstrip("/").rsplit("/", 1)[-1] if model else ""
+
+    dataset = config.get("dataset") or config.get("name") or ",".join(config.get("datasets") or [])
+    system = config.get("system")
+    if isinstance(system, dict):
+        system = system.get("system") or tail(system.get("model"))
+    if not system and config.get("systems"):
+        system = ",".join(config["systems"])
+    if not system and isinstance(config.get("backbone"), dict):
+        readout = config.get("readout") if isinstance(config.get("readout"), dict) else {}
+        system = " ".join(x for x in (tail(config["backbone"].get("model")), readout.get("readout")) if x)
+    return " ".join(str(x) for x in (stage, dataset, system) if x)
+
+
 class ArtifactProgress:
     """Progress as Prefect progress artifacts, one per label, updated at most once a second."""
 
@@ -114,7 +150,9 @@ class ArtifactProgress:
 
 
 def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
-    """The body of every stage flow: plan, run the units (as tasks when the stage is distributed), commit."""
+    """The body of every stage flow: plan, run the units (as tasks when the stage is distributed), commit, and
+    publish the summary (what it did, where, the rows, the time, what is next) as a markdown artifact."""
+    started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), get_run_logger().info, ArtifactProgress())
     with ctx.held:
         plan = stage.plan(config, ctx)
@@ -122,17 +160,46 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
         results: list[Any] = []
         try:
             if plan.units and stage.distributed:
-                runner = _task_runner(config)
-                results = _units_flow.with_options(task_runner=runner)(stage.name, config.root, plan.units)
+                results = _run_unit_tasks(stage, config, plan, ctx)
             elif plan.units:
                 results = run_units(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)
             raise
-        result = stage.result(plan, stage.finish(config, plan, results, ctx))
-    create_markdown_artifact(result.markdown(), key=artifact_key(stage.name, plan.system or "summary"),
-                             description=stage.name)  # fmt: skip
+        details = stage.finish(config, plan, results, ctx)
+        result = stage.result(plan, details, config, ctx, time.monotonic() - started)
+    create_markdown_artifact(inline_figures(result.markdown(), ctx.store), description=stage.name,
+                             key=artifact_key(stage.name, plan.system or "summary"))  # fmt: skip
     return result.model_dump(mode="json")
+
+
+def unit_parameters(stage: Stage, root: str, unit: Any) -> dict[str, Any]:
+    """What one unit task is sent (and Prefect records): the stage, the store and the unit, which names the run's
+    shared settings by key (``storage.ArtifactStore.put_plan``): the same few hundred bytes whatever the config."""
+    return {"stage_name": stage.name, "root": root, "unit": unit}
+
+
+def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) -> list[Any]:
+    """One Prefect task per unit, named after it, on the config's task runner (Dask workers, or this process),
+    under this stage's flow run; each committed here (one writer) as it completes, progress on this run."""
+    from tasks.units import run_unit_task
+
+    total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
+    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+    tags = ["diffret", stage.name, *stage.task_tags]
+    results = []
+    with _task_runner(config) as runner:
+        futures = {}
+        for unit in plan.units:
+            task = run_unit_task.with_options(name=f"{stage.name} unit", task_run_name=f"{stage.name} "
+                                              f"{stage.unit_name(unit)}", tags=tags)  # fmt: skip
+            futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
+        for fut in as_completed(list(futures)):
+            unit = futures[fut]
+            results.append(fut.result())
+            stage.commit(unit, results[-1], ctx)
+            advance(stage.work_of(unit))
+    return results
 
 
 def _task_runner(config: StageConfig) -> Any:
@@ -149,27 +216,6 @@ def _task_runner(config: StageConfig) -> Any:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     return ThreadPoolTaskRunner(max_workers=1)
-
-
-@flow(name="stage-units")
-def _units_flow(stage_name: str, root: str, units: list[Any]) -> list[Any]:
-    """Submit one task per unit; commit each in this (the flow's) process as it completes (one writer)."""
-    import stages
-    from tasks.units import run_unit_task
-
-    stage = stages.stages()[stage_name]
-    ctx = Context(ArtifactStore(root), get_run_logger().info, ArtifactProgress())
-    total = sum(stage.work_of(u) for u in units)
-    advance = ctx.progress(f"{stage_name} units", total, "work")
-    task = run_unit_task.with_options(name=f"{stage_name}-unit", tags=["diffret", stage_name, *stage.task_tags])
-    futures = {task.submit(stage_name, root, u): u for u in units}
-    results = []
-    for fut in as_completed(list(futures)):
-        unit = futures[fut]
-        results.append(fut.result())
-        stage.commit(unit, results[-1], ctx)
-        advance(stage.work_of(unit))
-    return results
 
 
 def _expose_packages_to_workers() -> None:

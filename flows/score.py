@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.score import ScoreConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["ScoreConfig", "score_flow"]
 
 
-@flow(name="score", description=stage.description)
+@flow(name="score", flow_run_name=run_name, description=stage.description)
 def score_flow(config: ScoreConfig) -> dict:
     return run_in_flow(stage, config)

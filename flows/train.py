@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.train import TrainConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["TrainConfig", "train_flow"]
 
 
-@flow(name="train", description=stage.description)
+@flow(name="train", flow_run_name=run_name, description=stage.description)
 def train_flow(config: TrainConfig) -> dict:
     return run_in_flow(stage, config)

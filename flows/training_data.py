@@ -6,11 +6,11 @@ from prefect import flow
 
 from stages.training_data import TrainingDataConfig, stage
 
-from .runner import run_in_flow
+from .runner import run_in_flow, run_name
 
 __all__ = ["TrainingDataConfig", "training_data_flow"]
 
 
-@flow(name="training-data", description=stage.description)
+@flow(name="training-data", flow_run_name=run_name, description=stage.description)
 def training_data_flow(config: TrainingDataConfig) -> dict:
     return run_in_flow(stage, config)

@@ -9,18 +9,21 @@ through Prefect or not, resumes where the last one stopped.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
 from retrieval.fields import cli
-from retrieval.search.modes import check_modes
+from retrieval.search.modes import MODE_NAMES, check_modes
 from retrieval.traits import Declared
-from storage import ArtifactStore, StageState
+from storage import ArtifactStore, StageState, StoreError
 from storage.layout import DEFAULT_ROOT
 
 GRID_K = (1, 2, 4, 8, 16)  # the paper's budgets: K_q, K_p in {1, 2, 4, 8, 16}
@@ -44,7 +47,8 @@ def sorted_positive_ks(v: list[int]) -> list[int]:
 
 
 KList = Annotated[list[int], AfterValidator(sorted_positive_ks)]
-ModeList = Annotated[list[str], AfterValidator(check_modes)]
+# a dropdown of the modes in the Prefect UI; check_modes refuses an empty list
+ModeList = Annotated[list[Literal[MODE_NAMES]], AfterValidator(check_modes)]  # type: ignore[valid-type]
 
 # (label, done, total, unit, note): absolute progress of one labelled task (units: "docs", "bytes", "cells", ...)
 # and a short status shown beside it (a training run's loss and learning rate; "" for none)
@@ -143,6 +147,15 @@ class Folder:
     config: dict[str, Any]
 
 
+class Output(BaseModel):
+    """One store folder a stage run wrote (or found current), as its manifest lists it."""
+
+    folder: str  # relative to the store root
+    files: int = 0
+    rows: int = 0
+    bytes: int = 0
+
+
 class StageResult(BaseModel):
     """What one stage run did: the same shape for every stage, printed the same way by the CLI and Prefect."""
 
@@ -153,16 +166,84 @@ class StageResult(BaseModel):
     noun: str = "unit(s)"
     verb: str = "done"
     details: dict[str, Any] = Field(default_factory=dict)
+    seconds: float | None = None  # wall time of the stage run (plan, units, finish)
+    store: str | None = None  # the store root, absolute
+    outputs: list[Output] = Field(default_factory=list)
+    next: str = ""  # what a person runs after it
 
     def line(self) -> str:
         who = f"{self.system}: " if self.system else ""
         total = self.done + self.skipped
         return f"{who}{self.done} {self.noun} {self.verb}, {self.skipped} already done ({total} in all)"
 
-    def markdown(self) -> str:
-        """The result as a Prefect markdown artifact (with the stage's own section, ``details["markdown"]``)."""
+    def markdown(self, max_folders: int = 12) -> str:
+        """The result as a person reads it in the Prefect UI: what it did and how long it took, the folders it
+        wrote with their files, rows and bytes, the store, what comes next, and the stage's own section
+        (``details["markdown"]``).
+
+        >>> r = StageResult(stage="download", done=1, noun="collection(s)", verb="written", seconds=2.5,
+        ...                 outputs=[Output(folder="datasets/dataset=x", files=3, rows=120, bytes=4096)])
+        >>> print(r.markdown().splitlines()[2])
+        **1 collection(s) written, 0 already done (1 in all)** in 2.5 s.
+        """
+        took = f" in {_duration(self.seconds)}" if self.seconds is not None else ""
+        lines = [f"# {self.stage}" + (f": `{self.system}`" if self.system else ""), "", f"**{self.line()}**{took}."]
+        if self.outputs:
+            # several folders: their common part once, each by the rest (a table that fits the page)
+            parts = [o.folder.split("/") for o in self.outputs]
+            common = next((i for i, xs in enumerate(zip(*parts)) if len(set(xs)) > 1), min(map(len, parts)))
+            common = min(common, min(map(len, parts)) - 1) if len(parts) > 1 else 0
+            if common:
+                lines += ["", f"Under `{'/'.join(parts[0][:common])}/`:"]
+            lines += ["", "| folder | files | rows | size |", "|---|---:|---:|---:|"]
+            for o, ps in zip(self.outputs[:max_folders], parts, strict=False):
+                lines.append(f"| `{'/'.join(ps[common:])}` | {o.files} | {o.rows:,} | {_size(o.bytes)} |")
+            if len(self.outputs) > max_folders:
+                rest = self.outputs[max_folders:]
+                lines.append(f"| … and {len(rest)} more folder(s) | {sum(o.files for o in rest)} | "
+                             f"{sum(o.rows for o in rest):,} | {_size(sum(o.bytes for o in rest))} |")  # fmt: skip
+        if self.store:
+            lines += ["", f"Store: `{self.store}`"]
+        if self.next:
+            lines += ["", f"Next: {self.next}"]
         extra = self.details.get("markdown")
-        return f"# {self.stage}\n\n{self.line()}\n" + (f"\n{extra}\n" if extra else "")
+        return "\n".join(lines) + "\n" + (f"\n{extra}\n" if extra else "")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def inline_figures(markdown: str, store: ArtifactStore) -> str:
+    """``markdown`` with each linked PNG of the store (a path relative to its root, or absolute inside it) embedded
+    as a data URI, so that a browser shows it wherever the page is read (a Prefect artifact cannot point at the
+    server's files). Links to anything else are left as they are.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     store.write_bytes("s/fig.png", b"\\x89PNG")
+    ...     inline_figures("![f](s/fig.png) ![g](gone.png)", store)
+    '![f](data:image/png;base64,iVBORw==) ![g](gone.png)'
+    """
+    base = store.abspath("")
+
+    def embed(m: re.Match[str]) -> str:
+        path = m.group(2)
+        rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
+        if path.startswith("data:") or not store.exists(rel):
+            return m.group(0)
+        return f"{m.group(1)}(data:image/png;base64,{base64.b64encode(store.read_bytes(rel)).decode()})"
+
+    return re.sub(r"(!\[[^\]]*\])\(([^)\s]+\.png)\)", embed, markdown)
 
 
 class Stage(Declared, ABC):
@@ -178,6 +259,7 @@ class Stage(Declared, ABC):
     distributed: ClassVar[bool] = False  # units may run in other processes (Prefect tasks on Dask)
     reports_progress: ClassVar[bool] = False  # run() calls ctx.advance itself (e.g. per encoded batch)
     task_tags: ClassVar[tuple[str, ...]] = ()  # Prefect tags of its unit tasks (e.g. "gpu", for concurrency limits)
+    next_step: ClassVar[str] = ""  # what a person runs after it ({dataset}, {system}: the run's)
 
     def __init_subclass__(cls, **traits: Any) -> None:
         super().__init_subclass__(**traits)
@@ -204,16 +286,40 @@ class Stage(Declared, ABC):
         was before the stage started, plus the units that finished (default: nothing prepared)."""
         return None
 
-    def result(self, plan: Plan, details: dict[str, Any]) -> StageResult:
-        return StageResult(
+    def result(self, plan: Plan, details: dict[str, Any], config: Any = None, ctx: Context | None = None,
+               seconds: float | None = None) -> StageResult:  # fmt: skip
+        """The run's :class:`StageResult`; with ``config`` and ``ctx``, its output folders (read from their
+        manifests), the store and the next step too."""
+        res = StageResult(
             stage=self.name, system=plan.system, done=len(plan.units) if plan.count is None else plan.count,
-            skipped=plan.skipped, noun=self.noun,
-            verb=self.verb, details=details,
+            skipped=plan.skipped, noun=self.noun, verb=self.verb, details=details, seconds=seconds,
         )  # fmt: skip
+        if config is not None and ctx is not None:
+            res.store = ctx.store.abspath("")
+            res.outputs = [o for f in self.outputs(config, plan, details) if (o := _output(ctx.store, f))]
+            dataset = (getattr(config, "dataset", None) or getattr(config, "name", None)
+                       or ",".join(getattr(config, "datasets", None) or []) or "DATASET")  # fmt: skip
+            res.next = self.next_step.replace("{dataset}", str(dataset)).replace("{system}", plan.system or "SYSTEM")
+        return res
+
+    def outputs(self, config: Any, plan: Plan, details: dict[str, Any]) -> list[str]:
+        """The store folders this run wrote or found current (relative or absolute): by default the folders its
+        :class:`Folder` units built and those its details name (``stages``, ``folders``, ``stage``, ``folder``,
+        ``model_dir``)."""
+        out = [u.stage for u in plan.units if isinstance(u, Folder)]
+        for key in ("stages", "folders"):
+            if isinstance(details.get(key), dict):
+                out += [v for v in details[key].values() if isinstance(v, str)]
+        out += [details[k] for k in ("stage", "folder", "model_dir") if isinstance(details.get(k), str)]
+        return list(dict.fromkeys(out))
 
     def work_of(self, unit: Any) -> int:
         """Progress units of one unit (``Plan.work`` is their sum when set)."""
         return 1
+
+    def unit_name(self, unit: Any) -> str:
+        """A unit as a person reads it (a Prefect task run's name): e.g. ``passage K=16 shard=00003``."""
+        return getattr(unit, "stage", None) or type(unit).__name__
 
     def label(self, plan: Plan) -> str:
         return f"{self.name} {plan.system or ''}".strip()
@@ -223,6 +329,7 @@ def execute(
     stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None
 ) -> StageResult:
     """Plan and run a stage in this process, unit by unit, committing each one as it finishes."""
+    started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
         plan = stage.plan(config, ctx)
@@ -231,7 +338,22 @@ def execute(
         except BaseException:
             stage.abort(config, plan, ctx)
             raise
-        return stage.result(plan, stage.finish(config, plan, results, ctx))
+        details = stage.finish(config, plan, results, ctx)
+        return stage.result(plan, details, config, ctx, time.monotonic() - started)
+
+
+def _output(store: ArtifactStore, folder: str) -> Output | None:
+    """A folder's files, rows and bytes from its manifest; None when it has none (nothing to show)."""
+    base = store.abspath("")
+    rel = folder[len(base) :].lstrip("/") if folder.startswith(base) else folder
+    try:
+        m = store.read_manifest(rel)
+    except StoreError:
+        m = None
+    if m is None:
+        return None
+    files = m.files.values()
+    return Output(folder=rel, files=len(files), rows=sum(e.rows or 0 for e in files), bytes=sum(e.bytes for e in files))
 
 
 def run_units(stage: Stage, plan: Plan, ctx: Context) -> list[Any]:

@@ -54,6 +54,11 @@ class BetaUnit:
 class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written"):
     """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
 
+    next_step = (
+        "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment); re-score the top m: "
+        "`diffret late -d {dataset}`."
+    )
+
     def plan(self, config: BetaConfig, ctx: Context) -> Plan:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)

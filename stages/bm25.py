@@ -34,6 +34,8 @@ class BM25Unit:
 class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written"):
     """BM25 baseline runs (bm25s, Lucene k1=0.9 b=0.4)."""
 
+    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
+
     def plan(self, config: BM25Config, ctx: Context) -> Plan:
         store = ctx.store
         corpus, ignore = config.corpus_name(), config.ignore_ids()

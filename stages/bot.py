@@ -41,6 +41,8 @@ class BotConfig(StageConfig):
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
     """SIDR's binary bag-of-tokens index of a corpus: a pass over its stored token ids, no model."""
 
+    next_step = "search it with a SIDR system: `diffret beta -d {dataset}` (the beta deployment)."
+
     def plan(self, config: BotConfig, ctx: Context) -> Plan:
         corpus = corpus_of(config.dataset)
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)

@@ -29,12 +29,21 @@ from storage.layout import encodings_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
 from .readers import tokens_manifest
-from .systems import EncodeSettings, encoder_record, numeric_settings, register, tokenizer_of, tokens_slug, weights_of
+from .systems import (
+    EncodeSettings,
+    SystemRecord,
+    encoder_record,
+    numeric_settings,
+    register,
+    tokenizer_of,
+    tokens_slug,
+    weights_of,
+)
 from .tokenize import TokenizeConfig, default_backbone
 
 
 class EncodeConfig(StageConfig):
-    """Parameters of the encode flow (the Prefect UI renders them as a form)."""
+    """Parameters of the encode flow."""
 
     dataset: str = like(TokenizeConfig, "dataset")
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to encode.",
@@ -91,17 +100,18 @@ def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k:
 
 @dataclass
 class EncodeUnit:
-    system: str
-    settings: dict[str, Any]
+    """One shard at one (side, K). What every shard of the run shares (the settings, the batch size, the weights'
+    fingerprint) is stored once (:meth:`storage.ArtifactStore.put_plan`) and named by ``plan``: a unit sent to a
+    Dask worker, or recorded as a Prefect task's parameters, costs the same few bytes whatever the settings."""
+
+    plan: str  # key of the run's shared settings: {"settings", "batch_size", "weights"}
     tokens_stage: str
     shard: str
     out_stage: str
     side: str
     k: int
     rows: int
-    batch_size: int
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
-    weights: dict[str, str] | None = None  # the model's weights fingerprint, recorded with the system
 
 
 _READERS: dict[str, Readout] = {}
@@ -128,6 +138,11 @@ class Encode(
 ):
     """Encode a dataset's queries and passages for every K of the grid."""
 
+    next_step = (
+        "score the grid: `diffret score -d {dataset} --system {system}` (the score deployment), then `diffret "
+        "evaluate`."
+    )
+
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         cls = readout_class(config.readout.readout)
@@ -139,7 +154,9 @@ class Encode(
         record = encoder_record(settings)
         tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
         plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
-        stored = settings.model_dump()
+        weights = weights_of(config.backbone)
+        shared = ctx.store.put_plan({"settings": settings.model_dump(mode="json"), "batch_size": config.batch_size,
+                                     "weights": weights})  # fmt: skip
         for side in config.sides:
             t_stage = tokens_dir(tokens, config.dataset, side)
             t_man = tokens_manifest(ctx.store, t_stage, "run `diffret encode` (which tokenizes first) or the "
@@ -157,16 +174,11 @@ class Encode(
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit(
-                        record.system, stored, t_stage, shard, stage, side, k, rows, config.batch_size, m.config_hash
-                    )
+                    unit = EncodeUnit(shared, t_stage, shard, stage, side, k, rows, m.config_hash)
                     plan.units.append(unit)
                     plan.work += rows
-        weights = weights_of(config.backbone)
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
         plan.details["record"] = (record, weights)  # registered with the first finished shard (commit, finish)
-        for unit in plan.units:
-            unit.weights = weights
         if plan.units:  # model work to do: no weights, a truncated or corrupt file fail here, before any
             check_weights(config.backbone)
         return plan
@@ -174,19 +186,29 @@ class Encode(
     def work_of(self, unit: EncodeUnit) -> int:
         return unit.rows
 
+    def unit_name(self, unit: EncodeUnit) -> str:
+        return f"{unit.side} K={unit.k} {unit.shard.removesuffix('.parquet')}"
+
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
-        reader = reader_for(EncodeSettings.model_validate(unit.settings))
+        shared = ctx.store.read_plan(unit.plan)
+        reader = reader_for(EncodeSettings.model_validate(shared["settings"]))
         t = ctx.store.read_table(unit.tokens_stage, unit.shard)
         table = encode_rows(
             reader, t.column("id").to_pylist(), t.column("token_ids").to_pylist(), t.column("text").to_pylist(),
-            unit.side, unit.k, unit.batch_size, ctx.advance,
+            unit.side, unit.k, shared["batch_size"], ctx.advance,
         )  # fmt: skip
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 
     def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:
         ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
-        if not ctx.store.exists(manifest_path(system_dir(unit.system))):  # registered once it has artifacts
-            register(ctx.store, encoder_record(EncodeSettings.model_validate(unit.settings)), unit.weights)
+        record, weights = self._record(unit, ctx)
+        if not ctx.store.exists(manifest_path(system_dir(record.system))):  # registered once it has artifacts
+            register(ctx.store, record, weights)
+
+    @staticmethod
+    def _record(unit: EncodeUnit, ctx: Context) -> tuple[SystemRecord, dict[str, str]]:
+        shared = ctx.store.read_plan(unit.plan)
+        return encoder_record(EncodeSettings.model_validate(shared["settings"])), shared["weights"]
 
     def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Compact each folder's shard records into its manifest (one write per folder); register the system."""

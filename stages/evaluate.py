@@ -118,6 +118,11 @@ def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> dict:
 class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated"):
     """Per-query metrics (pytrec_eval) for the runs in the store."""
 
+    next_step = (
+        "the leaderboard and heatmaps: `diffret summary -d {dataset} --system SYSTEM` (the summary "
+        "deployment); any table: `diffret sql`."
+    )
+
     def plan(self, config: EvaluateConfig, ctx: Context) -> Plan:
         store = ctx.store
         plan = Plan(work_unit="runs")

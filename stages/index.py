@@ -104,6 +104,11 @@ def check_against_exact(
 class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="built"):
     """LanceDB multivector index per K_p, with recall against exact search."""
 
+    next_step = (
+        "the recall of each index against exact search is above; score the grid exactly with `diffret score "
+        "-d {dataset} --system {system}`."
+    )
+
     def plan(self, config: IndexConfig, ctx: Context) -> Plan:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)

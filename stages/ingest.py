@@ -33,7 +33,7 @@ INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifa
 
 
 class DownloadConfig(StageConfig):
-    """Parameters of the download flow (the Prefect UI renders them as a form)."""
+    """Parameters of the download flow."""
 
     name: str = Field(
         description="Collection: a BEIR name (scifact, nfcorpus, arguana, fiqa, trec-covid, nq, hotpotqa, quora, "
@@ -43,7 +43,7 @@ class DownloadConfig(StageConfig):
     source: str | None = Field(
         default=None,
         description="Mirror of the dataset: a BEIR-layout folder, a .zip/.tar.gz, or a URL of either (offline: "
-        "../shared/data/<name> in this repository's checkouts). Default: the official location.",
+        "../shared/data/{name} in this repository's checkouts). Default: the official location.",
         json_schema_extra=cli(short="-s"),
     )
     cache_dir: str = Field(default="~/.cache/diffret/downloads", description="Where downloaded archives are kept.")
@@ -160,6 +160,11 @@ class IngestUnit:
 class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
     """Materialise a retrieval test collection into the artifact store."""
 
+    next_step = (
+        "encode it: `diffret encode -d {dataset} --model MODEL` (the encode deployment), or the whole grid: "
+        "`diffret run -d {dataset} --model MODEL` (the pipeline deployment)."
+    )
+
     def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
         progress = None
         if ctx.report is not None:
@@ -184,7 +189,18 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         return materialise(ctx.store, unit.name, unit.files, state=unit.state, unknown_judgments=unit.unknown_judgments)
 
     def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
-        return results[0].summary() if results else plan.details
+        """What was stored (or found stored), with the rows of each table and the source (``markdown``)."""
+        details = results[0].summary() if results else dict(plan.details)
+        m = ctx.store.require_manifest(dataset_dir(config.name))
+        lines = ["| table | rows |", "|---|---:|"]
+        lines += [f"| {name.removesuffix('.parquet')} | {e.rows or 0:,} |" for name, e in sorted(m.files.items())]
+        details["rows"] = {name: e.rows for name, e in m.files.items()}
+        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.name)}`", "", *lines, "",
+                                         f"Source: `{m.config.get('source')}`"])  # fmt: skip
+        return details
+
+    def outputs(self, config: DownloadConfig, plan: Plan, details: dict[str, Any]) -> list[str]:
+        return []  # its own table names each table's rows (a sum over corpus, queries and qrels would mislead)
 
 
 stage = Ingest()

@@ -107,6 +107,8 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
     """Late-parametric re-scoring: a first stage's top m per query, re-scored by a system's mode; only the passages
     some query needs are encoded."""
 
+    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
+
     def plan(self, config: LateConfig, ctx: Context) -> Plan:
         resolve_device(config.device)
         store, corpus = ctx.store, config.corpus_name()

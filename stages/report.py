@@ -25,7 +25,7 @@ from .systems import list_systems
 class ReportConfig(StageConfig):
     """Parameters of the report flow."""
 
-    name: str = Field(default="default", description="Report name: reports/report=<name>/ in the store.")
+    name: str = Field(default="default", description="Report name: reports/report={name}/ in the store.")
     out_dir: str | None = Field(default=None, description="Also copy the report into this folder (outside the store).",
                                 json_schema_extra=cli(flag="--out", short="-o"))  # fmt: skip
     refs: list[str] | None = Field(
@@ -41,6 +41,11 @@ class ReportConfig(StageConfig):
 
 class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", verb="written"):
     """The paper's analyses and tables from the metrics in the store."""
+
+    next_step = (
+        "query any number behind it: `diffret sql \"select * from best_cells\"`; `diffret views` lists the "
+        "tables."
+    )
 
     def plan(self, config: ReportConfig, ctx: Context) -> Plan:
         if config.out_dir:

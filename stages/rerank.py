@@ -117,6 +117,8 @@ class RerankUnit:
 class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True):
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
+    next_step = "evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
+
     def plan(self, config: RerankConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         store = ctx.store

@@ -65,6 +65,8 @@ class ScorePass:
 class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored"):
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
+    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
+
     def plan(self, config: ScoreConfig, ctx: Context) -> Plan:
         resolve_device(config.device)  # a device this machine lacks: refused before any work
         store = ctx.store

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from retrieval.analysis.summary import build_summary
 from retrieval.fields import cli
-from storage import Manifest
+from storage import ArtifactStore, Manifest
 from storage.layout import summary_dir
 from storage.sql import StoreSQL
 
@@ -36,6 +36,11 @@ class SummaryConfig(StageConfig):
 
 class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
     """Leaderboard, heatmaps and summary markdown of one system on one dataset."""
+
+    next_step = (
+        "the paper's analyses over every stored system: `diffret report` (the report deployment); ad-hoc SQL: "
+        "`diffret sql`."
+    )
 
     def plan(self, config: SummaryConfig, ctx: Context) -> Plan:
         system = find_system(ctx.store, SystemRef(system=config.system)).system
@@ -67,12 +72,20 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
     def finish(self, config: SummaryConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """The leaderboard of each split (from the stored summaries) and where each summary folder is."""
         out: dict[str, Any] = {"leaderboards": {}, "folders": {}}
+        pages = []
         for split in config.splits:
             stage = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
             m = ctx.store.require_manifest(stage)
             out["leaderboards"][split] = m.stats.get("leaderboard", [])
             out["folders"][split] = ctx.store.abspath(stage)
+            pages.append(summary_page(ctx.store, stage))
+        out["markdown"] = "\n".join(pages)
         return out
+
+
+def summary_page(store: ArtifactStore, stage: str) -> str:
+    """A stored summary.md with its figure links relative to the store root (``inline_figures`` embeds them)."""
+    return store.read_bytes(f"{stage}/summary.md").decode().replace("](heatmap_", f"]({stage}/heatmap_")
 
 
 stage = Summary()

@@ -94,6 +94,11 @@ class TokenizeUnit:
 class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
     """Tokenize a dataset's queries and passages once per tokenizer."""
 
+    next_step = (
+        "encode the tokens: `diffret encode -d {dataset}` (the encode deployment); SIDR's bag of tokens: "
+        "`diffret bot -d {dataset}`."
+    )
+
     def plan(self, config: TokenizeConfig, ctx: Context) -> Plan:
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
         plan = Plan(system=slug, details={"stages": {}})

@@ -64,7 +64,7 @@ class TrainConfig(StageConfig):
                                      description="The model to fine-tune, and how it is loaded.")  # fmt: skip
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="The readout it is trained through.")
     settings: TrainSettings = Field(default_factory=TrainSettings, description="The training settings.")
-    name: str | None = Field(default=None, description="The model's name (default: <base>-ft-<hash>).")
+    name: str | None = Field(default=None, description="The model's name (default: {base}-ft-{hash}).")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
     merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "
                         "folder, no base needed) instead of the adapter alone.")  # fmt: skip
@@ -85,6 +85,11 @@ class TrainUnit:
 class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trained", reports_progress=True,
             task_tags=("gpu",)):  # fmt: skip
     """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
+
+    next_step = (
+        "encode and score with the fine-tuned model: `diffret run -d DATASET --model MODEL_FOLDER` (the "
+        "pipeline deployment)."
+    )
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work

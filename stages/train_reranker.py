@@ -59,7 +59,7 @@ class TrainRerankerConfig(StageConfig):
     first_mode: str = like(RerankConfig, "first_mode")
     backbone: BackboneConfig = like(TrainConfig, "backbone")
     settings: RerankTrainSettings = like(TrainConfig, "settings", default_factory=RerankTrainSettings)
-    name: str | None = Field(default=None, description="The model's name (default: <base>-rr-<hash>).")
+    name: str | None = Field(default=None, description="The model's name (default: {base}-rr-{hash}).")
     checkpoint_every: int = like(TrainConfig, "checkpoint_every")
     merge: bool = Field(default=False, description="LoRA: save the merged weights instead of the adapter alone.")
 
@@ -74,6 +74,8 @@ class TrainRerankerConfig(StageConfig):
 class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, noun="model(s)", verb="trained",
                     reports_progress=True, task_tags=("gpu",)):  # fmt: skip
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
+
+    next_step = "rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment)."
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work

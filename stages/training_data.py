@@ -97,6 +97,8 @@ class TrainingUnit:
 class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(s)", verb="written"):
     """Training groups (query, positives, hard negatives) from a Tevatron file or mined from a stored run."""
 
+    next_step = "fine-tune on it: `diffret train` (the train deployment)."
+
     def plan(self, config: TrainingDataConfig, ctx: Context) -> Plan:
         store, name = ctx.store, config.set_name()
         cfg: dict[str, Any] = {"set": name}

@@ -17,6 +17,7 @@ DEFAULT_ROOT = "./diffret-store"  # the store root when none is given (CLI --roo
 MANIFEST_NAME = "_manifest.json"
 STAGING_DIR = "_staging"  # same filesystem as the store: a staged folder is renamed into place
 LOCKS_DIR = "_locks"
+PLANS_DIR = "_plans"  # what every unit of a stage run shares (its settings), stored once: plan=<key>.json
 
 # ----------------------------------------------------------------------------------------- schemas
 
@@ -149,6 +150,11 @@ def bot_dir(tokenizer: str, dataset: str) -> str:
 
 def encodings_dir(system: str, dataset: str, side: str, k: int) -> str:
     return partition("encodings", system=system, dataset=dataset, side=side, k=k)
+
+
+def plan_path(key: str) -> str:
+    """A stage run's shared unit settings (:meth:`storage.ArtifactStore.put_plan`), by content key."""
+    return f"{PLANS_DIR}/plan={key}.json"
 
 
 def system_dir(system: str) -> str:

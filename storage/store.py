@@ -20,6 +20,7 @@ import enum
 import fcntl
 import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -202,6 +203,39 @@ class ArtifactStore:
                 raise
         else:  # one PUT: the object appears whole or not at all
             self.fs.pipe_file(path, data)
+
+    def put_plan(self, payload: dict[str, Any]) -> str:
+        """Store what every unit of a stage run shares (its settings) once; the key its units carry instead.
+
+        A unit sent to another process (a Dask worker) then costs the same few bytes however large the settings
+        are. Content-addressed: the same settings give the same key and file, so re-planning writes nothing new.
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     key = store.put_plan({"model": "m", "k": 4})
+        ...     store.read_plan(key), key == store.put_plan({"k": 4, "model": "m"})
+        ({'k': 4, 'model': 'm'}, True)
+        """
+        data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+        key = hashlib.sha256(data).hexdigest()[:24]
+        if not self.exists(layout.plan_path(key)):
+            self.write_bytes(layout.plan_path(key), data)
+        return key
+
+    def read_plan(self, key: str) -> dict[str, Any]:
+        """The shared settings stored by :meth:`put_plan` under ``key``; StoreError when missing or changed."""
+        rel = layout.plan_path(key)
+        try:
+            data = self.read_bytes(rel)
+        except FileNotFoundError as exc:
+            raise StoreError(f"{self.abspath(rel)}: the stage run's shared settings are missing (removed while "
+                             "it ran?); run the stage again") from exc  # fmt: skip
+        if hashlib.sha256(data).hexdigest()[:24] != key:
+            raise StoreError(f"{self.abspath(rel)}: changed since it was written; run the stage again")
+        return json.loads(data)
 
     def write_manifest(self, stage_dir: str, manifest: Manifest) -> None:
         self.write_bytes(layout.manifest_path(stage_dir), manifest.to_json().encode())

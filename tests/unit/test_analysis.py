@@ -232,7 +232,8 @@ def test_report_flow_publishes_markdown_artifacts(store: ArtifactStore) -> None:
     keys = {a.key for a in arts}
     assert {"report-toy-budget-selection", "report-toy-per-query-oracle", "report-toy-footprint"} <= keys
     oracle = next(a for a in arts if a.key == "report-toy-per-query-oracle")
-    assert f"]({res['details']['folder']}/oracle.png)" in oracle.data  # figure links point into the store
+    # figures embedded (a browser cannot read the server's files), not linked into the store
+    assert "![oracle](data:image/png;base64,iVBORw0KGgo" in oracle.data and res["details"]["folder"] not in oracle.data
     assert oracle.type == "markdown"
 
 
