@@ -48,8 +48,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 class PipelineConfig(StageConfig):
     """The whole zero-shot experiment on one dataset: download, encode the grid, score, BM25, evaluate, summary.
 
-    Each setting is the one of the stage it goes to, declared there (``like``): the same default and help.
+    Each setting means what it means for the stage it goes to, with the same default.
     """
+
+    # each field is declared by the stage it goes to (retrieval.fields.like): the same default and help
 
     preset: Literal["paper", "laptop"] = Field(
         default="paper", description="paper: the 5 x 5 grid, batch 32; laptop (CPU only): {1, 4, 16}^2, batch 16. "

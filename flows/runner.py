@@ -52,25 +52,32 @@ def use_prefect(flag: bool | None = None) -> bool:
     return flag if flag is not None else bool(os.environ.get("PREFECT_API_URL"))
 
 
+HEARTBEAT_S = 30  # flow-run heartbeats (Prefect's minimum); automations/zombie-flows.yaml waits 90 s for one
+
+
 @contextlib.contextmanager
 def prefect_api() -> Iterator[None]:
-    """A Prefect API for the flow runs started inside: the configured one, else one temporary server.
+    """A Prefect API for the flow runs started inside (the configured one, else one temporary server), with
+    the runs tagged ``diffret`` and sending a heartbeat every 30 s unless configured otherwise: the zombie-flow
+    automation (automations/zombie-flows.yaml) marks a tagged run Crashed when its heartbeats stop.
 
     Prefect would start its temporary server lazily, and a Dask worker that runs a task would then start one
     of its own (the worker inherits the flow's settings, which name no API); a worker killed before its
     server stops leaves that server holding the parent's output pipes. Naming the server in the settings
     up front gives every process of the run the same one.
     """
+    from prefect import tags
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    if PREFECT_API_URL.value():
-        yield
-        return
-    from prefect.server.api.server import SubprocessASGIServer
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_settings(set_defaults={"flows.heartbeat_frequency": HEARTBEAT_S}))
+        stack.enter_context(tags("diffret"))
+        if not PREFECT_API_URL.value():
+            from prefect.server.api.server import SubprocessASGIServer
 
-    server = SubprocessASGIServer()
-    server.start()  # stopped at exit
-    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            server = SubprocessASGIServer()
+            server.start()  # stopped at exit
+            stack.enter_context(temporary_settings(updates={PREFECT_API_URL: server.api_url}))
         yield
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import posixpath
 import re
 import time
 from abc import ABC, abstractmethod
@@ -190,14 +191,15 @@ class StageResult(BaseModel):
         lines = [f"# {self.stage}" + (f": `{self.system}`" if self.system else ""), "", f"**{self.line()}**{took}."]
         if self.outputs:
             # several folders: their common part once, each by the rest (a table that fits the page)
-            parts = [o.folder.split("/") for o in self.outputs]
-            common = next((i for i, xs in enumerate(zip(*parts)) if len(set(xs)) > 1), min(map(len, parts)))
-            common = min(common, min(map(len, parts)) - 1) if len(parts) > 1 else 0
+            folders = [o.folder for o in self.outputs]
+            common = posixpath.commonpath(folders) if len(folders) > 1 else ""
+            common = posixpath.dirname(common) if common in folders else common
             if common:
-                lines += ["", f"Under `{'/'.join(parts[0][:common])}/`:"]
+                lines += ["", f"Under `{common}/`:"]
             lines += ["", "| folder | files | rows | size |", "|---|---:|---:|---:|"]
-            for o, ps in zip(self.outputs[:max_folders], parts, strict=False):
-                lines.append(f"| `{'/'.join(ps[common:])}` | {o.files} | {o.rows:,} | {_size(o.bytes)} |")
+            for o in self.outputs[:max_folders]:
+                name = posixpath.relpath(o.folder, common) if common else o.folder
+                lines.append(f"| `{name}` | {o.files} | {o.rows:,} | {_size(o.bytes)} |")
             if len(self.outputs) > max_folders:
                 rest = self.outputs[max_folders:]
                 lines.append(f"| … and {len(rest)} more folder(s) | {sum(o.files for o in rest)} | "

@@ -155,8 +155,6 @@ class Encode(
         tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
         plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
         weights = weights_of(config.backbone)
-        shared = ctx.store.put_plan({"settings": settings.model_dump(mode="json"), "batch_size": config.batch_size,
-                                     "weights": weights})  # fmt: skip
         for side in config.sides:
             t_stage = tokens_dir(tokens, config.dataset, side)
             t_man = tokens_manifest(ctx.store, t_stage, "run `diffret encode` (which tokenizes first) or the "
@@ -174,13 +172,21 @@ class Encode(
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit(shared, t_stage, shard, stage, side, k, rows, m.config_hash)
+                    unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash)
                     plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
         plan.details["record"] = (record, weights)  # registered with the first finished shard (commit, finish)
         if plan.units:  # model work to do: no weights, a truncated or corrupt file fail here, before any
             check_weights(config.backbone)
+            # the settings every shard shares, stored once; with the folders in it, the key belongs to the run
+            # that holds their locks, which removes it when it ends
+            plan.details["plan"] = ctx.store.put_plan({
+                "settings": settings.model_dump(mode="json"), "batch_size": config.batch_size, "weights": weights,
+                "folders": list(plan.details["stages"].values()),
+            })  # fmt: skip
+            for unit in plan.units:
+                unit.plan = plan.details["plan"]
         return plan
 
     def work_of(self, unit: EncodeUnit) -> int:
@@ -215,12 +221,16 @@ class Encode(
         for stage in plan.details["stages"].values():
             ctx.store.compact_shards(stage)
         register(ctx.store, *plan.details["record"])
-        return {k: v for k, v in plan.details.items() if k != "record"}
+        if "plan" in plan.details:
+            ctx.store.remove_plan(plan.details["plan"])
+        return {k: v for k, v in plan.details.items() if k not in ("record", "plan")}
 
     def abort(self, config: EncodeConfig, plan: Plan, ctx: Context) -> None:
         """A failed run: the shards it finished are kept (recorded); the folders it opened that hold none are
         removed, so no empty encoding folder (or system without encodings) is left behind."""
         remove_empty_sharded(ctx.store, plan.details["stages"].values())
+        if "plan" in plan.details:
+            ctx.store.remove_plan(plan.details["plan"])
 
 
 stage = Encode()

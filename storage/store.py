@@ -209,6 +209,7 @@ class ArtifactStore:
 
         A unit sent to another process (a Dask worker) then costs the same few bytes however large the settings
         are. Content-addressed: the same settings give the same key and file, so re-planning writes nothing new.
+        The run removes it when it ends (:meth:`remove_plan`).
 
         Examples
         --------
@@ -217,6 +218,7 @@ class ArtifactStore:
         ...     store = ArtifactStore(root)
         ...     key = store.put_plan({"model": "m", "k": 4})
         ...     store.read_plan(key), key == store.put_plan({"k": 4, "model": "m"})
+        ...     store.remove_plan(key)
         ({'k': 4, 'model': 'm'}, True)
         """
         data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
@@ -224,6 +226,15 @@ class ArtifactStore:
         if not self.exists(layout.plan_path(key)):
             self.write_bytes(layout.plan_path(key), data)
         return key
+
+    def remove_plan(self, key: str) -> None:
+        """Remove the shared settings under ``key`` once the stage run that stored them has ended."""
+        rel = layout.plan_path(key)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.abspath(rel))
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.abspath(layout.PLANS_DIR))  # only when empty
 
     def read_plan(self, key: str) -> dict[str, Any]:
         """The shared settings stored by :meth:`put_plan` under ``key``; StoreError when missing or changed."""

@@ -614,14 +614,16 @@ assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are th
 
 
 class ReadoutConfig(BaseModel):
-    """How a text becomes vectors: the readout (see READOUTS) and its settings.
+    """How a text becomes vectors: the readout and its settings.
 
     The defaults are the reference encoder's (ielab/diffretriever, whose code produced the paper's numbers);
     every other value is a named deviation (diffret 0.1's behaviour among them). The reference encodes a
-    fine-tuned model another way than a zero-shot one (scripts/encode.py's ``trained_*`` path): ``finetuned``
-    chooses the path, and the settings left at None / ``auto`` take that path's value (:meth:`resolved`); a
-    system's slug records the resolved values.
+    fine-tuned model another way than a zero-shot one (scripts/encode.py's `trained_*` path): `finetuned`
+    chooses the path, and the settings left at None / `auto` take that path's value; a system's slug records
+    the resolved values.
     """
+
+    # the readouts: READOUTS; the resolved values: resolved()
 
     readout: ReadoutName = Field(
         default="diffretriever", description="diffretriever | promptreps | diffembed | repllama | sidr"

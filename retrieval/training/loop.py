@@ -122,7 +122,7 @@ class TrainSettings(LoopSettings):
 
     The defaults are the reference trainers' (ielab/diffretriever: scripts/train_diffretriever.py with the paper's
     Table 7, train_promptreps.py, and the re-trained baselines' train_diffembed.py / train_repllama.py); settings
-    left at None / ``auto`` take the readout's reference value (:meth:`resolved`), which the model's hash records.
+    left at None / `auto` take the readout's reference value, which the model's hash records.
     diffret 0.1's settings are all reachable by value: ``schedule linear``, ``pool_size 8 global_batch 32``,
     ``promptreps_decode stop``, ``promptreps_n 0``, ``train_title_sep '. '``, ``lora_head false``.
     """

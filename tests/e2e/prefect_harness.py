@@ -128,6 +128,11 @@ class PrefectServer:
     log: Path
     tmp: Path
 
+    @property
+    def base_url(self) -> str:
+        """Where the UI is served (when the server was started with ``ui=True``)."""
+        return self.api_url.removesuffix("/api")
+
     def cli(self, *args: str, cwd: Path | None = None, timeout: float = CLI_TIMEOUT_S) -> str:
         """Run a prefect CLI command against this server; fail with its output when it fails."""
         cmd = [*prefect_cmd(), *args]
@@ -185,9 +190,9 @@ class PrefectServer:
 
 
 @contextlib.contextmanager
-def local_prefect_server(tmp_path: Path) -> Iterator[PrefectServer]:
+def local_prefect_server(tmp_path: Path, ui: bool = False) -> Iterator[PrefectServer]:
     """A Prefect server of its own for one test (a fixture wraps it: ``with local_prefect_server(tmp_path) as s:
-    yield s``); stopped, by its process group, when the block ends."""
+    yield s``), serving the UI too with ``ui``; stopped, by its process group, when the block ends."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     home = tmp_path / "prefect-home"
@@ -200,7 +205,7 @@ def local_prefect_server(tmp_path: Path) -> Iterator[PrefectServer]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
         PREFECT_CLI_PROMPT="false",
-        PREFECT_SERVER_UI_ENABLED="false",
+        PREFECT_SERVER_UI_ENABLED="true" if ui else "false",
     )
     log = tmp_path / "server.log"
     with log.open("wb") as out:
@@ -238,6 +243,22 @@ def deploy(server: PrefectServer, *names: str) -> str:
     server.cli("work-pool", "create", POOL, "--type", "process")
     which = [a for n in names for a in ("--name", n)] or ["--all"]
     return server.cli("--no-prompt", "deploy", *which, cwd=REPO)
+
+
+def create_zombie_automation(server: PrefectServer) -> None:
+    """The crash-recovery automation, created by the command docs/operations.md and prefect.yaml give."""
+    server.cli("automation", "create", "--from-file", str(REPO / "automations" / "zombie-flows.yaml"))
+
+
+def wait_state(server: PrefectServer, flow_run_id: str, state: str, timeout_s: float) -> float:
+    """Seconds until the flow run is in ``state`` (fails after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while (now := server.flow_run(flow_run_id).get("state_type")) != state:
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(f"flow run {flow_run_id} still {now}, not {state}, after {timeout_s} s\n"
+                        f"--- server log\n{tail(server.log, 30)}")  # fmt: skip
+        time.sleep(1)
+    return time.monotonic() - t0
 
 
 def run_deployment(server: PrefectServer, config: dict, deployment: str) -> str:

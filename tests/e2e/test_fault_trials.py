@@ -1,5 +1,5 @@
 """Fault trials: `diffret run` killed with SIGKILL at random points, a Prefect worker killed mid-run, a flipped
-byte in a stored encoding shard. Each time the same command (or `prefect flow-run retry`) finishes without
+byte in a stored encoding shard. Each time the same command (or a Retry from the Prefect UI) finishes without
 --force and without cleaning up by hand, with metrics identical to an uninterrupted run's.
 
 The collection is a 300-passage, 30-query subset of ../shared/data/cranfield (every judged passage of the
@@ -31,8 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from browser import PrefectUI, browser_available, browser_page
 from conftest import SHARED, write_beir
-from prefect_harness import deploy, kill_9_tree, local_prefect_server, run_deployment, tail, work_off
+from prefect_harness import (
+    create_zombie_automation,
+    deploy,
+    kill_9_tree,
+    local_prefect_server,
+    run_deployment,
+    tail,
+    wait_state,
+    work_off,
+)
 
 from storage import ArtifactStore
 from storage.sql import StoreSQL
@@ -278,15 +288,22 @@ def test_flipped_byte_in_an_encoding_shard_is_named_and_redone(baseline: Baselin
 ENCODED = re.compile(r"(\d+) shard\(s\) encoded, (\d+) already done \((\d+) in all\)")
 
 
+CRASHED_WITHIN_S = 120  # the automation's 90 s after the last heartbeat, which comes every 30 s, and its checks
+
+
 @pytest.mark.prefect
-def test_prefect_worker_killed_mid_encode_then_flow_run_retry(baseline: Baseline, tmp_path: Path) -> None:
-    """The pipeline deployment on a process worker; kill -9 the worker (and the flow run it started) while it
-    encodes, mark the run crashed (as Prefect does for a run whose infrastructure vanished), then `prefect
-    flow-run retry` on a new worker: it completes, keeps every file finished before the kill as it was
-    (same inode and mtime), encodes only the missing shards, and ends with the uninterrupted run's metrics."""
-    with local_prefect_server(tmp_path) as server:
+def test_prefect_worker_killed_mid_encode_then_retried_from_the_ui(baseline: Baseline, tmp_path: Path) -> None:
+    """The pipeline deployment on a process worker, with the zombie-flow automation of automations/ created as
+    docs/operations.md says; kill -9 the worker and the flow run it started while it encodes: nobody tells the
+    server, and the automation marks the run Crashed within 2 minutes (its heartbeats stopped). Then Retry from
+    the UI (the flow run's menu, in headless Chromium; `prefect flow-run retry` where there is no browser) on a
+    new worker: it completes, keeps every file finished before the kill as it was (same inode and mtime),
+    encodes only the missing shards, and ends with the uninterrupted run's metrics."""
+    ui = browser_available()
+    with local_prefect_server(tmp_path, ui=ui) as server:
         server.env["OMP_NUM_THREADS"] = "1"  # the workers and the flow runs they start
         server.env["HF_HUB_OFFLINE"] = "1"
+        create_zombie_automation(server)
         deploy(server, "pipeline")
         root = tmp_path / "store"
         config = pipeline_config(baseline.source, root, tmp_path / "cache")
@@ -311,9 +328,14 @@ def test_prefect_worker_killed_mid_encode_then_flow_run_retry(baseline: Baseline
         shards_left = [rel for rel in left if "encodings" in rel and rel.endswith(".parquet")]
         assert server.flow_run(flow_run_id)["state_type"] == "RUNNING"  # nobody told the server
 
-        server.api("POST", f"/flow_runs/{flow_run_id}/set_state",
-                   {"state": {"type": "CRASHED", "message": "worker killed (test)"}, "force": True})  # fmt: skip
-        server.cli("flow-run", "retry", flow_run_id)
+        took = wait_state(server, flow_run_id, "CRASHED", CRASHED_WITHIN_S)
+        print(f"marked Crashed by the automation {took:.0f} s after the kill")
+        if ui:
+            with browser_page() as page:
+                PrefectUI(page, server.base_url).retry(flow_run_id)
+        else:
+            server.cli("flow-run", "retry", flow_run_id)
+        assert server.flow_run(flow_run_id)["state_name"] == "AwaitingRetry"
         run = work_off(server, flow_run_id, "worker-retry")
         assert run["state_type"] == "COMPLETED"
         logs = server.flow_run_logs(flow_run_id)

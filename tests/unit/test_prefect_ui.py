@@ -27,7 +27,7 @@ from storage import ArtifactStore
 
 REPO = Path(__file__).parents[2]
 HTML_LIKE = re.compile(r"<[A-Za-z][^>]*>")  # read as a tag by the UI's markdown: the text vanishes
-DEV_NOTES = ("renders them as a form",)
+DEV_NOTES = ("renders them as a form", ":meth:", ":class:", ":func:", "``like``")
 
 
 def flow_functions() -> dict[str, Any]:
