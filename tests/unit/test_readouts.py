@@ -501,7 +501,7 @@ def test_promptreps_kv_cache_matches_full_forward(backbones, arch, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ 8. clear errors
 def test_unknown_family_in_config():
-    with pytest.raises(ValueError, match="unknown backbone family 'nope'"):
+    with pytest.raises(ValueError, match="family\n  Input should be 'auto', 'mlm', 'dream', 'llada' or 'causal'"):
         BackboneConfig(model="some/model", family="nope")
     assert BackboneConfig(model="some/model", family="causal").family == "causal"
 

@@ -391,7 +391,9 @@ def test_killed_training_resumes_bit_identical(world: dict, tmp_path: Path, monk
     res = execute(stages()["train"], w["configs"]["train"], log=lines.append)
     assert res.done == 1 and any("resumed tiny-ft at step 2 of 4" in x for x in lines)
     md = res.markdown()  # the Prefect artifact: the loss curve and the logged steps
-    assert "data:image/png;base64," in md and md.count("\n| ") == 1 + 4  # header + steps 1-4
+    loss = md[md.index(res.details["markdown"]) :]  # the stage's own section, after the summary
+    assert "data:image/png;base64," in loss and loss.count("\n| ") == 1 + 4  # header + steps 1-4
+    assert "| `models/model=tiny-ft` |" in md and "Next: encode and score" in md
     resumed = Path(w["root"]) / "models" / "model=tiny-ft" / "model.safetensors"
     assert resumed.read_bytes() == straight.read_bytes()
     assert not list(Path(w["root"]).glob("checkpoints/model=tiny-ft-*"))  # removed once saved
