@@ -157,26 +157,19 @@ class ArtifactProgress:
 
 
 def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
-    """The body of every stage flow: plan, run the units (as tasks when the stage is distributed), commit, and
-    publish the summary (what it did, where, the rows, the time, what is next) as a markdown artifact."""
-    started = time.monotonic()
-    ctx = Context(ArtifactStore(config.root), get_run_logger().info, ArtifactProgress())
-    with ctx.held:
-        plan = stage.plan(config, ctx)
+    """The body of every stage flow: ``stages.execute`` with its units as tasks of this run when the stage is
+    distributed, progress as an artifact, and the summary (what it did, where, the rows, the time, what is
+    next) published as a markdown artifact."""
+
+    def units(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
         ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) to run, {plan.skipped} already done")
-        results: list[Any] = []
-        try:
-            if plan.units and stage.distributed:
-                results = _run_unit_tasks(stage, config, plan, ctx)
-            elif plan.units:
-                results = run_units(stage, plan, ctx)
-        except BaseException:
-            stage.abort(config, plan, ctx)
-            raise
-        details = stage.finish(config, plan, results, ctx)
-        result = stage.result(plan, details, config, ctx, time.monotonic() - started)
-    create_markdown_artifact(inline_figures(result.markdown(), ctx.store), description=stage.name,
-                             key=artifact_key(stage.name, plan.system or "summary"))  # fmt: skip
+        if plan.units and stage.distributed:
+            return _run_unit_tasks(stage, config, plan, ctx)
+        return run_units(stage, plan, ctx)
+
+    result = execute(stage, config, log=get_run_logger().info, report=ArtifactProgress(), units=units)
+    create_markdown_artifact(inline_figures(result.markdown(), ArtifactStore(config.root)), description=stage.name,
+                             key=artifact_key(stage.name, result.system or "summary"))  # fmt: skip
     return result.model_dump(mode="json")
 
 

@@ -327,16 +327,22 @@ class Stage(Declared, ABC):
         return f"{self.name} {plan.system or ''}".strip()
 
 
+# runs a plan's units and commits each (run_units: one after another in this process; Prefect: as tasks)
+UnitsRunner = Callable[["Stage", Plan, Context], list[Any]]
+
+
 def execute(
-    stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None
-) -> StageResult:
-    """Plan and run a stage in this process, unit by unit, committing each one as it finishes."""
+    stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None,
+    units: UnitsRunner | None = None,
+) -> StageResult:  # fmt: skip
+    """Plan a stage, run its units (``units``; default: in this process, one after another), committing each one as
+    it finishes, then finish it; the failed run's ``abort`` undoes what the plan prepared."""
     started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
         plan = stage.plan(config, ctx)
         try:
-            results = run_units(stage, plan, ctx)
+            results = (units or run_units)(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)
             raise
