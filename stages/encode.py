@@ -24,8 +24,8 @@ from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
-from storage import FileEntry, remove_empty_sharded
-from storage.layout import encodings_dir, manifest_path, system_dir, tokens_dir
+from storage import ArtifactStore, FileEntry, StoreError, remove_empty_sharded
+from storage.layout import encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
 from .readers import tokens_manifest
@@ -75,6 +75,7 @@ class EncodeConfig(StageConfig):
         return TokenizeConfig(
             root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
             max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size, verify=self.verify,
+            content_filter=readout_class(self.readout.readout).filter_kind(self.readout),
         )  # fmt: skip
 
 
@@ -92,6 +93,22 @@ def check_k_within(ks: list[int], max_length: int) -> None:
         raise ValueError(f"K = {max(ks)} is beyond --max-length {max_length}: the K slots come on top of the prompt "
                          "and text it counts, so every input would be far longer than asked; raise --max-length or "
                          "lower K")  # fmt: skip
+
+
+def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, kind: str,
+                  tokens_hash: str) -> tuple[str | None, set[str]]:  # fmt: skip
+    """The filters/ folder of a tokens folder and the shards it holds, when it is of these tokens (else none: the
+    texts are filtered while encoding, as without it)."""
+    if kind == "none":
+        return None, set()
+    stage = filters_dir(tokens, dataset, side, kind)
+    try:
+        m = store.read_manifest(stage)
+    except StoreError:
+        return None, set()
+    if m is None or (m.config.get("inputs") or {}).get("tokens") != tokens_hash:
+        return None, set()
+    return stage, set(m.files)
 
 
 def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int) -> dict[str, Any]:
@@ -112,6 +129,7 @@ class EncodeUnit:
     k: int
     rows: int
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
+    filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
 
 
 _READERS: dict[str, Readout] = {}
@@ -159,6 +177,8 @@ class Encode(
             t_stage = tokens_dir(tokens, config.dataset, side)
             t_man = tokens_manifest(ctx.store, t_stage, "run `diffret encode` (which tokenizes first) or the "
                                     "tokenize stage")  # fmt: skip
+            f_stage, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
+                                              t_man.config_hash)  # fmt: skip
             for k in config.k:
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k)
@@ -172,7 +192,8 @@ class Encode(
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash)
+                    unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash,
+                                      f_stage if shard in filtered else None)  # fmt: skip
                     plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
@@ -199,9 +220,16 @@ class Encode(
         shared = ctx.store.read_plan(unit.plan)
         reader = reader_for(EncodeSettings.model_validate(shared["settings"]))
         t = ctx.store.read_table(unit.tokens_stage, unit.shard)
+        ids, filtered = t.column("id").to_pylist(), None
+        if unit.filter_stage:  # the filter's ids, stored at tokenize time: the texts are not filtered again
+            f = ctx.store.read_table(unit.filter_stage, unit.shard)
+            if f.column("id").to_pylist() != ids:
+                raise StoreError(f"{ctx.store.abspath(unit.filter_stage)}/{unit.shard}: its ids are not the tokens "
+                                 "shard's; run `diffret encode --verify`")  # fmt: skip
+            filtered = f.column("allowed_ids").to_pylist()
         table = encode_rows(
-            reader, t.column("id").to_pylist(), t.column("token_ids").to_pylist(), t.column("text").to_pylist(),
-            unit.side, unit.k, shared["batch_size"], ctx.advance,
+            reader, ids, t.column("token_ids").to_pylist(), None if filtered else t.column("text").to_pylist(),
+            unit.side, unit.k, shared["batch_size"], ctx.advance, filtered=filtered,
         )  # fmt: skip
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 

@@ -10,7 +10,7 @@ whole, as the reference does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -20,8 +20,9 @@ from retrieval.fields import cli
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import tokenize_texts
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH
+from retrieval.models.sparse import make_filter
 from storage import FileEntry, remove_empty_sharded
-from storage.layout import TOKENS_SCHEMA, shard_name, tokens_dir
+from storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import TITLE_SEP, side_size, side_texts
@@ -54,6 +55,18 @@ class TokenizeConfig(StageConfig):
     verify: bool = Field(
         default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
     )
+    content_filter: Literal["none", "nltk", "regex"] = Field(
+        default="none", description="Also store the sparse content-word filter's ids of every text (filters/), "
+        "computed once here and read by every K pass of every system of this tokenizer (the encode flow asks for "
+        "its readout's filter).",
+    )  # fmt: skip
+
+
+def filter_config(slug: str, dataset: str, side: str, kind: str, tokens_hash: str, flt: Any) -> dict[str, Any]:
+    """A filters/ folder's config: what it is of, and (as inputs, so that a new NLTK makes it stale, not drifted)
+    the tokens it read and the filter's version."""
+    return {"tokenizer": slug, "dataset": dataset, "side": side, "filter": kind,
+            "inputs": {"tokens": tokens_hash, "filter": flt.version()}}  # fmt: skip
 
 
 def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
@@ -89,6 +102,10 @@ class TokenizeUnit:
     rows: int
     shards: list[tuple[str, int, int]]  # (name, start, end) still to do
     config_hash: str  # of the folder's manifest when planned: the shards are recorded against it
+    filter_kind: str = "none"  # the content filter whose ids are stored beside (filters/)
+    filter_stage: str = ""
+    filter_shards: list[tuple[str, int, int]] = field(default_factory=list)  # of the filter folder, still to do
+    filter_hash: str = ""
 
 
 class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
@@ -114,15 +131,26 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
             todo = [sh for sh in shards if sh[0] not in done]
             plan.skipped += len(shards) - len(todo)
-            if todo:
-                backbone = config.backbone.model_dump()
-                plan.units.append(TokenizeUnit(config.dataset, side, stage, backbone, config.max_length,
-                                               config.title_sep, n, todo, m.config_hash))  # fmt: skip
-        plan.count = sum(len(u.shards) for u in plan.units)
+            unit = TokenizeUnit(config.dataset, side, stage, config.backbone.model_dump(), config.max_length,
+                                config.title_sep, n, todo, m.config_hash)  # fmt: skip
+            if config.content_filter != "none":
+                f_stage = filters_dir(slug, config.dataset, side, config.content_filter)
+                f_cfg = filter_config(slug, config.dataset, side, config.content_filter, m.config_hash,
+                                      make_filter(tokenizer_of(config.backbone), config.content_filter))  # fmt: skip
+                ctx.hold(f_stage)
+                fm, f_done = ctx.store.open_sharded(f_stage, "filters", {**part, "filter": config.content_filter},
+                                                    f_cfg, force=config.force, verify=config.verify)  # fmt: skip
+                plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_stage
+                unit.filter_kind, unit.filter_stage, unit.filter_hash = config.content_filter, f_stage, fm.config_hash
+                unit.filter_shards = [sh for sh in shards if sh[0] not in f_done]
+                plan.skipped += len(shards) - len(unit.filter_shards)
+            if unit.shards or unit.filter_shards:
+                plan.units.append(unit)
+        plan.count = sum(self.work_of(u) for u in plan.units)
         return plan
 
     def work_of(self, unit: TokenizeUnit) -> int:
-        return len(unit.shards)
+        return len(unit.shards) + len(unit.filter_shards)
 
     def run(self, unit: TokenizeUnit, ctx: Context) -> list[tuple[str, FileEntry]]:
         """Tokenize the side's missing shards (its texts are read once, only when a shard is missing)."""
@@ -140,7 +168,19 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             # half-way through a side keeps the shards it finished
             ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
             out.append((name, entry))
-        ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
+        if unit.shards:
+            ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
+        if unit.filter_shards:
+            flt = make_filter(tokenizer, unit.filter_kind)
+            assert flt is not None
+            for name, s, e in unit.filter_shards:
+                t = pa.table({"id": pa.array(ids[s:e], pa.string()),
+                              "allowed_ids": pa.array(flt.allowed_many(texts[s:e]), pa.list_(pa.int32()))},
+                             schema=FILTER_SCHEMA)  # fmt: skip
+                entry = ctx.store.write_shard(unit.filter_stage, name, t)
+                ctx.store.record_shard(unit.filter_stage, name, entry, unit.filter_hash)
+                out.append((name, entry))
+            ctx.log(f"filtered {unit.dataset}/{unit.side} ({unit.filter_kind}): {len(unit.filter_shards)} shard(s)")
         return out
 
     def finish(self, config: TokenizeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:

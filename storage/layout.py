@@ -104,6 +104,16 @@ TOKENS_SCHEMA = pa.schema(
 )
 
 
+# The sparse content-word filter's vocabulary ids per text, computed once at tokenize time (shards named as the
+# tokens folder's): every K pass of every system of the tokenizer reads them instead of filtering again.
+FILTER_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("allowed_ids", pa.list_(pa.int32()), nullable=False),  # sorted; the mask id is dropped at encode
+    ]
+)
+
+
 BOT_FILE = "bot.parquet"
 BOT_SCHEMA = pa.schema(
     [
@@ -135,6 +145,11 @@ def shard_name(index: int) -> str:
 
 def tokens_dir(tokenizer: str, dataset: str, side: str) -> str:
     return partition("tokens", tokenizer=tokenizer, dataset=dataset, side=side)
+
+
+def filters_dir(tokenizer: str, dataset: str, side: str, kind: str) -> str:
+    """The content filter ``kind``'s ids of a tokens folder's texts (``FILTER_SCHEMA``, one shard per tokens shard)."""
+    return partition("filters", tokenizer=tokenizer, dataset=dataset, side=side, filter=kind)
 
 
 def partial_dir(system: str, dataset: str, k: int) -> str:
@@ -310,6 +325,7 @@ def schema_for_pattern(pattern: str) -> pa.Schema | None:
 STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "datasets": ("datasets/*", "diffret download <name>"),
     "tokens": ("tokens/*/*/*", "diffret encode --verify"),
+    "filters": ("filters/*/*/*/*", "diffret encode --verify"),
     "encodings": ("encodings/*/*/*/*", "diffret encode --verify"),
     "systems": ("systems/*", "diffret encode"),
     "runs": ("runs/*/*/*/*/*/*", "diffret score"),

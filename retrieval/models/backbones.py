@@ -297,6 +297,12 @@ class Backbone:
         cfg = self.model.config
         return int(getattr(cfg, "hidden_size", None) or cfg.d_model)
 
+    @property
+    def vocab_size(self) -> int:
+        """The LM head's output size (logits per position)."""
+        out = self.model.get_output_embeddings()
+        return int(out.weight.shape[0]) if out is not None else int(self.model.config.vocab_size)
+
     # ------------------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, bidirectional: bool) -> torch.Tensor:
         """Last hidden states [B, L, H]; ``bidirectional`` forces full attention on causal architectures."""

@@ -87,16 +87,20 @@ def encode_rows(
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
+    filtered: list[list[int]] | None = None,
 ) -> pa.Table:
     """Encode texts in length-sorted batches and return them in their original order.
 
     ``texts`` are the raw texts (the sparse content-word filter reads them whole); None decodes the ids.
+    ``filtered``: the filter's ids of each text, computed before (the tokenize stage's ``filters/``); the texts
+    are then not read.
     """
-    if texts is None and reader.filter is not None:
-        texts = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+    feed: list[str] | list[list[int]] | None = filtered if filtered is not None else texts
+    if feed is None and reader.filter is not None:
+        feed = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     out: list[Encoded | None] = [None] * len(ids)
     for batch in length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length):
-        encs = reader.encode([token_ids[i] for i in batch], [texts[i] for i in batch] if texts else None, side, k)
+        encs = reader.encode([token_ids[i] for i in batch], [feed[i] for i in batch] if feed else None, side, k)
         for i, e in zip(batch, encs, strict=True):
             out[i] = e
         if on_batch:

@@ -18,6 +18,7 @@ Every choice where diffret 0.1 differed from the reference is a named setting of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -82,6 +83,9 @@ def _pad(
     return ids.to(device), att.to(device), offsets
 
 
+HEAD_CHUNK_BYTES = 256 << 20  # the LM head's float32 logits held at once while encoding ([texts, K, V])
+
+
 def _f16(x: torch.Tensor) -> np.ndarray:
     return x.float().cpu().numpy().astype(np.float16)
 
@@ -108,8 +112,16 @@ class Readout(Declared):
         self.bb = backbone
         self.cfg = config.resolved()  # settings left at auto: the zero-shot path unless finetuned says otherwise
         self.max_length = max_length
-        self.filter = make_filter(backbone.tokenizer, config.content_filter) if self.has_sparse else None
+        self.filter = make_filter(backbone.tokenizer, self.filter_kind(config))
         self._pieces: dict[tuple[str, str, int], PromptPieces] = {}
+
+    reads_filter: ClassVar[bool] = True  # its sparse vector keeps the content words' ids only (when it has one)
+
+    @classmethod
+    def filter_kind(cls, config: ReadoutConfig) -> str:
+        """The content filter this readout applies with ``config`` (``none``: none), known before any model loads:
+        the tokenize stage computes it once per text for the encode stage to read."""
+        return config.content_filter if cls.has_sparse and cls.reads_filter else "none"
 
     @classmethod
     def check_k(cls, ks: list[int]) -> None:
@@ -145,7 +157,8 @@ class Readout(Declared):
     # ------------------------------------------------------------------------------ encode
     @torch.inference_mode()
     def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        """Encode one batch. ``texts`` (the raw, untruncated texts) feed the sparse content-word filter."""
+        """Encode one batch. ``texts`` (the raw, untruncated texts) feed the sparse content-word filter; in their
+        place, the filter's ids of each text computed before (``Readout.allowed``)."""
         if k <= 0:
             raise ValueError(f"K must be a positive integer, got {k}")
         if not token_ids:
@@ -177,14 +190,17 @@ class Readout(Declared):
             raise ValueError(f"{self.bb.name}: the prompt and K={k} masks alone exceed its positions or max_length")
         return [t if len(t) <= room else list(t[:room]) for t in token_ids]
 
-    def allowed(self, text: str | None, device: torch.device) -> torch.Tensor | None:
-        """The vocabulary ids a sparse vector may hold (content words, never the mask), or None for all."""
+    def allowed(self, text: str | Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
+        """The vocabulary ids a sparse vector may hold (content words, never the mask), or None for all. ``text``
+        is the raw text, or its filter ids computed before (the tokenize stage stores them: ``filters/``)."""
         if self.filter is None or text is None:
             return None
-        ids = [i for i in self.filter.allowed_ids(text) if i != getattr(self, "_mask_id", None)]
+        found = self.filter.allowed_ids(text) if isinstance(text, str) else text
+        ids = [int(i) for i in found if i != getattr(self, "_mask_id", None)]
         return torch.as_tensor(ids, dtype=torch.long, device=device)
 
-    def sparse_from(self, logits_k_v: torch.Tensor, text: str | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def sparse_from(self, logits_k_v: torch.Tensor, text: str | Sequence[int] | None, k: int) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
         """The sparse vector of one text from the logits at its kept slots [n, V] of K (see ``ReadoutConfig.sparse``
         and ``sparse_quantise``)."""
         allowed = self.allowed(text, logits_k_v.device)
@@ -250,27 +266,31 @@ class MaskReadout(
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             rows = torch.arange(len(token_ids), device=self.bb.device)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
-            logits = None  # the head per text below: [K, V] at a time
-            decoded = None
+            logits, decoded = None, None  # the head below, a bounded number of texts at a time
         else:
             h, logits, decoded = self._denoise(b, k, self.cfg.denoise_steps)
-        out = []
-        for i in range(len(token_ids)):
-            lg = self.bb.logits(h[i]).float() if logits is None else logits[i].float()  # [K, V]
-            toks = lg.argmax(-1) if decoded is None else decoded[i]
-            n = self._cutoff(toks, k)
-            ids, w = self.sparse_from(lg[:n], texts[i] if texts else None, k)
+        dense = h.float().cpu().numpy().astype(np.float16)  # [B, K, H], one copy off the device
+        out: list[Encoded] = []
+        step = max(1, HEAD_CHUNK_BYTES // (k * self.bb.vocab_size * 4))
+        for s in range(0, len(token_ids), step):
+            lg = self.bb.logits(h[s : s + step]).float() if logits is None else logits[s : s + step].float()
+            toks = lg.argmax(-1) if decoded is None else decoded[s : s + step]  # [b, K]
+            cuts = self._cutoffs(toks, k)
             tokens = toks.cpu().numpy().astype(np.int32)
-            out.append(Encoded(_f16(h[i, :n]), ids, w, b.lengths[i], stopped=n < k, tokens=tokens))
+            for j, n in enumerate(cuts):
+                i = s + j
+                ids, w = self.sparse_from(lg[j, :n], texts[i] if texts else None, k)
+                out.append(Encoded(dense[i, :n], ids, w, b.lengths[i], stopped=n < k, tokens=tokens[j]))
         return out
 
-    def _cutoff(self, tokens: torch.Tensor, k: int) -> int:
-        """The slots kept: up to the first special token read (none read, or at the first slot: all K)."""
+    def _cutoffs(self, tokens: torch.Tensor, k: int) -> list[int]:
+        """The slots each text keeps ([B, K] tokens read): up to its first special token (none read, or at the
+        first slot: all K)."""
         if not self._stop.numel():
-            return k
-        hit = torch.isin(tokens, self._stop).nonzero()
-        first = int(hit[0]) if hit.numel() else k
-        return first if first > 0 else k
+            return [k] * tokens.shape[0]
+        hit = torch.isin(tokens, self._stop)
+        first = torch.where(hit.any(-1), hit.int().argmax(-1), k)  # argmax: the first of the maxima
+        return torch.where(first > 0, first, k).tolist()
 
     def _denoise(self, b: _Batch, k: int, steps: int, grad_final: bool = False) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor]:  # fmt: skip
@@ -518,10 +538,10 @@ class SidrReadout(
     loaded with the same settings and encodes the passages (:meth:`separate` makes one for training)."""
 
     PASSAGE_MODULE = "diffret_passage_encoder"  # the passage encoder's name as a sub-module while training
+    reads_filter = False  # SIDR keeps every token but the special ones
 
     def __init__(self, backbone: Backbone, config: ReadoutConfig, max_length: int = DEFAULT_MAX_LENGTH):
         super().__init__(backbone, config, max_length)
-        self.filter = None  # SIDR keeps every token but the special ones
         self._banned = torch.as_tensor(sorted(excluded_ids(backbone.tokenizer)), dtype=torch.long)
         self.passage_bb: Backbone | None = None
         src = backbone.source

@@ -20,6 +20,7 @@ Content-word filters (``ReadoutConfig.content_filter``):
 
 from __future__ import annotations
 
+import hashlib
 import re
 import string
 from collections.abc import Callable, Iterable
@@ -136,12 +137,38 @@ class ContentFilter:
             self._cache[w] = tuple(sorted(got - self.special))
 
     def allowed_ids(self, text: str) -> list[int]:
-        words = self.words(text)
-        self.word_ids(words)
-        out: set[int] = set()
-        for w in words:
-            out.update(self._cache[w])
-        return sorted(out)
+        """The sorted vocabulary ids of ``text``'s content words."""
+        return self.allowed_many([text])[0]
+
+    def allowed_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`allowed_ids` of many texts, the words none of them had seen tokenized in one call.
+
+        >>> class Tok:  # a word's id is its length
+        ...     all_special_ids = []
+        ...     def __call__(self, words, add_special_tokens=False):
+        ...         return {"input_ids": [[len(w)] for w in words]}
+        >>> ContentFilter(Tok(), "regex").allowed_many(["The cats purr.", "a garden"])  # regex: " word" too
+        [[4, 5], [6, 7]]
+        """
+        words = [self.words(t) for t in texts]
+        self.word_ids(list(dict.fromkeys(w for ws in words for w in ws)))
+        out = []
+        for ws in words:
+            ids: set[int] = set()
+            for w in ws:
+                ids.update(self._cache[w])
+            out.append(sorted(ids))
+        return out
+
+    def version(self) -> dict[str, str]:
+        """What its output depends on besides the tokenizer: the kind, NLTK's version and the stopwords used."""
+        stop = nltk_english()[1] if self.kind == "nltk" else STOPWORDS | {_WORD.pattern}
+        out = {"kind": self.kind, "stopwords": hashlib.sha256("\n".join(sorted(stop)).encode()).hexdigest()[:16]}
+        if self.kind == "nltk":
+            import nltk
+
+            out["nltk"] = nltk.__version__
+        return out
 
 
 def make_filter(tokenizer: Any, kind: str) -> ContentFilter | None:
