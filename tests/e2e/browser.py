@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,17 @@ class PrefectUI:
             self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=full_page)
 
     def custom_run(self, deployment_id: str, config: dict, shot: str | None = None) -> str:
-        """Deployment page -> Run -> Custom run, ``config`` entered as JSON, Submit; the new flow run's id."""
+        """Deployment page -> Run -> Custom run, ``config`` entered as JSON, Submit; the new flow run's id. A
+        submission the server refuses is tried once more from a fresh form (a slow machine can submit before the
+        editor's text reached the form), then fails with the server's answer."""
+        answer: dict = {}
+        for _ in range(2):
+            answer = self._submit(deployment_id, config, shot)
+            if "id" in answer:
+                return answer["id"]
+        raise AssertionError(f"the server refused the Custom run twice: {answer}")
+
+    def _submit(self, deployment_id: str, config: dict, shot: str | None) -> dict:
         p = self.page
         p.goto(f"{self.root}/deployments/deployment/{deployment_id}")
         p.get_by_role("button", name="Run", exact=True).click()
@@ -83,10 +94,16 @@ class PrefectUI:
             self.shot(shot, full_page=False)  # its top: the whole form is many screens long
         menu.click()
         p.get_by_role("menuitem", name="Use JSON Input").click()
-        p.locator("main .cm-content").first.fill(json.dumps(config, indent=2))  # one insert: no auto-brackets
+        editor = p.locator("main .cm-content").first
+        editor.fill(json.dumps(config, indent=2))  # one insert: no auto-brackets
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while not _same_json(editor.inner_text(), config) and time.monotonic() < deadline:
+            p.wait_for_timeout(100)
+        p.wait_for_timeout(500)  # the form takes the editor's text a moment later
         with p.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as resp:
             p.get_by_role("button", name="Submit").click()
-        return resp.value.json()["id"]
+        body = resp.value.json()
+        return body if isinstance(body, dict) else {"answer": body, "status": resp.value.status}
 
     def flow_run(self, flow_run_id: str, shot: str | None = None) -> None:
         """A flow run's page, with its Artifacts tab open."""
@@ -123,3 +140,10 @@ class PrefectUI:
 
     def text(self) -> str:
         return self.page.locator("main").inner_text()
+
+
+def _same_json(text: str, value: dict) -> bool:
+    try:
+        return json.loads(text) == value
+    except ValueError:
+        return False
