@@ -207,9 +207,9 @@ def _special_at(bb, slot: int):
     base, stop = bb.head, min(bb.stop_ids)
 
     def head(h: torch.Tensor) -> torch.Tensor:
-        out = base(h)
-        if out.dim() == 2 and out.shape[0] > slot:
-            out[slot, stop] = 1e4
+        out = base(h)  # [K, V] of one text, or [B, K, V] of several
+        if out.dim() >= 2 and out.shape[-2] > slot:
+            out[..., slot, stop] = 1e4
         return out
 
     return head
