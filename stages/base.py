@@ -217,11 +217,8 @@ def _duration(seconds: float) -> str:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
+    step = min(max(n.bit_length() - 1, 0) // 10, 3)  # 0: bytes, 1: KB, 2: MB, 3: GB
+    return f"{n} B" if step == 0 else f"{n / 1024**step:.1f} {('KB', 'MB', 'GB')[step - 1]}"
 
 
 def inline_figures(markdown: str, store: ArtifactStore) -> str:
@@ -236,11 +233,10 @@ def inline_figures(markdown: str, store: ArtifactStore) -> str:
     ...     inline_figures("![f](s/fig.png) ![g](gone.png)", store)
     '![f](data:image/png;base64,iVBORw==) ![g](gone.png)'
     """
-    base = store.abspath("")
 
     def embed(m: re.Match[str]) -> str:
         path = m.group(2)
-        rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
+        rel = store.relpath(path)
         if path.startswith("data:") or not store.exists(rel):
             return m.group(0)
         return f"{m.group(1)}(data:image/png;base64,{base64.b64encode(store.read_bytes(rel)).decode()})"
@@ -352,8 +348,7 @@ def execute(
 
 def _output(store: ArtifactStore, folder: str) -> Output | None:
     """A folder's files, rows and bytes from its manifest; None when it has none (nothing to show)."""
-    base = store.abspath("")
-    rel = folder[len(base) :].lstrip("/") if folder.startswith(base) else folder
+    rel = store.relpath(folder)
     try:
         m = store.read_manifest(rel)
     except StoreError:

@@ -132,6 +132,19 @@ class EncodeUnit:
     filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
 
 
+_PLANS: dict[str, dict[str, Any]] = {}  # shared settings by key, read once per process (the key is their hash)
+
+
+def _shared(ctx: Context, key: str) -> dict[str, Any]:
+    """A run's shared settings (``ArtifactStore.put_plan``), read from the store the first time a process needs
+    them, not once per shard."""
+    if key not in _PLANS:
+        if len(_PLANS) > 16:
+            _PLANS.clear()
+        _PLANS[key] = ctx.store.read_plan(key)
+    return _PLANS[key]
+
+
 _READERS: dict[str, Readout] = {}
 _LOAD_LOCK = threading.Lock()
 
@@ -217,7 +230,7 @@ class Encode(
         return f"{unit.side} K={unit.k} {unit.shard.removesuffix('.parquet')}"
 
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
-        shared = ctx.store.read_plan(unit.plan)
+        shared = _shared(ctx, unit.plan)
         reader = reader_for(EncodeSettings.model_validate(shared["settings"]))
         t = ctx.store.read_table(unit.tokens_stage, unit.shard)
         ids, filtered = t.column("id").to_pylist(), None
@@ -241,7 +254,7 @@ class Encode(
 
     @staticmethod
     def _record(unit: EncodeUnit, ctx: Context) -> tuple[SystemRecord, dict[str, str]]:
-        shared = ctx.store.read_plan(unit.plan)
+        shared = _shared(ctx, unit.plan)
         return encoder_record(EncodeSettings.model_validate(shared["settings"])), shared["weights"]
 
     def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:

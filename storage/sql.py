@@ -80,9 +80,8 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
     matches = store.fs.glob(store.abspath(pattern))
     out: list[str] = []
     manifests: dict[str, Manifest | None] = {}
-    base = store.abspath("")
     for path in sorted(matches):
-        rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
+        rel = store.relpath(path)
         if rel.startswith((layout.STAGING_DIR + "/", layout.LOCKS_DIR + "/")):
             continue
         folder, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
@@ -108,10 +107,9 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
 
 def damaged_files(store: ArtifactStore, paths: list[str]) -> list[str]:
     """Of the listed files ``paths`` (absolute), the problems of those that fail their manifest's checksum."""
-    base = store.abspath("")
     problems = []
     for path in paths:
-        rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
+        rel = store.relpath(path)
         folder, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
         if name == layout.MANIFEST_NAME:
             continue

@@ -147,6 +147,16 @@ class ArtifactStore:
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
+    def relpath(self, path: str) -> str:
+        """``path`` relative to the root when it lies inside the store (an absolute path, as a glob returns), else
+        as it is.
+
+        >>> store = ArtifactStore("/data/store")
+        >>> store.relpath(store.abspath("runs/x")), store.relpath("runs/x")
+        ('runs/x', 'runs/x')
+        """
+        return path[len(self.base) :].lstrip("/") if path.startswith(self.base) else path
+
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self.abspath(rel))
 
