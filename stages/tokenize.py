@@ -20,7 +20,7 @@ from retrieval.fields import cli
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import tokenize_texts
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH
-from retrieval.models.sparse import make_filter
+from retrieval.models.sparse import make_filter, word_pool
 from storage import FileEntry, remove_empty_sharded
 from storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
 
@@ -59,6 +59,10 @@ class TokenizeConfig(StageConfig):
         default="none", description="Also store the sparse content-word filter's ids of every text (filters/), "
         "computed once here and read by every K pass of every system of this tokenizer (the encode flow asks for "
         "its readout's filter).",
+    )  # fmt: skip
+    filter_workers: int = Field(
+        default=0, ge=0, description="Processes that split the texts into words for the content filter (0: one per "
+        "CPU core where a side has 5,000 texts or more to filter; 1: this process only).",
     )  # fmt: skip
 
 
@@ -106,6 +110,7 @@ class TokenizeUnit:
     filter_stage: str = ""
     filter_shards: list[tuple[str, int, int]] = field(default_factory=list)  # of the filter folder, still to do
     filter_hash: str = ""
+    filter_workers: int = 0  # processes splitting texts into words (word_pool)
 
 
 class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
@@ -142,6 +147,7 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
                                                     f_cfg, force=config.force, verify=config.verify)  # fmt: skip
                 plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_stage
                 unit.filter_kind, unit.filter_stage, unit.filter_hash = config.content_filter, f_stage, fm.config_hash
+                unit.filter_workers = config.filter_workers
                 unit.filter_shards = [sh for sh in shards if sh[0] not in f_done]
                 plan.skipped += len(shards) - len(unit.filter_shards)
             if unit.shards or unit.filter_shards:
@@ -173,13 +179,14 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
         if unit.filter_shards:
             flt = make_filter(tokenizer, unit.filter_kind)
             assert flt is not None
-            for name, s, e in unit.filter_shards:
-                t = pa.table({"id": pa.array(ids[s:e], pa.string()),
-                              "allowed_ids": pa.array(flt.allowed_many(texts[s:e]), pa.list_(pa.int32()))},
-                             schema=FILTER_SCHEMA)  # fmt: skip
-                entry = ctx.store.write_shard(unit.filter_stage, name, t)
-                ctx.store.record_shard(unit.filter_stage, name, entry, unit.filter_hash)
-                out.append((name, entry))
+            todo = sum(e - s for _, s, e in unit.filter_shards)
+            with word_pool(unit.filter_workers, todo) as pool:
+                for name, s, e in unit.filter_shards:
+                    allowed = pa.array(flt.allowed_many(texts[s:e], pool), pa.list_(pa.int32()))
+                    t = pa.table({"id": pa.array(ids[s:e], pa.string()), "allowed_ids": allowed}, schema=FILTER_SCHEMA)
+                    entry = ctx.store.write_shard(unit.filter_stage, name, t)
+                    ctx.store.record_shard(unit.filter_stage, name, entry, unit.filter_hash)
+                    out.append((name, entry))
             ctx.log(f"filtered {unit.dataset}/{unit.side} ({unit.filter_kind}): {len(unit.filter_shards)} shard(s)")
         return out
 

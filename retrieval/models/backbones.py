@@ -244,6 +244,7 @@ class Backbone:
         self._mask_token = mask_token
         self._turn_end = turn_end
         self.trunk, self.head = _split_head(model)
+        self._projection: Any = False  # not looked for yet (projection())
         self.source: BackboneConfig | None = None  # the config it was loaded from (load_backbone)
         self.pad_id = _pad_id(tokenizer)
         # a causal architecture (or Dream's remote code) takes a 4D mask: every real token sees every real token
@@ -333,9 +334,63 @@ class Backbone:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
+    def read_head(self, hidden: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a readout takes from the LM head at ``hidden`` [..., H]: the argmax token over the vocabulary
+        [...] and the float32 logits at ``columns`` [C] ([..., C]), equal to those of :meth:`logits`.
+
+        On a CPU the vocabulary is projected a block at a time (``VOCAB_BLOCK_BYTES`` of logits, which stay in
+        the cache) with a running maximum, so the [..., V] logits are never held: the matrix product of each
+        block is the same product as the whole head's (a test checks the values bit for bit). A head that is not
+        a transform followed by one linear map (or a GPU) takes the full head.
+
+        >>> import transformers
+        >>> cfg = transformers.BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+        ...                               intermediate_size=8)
+        >>> tok = SimpleNamespace(pad_token_id=0, eos_token_id=None, unk_token_id=None)
+        >>> bb = Backbone(transformers.BertForMaskedLM(cfg), tok, "mlm")
+        >>> h = torch.randn(2, 3, 8)
+        >>> top, at = bb.read_head(h, torch.tensor([4, 7]))
+        >>> bool((top == bb.logits(h).argmax(-1)).all()), bool(torch.equal(at, bb.logits(h)[..., [4, 7]]))
+        (True, True)
+        """
+        proj = self.projection() if hidden.device.type == "cpu" else None
+        if proj is None:
+            full = self.logits(hidden).float()
+            return full.argmax(-1), full[..., columns]
+        pre, weight, bias = proj
+        x = pre(hidden)
+        flat = x.reshape(-1, x.shape[-1])
+        vocab = weight.shape[0]
+        block = max(32, VOCAB_BLOCK_BYTES // (4 * max(1, flat.shape[0])))
+        best = torch.full((flat.shape[0],), float("-inf"), device=x.device)
+        top = torch.zeros(flat.shape[0], dtype=torch.long, device=x.device)
+        columns = columns.to(x.device)
+        picked = torch.empty((flat.shape[0], columns.numel()), dtype=torch.float32, device=x.device)
+        sorted_cols, order = torch.sort(columns)
+        for s in range(0, vocab, block):
+            e = min(vocab, s + block)
+            lg = torch.nn.functional.linear(flat, weight[s:e], None if bias is None else bias[s:e]).float()
+            m, i = lg.max(-1)
+            better = m > best  # strictly: the first of equal maxima wins, as argmax's
+            best = torch.where(better, m, best)
+            top = torch.where(better, i + s, top)
+            lo, hi = torch.searchsorted(sorted_cols, torch.tensor([s, e], device=x.device)).tolist()
+            if hi > lo:
+                picked[:, order[lo:hi]] = lg[:, sorted_cols[lo:hi] - s]
+        lead = x.shape[:-1]
+        return top.reshape(lead), picked.reshape(*lead, columns.numel())
+
+    def projection(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
+        """(transform, weight [V, H], bias) with ``logits(h) == linear(transform(h), weight, bias)`` bit for bit
+        (checked once on random states), or None when the head is not of that shape (a wrapped or custom head)."""
+        if self._projection is False:
+            self._projection = _find_projection(self)
+        return self._projection  # type: ignore[return-value]
+
     def rebind_head(self) -> None:
         """Bind the trunk and head again from the model (after peft wrapped some of its modules in place)."""
         self.trunk, self.head = _split_head(self.model)
+        self._projection = False
 
 
 def bidirectional_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -415,6 +470,44 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
         f"{name}: do not know how to apply its LM head to selected positions only; "
         "add the family to retrieval.backbones._split_head"
     )
+
+
+VOCAB_BLOCK_BYTES = 4 << 20  # float32 logits of one vocabulary block (read_head on a CPU): about a core's L2
+
+
+def _find_projection(bb: Backbone) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor,
+                                            torch.Tensor | None] | None:  # fmt: skip
+    """The head as a transform and one linear map (Backbone.projection): a decoder after BERT's prediction
+    transform or ModernBERT's head, an lm_head (LLaDA's ff_out) alone, or LLaDA's tied input embeddings."""
+    head, model = bb.head, bb.model
+    candidates: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None]] = []
+    if type(head) is torch.nn.Linear:
+        candidates.append((lambda h: h, head.weight, head.bias))
+    predictions = getattr(head, "predictions", None)  # BERT's MLM head: transform, then decoder
+    decoder = getattr(predictions, "decoder", None)
+    if type(decoder) is torch.nn.Linear:
+        candidates.append((predictions.transform, decoder.weight, decoder.bias))
+    decoder = getattr(model, "decoder", None)  # ModernBERT's: head, then decoder
+    if type(decoder) is torch.nn.Linear and isinstance(getattr(model, "head", None), torch.nn.Module):
+        candidates.append((model.head, decoder.weight, decoder.bias))
+    transformer = getattr(getattr(model, "model", None), "transformer", None)
+    if transformer is not None and "wte" in transformer and "ff_out" not in transformer:
+        candidates.append((lambda h: h, transformer["wte"].weight, None))
+    if not candidates:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn((3, 2, bb.hidden_size), generator=gen).to(device=bb.device, dtype=bb.dtype)
+    with torch.inference_mode():
+        want = bb.logits(probe)
+        for pre, weight, bias in candidates:
+            if weight.shape[0] != want.shape[-1]:
+                continue
+            got = torch.cat([torch.nn.functional.linear(pre(probe), weight[s : s + 1000],
+                                                        None if bias is None else bias[s : s + 1000])
+                             for s in range(0, weight.shape[0], 1000)], -1)  # fmt: skip
+            if torch.equal(got, want):
+                return pre, weight, bias
+    return None
 
 
 def _llada_trunk(llada: torch.nn.Module) -> Callable[..., Any]:

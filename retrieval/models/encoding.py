@@ -6,6 +6,7 @@ Pure functions over a tokenizer or a readout; the tokenize and encode stages sto
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import pyarrow as pa
 
 from storage.layout import encodings_schema
 
-from .readouts import Encoded, Readout
+from .readouts import Encoded, Prepared, Readout
 
 
 def quiet_length_warning(tokenizer: Any) -> None:
@@ -99,12 +100,22 @@ def encode_rows(
     if feed is None and reader.filter is not None:
         feed = reader.bb.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     out: list[Encoded | None] = [None] * len(ids)
-    for batch in length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length):
-        encs = reader.encode([token_ids[i] for i in batch], [feed[i] for i in batch] if feed else None, side, k)
-        for i, e in zip(batch, encs, strict=True):
-            out[i] = e
-        if on_batch:
-            on_batch(len(batch))
+    batches = list(length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length))
+
+    def prepare(batch: list[int]) -> Prepared:
+        return reader.prepare([token_ids[i] for i in batch], [feed[i] for i in batch] if feed else None, side, k)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffret-prepare") as pool:
+        ahead = pool.submit(prepare, batches[0]) if batches else None
+        for n, batch in enumerate(batches):
+            assert ahead is not None
+            ready = ahead.result()
+            if n + 1 < len(batches):  # the next batch is padded while the model runs this one
+                ahead = pool.submit(prepare, batches[n + 1])
+            for i, e in zip(batch, reader.run(ready), strict=True):
+                out[i] = e
+            if on_batch:
+                on_batch(len(batch))
     return encoded_table(ids, out, reader.bb.hidden_size)  # type: ignore[arg-type]
 
 

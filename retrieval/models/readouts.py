@@ -29,7 +29,14 @@ from pydantic import BaseModel, Field
 from ..traits import Declared
 from .backbones import Backbone, BackboneError, load_backbone, passage_encoder_dir
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
-from .sparse import excluded_ids, make_filter, per_position_sparse, pooled_weights, topk_sparse
+from .sparse import (
+    excluded_ids,
+    make_filter,
+    per_position_sparse,
+    per_position_sparse_batch,
+    pooled_weights,
+    topk_sparse,
+)
 
 # Tokens per input, the prompt counted (truncation="prompt"): run_encode.sh's 256, which produced the paper's
 # encodings; scripts/encode.py's own default (and the reference-parity fixtures') is 512.
@@ -81,6 +88,18 @@ def _pad(
         att[i, off : off + len(r)] = 1
         offsets.append(off)
     return ids.to(device), att.to(device), offsets
+
+
+@dataclass
+class Prepared:
+    """A batch as :meth:`Readout.prepare` leaves it for :meth:`Readout.run`."""
+
+    token_ids: list[list[int]]  # cut to fit
+    texts: Sequence[str | Sequence[int]] | None  # raw texts, or their filter ids
+    side: str
+    k: int
+    mask_batch: _Batch | None = None  # the mask readout's padded inputs
+    candidates: list[torch.Tensor] | None = None  # and each text's candidate vocabulary ids
 
 
 HEAD_CHUNK_BYTES = 256 << 20  # the LM head's float32 logits held at once while encoding ([texts, K, V])
@@ -155,15 +174,25 @@ class Readout(Declared):
     adapts_prompt: ClassVar[bool] = False  # the prompt's number words follow K (the mask readout's)
 
     # ------------------------------------------------------------------------------ encode
-    @torch.inference_mode()
     def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Encode one batch. ``texts`` (the raw, untruncated texts) feed the sparse content-word filter; in their
         place, the filter's ids of each text computed before (``Readout.allowed``)."""
+        return self.run(self.prepare(token_ids, texts, side, k))
+
+    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
+                k: int) -> Prepared:  # fmt: skip
+        """The part of :meth:`encode` that needs no model (cutting, and for the mask readout the padded batch and
+        the filter's candidates): ``encode_rows`` prepares the next batch in a thread while the model runs one."""
         if k <= 0:
             raise ValueError(f"K must be a positive integer, got {k}")
-        if not token_ids:
+        return Prepared(self._fit(token_ids, side, k), texts, side, k)
+
+    @torch.inference_mode()
+    def run(self, batch: Prepared) -> list[Encoded]:
+        """The model's part of :meth:`encode`, on a batch from :meth:`prepare`."""
+        if not batch.token_ids:
             return []
-        return self._encode(self._fit(token_ids, side, k), texts, side, k)
+        return self._encode(batch.token_ids, batch.texts, batch.side, batch.k)  # type: ignore[arg-type]
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         raise NotImplementedError
@@ -260,27 +289,80 @@ class MaskReadout(
         h = hidden[torch.arange(len(token_ids), device=hidden.device)[:, None], b.positions]
         return TrainReps(h, _all_real(h), self.bb.logits(h))
 
-    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
-        b = self._mask_batch(token_ids, side, k)
+    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
+                k: int) -> Prepared:  # fmt: skip
+        out = super().prepare(token_ids, texts, side, k)
+        if out.token_ids:
+            out.mask_batch = self._mask_batch(out.token_ids, side, k)
+            out.candidates = self._candidates(texts, len(out.token_ids), self.bb.device)
+        return out
+
+    @torch.inference_mode()
+    def run(self, batch: Prepared) -> list[Encoded]:
+        if not batch.token_ids:
+            return []
+        return self._encode(batch.token_ids, batch.texts, batch.side, batch.k, batch)  # type: ignore[arg-type]
+
+    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int,
+                prepared: Prepared | None = None) -> list[Encoded]:  # fmt: skip
+        prepared = prepared if prepared is not None and prepared.mask_batch is not None else self.prepare(
+            token_ids, texts, side, k)  # fmt: skip
+        b, cands = prepared.mask_batch, prepared.candidates
+        assert b is not None and cands is not None
         if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             rows = torch.arange(len(token_ids), device=self.bb.device)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
-            logits, decoded = None, None  # the head below, a bounded number of texts at a time
+            logits, decoded = None, None  # the head below: the argmax and the candidates' logits only
         else:
             h, logits, decoded = self._denoise(b, k, self.cfg.denoise_steps)
         dense = h.float().cpu().numpy().astype(np.float16)  # [B, K, H], one copy off the device
         out: list[Encoded] = []
-        step = max(1, HEAD_CHUNK_BYTES // (k * self.bb.vocab_size * 4))
+        width = max(1, max(c.numel() for c in cands))
+        step = max(1, HEAD_CHUNK_BYTES // (k * width * 4))  # a bounded number of texts' candidate logits at once
         for s in range(0, len(token_ids), step):
-            lg = self.bb.logits(h[s : s + step]).float() if logits is None else logits[s : s + step].float()
-            toks = lg.argmax(-1) if decoded is None else decoded[s : s + step]  # [b, K]
+            chunk = cands[s : s + step]
+            union = torch.unique(torch.cat(chunk))  # sorted
+            if logits is None:
+                toks, at = self.bb.read_head(h[s : s + step], union)  # [b, K], [b, K, U]
+            else:
+                toks, at = decoded[s : s + step], logits[s : s + step][..., union].float()
             cuts = self._cutoffs(toks, k)
+            ids = torch.full((len(chunk), max(c.numel() for c in chunk)), -1, dtype=torch.long, device=h.device)
+            for j, c in enumerate(chunk):  # each text's candidates, as columns of the union
+                ids[j, : c.numel()] = c
+            cols = torch.searchsorted(union, ids.clamp(min=0))
+            cand_logits = at.gather(2, cols[:, None, :].expand(-1, k, -1))  # [b, K, C]
+            sparse = self._sparse_batch(ids, cand_logits, torch.as_tensor(cuts), k)
             tokens = toks.cpu().numpy().astype(np.int32)
-            for j, n in enumerate(cuts):
+            for j, (n, (sp_ids, sp_w)) in enumerate(zip(cuts, sparse, strict=True)):
                 i = s + j
-                ids, w = self.sparse_from(lg[j, :n], texts[i] if texts else None, k)
-                out.append(Encoded(dense[i, :n], ids, w, b.lengths[i], stopped=n < k, tokens=tokens[j]))
+                out.append(Encoded(dense[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j]))
+        return out
+
+    def _candidates(self, texts: Sequence[str | Sequence[int]] | None, n: int, device: torch.device) -> list[
+            torch.Tensor]:  # fmt: skip
+        """Each text's candidate vocabulary ids, sorted: its content words' (:meth:`allowed`), or the whole
+        vocabulary when there is no filter."""
+        out = [self.allowed(texts[i] if texts else None, device) for i in range(n)]
+        if all(c is not None for c in out):
+            return out  # type: ignore[return-value]
+        every = torch.arange(self.bb.vocab_size, device=device)
+        if self.cfg.sparse == "per_position":  # the per-slot path never keeps the mask; the pooled one reads all
+            every = every[every != self._mask_id]
+        return [every if c is None else c for c in out]
+
+    def _sparse_batch(self, ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, k: int) -> list[
+            tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+        """The sparse vectors of a chunk of texts from their candidates' logits (see :meth:`sparse_from`)."""
+        topk, quantise = int(self.cfg.sparse_topk or 128), str(self.cfg.sparse_quantise)
+        if self.cfg.sparse == "per_position":
+            return per_position_sparse_batch(ids, logits, slots, topk, quantise, pooled_bf16=k > 1)
+        out = []
+        for j, n in enumerate(slots.tolist()):
+            real = ids[j] >= 0
+            sp_ids, sp_w = topk_sparse(pooled_weights(logits[j, :n][:, real]), None, topk, quantise)
+            out.append((ids[j, real].cpu().numpy().astype(np.int32)[sp_ids], sp_w))
         return out
 
     def _cutoffs(self, tokens: torch.Tensor, k: int) -> list[int]:
@@ -452,9 +534,10 @@ class _SingleVector(
         if k > 1:
             raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
 
-    def encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
+    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
+                k: int) -> Prepared:  # fmt: skip
         self._one(k)
-        return super().encode(token_ids, texts, side, k)
+        return super().prepare(token_ids, texts, side, k)
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         rows, h = self._vectors(token_ids, side, texts)

@@ -20,10 +20,15 @@ Content-word filters (``ReadoutConfig.content_filter``):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import multiprocessing
+import os
 import re
 import string
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -119,10 +124,7 @@ class ContentFilter:
         self._cache: dict[str, tuple[int, ...]] = {}
 
     def words(self, text: str) -> list[str]:
-        if self.kind == "regex":
-            return content_words(text)
-        tokenize, stop = nltk_english()
-        return list(dict.fromkeys(w for w in tokenize(text.lower()) if w not in stop))
+        return filter_words(self.kind, text)
 
     def word_ids(self, words: list[str]) -> None:
         """Tokenize the words not seen yet (each alone; ``regex`` also after a space) into the cache."""
@@ -140,8 +142,9 @@ class ContentFilter:
         """The sorted vocabulary ids of ``text``'s content words."""
         return self.allowed_many([text])[0]
 
-    def allowed_many(self, texts: list[str]) -> list[list[int]]:
-        """:meth:`allowed_ids` of many texts, the words none of them had seen tokenized in one call.
+    def allowed_many(self, texts: list[str], pool: Executor | None = None) -> list[list[int]]:
+        """:meth:`allowed_ids` of many texts, the words none of them had seen tokenized in one call; with a
+        ``pool`` (:func:`word_pool`) the texts are split into words by its processes, a chunk each.
 
         >>> class Tok:  # a word's id is its length
         ...     all_special_ids = []
@@ -150,7 +153,11 @@ class ContentFilter:
         >>> ContentFilter(Tok(), "regex").allowed_many(["The cats purr.", "a garden"])  # regex: " word" too
         [[4, 5], [6, 7]]
         """
-        words = [self.words(t) for t in texts]
+        if pool is None:
+            words = [self.words(t) for t in texts]
+        else:
+            chunks = [texts[s : s + WORD_CHUNK] for s in range(0, len(texts), WORD_CHUNK)]
+            words = [ws for part in pool.map(functools.partial(_words_of, self.kind), chunks) for ws in part]
         self.word_ids(list(dict.fromkeys(w for ws in words for w in ws)))
         out = []
         for ws in words:
@@ -169,6 +176,44 @@ class ContentFilter:
 
             out["nltk"] = nltk.__version__
         return out
+
+
+def filter_words(kind: str, text: str) -> list[str]:
+    """A text's content words, in order, without repeats, as the ``kind`` filter splits it.
+
+    >>> filter_words("regex", "Cats, cats and dogs")
+    ['cats', 'dogs']
+    """
+    if kind == "regex":
+        return content_words(text)
+    tokenize, stop = nltk_english()
+    return list(dict.fromkeys(w for w in tokenize(text.lower()) if w not in stop))
+
+
+def _words_of(kind: str, texts: list[str]) -> list[list[str]]:
+    return [filter_words(kind, t) for t in texts]
+
+
+WORD_CHUNK = 500  # texts per task of a word pool
+POOL_MIN_TEXTS = 5000  # fewer texts are split in this process (a worker takes ~2 s to start)
+
+
+@contextlib.contextmanager
+def word_pool(workers: int, n_texts: int) -> Iterator[Executor | None]:
+    """Processes that split texts into words for :meth:`ContentFilter.allowed_many` (NLTK's ``word_tokenize`` is
+    pure Python, so one core per process), or None where this process is enough: ``workers`` <= 1, or fewer than
+    ``POOL_MIN_TEXTS`` texts. ``workers`` 0: one per CPU core.
+
+    >>> with word_pool(0, 10) as pool:
+    ...     print(pool)
+    None
+    """
+    workers = workers or os.cpu_count() or 1
+    if workers <= 1 or n_texts < POOL_MIN_TEXTS:
+        yield None
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 def make_filter(tokenizer: Any, kind: str) -> ContentFilter | None:
@@ -259,15 +304,41 @@ def per_position_sparse(
     >>> per_position_sparse(torch.tensor([7, 9]), torch.tensor([[1.0, 0.5], [-1.0, 2.0]]), 1, "round")[1].tolist()
     [1.100000023841858, 0.6899999976158142]
     """
-    if ids.numel() == 0 or logits.shape[0] == 0:
-        return np.zeros(0, np.int32), np.zeros(0, np.float32)
-    w = torch.log1p(torch.relu(logits.float()))  # [K, C]
-    kk = min(topk, w.shape[1])
-    vals, pos = torch.topk(w, kk, dim=-1)  # [K, kk]
+    slots = torch.tensor([logits.shape[0]])
+    return per_position_sparse_batch(ids[None], logits[None], slots, topk, quantise, pooled_bf16)[0]
+
+
+def per_position_sparse_batch(
+    ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, topk: int = PER_POSITION_TOPK,
+    quantise: str = "truncate", pooled_bf16: bool = True,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`per_position_sparse` of a batch of texts at once, with no loop over the texts.
+
+    ``ids`` [B, C]: each text's candidate ids, padded with -1; ``logits`` [B, K, C] their logits at every slot;
+    ``slots`` [B]: the slots each text keeps (its first ``slots[b]``). Pads and dropped slots weigh -1, below
+    every real weight (>= 0), so each text keeps what it would keep alone.
+
+    >>> ids = torch.tensor([[7, 9], [7, -1]])
+    >>> logits = torch.tensor([[[1.0, 0.5], [-1.0, 2.0]], [[3.0, 9.0], [5.0, 9.0]]])
+    >>> [(i.tolist(), w.tolist()) for i, w in per_position_sparse_batch(ids, logits, torch.tensor([2, 1]), 1)]
+    [([9, 7], [1.090000033378601, 0.6899999976158142]), ([7], [1.3799999952316284])]
+    """
+    bsz, k, width = logits.shape
+    if width == 0 or k == 0:
+        return [(np.zeros(0, np.int32), np.zeros(0, np.float32)) for _ in range(bsz)]
+    kept = torch.arange(k, device=logits.device)[None, :] < slots.to(logits.device)[:, None]  # [B, K]
+    real = kept[:, :, None] & (ids >= 0).to(logits.device)[:, None, :]
+    w = torch.log1p(torch.relu(logits.float())).masked_fill(~real, -1.0)  # [B, K, C]
+    vals, pos = torch.topk(w, min(topk, width), dim=-1)  # [B, K, kk]
     scale = 1.0 if quantise == "none" else 100.0
     vals = quantised(vals, quantise)
-    pooled = torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
-    pooled.scatter_reduce_(0, pos.reshape(-1), vals.reshape(-1), reduce="amax")
+    pooled = torch.zeros((bsz, width), dtype=torch.float32, device=w.device)
+    pooled.scatter_reduce_(1, pos.reshape(bsz, -1), vals.reshape(bsz, -1), reduce="amax")
     if pooled_bf16:
         pooled = pooled.to(torch.bfloat16).float()  # stored as bfloat16, as the reference stores it
-    return topk_pairs(ids, pooled / scale, ids.numel())
+    pooled = pooled / scale
+    heavy, order = torch.sort(pooled, dim=1, descending=True, stable=True)  # positive ones first, in id order
+    counts = (heavy > 0).sum(1).tolist()
+    out_ids = ids.to(w.device).gather(1, order).cpu().numpy().astype(np.int32)
+    out_w = heavy.cpu().numpy().astype(np.float32)
+    return [(out_ids[b, :n], out_w[b, :n]) for b, n in enumerate(counts)]

@@ -593,3 +593,61 @@ def test_tokenize_records_full_length_and_cuts_without_a_warning(capfd) -> None:
     # transformers' "longer than the specified maximum" warning would mislead: the model never sees it
     assert "longer than the specified maximum" not in capfd.readouterr().err
     assert hf_logging.get_verbosity() == before  # the caller's verbosity is restored
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones, arch, monkeypatch):
+    from retrieval.models import backbones as bb_module
+
+    bb, tok = backbones[arch]
+    assert bb.projection() is not None  # BERT's transform + decoder, ModernBERT's, an lm_head
+    monkeypatch.setattr(bb_module, "VOCAB_BLOCK_BYTES", 1)  # blocks of 32 ids: several
+    h = torch.randn(5, 3, bb.hidden_size, generator=torch.Generator().manual_seed(1))
+    full = bb.logits(h).float()
+    cols = torch.tensor([len(tok) - 1, 3, 70, 0, 3])  # unsorted, repeated, across blocks
+    with torch.inference_mode():
+        top, at = bb.read_head(h, cols)
+        assert torch.equal(top, full.argmax(-1)) and torch.equal(at, full[..., cols])
+        top1, at1 = bb.read_head(h[:1, :1], cols)  # one row: the matrix-vector path
+    full1 = bb.logits(h[:1, :1]).float()
+    assert torch.equal(top1, full1.argmax(-1)) and torch.equal(at1, full1[..., cols])
+
+
+def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(backbones, monkeypatch):
+    from retrieval.models import backbones as bb_module
+
+    bb, tok = tiny_backbone("llama", __import__("pathlib").Path("/nonexistent"), seed=3)
+    with torch.no_grad():  # ids 5 and 70 (another block) are the only non-zero rows, equal: argmax keeps 5
+        w = bb.model.lm_head.weight
+        w[70] = w[5]
+        w[[i for i in range(len(w)) if i not in (5, 70)]] = 0
+    monkeypatch.setattr(bb_module, "VOCAB_BLOCK_BYTES", 1)
+    h = w[5].expand(2, 2, -1)  # logit of 5 (and 70) positive, every other one zero
+    with torch.inference_mode():
+        top, _ = bb.read_head(h, torch.tensor([1]))
+    full = bb.logits(h)
+    assert (top == 5).all() and torch.equal(top, full.argmax(-1))
+    bb.head = lambda x: bb.model.lm_head(x) * 2  # a custom head: no projection, the full head is read
+    bb._projection = False
+    assert bb.projection() is None
+    with torch.inference_mode():
+        top, at = bb.read_head(h, torch.tensor([4, 2]))
+    assert torch.equal(at, (full * 2)[..., [4, 2]])
+
+
+@pytest.mark.parametrize("quantise", ["truncate", "round", "none"])
+def test_batched_sparse_is_each_text_alone(quantise):
+    from retrieval.models.sparse import per_position_sparse_batch
+
+    g = torch.Generator().manual_seed(0)
+    sizes, k = [0, 3, 200, 17], 4
+    ids = torch.full((len(sizes), max(sizes)), -1)
+    logits = torch.randn(len(sizes), k, max(sizes), generator=g) * 3
+    for j, n in enumerate(sizes):
+        ids[j, :n] = torch.randperm(1000, generator=g)[:n].sort().values
+    slots = torch.tensor([4, 1, 3, 4])
+    got = per_position_sparse_batch(ids, logits, slots, 128, quantise)
+    for j, n in enumerate(sizes):
+        want = per_position_sparse(ids[j, :n], logits[j, : slots[j], :n], 128, quantise)
+        np.testing.assert_array_equal(got[j][0], want[0])
+        np.testing.assert_array_equal(got[j][1], want[1])

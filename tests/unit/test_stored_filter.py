@@ -100,3 +100,19 @@ def plan_encode(cfg: EncodeConfig) -> Plan:
     ctx = Context(ArtifactStore(cfg.root), log=print)
     with ctx.held:
         return stages()["encode"].plan(cfg, ctx)
+
+
+def test_a_word_pool_gives_the_ids_of_one_process(tiny: dict, monkeypatch) -> None:
+    from retrieval.models import sparse
+
+    texts = [f"{d['title']}. {d['text']} The {d['title']}'s fox, again!" for d in CORPUS] * 3
+    tok = tokenizer_of(BackboneConfig(model=str(tiny["model"])))
+    monkeypatch.setattr(sparse, "POOL_MIN_TEXTS", 10)
+    monkeypatch.setattr(sparse, "WORD_CHUNK", 7)  # several chunks, in order
+    for kind in ("nltk", "regex"):
+        alone = ContentFilter(tok, kind).allowed_many(texts)
+        with sparse.word_pool(2, len(texts)) as pool:
+            assert pool is not None
+            assert ContentFilter(tok, kind).allowed_many(texts, pool) == alone
+    with sparse.word_pool(1, 10**6) as pool:
+        assert pool is None  # one worker: this process
