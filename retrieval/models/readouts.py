@@ -301,17 +301,11 @@ class MaskReadout(
     def run(self, batch: Prepared) -> list[Encoded]:
         if not batch.token_ids:
             return []
-        return self._encode(batch.token_ids, batch.texts, batch.side, batch.k, batch)  # type: ignore[arg-type]
-
-    def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int,
-                prepared: Prepared | None = None) -> list[Encoded]:  # fmt: skip
-        prepared = prepared if prepared is not None and prepared.mask_batch is not None else self.prepare(
-            token_ids, texts, side, k)  # fmt: skip
-        b, cands = prepared.mask_batch, prepared.candidates
+        b, cands, k, n_texts = batch.mask_batch, batch.candidates, batch.k, len(batch.token_ids)
         assert b is not None and cands is not None
         if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
-            rows = torch.arange(len(token_ids), device=self.bb.device)[:, None]
+            rows = torch.arange(n_texts, device=self.bb.device)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
             logits, decoded = None, None  # the head below: the argmax and the candidates' logits only
         else:
@@ -320,7 +314,7 @@ class MaskReadout(
         out: list[Encoded] = []
         width = max(1, max(c.numel() for c in cands))
         step = max(1, HEAD_CHUNK_BYTES // (k * width * 4))  # a bounded number of texts' candidate logits at once
-        for s in range(0, len(token_ids), step):
+        for s in range(0, n_texts, step):
             chunk = cands[s : s + step]
             union = torch.unique(torch.cat(chunk))  # sorted
             if logits is None:
@@ -328,10 +322,8 @@ class MaskReadout(
             else:
                 toks, at = decoded[s : s + step], logits[s : s + step][..., union].float()
             cuts = self._cutoffs(toks, k)
-            ids = torch.full((len(chunk), max(c.numel() for c in chunk)), -1, dtype=torch.long, device=h.device)
-            for j, c in enumerate(chunk):  # each text's candidates, as columns of the union
-                ids[j, : c.numel()] = c
-            cols = torch.searchsorted(union, ids.clamp(min=0))
+            ids = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)  # [b, C], -1: none
+            cols = torch.searchsorted(union, ids.clamp(min=0))  # each text's candidates, as columns of the union
             cand_logits = at.gather(2, cols[:, None, :].expand(-1, k, -1))  # [b, K, C]
             sparse = self._sparse_batch(ids, cand_logits, torch.as_tensor(cuts), k)
             tokens = toks.cpu().numpy().astype(np.int32)
