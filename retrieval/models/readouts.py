@@ -102,7 +102,7 @@ class Prepared:
     candidates: list[torch.Tensor] | None = None  # and each text's candidate vocabulary ids
 
 
-HEAD_CHUNK_BYTES = 256 << 20  # the LM head's float32 logits held at once while encoding ([texts, K, V])
+HEAD_CHUNK_BYTES = 256 << 20  # float32 logits of the candidate ids held at once while encoding ([texts, K, C])
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:
