@@ -204,6 +204,7 @@ def _register() -> None:
     stage_command("evaluate")
     stage_command("summary")
     stage_command("report", after=_print_detail("report written: {}/report.md", "folder"))
+    stage_command("latency", after=_print_detail("latency rows measured: {}", "rows"))
 
 
 _register()

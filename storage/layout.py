@@ -300,6 +300,39 @@ def training_dir(name: str) -> str:
     return partition("training", set=name)
 
 
+def latency_dir(system: str, kind: str, setting: str) -> str:
+    """Latency rows of one system: ``kind`` encode or search, ``setting`` the hash of the settings and machine."""
+    return partition("latency", system=system, kind=kind, setting=setting)
+
+
+ENCODE_LATENCY_FILE = "encode_latency.parquet"
+SEARCH_LATENCY_FILE = "search_latency.parquet"
+_ENVIRONMENT_FIELDS = [
+    pa.field("device", pa.string()), pa.field("device_name", pa.string()), pa.field("threads", pa.int32()),
+    pa.field("dtype", pa.string()), pa.field("attention", pa.string()), pa.field("torch", pa.string()),
+    pa.field("transformers", pa.string()),
+]  # fmt: skip
+_TIMING_FIELDS = [
+    pa.field("min_ms", pa.float64()), pa.field("median_ms", pa.float64()), pa.field("max_ms", pa.float64()),
+    pa.field("repeats", pa.int32()),
+]  # fmt: skip
+# one row per (side, input length, batch size, K): milliseconds per text
+ENCODE_LATENCY_SCHEMA = pa.schema(
+    [pa.field("system", pa.string()), pa.field("model", pa.string()), pa.field("family", pa.string()),
+     pa.field("readout", pa.string()), pa.field("denoise_steps", pa.int32()), pa.field("side", pa.string()),
+     pa.field("length", pa.int32()), pa.field("batch_size", pa.int32()), pa.field("k", pa.int32()),
+     pa.field("input_tokens", pa.float64()), pa.field("slots", pa.float64())]
+    + _TIMING_FIELDS + _ENVIRONMENT_FIELDS
+)  # fmt: skip
+# one row per (engine, mode, index size, K_q, K_p): milliseconds per query
+SEARCH_LATENCY_SCHEMA = pa.schema(
+    [pa.field("system", pa.string()), pa.field("engine", pa.string()), pa.field("mode", pa.string()),
+     pa.field("docs", pa.int64()), pa.field("kq", pa.int32()), pa.field("kp", pa.int32()),
+     pa.field("hidden", pa.int32()), pa.field("queries", pa.int32()), pa.field("topk", pa.int32())]
+    + _TIMING_FIELDS + _ENVIRONMENT_FIELDS
+)  # fmt: skip
+
+
 # Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
@@ -307,6 +340,8 @@ FILE_SCHEMAS[METRICS_FILE] = METRICS_SCHEMA
 FILE_SCHEMAS[GROUPS_FILE] = GROUPS_SCHEMA
 FILE_SCHEMAS[TRAIN_LOG_FILE] = TRAIN_LOG_SCHEMA
 FILE_SCHEMAS[BOT_FILE] = BOT_SCHEMA
+FILE_SCHEMAS[ENCODE_LATENCY_FILE] = ENCODE_LATENCY_SCHEMA
+FILE_SCHEMAS[SEARCH_LATENCY_FILE] = SEARCH_LATENCY_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:
@@ -337,6 +372,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "reports": ("reports/*", "diffret report"),
     "training": ("training/*", "diffret training-data"),
     "models": ("models/*", "diffret train"),
+    "latency": ("latency/*/*/*", "diffret latency"),
 }
 _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank"}
 

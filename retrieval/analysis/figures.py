@@ -101,3 +101,78 @@ def correlation_png(peaks: list[dict[str, Any]], title: str) -> bytes:
     return _png(fig)
 
 
+
+
+def _marker(multi: bool) -> dict[str, Any]:
+    """The paper's markers: open for one slot / vector, filled for several."""
+    return {"marker": "o", "markerfacecolor": None if multi else "white"}
+
+
+def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
+    """Encoding latency against input length, one panel per family, a line per (system, K); open markers at K = 1,
+    filled at K > 1 (Figure 3, top row). ``data``: rows of the ``encode_latency`` view."""
+    families = sorted({r["family"] for r in data})
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, max(1, len(families)), figsize=(4.2 * max(1, len(families)), 3.6), dpi=110,
+                             squeeze=False)  # fmt: skip
+    for ax, family in zip(axes[0], families, strict=False):
+        series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+        for r in data:
+            if r["family"] == family:
+                series.setdefault((r["readout"], r["system"], r["k"]), []).append(r)
+        for (readout, system, k), pts in sorted(series.items()):
+            pts = sorted(pts, key=lambda p: p["length"])
+            name = "N" if readout == "promptreps" else "K"
+            ax.plot([p["length"] for p in pts], [p["median_ms"] for p in pts], **_marker(k > 1),
+                    label=f"{readout} {name}={k} ({system[:18]})")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("input length (tokens)")
+        ax.set_ylabel("encoding latency (ms per text, median)")
+        ax.set_title(family, fontsize=9)
+        ax.legend(fontsize=6, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
+    """Search latency against index size (log-log), a line per (system, engine, K_q, K_p); open markers for one
+    vector per text, filled for several (Figure 3, bottom row). ``data``: rows of the ``search_latency`` view."""
+    fig, ax = _pyplot().subplots(figsize=(5.2, 3.6), dpi=110)
+    series: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    for r in data:
+        series.setdefault((r["system"], r["engine"], r["kq"], r["kp"]), []).append(r)
+    for (system, engine, kq, kp), pts in sorted(series.items()):
+        pts = sorted(pts, key=lambda p: p["docs"])
+        ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),
+                label=f"{engine} (K_q, K_p) = ({kq}, {kp}) ({system[:18]})")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("index size (documents)")
+    ax.set_ylabel("search latency (ms per query, median)")
+    ax.legend(fontsize=6, frameon=False)
+    ax.set_title(title, fontsize=9)
+    return _png(fig)
+
+
+def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
+    """Effectiveness against per-query latency (Figure 1): a point per (system, single / multi), open for single,
+    filled for multi, a dashed line joining a system's two. ``points``: system, multi, ms, ndcg_10."""
+    fig, ax = _pyplot().subplots(figsize=(5.2, 3.8), dpi=110)
+    by_system: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        by_system.setdefault(p["system"], []).append(p)
+    for i, (system, pts) in enumerate(sorted(by_system.items())):
+        color = f"C{i % 10}"
+        pts = sorted(pts, key=lambda p: p["multi"])
+        if len(pts) > 1:
+            ax.plot([p["ms"] for p in pts], [p["ndcg_10"] for p in pts], "--", color=color, linewidth=0.8)
+        for p in pts:
+            ax.plot([p["ms"]], [p["ndcg_10"]], color=color, linestyle="none", **_marker(p["multi"]),
+                    label=f"{system[:24]} ({'multi' if p['multi'] else 'single'})")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("query encoding + search latency (ms per query)")
+    ax.set_ylabel("NDCG@10 (mean over datasets)")
+    ax.legend(fontsize=6, frameon=False)
+    ax.set_title(title, fontsize=9)
+    return _png(fig)

@@ -14,10 +14,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from retrieval.models.readouts import Readout
 from retrieval.models.sparse import excluded_ids
+from retrieval.search.encodings import Encodings, SparseFlat, normalise
+from retrieval.search.exact import SearchSettings, search_pass
 
 
 @dataclass
@@ -151,4 +154,58 @@ def encode_latency(reader: Readout, side: str, lengths: list[int], batch_sizes: 
                                 sum(e.dense.shape[0] for e in out) / len(out), **timing.per(bs),
                                 repeats=repeats)  # fmt: skip
             rows.append(asdict(row))
+    return rows
+
+
+def synthetic_encodings(n: int, k: int, hidden: int, seed: int = 0, prefix: str = "d",
+                        device: torch.device | str = "cpu") -> Encodings:  # fmt: skip
+    """``n`` texts of ``k`` random unit vectors each (``hidden`` wide, seeded), no sparse side: an index of any size
+    for timing dense search.
+
+    >>> e = synthetic_encodings(3, 2, 4)
+    >>> len(e), tuple(e.multi.shape), bool(torch.allclose(e.multi.norm(dim=-1), torch.ones(3, 2)))
+    (3, (3, 2, 4), True)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    multi = normalise(torch.randn((n, k, hidden), generator=gen)).to(device)
+    empty = [np.zeros(0, np.int64)] * n
+    return Encodings([f"{prefix}{i}" for i in range(n)], multi, torch.ones((n, k), dtype=torch.bool, device=device),
+                     normalise(multi.mean(1)), empty, [np.zeros(0, np.float32)] * n,
+                     SparseFlat.from_lists(empty, [np.zeros(0, np.float32)] * n))  # fmt: skip
+
+
+@dataclass
+class SearchLatency:
+    """One row of exact search latency: an index size and budget, milliseconds per query."""
+
+    engine: str
+    mode: str
+    docs: int
+    kq: int
+    kp: int
+    hidden: int
+    queries: int
+    topk: int
+    min_ms: float
+    median_ms: float
+    max_ms: float
+    repeats: int
+
+
+def exact_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, modes: list[str], queries: int = 16,
+                         topk: int = 100, repeats: int = 3, warmup: int = 1,
+                         device: torch.device | str = "cpu") -> list[dict[str, Any]]:  # fmt: skip
+    """Exact search (the block scorer, :func:`retrieval.search.exact.search_pass`) over synthetic indexes of each
+    size: milliseconds per query for a batch of ``queries``, single-vector or multi-vector (K_q against K_p).
+    """
+    q = synthetic_encodings(queries, kq, hidden, seed=1, prefix="q", device=device)
+    rows = []
+    for n in sizes:
+        docs = synthetic_encodings(n, kp, hidden, seed=2 + n, device=device)
+        for mode in modes:
+            st = SearchSettings(topk=min(topk, n))
+            timing = measure(lambda docs=docs, mode=mode, st=st: search_pass({kq: q}, [docs], [mode], st),
+                             repeats, warmup, device)  # fmt: skip
+            rows.append(asdict(SearchLatency("exact", mode, n, kq, kp, hidden, queries, st.topk,
+                                             **timing.per(queries), repeats=repeats)))  # fmt: skip
     return rows

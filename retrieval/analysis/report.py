@@ -19,7 +19,14 @@ from storage.sql import StoreSQL
 
 from ..search.modes import MODE_NAMES
 from .correlation import feature_correlations
-from .figures import correlation_png, heatmap_png, oracle_png
+from .figures import (
+    correlation_png,
+    cost_effect_png,
+    encode_latency_png,
+    heatmap_png,
+    oracle_png,
+    search_latency_png,
+)
 from .footprint import footprint_projection, human_bytes
 from .tables import paper_table
 from .views import rows
@@ -307,6 +314,80 @@ def section_late(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
 
+QUERY_LENGTH = 32  # the synthetic length Figure 1 reads a query's encoding latency at (the nearest measured)
+
+
+def section_latency(db: StoreSQL, rep: Report) -> None:
+    """The paper's cost figures from the stored latency rows (views ``encode_latency``, ``search_latency``):
+    Figure 3's two rows, the autoregressive / one-pass ratio of one checkpoint read both ways, and Figure 1."""
+    enc = rows(db, "select * from encode_latency where batch_size = (select min(batch_size) from encode_latency) "
+                   "and side = (select min(side) from encode_latency) order by system, k, length")  # fmt: skip
+    srch = rows(db, "select * from search_latency order by system, kq, kp, docs")
+    if not enc and not srch:
+        return
+    body = ""
+    if enc:
+        rep.files["encode_latency.csv"] = _dicts_csv(enc)
+        rep.files["fig3_encode_latency.png"] = encode_latency_png(enc, f"{enc[0]['side']}s, batch size "
+                                                                  f"{enc[0]['batch_size']}, {enc[0]['device_name']}")
+        body += ("Encoding latency against input length (`diffret latency`; synthetic inputs; open: K = 1, filled: "
+                 "K > 1; view `encode_latency`):\n\n![encoding latency](fig3_encode_latency.png)\n")
+        ratios = rows(db, "select a.model, a.side, a.length, a.k, round(a.median_ms, 3) ar_ms, a.slots ar_slots, "
+                          "round(b.median_ms, 3) one_pass_ms, round(a.median_ms / b.median_ms, 2) ar_over_one_pass, "
+                          "a.device_name from encode_latency a join encode_latency b on a.model = b.model and "
+                          "a.side = b.side and a.length = b.length and a.k = b.k and a.batch_size = b.batch_size and "
+                          "a.device_name = b.device_name "
+                          "where a.readout = 'promptreps' and b.readout = 'diffretriever' "
+                          "order by a.model, a.side, a.k, a.length")  # fmt: skip
+        if ratios:
+            rep.files["ar_over_one_pass.csv"] = _dicts_csv(ratios)
+            body += ("\nOne checkpoint read both ways: PromptReps (causal, decoding up to N = k slots with a KV "
+                     "cache; ar_slots: decoded) against the mask readout (bidirectional, one pass, K = k):\n\n"
+                     + _md_table(ratios))  # fmt: skip
+    if srch:
+        rep.files["search_latency.csv"] = _dicts_csv(srch)
+        rep.files["fig3_search_latency.png"] = search_latency_png(srch, f"exact search, {srch[0]['device_name']}")
+        body += ("\nSearch latency against index size (synthetic unit vectors; open: one vector per text, filled: "
+                 "K_q x K_p; view `search_latency`):\n\n![search latency](fig3_search_latency.png)\n")
+    points = cost_points(db)
+    if points:
+        rep.files["fig1_cost_effect.csv"] = _dicts_csv(points)
+        rep.files["fig1_cost_effect.png"] = cost_effect_png(points, "NDCG@10 against per-query latency")
+        body += (f"\nEffectiveness against cost (Figure 1): mean test NDCG@10 of multi_dense over the datasets, "
+                 f"against a query's encoding (the measured length nearest {QUERY_LENGTH} tokens) plus exact search "
+                 "of the largest index measured; single: (1, 1), multi: the train-selected budget, else the largest "
+                 "measured.\n\n![cost and effect](fig1_cost_effect.png)\n\n" + _md_table(points))
+    rep.sections.append(("Latency (Figures 1 and 3)", body))
+
+
+def cost_points(db: StoreSQL) -> list[dict[str, Any]]:
+    """Figure 1's points: per system with latency rows and test metrics, (1, 1) and its multi budget."""
+    out = []
+    for sys_row in rows(db, "select distinct system from encode_latency order by system"):
+        system = sys_row["system"]
+        enc = {r["k"]: r["median_ms"] for r in rows(
+            db, "select k, median_ms from encode_latency where system = ? and side = 'query' qualify row_number() "
+                "over (partition by k order by batch_size, abs(length - ?), length) = 1",
+            [system, QUERY_LENGTH])}  # fmt: skip
+        srch = {(r["kq"], r["kp"]): r["median_ms"] for r in rows(
+            db, "select kq, kp, median_ms from search_latency where system = ? and engine = 'exact' qualify "
+                "row_number() over (partition by kq, kp order by docs desc) = 1", [system])}  # fmt: skip
+        eff = {(r["kq"], r["kp"]): r["ndcg"] for r in rows(
+            db, "select kq, kp, avg(ndcg_10) ndcg from cells where system = ? and split = 'test' and "
+                "mode = 'multi_dense' group by kq, kp", [system])}  # fmt: skip
+        usable = [b for b in eff if b[0] in enc and b in srch]
+        if not usable:
+            continue
+        sel = rows(db, "select kq_star, kp_star from budget_selection where system = ?", [system])
+        multi = (sel[0]["kq_star"], sel[0]["kp_star"]) if sel else max(usable, key=lambda b: (b[0] * b[1], b))
+        for budget in dict.fromkeys([(1, 1), multi]):
+            if budget in usable:
+                ms = round(enc[budget[0]] + srch[budget], 3)
+                out.append({"system": system, "multi": budget != (1, 1), "kq": budget[0], "kp": budget[1], "ms": ms,
+                            "ndcg_10": round(eff[budget], 4)})  # fmt: skip
+    return out
+
+
 def build_report(
     db: StoreSQL,
     name: str = "default",
@@ -329,4 +410,5 @@ def build_report(
     section_footprint(db, rep, hidden, backbones, settings)
     section_reranking(db, rep)
     section_late(db, rep)
+    section_latency(db, rep)
     return rep

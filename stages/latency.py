@@ -1,0 +1,143 @@
+"""The latency stage (paper section 5.4, Figures 1 and 3): a system's encoding latency against input length and
+its search latency against index size, measured the same way for every readout and stored as rows.
+
+    latency/system=<slug>/kind=encode/setting=<hash>/encode_latency.parquet
+    latency/system=<slug>/kind=search/setting=<hash>/search_latency.parquet
+
+A folder's hash covers its settings and the machine (device name, thread count, library versions): another
+setting or another machine is a new folder beside the others, never a mix, and a run with nothing new does
+nothing. The views ``encode_latency`` and ``search_latency`` read every folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pyarrow as pa
+from pydantic import Field, field_validator
+
+from retrieval.analysis.latency import encode_latency, environment, exact_search_latency
+from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader, readout_class
+from retrieval.search.modes import BASE_MODES
+from storage import Manifest
+from storage.layout import (
+    ENCODE_LATENCY_FILE,
+    ENCODE_LATENCY_SCHEMA,
+    SEARCH_LATENCY_FILE,
+    SEARCH_LATENCY_SCHEMA,
+    latency_dir,
+)
+from storage.manifest import config_hash
+
+from .base import Context, Folder, KList, Plan, Stage, StageConfig
+from .systems import EncodeSettings, encoder_slug
+from .tokenize import default_backbone
+
+DENSE_MODES = [m for m in BASE_MODES if m in ("single_dense", "multi_dense")]
+
+
+def _positive_sorted(v: list[int]) -> list[int]:
+    if not v or any(x <= 0 for x in v):
+        raise ValueError(f"give positive integers, got {v}")
+    return sorted(set(v))
+
+
+class LatencyConfig(StageConfig):
+    """Parameters of the latency flow."""
+
+    backbone: BackboneConfig = Field(default_factory=default_backbone, description="The model and how it is loaded.")
+    readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
+    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="The system's max_length (its slug, as "
+                            "encode names it); the synthetic inputs are not cut by it, only by the model's positions.")
+    kinds: list[Literal["encode", "search"]] = Field(default=["encode", "search"], description="What to time.")
+    sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.")
+    lengths: list[int] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
+                               "tokens, before the prompt).")  # fmt: skip
+    batch_sizes: list[int] = Field(default=[1], description="Texts per forward pass (1: one query's latency).")
+    k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
+    search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search.")
+    search_k: list[tuple[int, int]] = Field(default=[(1, 1), (4, 16)], description="(K_q, K_p) pairs to search "
+                                            "(single-vector at (1, 1), multi-vector at the others).")
+    search_queries: int = Field(default=16, ge=1, description="Queries searched a call (milliseconds per query).")
+    topk: int = Field(default=100, ge=1, description="Documents kept per query.")
+    repeats: int = Field(default=5, ge=1, description="Timed runs per row (min / median / max kept).")
+    warmup: int = Field(default=1, ge=0, description="Untimed runs before them.")
+
+    _check = field_validator("lengths", "batch_sizes", "search_sizes")(_positive_sorted)
+
+    def settings(self) -> EncodeSettings:
+        return EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)
+
+
+class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb="measured"):
+    """Encoding latency against input length and search latency against index size (the paper's Figures 1, 3)."""
+
+    next_step = "query them: `diffret sql \"SELECT * FROM encode_latency\"`; plot them: `diffret report`."
+
+    def plan(self, config: LatencyConfig, ctx: Context) -> Plan:
+        settings = config.settings()
+        for k in config.k:  # each budget is its own encode (PromptReps' cap N too)
+            readout_class(settings.readout.readout).check_k([k])
+        system = encoder_slug(settings)
+        env = environment(device=_device(config.backbone))
+        common = {"system": system, "settings": settings.model_dump(mode="json"), "environment": env,
+                  "repeats": config.repeats, "warmup": config.warmup}  # fmt: skip
+        plan = Plan(system=system, details={"folders": {}})
+        for kind in config.kinds:
+            if kind == "encode":
+                cfg = {**common, "kind": kind, "sides": config.sides, "lengths": config.lengths,
+                       "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
+            else:
+                cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_k,
+                       "queries": config.search_queries, "topk": config.topk}  # fmt: skip
+            stage = latency_dir(system, kind, config_hash(cfg)[:12])
+            plan.details["folders"][kind] = stage
+            plan.add_folder(ctx, stage, cfg, config.force)
+        return plan
+
+    def unit_name(self, unit: Folder) -> str:
+        return f"{unit.config['kind']} {unit.config['system']}"
+
+    def run(self, unit: Folder, ctx: Context) -> int:
+        c = unit.config
+        settings = EncodeSettings.model_validate(c["settings"])
+        bb = load_backbone(settings.backbone)
+        env = {**environment(bb.model, bb.device), "dtype": str(bb.dtype).removeprefix("torch.")}
+        if c["kind"] == "encode":
+            reader = make_reader(bb, settings.readout, max(c["lengths"]) * 4 + 1024)  # only positions cut them
+            rows = []
+            for side in c["sides"]:
+                for k in c["k"]:
+                    ctx.log(f"encode latency: {side}, K={k}, lengths {c['lengths']}")
+                    rows += encode_latency(reader, side, c["lengths"], c["batch_sizes"], k, c["repeats"], c["warmup"])
+            extra = {"system": c["system"], "model": settings.backbone.model, "family": bb.family,
+                     "readout": settings.readout.readout, "denoise_steps": settings.readout.denoise_steps}  # fmt: skip
+            name, schema = ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA
+        else:
+            rows = []
+            for kq, kp in c["search_k"]:
+                modes = ["single_dense"] if (kq, kp) == (1, 1) else ["multi_dense"]
+                ctx.log(f"search latency: exact, (K_q, K_p) = ({kq}, {kp}), sizes {c['sizes']}")
+                rows += exact_search_latency(c["sizes"], kq, kp, bb.hidden_size, modes, c["queries"], c["topk"],
+                                             c["repeats"], c["warmup"], bb.device)  # fmt: skip
+            extra = {"system": c["system"]}
+            name, schema = SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA
+        table = pa.Table.from_pylist([{**r, **extra, **env} for r in rows], schema=schema)
+        part = {"system": c["system"], "kind": c["kind"], "setting": unit.stage.rsplit("=", 1)[-1]}
+        m = Manifest.new("latency", part, c, stats={"rows": table.num_rows, "environment": env})
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            w.write_parquet(name, schema, [table])
+        return table.num_rows
+
+    def finish(self, config: LatencyConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        return {**plan.details, "rows": sum(results)}
+
+
+def _device(backbone: BackboneConfig) -> str:
+    from retrieval.devices import resolve_device
+
+    return str(resolve_device(backbone.device))
+
+
+stage = Latency()

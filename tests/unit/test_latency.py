@@ -1,0 +1,98 @@
+"""Latency measurement on tiny random models: rows per length and batch size carrying their settings, PromptReps'
+decoded slots counted, exact search timed over synthetic indexes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_backbone
+
+from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, measure, synthetic_ids
+from retrieval.models.readouts import ReadoutConfig, make_reader
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_synthetic_inputs_have_the_exact_length_and_no_special_token(tmp_path: Path) -> None:
+    bb, tok = tiny_backbone("bert", tmp_path)
+    ids = synthetic_ids(tok, 37, n=3)
+    assert [len(r) for r in ids] == [37, 37, 37]
+    assert not set(tok.all_special_ids) & {i for r in ids for i in r}
+    assert synthetic_ids(tok, 37, n=3) == ids  # seeded
+    with pytest.raises(ValueError, match="positive"):
+        synthetic_ids(tok, 0)
+
+
+def test_mask_readout_rows_per_length_and_batch_size(tmp_path: Path) -> None:
+    bb, _ = tiny_backbone("bert", tmp_path)
+    reader = make_reader(bb, ReadoutConfig(), 128)
+    rows = encode_latency(reader, "query", [8, 16], [1, 2], k=4, repeats=2)
+    assert [(r["length"], r["batch_size"]) for r in rows] == [(8, 1), (8, 2), (16, 1), (16, 2)]
+    for r in rows:
+        assert r["k"] == 4 and r["repeats"] == 2 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert 1 <= r["slots"] <= 4 and r["input_tokens"] > r["length"]  # the prompt and the masks counted
+
+
+def test_promptreps_records_the_slots_it_decoded(tmp_path: Path) -> None:
+    bb, _ = tiny_backbone("llama", tmp_path)
+    reader = make_reader(bb, ReadoutConfig(readout="promptreps"), 128)
+    one, many = (encode_latency(reader, "query", [8], [1], k=k, repeats=1)[0] for k in (1, 6))
+    assert one["slots"] == 1 and 1 <= many["slots"] <= 6
+
+
+def test_exact_search_rows_per_size_and_mode() -> None:
+    rows = exact_search_latency([10, 100], kq=2, kp=3, hidden=8, modes=["single_dense", "multi_dense"], queries=4,
+                                topk=20, repeats=1)  # fmt: skip
+    assert [(r["docs"], r["mode"], r["topk"]) for r in rows] == [
+        (10, "single_dense", 10), (10, "multi_dense", 10), (100, "single_dense", 20), (100, "multi_dense", 20)]
+    assert all(r["engine"] == "exact" and r["min_ms"] > 0 for r in rows)
+
+
+def test_measure_and_environment() -> None:
+    calls = []
+    t = measure(lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5 and t.repeats == 3
+    with pytest.raises(ValueError):
+        measure(lambda: None, repeats=0)
+    env = environment()
+    assert env["device"] == "cpu" and env["threads"] >= 1 and env["torch"]
+
+
+def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_folder(tmp_path: Path) -> None:
+    from tiny_models import save_tiny_mlm
+
+    from retrieval.models.backbones import BackboneConfig
+    from stages import execute, stages
+    from stages.latency import LatencyConfig
+    from storage import ArtifactStore
+    from storage.sql import StoreSQL
+
+    model = save_tiny_mlm(tmp_path / "model")
+    cfg = LatencyConfig(root=str(tmp_path / "store"), backbone=BackboneConfig(model=str(model)), lengths=[8, 16],
+                        k=[1, 4], search_sizes=[10, 100], search_k=[(1, 1), (2, 3)], search_queries=4, topk=5,
+                        repeats=1, warmup=0)  # fmt: skip
+    first = execute(stages()["latency"], cfg, log=print)
+    assert (first.done, first.details["rows"]) == (2, 2 * 2 + 2 * 2)
+    again = execute(stages()["latency"], cfg, log=print)
+    assert (again.done, again.skipped) == (0, 2)  # nothing new: nothing measured
+    execute(stages()["latency"], cfg.model_copy(update={"lengths": [8], "kinds": ["encode"]}), log=print)
+    with StoreSQL(ArtifactStore(cfg.root)) as db:
+        _, enc = db.query("SELECT setting, length, k, readout, system, device_name, threads, dtype FROM encode_latency "
+                          "ORDER BY setting, length, k")  # fmt: skip
+        _, search = db.query("SELECT docs, kq, kp, mode, engine FROM search_latency ORDER BY kq, docs")
+    assert len({r[0] for r in enc}) == 2 and len(enc) == 4 + 2  # two settings side by side, never mixed
+    assert {r[3] for r in enc} == {"diffretriever"} and all(r[4] == first.system and r[5] and r[6] >= 1 for r in enc)
+    assert search == [(10, 1, 1, "single_dense", "exact"), (100, 1, 1, "single_dense", "exact"),
+                      (10, 2, 3, "multi_dense", "exact"), (100, 2, 3, "multi_dense", "exact")]  # fmt: skip
+
+
+def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_path: Path) -> None:
+    from retrieval.models.backbones import BackboneConfig
+    from stages import execute, stages
+    from stages.latency import LatencyConfig
+
+    cfg = LatencyConfig(root=str(tmp_path), backbone=BackboneConfig(model=str(tmp_path / "absent")),
+                        readout={"readout": "diffembed"}, k=[1, 4])  # fmt: skip
+    with pytest.raises(ValueError, match="one vector per text"):
+        execute(stages()["latency"], cfg, log=print)
