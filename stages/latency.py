@@ -17,7 +17,7 @@ import pyarrow as pa
 from pydantic import Field, field_validator
 
 from retrieval.analysis.latency import encode_latency, environment, exact_search_latency
-from retrieval.models.backbones import BackboneConfig, load_backbone
+from retrieval.models.backbones import Backbone, BackboneConfig, load_backbone
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader, readout_class
 from retrieval.search.modes import BASE_MODES
 from storage import Manifest
@@ -63,11 +63,28 @@ class LatencyConfig(StageConfig):
     topk: int = Field(default=100, ge=1, description="Documents kept per query.")
     repeats: int = Field(default=5, ge=1, description="Timed runs per row (min / median / max kept).")
     warmup: int = Field(default=1, ge=0, description="Untimed runs before them.")
+    both_ways: bool = Field(default=False, description="Also time the same checkpoint with the other readout (the mask "
+                            "readout <-> PromptReps; two systems), so that their ratio isolates one-pass against "
+                            "sequential decoding from the model. PromptReps reads a Dream / LLaDA checkpoint as the "
+                            "causal model it loads as; the mask readout needs a mask token (--mask-token for a causal "
+                            "LM without one).")  # fmt: skip
 
     _check = field_validator("lengths", "batch_sizes", "search_sizes")(_positive_sorted)
 
-    def settings(self) -> EncodeSettings:
-        return EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)
+    def settings(self) -> list[EncodeSettings]:
+        """The systems to time: this readout's, and with ``both_ways`` the other one's of the same checkpoint."""
+        out = [EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)]
+        if self.both_ways:
+            name = self.readout.readout
+            if name not in ("diffretriever", "promptreps"):
+                raise ValueError(f"both_ways compares the mask readout with PromptReps; the readout is {name}")
+            other = "promptreps" if name == "diffretriever" else "diffretriever"
+            backbone = self.backbone
+            if other == "promptreps" and backbone.family in ("dream", "llada"):
+                backbone = backbone.model_copy(update={"family": "causal"})
+            readout = ReadoutConfig(readout=other)
+            out.append(EncodeSettings(backbone=backbone, readout=readout, max_length=self.max_length))
+        return out
 
 
 class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb="measured"):
@@ -76,24 +93,28 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
     next_step = "query them: `diffret sql \"SELECT * FROM encode_latency\"`; plot them: `diffret report`."
 
     def plan(self, config: LatencyConfig, ctx: Context) -> Plan:
-        settings = config.settings()
-        for k in config.k:  # each budget is its own encode (PromptReps' cap N too)
-            readout_class(settings.readout.readout).check_k([k])
-        system = encoder_slug(settings)
+        every = config.settings()
+        for settings in every:
+            for k in config.k:  # each budget is its own encode (PromptReps' cap N too)
+                readout_class(settings.readout.readout).check_k([k])
         env = environment(device=_device(config.backbone))
-        common = {"system": system, "settings": settings.model_dump(mode="json"), "environment": env,
-                  "repeats": config.repeats, "warmup": config.warmup}  # fmt: skip
-        plan = Plan(system=system, details={"folders": {}})
-        for kind in config.kinds:
-            if kind == "encode":
-                cfg = {**common, "kind": kind, "sides": config.sides, "lengths": config.lengths,
-                       "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
-            else:
-                cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_k,
-                       "queries": config.search_queries, "topk": config.topk}  # fmt: skip
-            stage = latency_dir(system, kind, config_hash(cfg)[:12])
-            plan.details["folders"][kind] = stage
-            plan.add_folder(ctx, stage, cfg, config.force)
+        plan = Plan(system=encoder_slug(every[0]), details={"folders": {}})
+        for n, settings in enumerate(every):
+            system = encoder_slug(settings)
+            common = {"system": system, "settings": settings.model_dump(mode="json"), "environment": env,
+                      "repeats": config.repeats, "warmup": config.warmup}  # fmt: skip
+            for kind in config.kinds:
+                if kind == "encode":
+                    cfg = {**common, "kind": kind, "sides": config.sides, "lengths": config.lengths,
+                           "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
+                elif n == 0:  # search does not depend on the readout: timed once, with the first system
+                    cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_k,
+                           "queries": config.search_queries, "topk": config.topk}  # fmt: skip
+                else:
+                    continue
+                stage = latency_dir(system, kind, config_hash(cfg)[:12])
+                plan.details["folders"][f"{system}/{kind}"] = stage
+                plan.add_folder(ctx, stage, cfg, config.force)
         return plan
 
     def unit_name(self, unit: Folder) -> str:
@@ -102,7 +123,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
     def run(self, unit: Folder, ctx: Context) -> int:
         c = unit.config
         settings = EncodeSettings.model_validate(c["settings"])
-        bb = load_backbone(settings.backbone)
+        bb = _backbone(settings.backbone)
         env = {**environment(bb.model, bb.device), "dtype": str(bb.dtype).removeprefix("torch.")}
         if c["kind"] == "encode":
             reader = make_reader(bb, settings.readout, max(c["lengths"]) * 4 + 1024)  # only positions cut them
@@ -132,6 +153,18 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
 
     def finish(self, config: LatencyConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         return {**plan.details, "rows": sum(results)}
+
+
+_LOADED: dict[str, Backbone] = {}
+
+
+def _backbone(config: BackboneConfig) -> Backbone:
+    """One loaded model per process (the encode and search units of a system share it)."""
+    key = config.model_dump_json()
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_backbone(config)
+    return _LOADED[key]
 
 
 def _device(backbone: BackboneConfig) -> str:
