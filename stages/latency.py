@@ -11,12 +11,13 @@ nothing. The views ``encode_latency`` and ``search_latency`` read every folder.
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from retrieval.analysis.latency import encode_latency, environment, exact_search_latency
+from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, lance_search_latency
 from retrieval.models.backbones import Backbone, BackboneConfig, load_backbone
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader, readout_class
 from retrieval.search.modes import BASE_MODES
@@ -56,9 +57,16 @@ class LatencyConfig(StageConfig):
                                "tokens, before the prompt).")  # fmt: skip
     batch_sizes: list[int] = Field(default=[1], description="Texts per forward pass (1: one query's latency).")
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
-    search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search.")
+    search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search; "
+                                    "synthetic, held in memory: documents x K_p x hidden x 4 bytes.")
     search_k: list[tuple[int, int]] = Field(default=[(1, 1), (4, 16)], description="(K_q, K_p) pairs to search "
                                             "(single-vector at (1, 1), multi-vector at the others).")
+    engines: list[Literal["exact", "lance"]] = Field(default=["exact", "lance"], description="Search engines to "
+                                                     "time: the exact block scorer, LanceDB (multivector + MaxSim).")
+    lance_index: Literal["auto", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
+        default="auto", description="LanceDB's index (auto: IVF_PQ where a table has the vectors to train it, else "
+        "its flat search).",
+    )  # fmt: skip
     search_queries: int = Field(default=16, ge=1, description="Queries searched a call (milliseconds per query).")
     topk: int = Field(default=100, ge=1, description="Documents kept per query.")
     repeats: int = Field(default=5, ge=1, description="Timed runs per row (min / median / max kept).")
@@ -109,7 +117,8 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                            "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
                 elif n == 0:  # search does not depend on the readout: timed once, with the first system
                     cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_k,
-                           "queries": config.search_queries, "topk": config.topk}  # fmt: skip
+                           "queries": config.search_queries, "topk": config.topk, "engines": config.engines,
+                           "lance_index": config.lance_index}  # fmt: skip
                 else:
                     continue
                 stage = latency_dir(system, kind, config_hash(cfg)[:12])
@@ -139,9 +148,14 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
             rows = []
             for kq, kp in c["search_k"]:
                 modes = ["single_dense"] if (kq, kp) == (1, 1) else ["multi_dense"]
-                ctx.log(f"search latency: exact, (K_q, K_p) = ({kq}, {kp}), sizes {c['sizes']}")
-                rows += exact_search_latency(c["sizes"], kq, kp, bb.hidden_size, modes, c["queries"], c["topk"],
-                                             c["repeats"], c["warmup"], bb.device)  # fmt: skip
+                ctx.log(f"search latency: {', '.join(c['engines'])}, (K_q, K_p) = ({kq}, {kp}), sizes {c['sizes']}")
+                if "exact" in c["engines"]:
+                    rows += exact_search_latency(c["sizes"], kq, kp, bb.hidden_size, modes, c["queries"], c["topk"],
+                                                 c["repeats"], c["warmup"], bb.device)  # fmt: skip
+                if "lance" in c["engines"]:
+                    with tempfile.TemporaryDirectory(prefix="diffret-latency-") as work:
+                        rows += lance_search_latency(c["sizes"], kq, kp, bb.hidden_size, work, c["queries"], c["topk"],
+                                                     c["lance_index"], c["repeats"], c["warmup"])  # fmt: skip
             extra = {"system": c["system"]}
             name, schema = SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA
         table = pa.Table.from_pylist([{**r, **extra, **env} for r in rows], schema=schema)

@@ -326,7 +326,8 @@ ENCODE_LATENCY_SCHEMA = pa.schema(
 )  # fmt: skip
 # one row per (engine, mode, index size, K_q, K_p): milliseconds per query
 SEARCH_LATENCY_SCHEMA = pa.schema(
-    [pa.field("system", pa.string()), pa.field("engine", pa.string()), pa.field("mode", pa.string()),
+    [pa.field("system", pa.string()), pa.field("engine", pa.string()), pa.field("index_type", pa.string()),
+     pa.field("mode", pa.string()),
      pa.field("docs", pa.int64()), pa.field("kq", pa.int32()), pa.field("kp", pa.int32()),
      pa.field("hidden", pa.int32()), pa.field("queries", pa.int32()), pa.field("topk", pa.int32())]
     + _TIMING_FIELDS + _ENVIRONMENT_FIELDS

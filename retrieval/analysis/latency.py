@@ -179,6 +179,7 @@ class SearchLatency:
     """One row of exact search latency: an index size and budget, milliseconds per query."""
 
     engine: str
+    index_type: str  # LanceDB's index ("none": its flat search); "" for exact search
     mode: str
     docs: int
     kq: int
@@ -206,6 +207,36 @@ def exact_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, modes:
             st = SearchSettings(topk=min(topk, n))
             timing = measure(lambda docs=docs, mode=mode, st=st: search_pass({kq: q}, [docs], [mode], st),
                              repeats, warmup, device)  # fmt: skip
-            rows.append(asdict(SearchLatency("exact", mode, n, kq, kp, hidden, queries, st.topk,
+            rows.append(asdict(SearchLatency("exact", "", mode, n, kq, kp, hidden, queries, st.topk,
                                              **timing.per(queries), repeats=repeats)))  # fmt: skip
+    return rows
+
+
+def lance_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, workdir: str, queries: int = 16,
+                         topk: int = 100, index_type: str = "auto", repeats: int = 3,
+                         warmup: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+    """LanceDB search (:func:`retrieval.search.lance.search`: multivector candidates, exact MaxSim re-rank) over
+    synthetic tables of each size built under ``workdir``: milliseconds per query. ``index_type`` ``auto``:
+    IVF_PQ where the table holds enough vectors to train it, else LanceDB's flat search (``none``).
+    """
+    from retrieval.search import lance
+
+    q = synthetic_encodings(queries, kq, hidden, seed=1, prefix="q")
+    qs = [q.multi[i].numpy() for i in range(queries)]
+    rows = []
+    for n in sizes:
+        docs = synthetic_encodings(n, kp, hidden, seed=2 + n)
+        db = f"{workdir}/docs-{n}-{kp}"
+        lance.build_table(db, [(docs.ids, docs.multi.numpy())], hidden)
+        kind = index_type
+        if kind == "auto":
+            need = lance.min_vectors_for_index("IVF_PQ", lance.default_index_params("IVF_PQ", n * kp, hidden)[
+                "num_partitions"])  # fmt: skip
+            kind = "IVF_PQ" if n * kp >= need else "none"
+        lance.create_index(db, kind)  # type: ignore[arg-type]
+        k = min(topk, n)
+        timing = measure(lambda db=db, k=k: lance.search(db, qs, k), repeats, warmup)
+        mode = "single_dense" if kq == kp == 1 else "multi_dense"
+        rows.append(asdict(SearchLatency("lance", kind, mode, n, kq, kp, hidden, queries, k, **timing.per(queries),
+                                         repeats=repeats)))  # fmt: skip
     return rows

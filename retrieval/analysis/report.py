@@ -328,7 +328,7 @@ def section_latency(db: StoreSQL, rep: Report) -> None:
     body = ""
     if enc:
         rep.files["encode_latency.csv"] = _dicts_csv(enc)
-        rep.files["fig3_encode_latency.png"] = encode_latency_png(enc, f"{enc[0]['side']}s, batch size "
+        rep.files["fig3_encode_latency.png"] = encode_latency_png(enc, f"{enc[0]['side']} side, batch size "
                                                                   f"{enc[0]['batch_size']}, {enc[0]['device_name']}")
         body += ("Encoding latency against input length (`diffret latency`; synthetic inputs; open: K = 1, filled: "
                  "K > 1; view `encode_latency`):\n\n![encoding latency](fig3_encode_latency.png)\n")

@@ -73,18 +73,25 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
                         k=[1, 4], search_sizes=[10, 100], search_k=[(1, 1), (2, 3)], search_queries=4, topk=5,
                         repeats=1, warmup=0)  # fmt: skip
     first = execute(stages()["latency"], cfg, log=print)
-    assert (first.done, first.details["rows"]) == (2, 2 * 2 + 2 * 2)
+    assert (first.done, first.details["rows"]) == (2, 2 * 2 + 2 * 2 * 2)
     again = execute(stages()["latency"], cfg, log=print)
     assert (again.done, again.skipped) == (0, 2)  # nothing new: nothing measured
     execute(stages()["latency"], cfg.model_copy(update={"lengths": [8], "kinds": ["encode"]}), log=print)
     with StoreSQL(ArtifactStore(cfg.root)) as db:
         _, enc = db.query("SELECT setting, length, k, readout, system, device_name, threads, dtype FROM encode_latency "
                           "ORDER BY setting, length, k")  # fmt: skip
-        _, search = db.query("SELECT docs, kq, kp, mode, engine FROM search_latency ORDER BY kq, docs")
+        _, search = db.query("SELECT docs, kq, kp, mode, engine FROM search_latency ORDER BY kq, engine, docs")
     assert len({r[0] for r in enc}) == 2 and len(enc) == 4 + 2  # two settings side by side, never mixed
     assert {r[3] for r in enc} == {"diffretriever"} and all(r[4] == first.system and r[5] and r[6] >= 1 for r in enc)
-    assert search == [(10, 1, 1, "single_dense", "exact"), (100, 1, 1, "single_dense", "exact"),
-                      (10, 2, 3, "multi_dense", "exact"), (100, 2, 3, "multi_dense", "exact")]  # fmt: skip
+    assert search == [(n, kq, kp, mode, engine) for kq, kp, mode in ((1, 1, "single_dense"), (2, 3, "multi_dense"))
+                      for engine in ("exact", "lance") for n in (10, 100)]  # fmt: skip
+    from retrieval.analysis.report import build_report
+
+    with StoreSQL(ArtifactStore(cfg.root)) as db:
+        rep = build_report(db, "latency", n_boot=10)
+    body = dict(rep.sections)["Latency (Figures 1 and 3)"]
+    assert "fig3_encode_latency.png" in body and "fig3_search_latency.png" in body
+    assert all(rep.files[f][:4] == b"\x89PNG" for f in ("fig3_encode_latency.png", "fig3_search_latency.png"))
 
 
 def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_path: Path) -> None:
