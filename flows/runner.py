@@ -44,6 +44,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "evaluate": ("flows.evaluate", "evaluate_flow"),
     "summary": ("flows.summary", "summary_flow"),
     "report": ("flows.report", "report_flow"),
+    "latency": ("flows.latency", "latency_flow"),
 }
 
 

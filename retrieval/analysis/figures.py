@@ -141,7 +141,8 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     fig, ax = _pyplot().subplots(figsize=(5.2, 3.6), dpi=110)
     series: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     for r in data:
-        series.setdefault((r["system"], r["engine"], r["kq"], r["kp"]), []).append(r)
+        engine = f"{r['engine']} {r['index_type']}" if r.get("index_type") else r["engine"]
+        series.setdefault((r["system"], engine, r["kq"], r["kp"]), []).append(r)
     for (system, engine, kq, kp), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda p: p["docs"])
         ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),

@@ -355,8 +355,9 @@ def section_latency(db: StoreSQL, rep: Report) -> None:
         rep.files["fig1_cost_effect.png"] = cost_effect_png(points, "NDCG@10 against per-query latency")
         body += (f"\nEffectiveness against cost (Figure 1): mean test NDCG@10 of multi_dense over the datasets, "
                  f"against a query's encoding (the measured length nearest {QUERY_LENGTH} tokens) plus exact search "
-                 "of the largest index measured; single: (1, 1), multi: the train-selected budget, else the largest "
-                 "measured.\n\n![cost and effect](fig1_cost_effect.png)\n\n" + _md_table(points))
+                 "of the largest index measured; single: (1, 1), multi: the train-selected budget where its latency "
+                 "was measured, else the largest measured.\n\n![cost and effect](fig1_cost_effect.png)\n\n"
+                 + _md_table(points))
     rep.sections.append(("Latency (Figures 1 and 3)", body))
 
 
@@ -379,7 +380,8 @@ def cost_points(db: StoreSQL) -> list[dict[str, Any]]:
         if not usable:
             continue
         sel = rows(db, "select kq_star, kp_star from budget_selection where system = ?", [system])
-        multi = (sel[0]["kq_star"], sel[0]["kp_star"]) if sel else max(usable, key=lambda b: (b[0] * b[1], b))
+        chosen = (sel[0]["kq_star"], sel[0]["kp_star"]) if sel else None
+        multi = chosen if chosen in usable else max(usable, key=lambda b: (b[0] * b[1], b))
         for budget in dict.fromkeys([(1, 1), multi]):
             if budget in usable:
                 ms = round(enc[budget[0]] + srch[budget], 3)

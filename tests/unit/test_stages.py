@@ -28,6 +28,7 @@ from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
 from stages.late import LateConfig
+from stages.latency import LatencyConfig
 from stages.report import ReportConfig
 from stages.rerank import RerankConfig
 from stages.score import ScoreConfig
@@ -78,6 +79,8 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "evaluate": EvaluateConfig(**common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
+        "latency": LatencyConfig(backbone=bb, max_length=96, lengths=[8, 16], k=[1, 2], search_sizes=[10, 100],
+                                 search_k=[(1, 1), (2, 2)], search_queries=2, topk=5, repeats=1, warmup=0, **common),
         "report": ReportConfig(name="t", n_boot=20, **common),
     }
 
@@ -119,6 +122,15 @@ def test_every_stage_did_its_work_once(world: dict) -> None:
     assert world["results"]["beta"].done == 2 * 2  # splits x K_q
     assert world["results"]["late"].done == 2  # BM25's top 3 and top 5, re-scored
     assert world["results"]["evaluate"].done == 40 + 4 + 2 + 2 + 1  # + beta, late, BM25 (test, train), reranked
+
+
+def test_the_report_puts_the_system_on_the_latency_axes(world: dict) -> None:
+    folder = Path(world["results"]["report"].details["folder"])
+    points = (folder / "fig1_cost_effect.csv").read_text().splitlines()
+    assert points[0].split(",") == ["system", "multi", "kq", "kp", "ms", "ndcg_10"]
+    system = world["results"]["encode"].system
+    assert [p.split(",")[:4] for p in points[1:]] == [[system, "False", "1", "1"], [system, "True", "2", "2"]]
+    assert all((folder / f).stat().st_size > 1000 for f in ("fig1_cost_effect.png", "fig3_encode_latency.png"))
 
 
 @pytest.mark.parametrize("name", list(stages()))
