@@ -59,8 +59,8 @@ class LatencyConfig(StageConfig):
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
     search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search; "
                                     "synthetic, held in memory: documents x K_p x hidden x 4 bytes.")
-    search_k: list[tuple[int, int]] = Field(default=[(1, 1), (4, 16)], description="(K_q, K_p) pairs to search "
-                                            "(single-vector at (1, 1), multi-vector at the others).")
+    search_k: list[str] = Field(default=["1x1", "4x16"], description="K_qxK_p budgets to search (1x1: one vector "
+                                "per text, single-vector; the others multi-vector).")  # fmt: skip
     engines: list[Literal["exact", "lance"]] = Field(default=["exact", "lance"], description="Search engines to "
                                                      "time: the exact block scorer, LanceDB (multivector + MaxSim).")
     lance_index: Literal["auto", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
@@ -78,6 +78,19 @@ class LatencyConfig(StageConfig):
                             "LM without one).")  # fmt: skip
 
     _check = field_validator("lengths", "batch_sizes", "search_sizes")(_positive_sorted)
+
+    @field_validator("search_k")
+    @classmethod
+    def _budgets(cls, v: list[str]) -> list[str]:
+        for b in v:
+            parts = b.lower().split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"a search budget is K_qxK_p with positive integers (1x1, 4x16), got {b!r}")
+        return [b.lower() for b in v]
+
+    def search_budgets(self) -> list[tuple[int, int]]:
+        """``search_k`` as (K_q, K_p) pairs."""
+        return [(int(b.split("x")[0]), int(b.split("x")[1])) for b in self.search_k]
 
     def settings(self) -> list[EncodeSettings]:
         """The systems to time: this readout's, and with ``both_ways`` the other one's of the same checkpoint."""
@@ -116,7 +129,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                     cfg = {**common, "kind": kind, "sides": config.sides, "lengths": config.lengths,
                            "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
                 elif n == 0:  # search does not depend on the readout: timed once, with the first system
-                    cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_k,
+                    cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_budgets(),
                            "queries": config.search_queries, "topk": config.topk, "engines": config.engines,
                            "lance_index": config.lance_index}  # fmt: skip
                 else:

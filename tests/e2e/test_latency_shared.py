@@ -29,7 +29,7 @@ def test_one_checkpoint_both_ways_and_tiny_dream(tmp_path: Path) -> None:
     backbone = BackboneConfig(model=str(SMOL), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", mask_token="<|im_start|>")
     smol = LatencyConfig(root=root, backbone=backbone,
                          readout={"readout": "promptreps"}, both_ways=True, lengths=[16, 64], k=[1, 4, 16],
-                         search_sizes=[100, 1000, 10000], search_k=[(1, 1), (2, 4)], search_queries=4, topk=10,
+                         search_sizes=[100, 1000, 10000], search_k=["1x1", "2x4"], search_queries=4, topk=10,
                          repeats=3, warmup=1)  # fmt: skip
     res = execute(stages()["latency"], smol, log=print)
     assert res.done == 3  # PromptReps encode + search, the mask readout's encode

@@ -70,7 +70,7 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
 
     model = save_tiny_mlm(tmp_path / "model")
     cfg = LatencyConfig(root=str(tmp_path / "store"), backbone=BackboneConfig(model=str(model)), lengths=[8, 16],
-                        k=[1, 4], search_sizes=[10, 100], search_k=[(1, 1), (2, 3)], search_queries=4, topk=5,
+                        k=[1, 4], search_sizes=[10, 100], search_k=["1x1", "2x3"], search_queries=4, topk=5,
                         repeats=1, warmup=0)  # fmt: skip
     first = execute(stages()["latency"], cfg, log=print)
     assert (first.done, first.details["rows"]) == (2, 2 * 2 + 2 * 2 * 2)
@@ -103,3 +103,5 @@ def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_
                         readout={"readout": "diffembed"}, k=[1, 4])  # fmt: skip
     with pytest.raises(ValueError, match="one vector per text"):
         execute(stages()["latency"], cfg, log=print)
+    with pytest.raises(ValueError, match="K_qxK_p"):
+        LatencyConfig(root=str(tmp_path), search_k=["4,16"])

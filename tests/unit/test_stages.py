@@ -80,7 +80,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
         "latency": LatencyConfig(backbone=bb, max_length=96, lengths=[8, 16], k=[1, 2], search_sizes=[10, 100],
-                                 search_k=[(1, 1), (2, 2)], search_queries=2, topk=5, repeats=1, warmup=0, **common),
+                                 search_k=["1x1", "2x2"], search_queries=2, topk=5, repeats=1, warmup=0, **common),
         "report": ReportConfig(name="t", n_boot=20, **common),
     }
 
