@@ -40,7 +40,7 @@ class ReportConfig(StageConfig):
 
 
 class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", verb="written"):
-    """The paper's analyses and tables from the metrics in the store."""
+    """The paper's analyses and tables from the metrics (and latency rows) in the store."""
 
     next_step = (
         "query any number behind it: `diffret sql \"select * from best_cells\"`; `diffret views` lists the "
@@ -53,9 +53,9 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
             if os.path.exists(out) and not os.path.isdir(out):
                 raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the report into")
         ctx.store.require_root()
-        if not ctx.store.stage_dirs("metrics/*/*/*/*/*/*"):
+        if not ctx.store.stage_dirs("metrics/*/*/*/*/*/*") and not ctx.store.stage_dirs("latency/*/*/*"):
             raise StoreError(f"no metrics in the store {ctx.store.root} yet: run `diffret evaluate` (or `diffret run`) "
-                             "first")  # fmt: skip
+                             "first, or `diffret latency` for the latency figures alone")  # fmt: skip
         known = {r.system for r, _ in list_systems(ctx.store)}
         named = [*(config.refs or []), *config.finetuned, *config.finetuned.values()]
         unknown = [s for s in named if s not in known and s != "bm25"]
@@ -63,7 +63,8 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
             raise StoreError(f"unknown system {unknown[0]!r} in --ref / --finetuned; the store's systems: "
                              f"{', '.join(sorted(known)) or 'none'}")  # fmt: skip
         cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force"})
-        cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query")}
+        cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query",
+                                                        "latency/*/*/*")}  # fmt: skip
         stage = report_dir(config.name)
         plan = Plan()
         if plan.needs_folder(ctx, stage, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
