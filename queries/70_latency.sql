@@ -16,3 +16,21 @@ CREATE OR REPLACE VIEW search_latency AS
 SELECT *
 FROM read_parquet(@files, hive_partitioning = true,
                   hive_types = {'system': VARCHAR, 'kind': VARCHAR, 'setting': VARCHAR});
+
+-- view: encode_latency_latest
+-- encode_latency with one row per (system, side, length, batch size, K, machine): the newest measurement, so that
+-- a system timed again with other repeats or warm-up is one point (what the report plots).
+CREATE OR REPLACE VIEW encode_latency_latest AS
+SELECT *
+FROM encode_latency
+QUALIFY row_number() OVER (PARTITION BY system, side, length, batch_size, k, device_name
+                           ORDER BY measured_at DESC) = 1;
+
+-- view: search_latency_latest
+-- search_latency with one row per (system, engine, index type, mode, index size, K_q, K_p, width, queries, machine):
+-- the newest measurement.
+CREATE OR REPLACE VIEW search_latency_latest AS
+SELECT *
+FROM search_latency
+QUALIFY row_number() OVER (PARTITION BY system, engine, index_type, mode, docs, kq, kp, hidden, queries, device_name
+                           ORDER BY measured_at DESC) = 1;

@@ -12,6 +12,7 @@ nothing. The views ``encode_latency`` and ``search_latency`` read every folder.
 from __future__ import annotations
 
 import tempfile
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -155,7 +156,8 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                     ctx.log(f"encode latency: {side}, K={k}, lengths {c['lengths']}")
                     rows += encode_latency(reader, side, c["lengths"], c["batch_sizes"], k, c["repeats"], c["warmup"])
             extra = {"system": c["system"], "model": settings.backbone.model, "family": bb.family,
-                     "readout": settings.readout.readout, "denoise_steps": settings.readout.denoise_steps}  # fmt: skip
+                     "readout": settings.readout.readout, "denoise_steps": settings.readout.denoise_steps,
+                     "hidden": bb.hidden_size}  # fmt: skip
             name, schema = ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA
         else:
             rows = []
@@ -171,7 +173,8 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                                                      c["lance_index"], c["repeats"], c["warmup"])  # fmt: skip
             extra = {"system": c["system"]}
             name, schema = SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA
-        table = pa.Table.from_pylist([{**r, **extra, **env} for r in rows], schema=schema)
+        when = {"measured_at": datetime.now(UTC)}
+        table = pa.Table.from_pylist([{**r, **extra, **env, **when} for r in rows], schema=schema)
         part = {"system": c["system"], "kind": c["kind"], "setting": unit.stage.rsplit("=", 1)[-1]}
         m = Manifest.new("latency", part, c, stats={"rows": table.num_rows, "environment": env})
         with ctx.store.stage_writer(unit.stage, m) as w:

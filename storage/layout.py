@@ -314,13 +314,14 @@ _ENVIRONMENT_FIELDS = [
 ]  # fmt: skip
 _TIMING_FIELDS = [
     pa.field("min_ms", pa.float64()), pa.field("median_ms", pa.float64()), pa.field("max_ms", pa.float64()),
-    pa.field("repeats", pa.int32()),
+    pa.field("repeats", pa.int32()), pa.field("measured_at", pa.timestamp("us", tz="UTC")),
 ]  # fmt: skip
 # one row per (side, input length, batch size, K): milliseconds per text
 ENCODE_LATENCY_SCHEMA = pa.schema(
     [pa.field("system", pa.string()), pa.field("model", pa.string()), pa.field("family", pa.string()),
-     pa.field("readout", pa.string()), pa.field("denoise_steps", pa.int32()), pa.field("side", pa.string()),
-     pa.field("length", pa.int32()), pa.field("batch_size", pa.int32()), pa.field("k", pa.int32()),
+     pa.field("readout", pa.string()), pa.field("denoise_steps", pa.int32()), pa.field("hidden", pa.int32()),
+     pa.field("side", pa.string()), pa.field("length", pa.int32()), pa.field("batch_size", pa.int32()),
+     pa.field("k", pa.int32()),
      pa.field("input_tokens", pa.float64()), pa.field("slots", pa.float64())]
     + _TIMING_FIELDS + _ENVIRONMENT_FIELDS
 )  # fmt: skip

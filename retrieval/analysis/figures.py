@@ -101,8 +101,6 @@ def correlation_png(peaks: list[dict[str, Any]], title: str) -> bytes:
     return _png(fig)
 
 
-
-
 def _marker(multi: bool) -> dict[str, Any]:
     """The paper's markers: open for one slot / vector, filled for several."""
     return {"marker": "o", "markerfacecolor": None if multi else "white"}
@@ -136,8 +134,9 @@ def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
 
 
 def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
-    """Search latency against index size (log-log), a line per (system, engine, K_q, K_p); open markers for one
-    vector per text, filled for several (Figure 3, bottom row). ``data``: rows of the ``search_latency`` view."""
+    """Search latency against index size (log-log), a line per (system, engine, K_q, K_p), solid for exact search,
+    dashed for LanceDB; open markers for one vector per text, filled for several (Figure 3, bottom row). ``data``:
+    rows of the ``search_latency`` view."""
     fig, ax = _pyplot().subplots(figsize=(5.2, 3.6), dpi=110)
     series: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     for r in data:
@@ -146,6 +145,7 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     for (system, engine, kq, kp), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda p: p["docs"])
         ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),
+                linestyle="--" if engine.startswith("lance") else "-",
                 label=f"{engine} (K_q, K_p) = ({kq}, {kp}) ({system[:18]})")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")

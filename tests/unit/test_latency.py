@@ -81,7 +81,12 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
         _, enc = db.query("SELECT setting, length, k, readout, system, device_name, threads, dtype FROM encode_latency "
                           "ORDER BY setting, length, k")  # fmt: skip
         _, search = db.query("SELECT docs, kq, kp, mode, engine FROM search_latency ORDER BY kq, engine, docs")
+        _, latest = db.query("SELECT length, k, setting, measured_at FROM encode_latency_latest ORDER BY length, k")
+        _, newest = db.query("SELECT setting FROM encode_latency ORDER BY measured_at DESC LIMIT 1")
     assert len({r[0] for r in enc}) == 2 and len(enc) == 4 + 2  # two settings side by side, never mixed
+    # the newest measurement of each point: length 8 from the second setting, 16 from the first
+    assert [(n, k) for n, k, _, _ in latest] == [(8, 1), (8, 4), (16, 1), (16, 4)]
+    assert [s == newest[0][0] for _, _, s, _ in latest] == [True, True, False, False]
     assert {r[3] for r in enc} == {"diffretriever"} and all(r[4] == first.system and r[5] and r[6] >= 1 for r in enc)
     assert search == [(n, kq, kp, mode, engine) for kq, kp, mode in ((1, 1, "single_dense"), (2, 3, "multi_dense"))
                       for engine in ("exact", "lance") for n in (10, 100)]  # fmt: skip
