@@ -75,8 +75,8 @@ class LatencyConfig(StageConfig):
     both_ways: bool = Field(default=False, description="Also time the same checkpoint with the other readout (the mask "
                             "readout <-> PromptReps; two systems), so that their ratio isolates one-pass against "
                             "sequential decoding from the model. PromptReps reads a Dream / LLaDA checkpoint as the "
-                            "causal model it loads as; the mask readout needs a mask token (--mask-token for a causal "
-                            "LM without one).")  # fmt: skip
+                            "causal model it loads as, and without the mask token, which only the mask readout needs "
+                            "(--mask-token for a causal LM without one).")  # fmt: skip
 
     _check = field_validator("lengths", "batch_sizes", "search_sizes")(_positive_sorted)
 
@@ -95,16 +95,18 @@ class LatencyConfig(StageConfig):
 
     def settings(self) -> list[EncodeSettings]:
         """The systems to time: this readout's, and with ``both_ways`` the other one's of the same checkpoint."""
-        out = [EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)]
-        if self.both_ways:
-            name = self.readout.readout
-            if name not in ("diffretriever", "promptreps"):
-                raise ValueError(f"both_ways compares the mask readout with PromptReps; the readout is {name}")
-            other = "promptreps" if name == "diffretriever" else "diffretriever"
+        if not self.both_ways:
+            return [EncodeSettings(backbone=self.backbone, readout=self.readout, max_length=self.max_length)]
+        name = self.readout.readout
+        if name not in ("diffretriever", "promptreps"):
+            raise ValueError(f"both_ways compares the mask readout with PromptReps; the readout is {name}")
+        other = ReadoutConfig(readout="promptreps" if name == "diffretriever" else "diffretriever")
+        out = []
+        for readout in (self.readout, other):
             backbone = self.backbone
-            if other == "promptreps" and backbone.family in ("dream", "llada"):
-                backbone = backbone.model_copy(update={"family": "causal"})
-            readout = ReadoutConfig(readout=other)
+            if readout.readout == "promptreps":  # as `diffret run --readout promptreps` names it: causal, no mask
+                family = "causal" if backbone.family in ("dream", "llada") else backbone.family
+                backbone = backbone.model_copy(update={"family": family, "mask_token": None})
             out.append(EncodeSettings(backbone=backbone, readout=readout, max_length=self.max_length))
         return out
 

@@ -110,3 +110,19 @@ def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_
         execute(stages()["latency"], cfg, log=print)
     with pytest.raises(ValueError, match="K_qxK_p"):
         LatencyConfig(root=str(tmp_path), search_k=["4,16"])
+
+
+def test_both_ways_times_one_checkpoint_as_the_two_systems_their_runs_name() -> None:
+    from retrieval.models.backbones import BackboneConfig
+    from stages.latency import LatencyConfig
+
+    bb = BackboneConfig(model="org/m", family="dream", mask_token="<m>")
+    for first in ("diffretriever", "promptreps"):
+        cfg = LatencyConfig(backbone=bb, readout={"readout": first}, both_ways=True)
+        got = {s.readout.readout: (s.backbone.family, s.backbone.mask_token) for s in cfg.settings()}
+        # PromptReps decodes causally and reads no mask: the system `diffret run --readout promptreps` names
+        assert got == {"diffretriever": ("dream", "<m>"), "promptreps": ("causal", None)}
+        assert cfg.settings()[0].readout.readout == first
+    assert [s.readout.readout for s in LatencyConfig(backbone=bb).settings()] == ["diffretriever"]
+    with pytest.raises(ValueError, match="both_ways compares"):
+        LatencyConfig(backbone=bb, readout={"readout": "diffembed"}, both_ways=True).settings()
