@@ -333,17 +333,20 @@ def section_latency(db: StoreSQL, rep: Report) -> None:
         rep.files["fig3_encode_latency.png"] = encode_latency_png(enc, title)
         body += ("Encoding latency against input length (`diffret latency`; synthetic inputs; open: K = 1, filled: "
                  "K > 1; view `encode_latency`):\n\n![encoding latency](fig3_encode_latency.png)\n")
-        ratios = rows(db, "select string_split(a.model, '/')[-1] model, a.side, a.batch_size, a.length, a.k, "
-                          "round(a.median_ms, 3) ar_ms, a.slots ar_slots, round(b.median_ms, 3) one_pass_ms, "
+        ratios = rows(db, "select string_split(a.model, '/')[-1] ar_model, string_split(b.model, '/')[-1] "
+                          "one_pass_model, a.side, a.batch_size, a.length, a.k, round(a.median_ms, 3) ar_ms, "
+                          "a.slots ar_slots, round(b.median_ms, 3) one_pass_ms, "
                           "round(a.median_ms / b.median_ms, 2) ar_over_one_pass, a.device_name "
-                          "from encode_latency_latest a join encode_latency_latest b using (model, side, length, k, "
+                          "from encode_latency_latest a join encode_latency_latest b using (side, length, k, "
                           "batch_size, device_name) where a.readout = 'promptreps' and b.readout = 'diffretriever' "
-                          "order by model, a.side, a.batch_size, a.k, a.length")  # fmt: skip
+                          "order by a.model != b.model, ar_model, one_pass_model, a.side, a.batch_size, a.k, "
+                          "a.length")  # fmt: skip
         if ratios:
             rep.files["ar_over_one_pass.csv"] = _dicts_csv(ratios)
-            body += ("\nOne checkpoint read both ways: PromptReps (causal, decoding up to N = k slots with a KV "
-                     "cache; ar_slots: decoded) against the mask readout (bidirectional, one pass, K = k):\n\n"
-                     + _md_table(ratios))  # fmt: skip
+            body += ("\nAutoregressive against one pass at matched K: PromptReps (causal, decoding up to N = k slots "
+                     "with a KV cache; ar_slots: decoded) over the mask readout (bidirectional, one pass, K = k) on "
+                     "the same machine; rows with one model for both are one checkpoint read both ways "
+                     "(`--both-ways`), the ratio of decoding alone:\n\n" + _md_table(ratios))  # fmt: skip
     if srch:
         rep.files["search_latency.csv"] = _dicts_csv(srch)
         title = f"search, hidden {srch[0]['hidden']}, {srch[0]['device_name']}"

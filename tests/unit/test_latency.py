@@ -126,3 +126,55 @@ def test_both_ways_times_one_checkpoint_as_the_two_systems_their_runs_name() -> 
     assert [s.readout.readout for s in LatencyConfig(backbone=bb).settings()] == ["diffretriever"]
     with pytest.raises(ValueError, match="both_ways compares"):
         LatencyConfig(backbone=bb, readout={"readout": "diffembed"}, both_ways=True).settings()
+
+
+def test_figure_1_and_the_ratio_table_from_hand_built_rows(tmp_path: Path) -> None:
+    """Two systems of one checkpoint (--both-ways: search timed once, with the first), test metrics for both: each
+    gets its (1, 1) and multi point, the second's cost taking the first's search of the same width and machine."""
+    import pyarrow as pa
+    from test_analysis import put_metrics
+
+    from retrieval.analysis.report import build_report, cost_points
+    from storage import ArtifactStore, Manifest
+    from storage.layout import (
+        ENCODE_LATENCY_FILE,
+        ENCODE_LATENCY_SCHEMA,
+        SEARCH_LATENCY_FILE,
+        SEARCH_LATENCY_SCHEMA,
+        latency_dir,
+    )
+    from storage.sql import StoreSQL
+
+    store = ArtifactStore(str(tmp_path))
+    machine = {"device": "cpu", "device_name": "cpu X", "threads": 1, "hidden": 8}
+
+    def put(system: str, kind: str, rows: list[dict]) -> None:
+        name, schema = ((ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA) if kind == "encode"
+                        else (SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA))  # fmt: skip
+        table = pa.Table.from_pylist([{**r, **machine, "system": system} for r in rows], schema=schema)
+        with store.stage_writer(latency_dir(system, kind, "s"), Manifest.new("latency", {}, {})) as w:
+            w.write_parquet(name, schema, [table])
+
+    ar, one = "m-promptreps-0000000000", "m-diffretriever-0000000000"
+    for system, readout, ms in ((ar, "promptreps", {1: 10.0, 4: 40.0}), (one, "diffretriever", {1: 8.0, 4: 9.0})):
+        put(system, "encode", [{"model": "org/m", "readout": readout, "family": "causal", "side": "query",
+                                "length": n, "batch_size": 1, "k": k, "median_ms": v + n, "slots": k}
+                               for k, v in ms.items() for n in (16, 64)])  # fmt: skip
+        for kq, kp, value in ((1, 1, 0.2), (4, 4, 0.3)):
+            put_metrics(store, system, "d", "test", kq, kp, "multi_dense", {"q1": value, "q2": value + 0.1})
+    put(ar, "search", [{"engine": "exact", "index_type": "", "mode": "x", "docs": n, "kq": kq, "kp": kp,
+                        "queries": 4, "median_ms": float(n * kq * kp) / 1000}
+                       for n in (100, 1000) for kq, kp in ((1, 1), (4, 4))])  # fmt: skip
+    with StoreSQL(store) as db:
+        points = cost_points(db)
+        rep = build_report(db, "latency", n_boot=10)
+    # query encoding at length 16 (nearest 32) + exact search of the largest index (1000 documents)
+    assert [(p["system"], p["kq"], p["kp"], p["ms"], p["ndcg_10"]) for p in points] == [
+        (one, 1, 1, 8.0 + 16 + 1.0, 0.25), (one, 4, 4, 9.0 + 16 + 16.0, 0.35),
+        (ar, 1, 1, 10.0 + 16 + 1.0, 0.25), (ar, 4, 4, 40.0 + 16 + 16.0, 0.35)]  # fmt: skip
+    ratios = rep.files["ar_over_one_pass.csv"].decode().splitlines()
+    assert ratios[0].startswith("ar_model,one_pass_model,side,batch_size,length,k,")
+    assert [r.split(",")[4:6] + [r.split(",")[9]] for r in ratios[1:]] == [
+        ["16", "1", str(round(26 / 24, 2))], ["64", "1", str(round(74 / 72, 2))],
+        ["16", "4", str(round(56 / 25, 2))], ["64", "4", str(round(104 / 73, 2))]]  # fmt: skip
+    assert rep.files["fig1_cost_effect.png"][:4] == b"\x89PNG"
