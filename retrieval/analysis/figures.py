@@ -106,6 +106,16 @@ def _marker(multi: bool) -> dict[str, Any]:
     return {"marker": "o", "markerfacecolor": None if multi else "white"}
 
 
+def _log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
+    """A one-panel figure's log x axis, labels, small legend and title, as PNG bytes."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=6, frameon=False)
+    ax.set_title(title, fontsize=9)
+    return _png(fig)
+
+
 def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     """Encoding latency against input length, one panel per family, a line per (system, K); open markers at K = 1,
     filled at K > 1 (Figure 3, top row). ``data``: rows of the ``encode_latency`` view."""
@@ -147,13 +157,8 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
         ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),
                 linestyle="--" if engine.startswith("lance") else "-",
                 label=f"{engine} (K_q, K_p) = ({kq}, {kp}) ({system[:18]})")  # fmt: skip
-    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("index size (documents)")
-    ax.set_ylabel("search latency (ms per query, median)")
-    ax.legend(fontsize=6, frameon=False)
-    ax.set_title(title, fontsize=9)
-    return _png(fig)
+    return _log_x(fig, ax, "index size (documents)", "search latency (ms per query, median)", title)
 
 
 def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
@@ -171,9 +176,4 @@ def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
         for p in pts:
             ax.plot([p["ms"]], [p["ndcg_10"]], color=color, linestyle="none", **_marker(p["multi"]),
                     label=f"{system[:24]} ({'multi' if p['multi'] else 'single'})")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_xlabel("query encoding + search latency (ms per query)")
-    ax.set_ylabel("NDCG@10 (mean over datasets)")
-    ax.legend(fontsize=6, frameon=False)
-    ax.set_title(title, fontsize=9)
-    return _png(fig)
+    return _log_x(fig, ax, "query encoding + search latency (ms per query)", "NDCG@10 (mean over datasets)", title)
