@@ -106,22 +106,30 @@ def _marker(multi: bool) -> dict[str, Any]:
     return {"marker": "o", "markerfacecolor": None if multi else "white"}
 
 
+def _model(system: str) -> str:
+    """A system slug's model part, short: ``model-readout-hash`` -> the first 18 characters of ``model``."""
+    base = system.rsplit("-", 2)[0] if system.count("-") >= 2 else system
+    return base[:18]
+
+
 def _log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> bytes:
-    """A one-panel figure's log x axis, labels, small legend and title, as PNG bytes."""
+    """A one-panel figure's log x axis, labels, legend (beside the axes) and title, as PNG bytes."""
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=6, frameon=False)
+    ax.legend(fontsize=6, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes
     ax.set_title(title, fontsize=9)
+    fig.tight_layout()
     return _png(fig)
 
 
 def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     """Encoding latency against input length, one panel per family, a line per (system, K); open markers at K = 1,
-    filled at K > 1 (Figure 3, top row). ``data``: rows of the ``encode_latency`` view."""
+    filled at K > 1, PromptReps dashed with the slots it decoded beside each point (Figure 3, top row). ``data``:
+    rows of the ``encode_latency`` view."""
     families = sorted({r["family"] for r in data})
     plt = _pyplot()
-    fig, axes = plt.subplots(1, max(1, len(families)), figsize=(4.2 * max(1, len(families)), 3.6), dpi=110,
+    fig, axes = plt.subplots(1, max(1, len(families)), figsize=(4.6 * max(1, len(families)), 4.8), dpi=110,
                              squeeze=False)  # fmt: skip
     for ax, family in zip(axes[0], families, strict=False):
         series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -132,12 +140,17 @@ def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
             pts = sorted(pts, key=lambda p: p["length"])
             name = "N" if readout == "promptreps" else "K"
             ax.plot([p["length"] for p in pts], [p["median_ms"] for p in pts], **_marker(k > 1),
-                    label=f"{readout} {name}={k} ({system[:18]})")  # fmt: skip
+                    linestyle="--" if readout == "promptreps" else "-",
+                    label=f"{readout} {name}={k} ({_model(system)})")  # fmt: skip
+            if readout == "promptreps" and k > 1:  # the slots it decoded before its stop rule, at each point
+                for p in pts:
+                    ax.annotate(f"{p['slots']:g}", (p["length"], p["median_ms"]), fontsize=5,
+                                textcoords="offset points", xytext=(3, 3))  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("input length (tokens)")
         ax.set_ylabel("encoding latency (ms per text, median)")
         ax.set_title(family, fontsize=9)
-        ax.legend(fontsize=6, frameon=False)
+        ax.legend(fontsize=6, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
@@ -147,16 +160,16 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     """Search latency against index size (log-log), a line per (system, engine, K_q, K_p), solid for exact search,
     dashed for LanceDB; open markers for one vector per text, filled for several (Figure 3, bottom row). ``data``:
     rows of the ``search_latency`` view."""
-    fig, ax = _pyplot().subplots(figsize=(5.2, 3.6), dpi=110)
-    series: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    fig, ax = _pyplot().subplots(figsize=(8.0, 3.6), dpi=110)
+    series: dict[tuple[str, int, str, int, int], list[dict[str, Any]]] = {}
     for r in data:
         engine = f"{r['engine']} {r['index_type']}" if r.get("index_type") else r["engine"]
-        series.setdefault((r["system"], engine, r["kq"], r["kp"]), []).append(r)
-    for (system, engine, kq, kp), pts in sorted(series.items()):
+        series.setdefault((r["system"], r["hidden"], engine, r["kq"], r["kp"]), []).append(r)
+    for (system, hidden, engine, kq, kp), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda p: p["docs"])
         ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),
                 linestyle="--" if engine.startswith("lance") else "-",
-                label=f"{engine} (K_q, K_p) = ({kq}, {kp}) ({system[:18]})")  # fmt: skip
+                label=f"{engine} (K_q, K_p) = ({kq}, {kp}), H = {hidden} ({_model(system)})")  # fmt: skip
     ax.set_yscale("log")
     return _log_x(fig, ax, "index size (documents)", "search latency (ms per query, median)", title)
 
@@ -164,7 +177,7 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
 def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
     """Effectiveness against per-query latency (Figure 1): a point per (system, single / multi), open for single,
     filled for multi, a dashed line joining a system's two. ``points``: system, multi, ms, ndcg_10."""
-    fig, ax = _pyplot().subplots(figsize=(5.2, 3.8), dpi=110)
+    fig, ax = _pyplot().subplots(figsize=(8.0, 3.8), dpi=110)
     by_system: dict[str, list[dict[str, Any]]] = {}
     for p in points:
         by_system.setdefault(p["system"], []).append(p)
@@ -175,5 +188,5 @@ def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
             ax.plot([p["ms"] for p in pts], [p["ndcg_10"] for p in pts], "--", color=color, linewidth=0.8)
         for p in pts:
             ax.plot([p["ms"]], [p["ndcg_10"]], color=color, linestyle="none", **_marker(p["multi"]),
-                    label=f"{system[:24]} ({'multi' if p['multi'] else 'single'})")  # fmt: skip
+                    label=f"{system.rsplit('-', 1)[0]} ({'multi' if p['multi'] else 'single'})")  # fmt: skip
     return _log_x(fig, ax, "query encoding + search latency (ms per query)", "NDCG@10 (mean over datasets)", title)

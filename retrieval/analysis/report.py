@@ -337,19 +337,21 @@ def section_latency(db: StoreSQL, rep: Report) -> None:
                           "one_pass_model, a.side, a.batch_size, a.length, a.k, round(a.median_ms, 3) ar_ms, "
                           "a.slots ar_slots, round(b.median_ms, 3) one_pass_ms, "
                           "round(a.median_ms / b.median_ms, 2) ar_over_one_pass, a.device_name "
-                          "from encode_latency_latest a join encode_latency_latest b using (side, length, k, "
-                          "batch_size, device_name) where a.readout = 'promptreps' and b.readout = 'diffretriever' "
+                          "from encode_latency_latest a join encode_latency_latest b "
+                          "using (side, length, k, batch_size, device_name, hidden) "
+                          "where a.readout = 'promptreps' and b.readout = 'diffretriever' "
                           "order by a.model != b.model, ar_model, one_pass_model, a.side, a.batch_size, a.k, "
                           "a.length")  # fmt: skip
         if ratios:
             rep.files["ar_over_one_pass.csv"] = _dicts_csv(ratios)
             body += ("\nAutoregressive against one pass at matched K: PromptReps (causal, decoding up to N = k slots "
                      "with a KV cache; ar_slots: decoded) over the mask readout (bidirectional, one pass, K = k) on "
-                     "the same machine; rows with one model for both are one checkpoint read both ways "
-                     "(`--both-ways`), the ratio of decoding alone:\n\n" + _md_table(ratios))  # fmt: skip
+                     "the same machine and width (Qwen2.5-7B and Dream-7B, LLaMA3-8B and LLaDA-8B); rows with one "
+                     "model for both are one checkpoint read both ways (`--both-ways`), the ratio of decoding "
+                     "alone:\n\n" + _md_table(ratios))  # fmt: skip
     if srch:
         rep.files["search_latency.csv"] = _dicts_csv(srch)
-        title = f"search, hidden {srch[0]['hidden']}, {srch[0]['device_name']}"
+        title = f"search, {srch[0]['device_name']}"
         rep.files["fig3_search_latency.png"] = search_latency_png(srch, title)
         body += ("\nSearch latency against index size (synthetic unit vectors; open: one vector per text, filled: "
                  "K_q x K_p; solid: exact search, dashed: LanceDB; view `search_latency`):\n\n"
