@@ -19,9 +19,8 @@ import pyarrow as pa
 from pydantic import Field, field_validator
 
 from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, lance_search_latency
-from retrieval.models.backbones import Backbone, BackboneConfig, load_backbone
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader, readout_class
-from retrieval.search.modes import BASE_MODES
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from storage import Manifest
 from storage.layout import (
     ENCODE_LATENCY_FILE,
@@ -33,10 +32,11 @@ from storage.layout import (
 from storage.manifest import config_hash
 
 from .base import Context, Folder, KList, Plan, Stage, StageConfig
+from .encode import reader_for
 from .systems import EncodeSettings, encoder_slug
 from .tokenize import default_backbone
 
-DENSE_MODES = [m for m in BASE_MODES if m in ("single_dense", "multi_dense")]
+UNCUT = 1 << 20  # the reader's max_length here: synthetic inputs are cut by nothing but the model's positions
 
 
 def _positive_sorted(v: list[int]) -> list[int]:
@@ -148,10 +148,11 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
     def run(self, unit: Folder, ctx: Context) -> int:
         c = unit.config
         settings = EncodeSettings.model_validate(c["settings"])
-        bb = _backbone(settings.backbone)
+        # encode's one-model-per-process reader, uncut: only the model's positions cut the synthetic inputs
+        reader = reader_for(settings.model_copy(update={"max_length": UNCUT}))
+        bb = reader.bb
         env = {**environment(bb.model, bb.device), "dtype": str(bb.dtype).removeprefix("torch.")}
         if c["kind"] == "encode":
-            reader = make_reader(bb, settings.readout, max(c["lengths"]) * 4 + 1024)  # only positions cut them
             rows = []
             for side in c["sides"]:
                 for k in c["k"]:
@@ -185,18 +186,6 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
 
     def finish(self, config: LatencyConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         return {**plan.details, "rows": sum(results)}
-
-
-_LOADED: dict[str, Backbone] = {}
-
-
-def _backbone(config: BackboneConfig) -> Backbone:
-    """One loaded model per process (the encode and search units of a system share it)."""
-    key = config.model_dump_json()
-    if key not in _LOADED:
-        _LOADED.clear()
-        _LOADED[key] = load_backbone(config)
-    return _LOADED[key]
 
 
 def _device(backbone: BackboneConfig) -> str:
