@@ -335,6 +335,19 @@ SEARCH_LATENCY_SCHEMA = pa.schema(
 )  # fmt: skip
 
 
+FEATURES_FILE = "features.parquet"
+# one row per (query, feature): what a query's budget is chosen from (diffret budget)
+FEATURES_SCHEMA = pa.schema(
+    [pa.field("query_id", pa.string(), nullable=False), pa.field("feature", pa.string(), nullable=False),
+     pa.field("value", pa.float64(), nullable=False)]
+)  # fmt: skip
+
+
+def features_dir(system: str, dataset: str, split: str, feature_set: str) -> str:
+    """A split's query features for adaptive budgets (``FEATURES_SCHEMA``, long)."""
+    return partition("features", system=system, dataset=dataset, split=split, set=feature_set)
+
+
 # Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
@@ -344,6 +357,7 @@ FILE_SCHEMAS[TRAIN_LOG_FILE] = TRAIN_LOG_SCHEMA
 FILE_SCHEMAS[BOT_FILE] = BOT_SCHEMA
 FILE_SCHEMAS[ENCODE_LATENCY_FILE] = ENCODE_LATENCY_SCHEMA
 FILE_SCHEMAS[SEARCH_LATENCY_FILE] = SEARCH_LATENCY_SCHEMA
+FILE_SCHEMAS[FEATURES_FILE] = FEATURES_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:
@@ -375,6 +389,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "training": ("training/*", "diffret training-data"),
     "models": ("models/*", "diffret train"),
     "latency": ("latency/*/*/*", "diffret latency"),
+    "features": ("features/*/*/*/*", "diffret budget"),
 }
 _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank"}
 
@@ -396,5 +411,5 @@ def repair_hint(rel: str) -> str:
         command = f"diffret download {parts[1].split('=', 1)[1]}"
     if parts[0] == "runs":
         mode = next((p.split("=", 1)[1] for p in parts if p.startswith("mode=")), "")
-        command = _RUN_COMMANDS.get(mode, command)
+        command = "diffret budget" if mode.startswith("adaptive_") else _RUN_COMMANDS.get(mode, command)
     return f"repair: run `{command}` again with the settings that made it"

@@ -1,0 +1,277 @@
+"""The budget stage: an adaptive (K_q, K_p) per query, learned on a train split's per-query grid and applied to
+other splits (the paper's named future work). It writes, per applied split and selector, a run that evaluate, the
+views and the report treat like any other:
+
+    features/system=<slug>/dataset=<d>/split=<s>/set=<text|encoding>/features.parquet   (long: query, feature, value)
+    runs/system=<slug>/dataset=<d>/split=<s>/kq=0/kp=0/mode=adaptive_<mode>_<selector>_<over>_<features>/run.parquet
+
+Each query's run is the stored run of the cell chosen for it. The run's manifest records the selector's
+hyper-parameters (cross-validated on the train split), what it learned, the features' importances, the
+histogram of chosen cells and the cost of the choice (index copies kept, query passes). A selector is never
+evaluated on the split it learned from (refused); a split without the whole grid is refused naming the cells.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, model_validator
+
+from retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, text_features
+from retrieval.fields import cli
+from storage import Manifest
+from storage.layout import (
+    FEATURES_FILE,
+    FEATURES_SCHEMA,
+    METRICS_FILE,
+    dataset_dir,
+    encodings_dir,
+    features_dir,
+    metrics_dir,
+    run_dir,
+    tokens_dir,
+)
+from storage.manifest import StoreError
+
+from .base import Context, Folder, Plan, Stage, StageConfig
+from .readers import split_queries
+from .runs import Cell, read_run, write_run
+from .systems import SystemRef, find_system
+
+SELECTOR_NAMES = list(SELECTORS)
+
+
+class BudgetConfig(StageConfig):
+    """Parameters of the budget flow."""
+
+    system: SystemRef = Field(default_factory=SystemRef, description="The system whose grid to choose from.")
+    dataset: str = Field(description="The dataset whose splits hold the grid.", json_schema_extra=cli(short="-d"))
+    train_split: str = Field(default="train", description="The split the selectors learn from (its grid's "
+                             "per-query metrics).")  # fmt: skip
+    splits: list[str] = Field(default=["test"], description="Splits to choose budgets for (never the train split).",
+                              json_schema_extra=cli(flag="--split"))  # fmt: skip
+    mode: str = Field(default="multi_dense", description="The scoring mode whose grid to choose over (fusions "
+                      "too).")  # fmt: skip
+    over: Literal["kq", "kp", "joint"] = Field(default="joint", description="Choose K_q alone (one passage index, "
+                                               "K_p of the fixed budget), K_p alone (the query picks which stored "
+                                               "passage index to search) or both.")  # fmt: skip
+    selectors: list[str] = Field(default=SELECTOR_NAMES, description=f"Selectors: {', '.join(SELECTOR_NAMES)}.",
+                                 json_schema_extra=cli(flag="--selector"))  # fmt: skip
+    features: Literal["text", "encoding"] = Field(default="encoding", description="text: the query's length in "
+                                                  "tokens and words (free); encoding: also, from its stored encoding "
+                                                  "at every K_q of the grid, the slots read, distinct tokens, sparse "
+                                                  "mass and support, and the slots' agreement (one query pass per "
+                                                  "K_q at query time).")  # fmt: skip
+    measure: str = Field(default="ndcg_cut_10", description="The per-query measure the selectors maximise.")
+    seed: int = Field(default=0, description="Seed of the folds and the learners.")
+    folds: int = Field(default=5, ge=2, description="Cross-validation folds on the train split.")
+
+    @model_validator(mode="after")
+    def _never_on_the_train_split(self) -> BudgetConfig:
+        if self.train_split in self.splits:
+            raise ValueError(f"a selector is never evaluated on the split it learned from: {self.train_split!r} is "
+                             f"both the train split and among the splits {self.splits}")  # fmt: skip
+        unknown = [s for s in self.selectors if s not in SELECTORS]
+        if unknown:
+            raise ValueError(f"unknown selector(s) {unknown}; known: {SELECTOR_NAMES}")
+        return self
+
+
+def adaptive_mode(mode: str, selector: str, over: str, features: str) -> str:
+    """The run mode of an adaptive choice.
+
+    >>> adaptive_mode("multi_dense", "rule", "joint", "encoding")
+    'adaptive_multi_dense_rule_joint_encoding'
+    """
+    return f"adaptive_{mode}_{selector}_{over}_{features}"
+
+
+def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -> dict[tuple[int, int], str]:
+    """The evaluated cells of a system's grid on a split, in one mode: (K_q, K_p) -> metrics folder."""
+    out = {}
+    for stage in ctx.store.stage_dirs(f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"):
+        parts = dict(p.split("=", 1) for p in stage.split("/")[1:])
+        if int(parts["kq"]) > 0:
+            out[(int(parts["kq"]), int(parts["kp"]))] = stage
+    return out
+
+
+class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="chosen"):
+    """Adaptive budgets: a (K_q, K_p) per query from features known before search (learned on a train split)."""
+
+    next_step = "evaluate them: `diffret evaluate`; compare: `diffret report` (section Adaptive budgets)."
+
+    def plan(self, config: BudgetConfig, ctx: Context) -> Plan:
+        record = find_system(ctx.store, config.system)
+        system = record.system
+        train = grid_cells(ctx, system, config.dataset, config.train_split, config.mode)
+        if not train:
+            raise StoreError(f"{system} has no evaluated {config.mode} grid on {config.dataset}/{config.train_split}:"
+                             f" run `diffret score -d {config.dataset} --split {config.train_split}` and `diffret "
+                             "evaluate` first")  # fmt: skip
+        cells = sorted(train)
+        for split in config.splits:
+            have = grid_cells(ctx, system, config.dataset, split, config.mode)
+            missing = [c for c in cells if c not in have]
+            if missing:
+                raise StoreError(f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
+                                 f"{config.train_split} has: score and evaluate them first")  # fmt: skip
+        plan = Plan(system=system, details={"cells": [list(c) for c in cells], "runs": []})
+        fingerprint = ctx.store.fingerprint
+        enc_inputs = (fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
+                      if config.features == "encoding" else None)  # fmt: skip
+        feats = {}
+        for split in [config.train_split, *config.splits]:
+            cfg = {"system": system, "dataset": config.dataset, "split": split, "set": config.features,
+                   "kq": sorted({kq for kq, _ in cells}), "inputs": {"encodings": enc_inputs}}  # fmt: skip
+            stage = features_dir(system, config.dataset, split, config.features)
+            feats[split] = cfg
+            plan.add_folder(ctx, stage, {**cfg, "kind": "features"}, config.force)
+        train_inputs = fingerprint(*(train[c] for c in cells))
+        for split in config.splits:
+            runs = {f"{kq}x{kp}": run_dir(system, config.dataset, split, kq, kp, config.mode) for kq, kp in cells}
+            inputs = {"train_metrics": train_inputs, "runs": fingerprint(*runs.values()),
+                      "features": {s: feats[s] for s in (config.train_split, split)}}  # fmt: skip
+            for selector in config.selectors:
+                mode = adaptive_mode(config.mode, selector, config.over, config.features)
+                cfg = {"kind": "run", "system": system, "dataset": config.dataset, "split": split, "kq": 0, "kp": 0,
+                       "mode": mode, "base_mode": config.mode, "selector": selector, "over": config.over,
+                       "features": config.features, "train_split": config.train_split, "measure": config.measure,
+                       "seed": config.seed, "folds": config.folds, "cells": [list(c) for c in cells],
+                       "inputs": inputs}  # fmt: skip
+                stage = run_dir(system, config.dataset, split, 0, 0, mode)
+                plan.details["runs"].append(stage)
+                plan.add_folder(ctx, stage, cfg, config.force)
+        return plan
+
+    def unit_name(self, unit: Folder) -> str:
+        c = unit.config
+        return f"{c['kind']} {c['dataset']}/{c['split']}" + (f" {c['selector']}" if c["kind"] == "run" else "")
+
+    def run(self, unit: Folder, ctx: Context) -> int:
+        c = unit.config
+        if c["kind"] == "features":
+            return self._features(unit, ctx)
+        store = ctx.store
+        cells = [tuple(x) for x in c["cells"]]
+        train = _grid(ctx, c["system"], c["dataset"], c["train_split"], c["base_mode"], cells, c["measure"])
+        fixed = train.cells[train.best_mean()]
+        train = train.restrict(c["over"], fixed)
+        names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], c["features"], train.queries)
+        selector = SELECTORS[c["selector"]]
+        fitted = selector.fit(X, names, train, seed=int(c["seed"]), folds=int(c["folds"]))
+        queries = split_queries(store, c["dataset"], c["split"])
+        names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], c["features"], queries)
+        apply_grid = Grid(queries, train.cells, np.zeros((len(queries), len(train.cells))))
+        chosen = selector.choose(fitted, Xt, apply_grid)
+        tables = {}
+        for cell in sorted(set(chosen.tolist())):
+            kq, kp = train.cells[cell]
+            tables[cell] = read_run(store, run_dir(c["system"], c["dataset"], c["split"], kq, kp, c["base_mode"]))
+        parts = []
+        for cell, table in tables.items():
+            want = pa.array([q for q, j in zip(queries, chosen.tolist(), strict=True) if j == cell])
+            parts.append(table.filter(pc.is_in(table.column("query_id"), value_set=want)))
+        out = pa.concat_tables(parts).sort_by([("query_id", "ascending"), ("rank", "ascending")])
+        histogram = {f"{kq}x{kp}": int((chosen == j).sum()) for j, (kq, kp) in enumerate(train.cells)}
+        kps = {kp for kq, kp in train.cells if histogram[f"{kq}x{kp}"]}
+        kqs = sorted({kq for kq, kp in train.cells})
+        stats = {
+            "queries": len(queries), "rows": out.num_rows, "fixed": list(fixed), "histogram": histogram,
+            "selector": {"name": fitted.name, "params": {k: v for k, v in fitted.params.items() if k != "names"},
+                         "learned": fitted.learned, "importances": fitted.importances, "cv_score": fitted.cv_score},
+            "cost": {"passage_indexes": len(kps) if c["over"] != "kq" else 1,
+                     "query_passes": (len(kqs) if c["features"] == "encoding" else 0) + (c["over"] != "kp"),
+                     "note": _COST[c["over"]]},
+        }  # fmt: skip
+        cell = Cell(c["split"], 0, 0, c["mode"], unit.stage, c)
+        write_run(store, cell, out, stats)
+        return out.num_rows
+
+    def _features(self, unit: Folder, ctx: Context) -> int:
+        c = unit.config
+        rows = _compute_features(ctx, c["system"], c["dataset"], c["split"], c["set"], c["kq"])
+        table = pa.Table.from_pylist(rows, schema=FEATURES_SCHEMA)
+        part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"], "set": c["set"]}
+        m = Manifest.new("features", part, c, stats={"rows": table.num_rows})
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            w.write_parquet(FEATURES_FILE, FEATURES_SCHEMA, [table])
+        return table.num_rows
+
+    def finish(self, config: BudgetConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        return dict(plan.details)
+
+
+_COST = {
+    "kq": "one passage index (the fixed K_p); the query is encoded at its chosen K_q",
+    "kp": "a passage index per K_p chosen; the query is encoded at the fixed K_q",
+    "joint": "a passage index per K_p chosen; the query is encoded at its chosen K_q",
+}
+
+
+def _grid(ctx: Context, system: str, dataset: str, split: str, mode: str, cells: list[tuple[int, int]],
+          measure: str) -> Grid:  # fmt: skip
+    rows = []
+    for kq, kp in cells:
+        t = ctx.store.read_table(metrics_dir(system, dataset, split, kq, kp, mode), METRICS_FILE)
+        t = t.filter(pc.equal(t.column("measure"), measure))
+        rows += [(q, kq, kp, v) for q, v in zip(t.column("query_id").to_pylist(), t.column("value").to_pylist(),
+                                                strict=True)]  # fmt: skip
+    if not rows:
+        raise StoreError(f"no {measure!r} per-query metrics for {system} on {dataset}/{split}")
+    return Grid.from_rows(rows, cells)
+
+
+def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind: str,
+                      kqs: list[int]) -> list[dict[str, Any]]:  # fmt: skip
+    """Long rows (query_id, feature, value) of the split's queries."""
+    store = ctx.store
+    queries = split_queries(store, dataset, split)
+    wanted = set(queries)
+    q = store.read_table(dataset_dir(dataset), "queries.parquet", columns=["query_id", "text"])
+    texts = dict(zip(q.column("query_id").to_pylist(), q.column("text").to_pylist(), strict=True))
+    enc1 = store.require_manifest(encodings_dir(system, dataset, "query", min(kqs)))
+    t_stage = tokens_dir(enc1.config["tokens"], dataset, "query")
+    n_tokens: dict[str, int] = {}
+    for name in sorted(store.require_manifest(t_stage).files):
+        t = store.read_table(t_stage, name, columns=["id", "n_tokens"])
+        n_tokens.update(zip(t.column("id").to_pylist(), t.column("n_tokens").to_pylist(), strict=True))
+    out = []
+    for qid in queries:
+        for f, v in text_features(texts[qid], int(n_tokens[qid])).items():
+            out.append({"query_id": qid, "feature": f, "value": v})
+    if kind == "encoding":
+        for k in kqs:
+            stage = encodings_dir(system, dataset, "query", k)
+            m = store.require_manifest(stage)
+            for name in sorted(m.files):
+                t = store.read_table(stage, name, columns=["id", "n_reps", "dense", "tokens", "sparse_weights"])
+                for row in t.to_pylist():
+                    if row["id"] in wanted:
+                        feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
+                                                  row["tokens"], row["sparse_weights"])  # fmt: skip
+                        out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
+    return out
+
+
+def _feature_matrix(ctx: Context, system: str, dataset: str, split: str, kind: str,
+                    queries: list[str]) -> tuple[list[str], np.ndarray]:  # fmt: skip
+    t = ctx.store.read_table(features_dir(system, dataset, split, kind), FEATURES_FILE)
+    names = sorted(set(t.column("feature").to_pylist()))
+    col = {n: j for j, n in enumerate(names)}
+    row = {q: i for i, q in enumerate(queries)}
+    X = np.full((len(queries), len(names)), np.nan)
+    for q, f, v in zip(*(t.column(c).to_pylist() for c in ("query_id", "feature", "value")), strict=True):
+        if q in row:
+            X[row[q], col[f]] = v
+    missing = np.isnan(X).any(1)
+    if missing.any():
+        raise StoreError(f"{int(missing.sum())} queries of {dataset}/{split} lack features (e.g. "
+                         f"{queries[int(np.argmax(missing))]!r}): rebuild them with --force")  # fmt: skip
+    return names, X
+
+
+stage = Budget()

@@ -1,0 +1,59 @@
+"""The budget stage on the stage test world (tiny MLM, a 2 x 2 grid scored and evaluated on train and test):
+features per split, one adaptive run per selector that evaluate scores like any run, the fixed selector equal to
+the train-selected cell's run, a re-run doing nothing, and the refusals (the train split as a target, a missing
+cell)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_stages import copy_world, world  # noqa: F401  (the module-scoped world fixture)
+
+from retrieval.analysis.views import rows
+from stages import execute, stages
+from stages.budget import BudgetConfig
+from stages.runs import read_run
+from stages.systems import SystemRef
+from storage import ArtifactStore, StoreError
+from storage.layout import run_dir
+from storage.sql import StoreSQL
+
+
+def budget(root: str, model: Path, **kw) -> BudgetConfig:
+    return BudgetConfig(root=root, dataset="tiny", system=SystemRef(model=str(model)), folds=2, **kw)
+
+
+def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path: Path) -> None:  # noqa: F811
+    w = copy_world(world, tmp_path)
+    res = execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
+    assert res.done == 2 + 4  # features of train and test, a run per selector
+    execute(stages()["evaluate"], w["configs"]["evaluate"], log=print)
+    with StoreSQL(ArtifactStore(w["root"])) as db:
+        got = rows(db, "select mode, kq, kp, queries from cells where mode like 'adaptive_%' order by mode")
+        feats = rows(db, "select split, count(distinct query_id) q, count(distinct feature) f from budget_features "
+                         "group by split order by split")  # fmt: skip
+    assert [(r["mode"], r["kq"], r["kp"], r["queries"]) for r in got] == [
+        (f"adaptive_multi_dense_{s}_joint_encoding", 0, 0, 3) for s in ("classifier", "fixed", "regressor", "rule")]
+    # 2 text features + 5 per K_q (1, 2); train 2 queries, test 3
+    assert [(r["split"], r["q"], r["f"]) for r in feats] == [("test", 3, 12), ("train", 2, 12)]
+    store = ArtifactStore(w["root"])
+    system = res.system
+    fixed = read_run(store, run_dir(system, "tiny", "test", 0, 0, "adaptive_multi_dense_fixed_joint_encoding"))
+    stats = store.read_manifest(run_dir(system, "tiny", "test", 0, 0,
+                                        "adaptive_multi_dense_fixed_joint_encoding")).stats  # fmt: skip
+    kq, kp = stats["fixed"]
+    assert stats["histogram"] == {f"{a}x{b}": 3 * ((a, b) == (kq, kp)) for a in (1, 2) for b in (1, 2)}
+    assert fixed.equals(read_run(store, run_dir(system, "tiny", "test", kq, kp, "multi_dense")))
+    assert execute(stages()["budget"], budget(w["root"], w["model"]), log=print).done == 0  # nothing new
+
+
+def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="never evaluated on the split it learned from"):
+        budget(str(tmp_path), Path("m"), splits=["test", "train"])
+    w = copy_world(world, tmp_path)
+    shutil.rmtree(Path(w["root"]) / "metrics" / f"system={w['results']['encode'].system}" / "dataset=tiny" /
+                  "split=test" / "kq=2" / "kp=1" / "mode=multi_dense")  # fmt: skip
+    with pytest.raises(StoreError, match=r"lacks the multi_dense cells \(K_q, K_p\) \[\(2, 1\)\]"):
+        execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
