@@ -47,6 +47,19 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     assert stats["histogram"] == {f"{a}x{b}": 3 * ((a, b) == (kq, kp)) for a in (1, 2) for b in (1, 2)}
     assert fixed.equals(read_run(store, run_dir(system, "tiny", "test", kq, kp, "multi_dense")))
     assert execute(stages()["budget"], budget(w["root"], w["model"]), log=print).done == 0  # nothing new
+    from retrieval.analysis.report import build_report
+
+    with StoreSQL(store) as db:
+        rep = build_report(db, "t", n_boot=10)
+        oracle = rows(db, "select value from metrics where system = ? and split = 'test' and mode = 'multi_dense' "
+                          "and measure = 'ndcg_cut_10'", [system])  # fmt: skip
+    table = {r.split(",")[6]: r.split(",") for r in rep.files["adaptive_budgets.csv"].decode().splitlines()[1:]}
+    assert sorted(table) == ["classifier", "fixed", "regressor", "rule"]
+    header = rep.files["adaptive_budgets.csv"].decode().splitlines()[0].split(",")
+    fixed_row = dict(zip(header, table["fixed"], strict=True))
+    assert fixed_row["ndcg_10"] == fixed_row["fixed_ndcg_10"] and fixed_row["fixed"] == f"{kq}x{kp}"
+    assert float(fixed_row["oracle"]) >= float(fixed_row["ndcg_10"]) and oracle
+    assert "Adaptive budgets" in dict(rep.sections)
 
 
 def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:  # noqa: F811
