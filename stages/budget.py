@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
-from retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, text_features
+from retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, first_pass_features, text_features
 from retrieval.fields import cli
 from storage import Manifest
 from storage.layout import (
@@ -60,11 +60,12 @@ class BudgetConfig(StageConfig):
                                                "passage index to search) or both.")  # fmt: skip
     selectors: list[str] = Field(default=SELECTOR_NAMES, description=f"Selectors: {', '.join(SELECTOR_NAMES)}.",
                                  json_schema_extra=cli(flag="--selector"))  # fmt: skip
-    features: Literal["text", "encoding"] = Field(default="encoding", description="text: the query's length in "
-                                                  "tokens and words (free); encoding: also, from its stored encoding "
-                                                  "at every K_q of the grid, the slots read, distinct tokens, sparse "
-                                                  "mass and support, and the slots' agreement (one query pass per "
-                                                  "K_q at query time).")  # fmt: skip
+    features: Literal["text", "encoding", "first_pass"] = Field(
+        default="encoding", description="text: the query's length in tokens and words (free); encoding: also, from "
+        "its stored encoding at every K_q of the grid, the slots read, distinct tokens, sparse mass and support, and "
+        "the slots' agreement (one query pass per K_q at query time); first_pass: also the top score, the gap to "
+        "the second and the top-10 score entropy of the grid's smallest cell's run (one more search).",
+    )  # fmt: skip
     measure: str = Field(default="ndcg_cut_10", description="The per-query measure the selectors maximise.")
     seed: int = Field(default=0, description="Seed of the folds and the learners.")
     folds: int = Field(default=5, ge=2, description="Cross-validation folds on the train split.")
@@ -87,6 +88,15 @@ def adaptive_mode(mode: str, selector: str, over: str, features: str) -> str:
     'adaptive_multi_dense_rule_joint_encoding'
     """
     return f"adaptive_{mode}_{selector}_{over}_{features}"
+
+
+def feature_set(features: str, mode: str) -> str:
+    """The features folder's set: the first pass's depends on the mode whose run it reads.
+
+    >>> feature_set("encoding", "multi_dense"), feature_set("first_pass", "multi_dense")
+    ('encoding', 'first_pass_multi_dense')
+    """
+    return f"first_pass_{mode}" if features == "first_pass" else features
 
 
 def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -> dict[tuple[int, int], str]:
@@ -124,10 +134,15 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         enc_inputs = (fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
                       if config.features == "encoding" else None)  # fmt: skip
         feats = {}
+        first = cells[0]  # the cheapest cell: the first pass of the first_pass features
+        fset = feature_set(config.features, config.mode)
         for split in [config.train_split, *config.splits]:
-            cfg = {"system": system, "dataset": config.dataset, "split": split, "set": config.features,
+            cfg = {"system": system, "dataset": config.dataset, "split": split, "set": fset,
                    "kq": sorted({kq for kq, _ in cells}), "inputs": {"encodings": enc_inputs}}  # fmt: skip
-            stage = features_dir(system, config.dataset, split, config.features)
+            if config.features == "first_pass":
+                run = run_dir(system, config.dataset, split, *first, config.mode)
+                cfg.update(first_pass=run, inputs={**cfg["inputs"], "first_pass": fingerprint(run)})
+            stage = features_dir(system, config.dataset, split, fset)
             feats[split] = cfg
             plan.add_folder(ctx, stage, {**cfg, "kind": "features"}, config.force)
         train_inputs = fingerprint(*(train[c] for c in cells))
@@ -160,11 +175,14 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         train = _grid(ctx, c["system"], c["dataset"], c["train_split"], c["base_mode"], cells, c["measure"])
         fixed = train.cells[train.best_mean()]
         train = train.restrict(c["over"], fixed)
-        names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], c["features"], train.queries)
+        fset = feature_set(c["features"], c["base_mode"])
+        names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], fset, train.queries)
         selector = SELECTORS[c["selector"]]
         fitted = selector.fit(X, names, train, seed=int(c["seed"]), folds=int(c["folds"]))
         queries = split_queries(store, c["dataset"], c["split"])
-        names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], c["features"], queries)
+        names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], fset, queries)
+        if names_t != names:
+            raise StoreError(f"the features of {c['split']} ({names_t}) are not those of {c['train_split']} ({names})")
         apply_grid = Grid(queries, train.cells, np.zeros((len(queries), len(train.cells))))
         chosen = selector.choose(fitted, Xt, apply_grid)
         tables = {}
@@ -184,7 +202,9 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             "selector": {"name": fitted.name, "params": {k: v for k, v in fitted.params.items() if k != "names"},
                          "learned": fitted.learned, "importances": fitted.importances, "cv_score": fitted.cv_score},
             "cost": {"passage_indexes": len(kps) if c["over"] != "kq" else 1,
-                     "query_passes": (len(kqs) if c["features"] == "encoding" else 0) + (c["over"] != "kp"),
+                     # the features read the query's encoding at every K_q of the grid, the chosen one among them
+                     "query_passes": len(kqs) if c["features"] != "text" else 1,
+                     "first_pass_searches": int(c["features"] == "first_pass"),
                      "note": _COST[c["over"]]},
         }  # fmt: skip
         cell = Cell(c["split"], 0, 0, c["mode"], unit.stage, c)
@@ -193,7 +213,7 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
 
     def _features(self, unit: Folder, ctx: Context) -> int:
         c = unit.config
-        rows = _compute_features(ctx, c["system"], c["dataset"], c["split"], c["set"], c["kq"])
+        rows = _compute_features(ctx, c["system"], c["dataset"], c["split"], c["set"], c["kq"], c.get("first_pass"))
         table = pa.Table.from_pylist(rows, schema=FEATURES_SCHEMA)
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"], "set": c["set"]}
         m = Manifest.new("features", part, c, stats={"rows": table.num_rows})
@@ -225,8 +245,8 @@ def _grid(ctx: Context, system: str, dataset: str, split: str, mode: str, cells:
     return Grid.from_rows(rows, cells)
 
 
-def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind: str,
-                      kqs: list[int]) -> list[dict[str, Any]]:  # fmt: skip
+def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind: str, kqs: list[int],
+                      first_pass: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Long rows (query_id, feature, value) of the split's queries."""
     store = ctx.store
     queries = split_queries(store, dataset, split)
@@ -243,7 +263,7 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
     for qid in queries:
         for f, v in text_features(texts[qid], int(n_tokens[qid])).items():
             out.append({"query_id": qid, "feature": f, "value": v})
-    if kind == "encoding":
+    if kind != "text":
         for k in kqs:
             stage = encodings_dir(system, dataset, "query", k)
             m = store.require_manifest(stage)
@@ -254,6 +274,14 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
                         feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
                                                   row["tokens"], row["sparse_weights"])  # fmt: skip
                         out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
+    if first_pass is not None:
+        run = read_run(store, first_pass, columns=["query_id", "score"])
+        scores: dict[str, list[float]] = {q: [] for q in queries}
+        for qid, score in zip(run.column("query_id").to_pylist(), run.column("score").to_pylist(), strict=True):
+            if qid in scores:
+                scores[qid].append(score)
+        for qid in queries:
+            out += [{"query_id": qid, "feature": f, "value": v} for f, v in first_pass_features(scores[qid]).items()]
     return out
 
 

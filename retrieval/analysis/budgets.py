@@ -337,3 +337,22 @@ def text_features(text: str, n_tokens: int) -> dict[str, float]:
     {'length_tokens': 5.0, 'length_words': 3.0}
     """
     return {"length_tokens": float(n_tokens), "length_words": float(len(text.split()))}
+
+
+def first_pass_features(scores: Sequence[float]) -> dict[str, float]:
+    """Features of a query's ranked scores from a cheap first pass (the smallest cell's run): the top score, the
+    gap to the second, and the entropy (nats) of the softmax over the top 10 (one extra search at query time).
+
+    >>> f = first_pass_features([3.0, 1.0, 1.0])
+    >>> f["fp_top"], f["fp_gap"], round(f["fp_entropy"], 4)
+    (3.0, 2.0, 0.6656)
+    >>> first_pass_features([])["fp_top"]
+    0.0
+    """
+    s = np.sort(np.asarray(scores, dtype=np.float64))[::-1][:10]
+    if not len(s):
+        return {"fp_top": 0.0, "fp_gap": 0.0, "fp_entropy": 0.0}
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    return {"fp_top": float(s[0]), "fp_gap": float(s[0] - s[1]) if len(s) > 1 else 0.0,
+            "fp_entropy": float(-(p * np.log(p)).sum())}  # fmt: skip

@@ -62,6 +62,27 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     assert "Adaptive budgets" in dict(rep.sections)
 
 
+def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: dict, tmp_path: Path) -> None:  # noqa: F811
+    w = copy_world(world, tmp_path)
+    first = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)
+    cfg = budget(w["root"], w["model"], selectors=["rule", "fixed"], features="first_pass", over="kq")
+    again = execute(stages()["budget"], cfg, log=print)
+    assert (first.done, again.done) == (3, 4)  # new features folders (train, test) and two new runs
+    store = ArtifactStore(w["root"])
+    with StoreSQL(store) as db:
+        modes = [r["mode"] for r in rows(db, "select mode from adaptive_runs order by mode")]
+        fp = rows(db, "select distinct feature from budget_features where set = 'first_pass_multi_dense' "
+                      "and feature like 'fp_%' order by feature")  # fmt: skip
+    assert modes == ["adaptive_multi_dense_fixed_kq_first_pass", "adaptive_multi_dense_rule_joint_encoding",
+                     "adaptive_multi_dense_rule_kq_first_pass"]  # fmt: skip
+    assert [r["feature"] for r in fp] == ["fp_entropy", "fp_gap", "fp_top"]
+    stats = store.read_manifest(run_dir(first.system, "tiny", "test", 0, 0,
+                                        "adaptive_multi_dense_rule_kq_first_pass")).stats  # fmt: skip
+    fixed_kp = stats["fixed"][1]
+    assert {int(c.split("x")[1]) for c in stats["histogram"]} == {fixed_kp}  # over K_q: K_p stays the fixed one
+    assert stats["cost"]["passage_indexes"] == 1 and stats["cost"]["first_pass_searches"] == 1
+
+
 def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="never evaluated on the split it learned from"):
         budget(str(tmp_path), Path("m"), splits=["test", "train"])
