@@ -199,7 +199,7 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         kqs = sorted({kq for kq, kp in train.cells})
         stats = {
             "queries": len(queries), "rows": out.num_rows, "fixed": list(fixed), "histogram": histogram,
-            "selector": {"name": fitted.name, "params": {k: v for k, v in fitted.params.items() if k != "names"},
+            "selector": {"name": fitted.name, "params": fitted.params,
                          "learned": fitted.learned, "importances": fitted.importances, "cv_score": fitted.cv_score},
             "cost": {"passage_indexes": len(kps) if c["over"] != "kq" else 1,
                      # the features read the query's encoding at every K_q of the grid, the chosen one among them

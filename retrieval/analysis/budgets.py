@@ -123,6 +123,7 @@ class Fitted:
     importances: dict[str, float] = field(default_factory=dict)
     cv_score: float | None = None
     model: Any = None
+    names: list[str] = field(default_factory=list)  # the feature columns it was fitted on
 
 
 class Selector:
@@ -208,21 +209,15 @@ class Rule(Selector):
         learned = {"feature": names[f] if f is not None else None, "threshold": t if f is not None else None,
                    "below": list(grid.cells[a]), "above": list(grid.cells[b])}  # fmt: skip
         imp = {name: float(name == learned["feature"]) for name in names}
-        return Fitted(self.name, learned=learned, importances=imp)
+        return Fitted(self.name, learned=learned, importances=imp, names=list(names))
 
     def choose(self, fitted, X, grid):  # noqa: ANN001, ANN201
         rule = fitted.learned
         below, above = grid.cells.index(tuple(rule["below"])), grid.cells.index(tuple(rule["above"]))
         if rule["feature"] is None:
             return np.full(len(X), below)
-        names = fitted.params["names"]
-        f = names.index(rule["feature"])
+        f = fitted.names.index(rule["feature"])
         return np.where(X[:, f] <= rule["threshold"], below, above)
-
-    def fit(self, X, names, grid, seed=0, folds=5):  # noqa: ANN001, ANN201
-        fitted = super().fit(X, names, grid, seed, folds)
-        fitted.params["names"] = list(names)
-        return fitted
 
 
 _GB_GRID = [{"max_depth": d, "n_estimators": n, "learning_rate": 0.1}

@@ -68,3 +68,16 @@ def test_choices_over_one_axis_keep_the_other_fixed() -> None:
     assert sub.cells == [(1, 4), (4, 4)]
     chosen = SELECTORS["classifier"].choose(SELECTORS["classifier"].fit(X, ["noise", "length"], sub, folds=2), X, sub)
     assert set(chosen.tolist()) <= {0, 1}
+
+
+def test_cross_validation_scores_held_out_queries_only_and_is_seeded() -> None:
+    from retrieval.analysis.budgets import cross_validate
+
+    X, grid = planted(120, 3)
+    names = ["noise", "length"]
+    rule = cross_validate(SELECTORS["rule"], X, names, grid, {}, seed=0, folds=4)
+    fixed = cross_validate(SELECTORS["fixed"], X, names, grid, {}, seed=0, folds=4)
+    assert fixed < rule <= float(grid.oracle().mean())
+    params = {"max_depth": 1, "n_estimators": 50, "learning_rate": 0.1}
+    assert cross_validate(SELECTORS["classifier"], X, names, grid, params, seed=5, folds=4) == cross_validate(
+        SELECTORS["classifier"], X, names, grid, params, seed=5, folds=4)  # fmt: skip
