@@ -16,7 +16,7 @@ CREATE OR REPLACE VIEW adaptive_runs AS
 SELECT partition ->> 'system' AS system, partition ->> 'dataset' AS dataset, partition ->> 'split' AS split,
        partition ->> 'mode' AS mode, config ->> 'selector' AS selector, config ->> 'base_mode' AS base_mode,
        config ->> 'over' AS over_axis, config ->> 'features' AS features, config ->> 'train_split' AS train_split,
-       config ->> 'measure' AS measure,
+       config ->> 'measure' AS measure, coalesce(CAST(config ->> 'cross_fit' AS BOOLEAN), false) AS cross_fit,
        CAST(stats -> 'fixed' ->> 0 AS INTEGER) AS fixed_kq, CAST(stats -> 'fixed' ->> 1 AS INTEGER) AS fixed_kp,
        stats -> 'histogram' AS histogram, stats -> 'selector' -> 'importances' AS importances,
        stats -> 'selector' -> 'params' AS params, stats -> 'selector' -> 'learned' AS learned,

@@ -66,13 +66,19 @@ class BudgetConfig(StageConfig):
         "the slots' agreement (one query pass per K_q at query time); first_pass: also the top score, the gap to "
         "the second and the top-10 score entropy of the grid's smallest cell's run (one more search).",
     )  # fmt: skip
+    cross_fit: bool = Field(default=False, description="For a dataset without a train split: learn on each target "
+                            "split itself, k-fold cross-fitted (each query's budget chosen by selectors learned on the "
+                            "other folds, never on itself); over joint only. Its runs' modes end in _cf.")  # fmt: skip
     measure: str = Field(default="ndcg_cut_10", description="The per-query measure the selectors maximise.")
     seed: int = Field(default=0, description="Seed of the folds and the learners.")
     folds: int = Field(default=5, ge=2, description="Cross-validation folds on the train split.")
 
     @model_validator(mode="after")
     def _never_on_the_train_split(self) -> BudgetConfig:
-        if self.train_split in self.splits:
+        if self.cross_fit and self.over != "joint":
+            raise ValueError(f"cross_fit chooses over joint only (the cells a fold may take would differ), got "
+                             f"over={self.over!r}")  # fmt: skip
+        if not self.cross_fit and self.train_split in self.splits:
             raise ValueError(f"a selector is never evaluated on the split it learned from: {self.train_split!r} is "
                              f"both the train split and among the splits {self.splits}")  # fmt: skip
         unknown = [s for s in self.selectors if s not in SELECTORS]
@@ -81,13 +87,14 @@ class BudgetConfig(StageConfig):
         return self
 
 
-def adaptive_mode(mode: str, selector: str, over: str, features: str) -> str:
+def adaptive_mode(mode: str, selector: str, over: str, features: str, cross_fit: bool = False) -> str:
     """The run mode of an adaptive choice.
 
-    >>> adaptive_mode("multi_dense", "rule", "joint", "encoding")
-    'adaptive_multi_dense_rule_joint_encoding'
+    >>> adaptive_mode("multi_dense", "rule", "joint", "encoding"), adaptive_mode("sparse_max", "fixed", "joint",
+    ...                                                                          "text", cross_fit=True)
+    ('adaptive_multi_dense_rule_joint_encoding', 'adaptive_sparse_max_fixed_joint_text_cf')
     """
-    return f"adaptive_{mode}_{selector}_{over}_{features}"
+    return f"adaptive_{mode}_{selector}_{over}_{features}" + ("_cf" if cross_fit else "")
 
 
 def feature_set(features: str, mode: str) -> str:
@@ -117,26 +124,28 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
     def plan(self, config: BudgetConfig, ctx: Context) -> Plan:
         record = find_system(ctx.store, config.system)
         system = record.system
-        train = grid_cells(ctx, system, config.dataset, config.train_split, config.mode)
+        learn = config.splits[0] if config.cross_fit else config.train_split
+        train = grid_cells(ctx, system, config.dataset, learn, config.mode)
         if not train:
-            raise StoreError(f"{system} has no evaluated {config.mode} grid on {config.dataset}/{config.train_split}:"
-                             f" run `diffret score -d {config.dataset} --split {config.train_split}` and `diffret "
-                             "evaluate` first")  # fmt: skip
+            raise StoreError(f"{system} has no evaluated {config.mode} grid on {config.dataset}/{learn}: run "
+                             f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
+                             "first")  # fmt: skip
         cells = sorted(train)
+        grids = {}
         for split in config.splits:
-            have = grid_cells(ctx, system, config.dataset, split, config.mode)
+            grids[split] = have = grid_cells(ctx, system, config.dataset, split, config.mode)
             missing = [c for c in cells if c not in have]
             if missing:
                 raise StoreError(f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
-                                 f"{config.train_split} has: score and evaluate them first")  # fmt: skip
+                                 f"{learn} has: score and evaluate them first")  # fmt: skip
         plan = Plan(system=system, details={"cells": [list(c) for c in cells], "runs": []})
         fingerprint = ctx.store.fingerprint
         enc_inputs = (fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
-                      if config.features == "encoding" else None)  # fmt: skip
+                      if config.features != "text" else None)  # fmt: skip
         feats = {}
         first = cells[0]  # the cheapest cell: the first pass of the first_pass features
         fset = feature_set(config.features, config.mode)
-        for split in [config.train_split, *config.splits]:
+        for split in ([] if config.cross_fit else [config.train_split]) + config.splits:
             cfg = {"system": system, "dataset": config.dataset, "split": split, "set": fset,
                    "kq": sorted({kq for kq, _ in cells}), "inputs": {"encodings": enc_inputs}}  # fmt: skip
             if config.features == "first_pass":
@@ -145,16 +154,19 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             stage = features_dir(system, config.dataset, split, fset)
             feats[split] = cfg
             plan.add_folder(ctx, stage, {**cfg, "kind": "features"}, config.force)
-        train_inputs = fingerprint(*(train[c] for c in cells))
         for split in config.splits:
+            source = split if config.cross_fit else config.train_split
             runs = {f"{kq}x{kp}": run_dir(system, config.dataset, split, kq, kp, config.mode) for kq, kp in cells}
-            inputs = {"train_metrics": train_inputs, "runs": fingerprint(*runs.values()),
-                      "features": {s: feats[s] for s in (config.train_split, split)}}  # fmt: skip
+            learned_from = grids[split] if config.cross_fit else train
+            inputs = {"train_metrics": fingerprint(*(learned_from[c] for c in cells)),
+                      "runs": fingerprint(*runs.values()),
+                      "features": {s: feats[s] for s in dict.fromkeys((source, split))}}  # fmt: skip
             for selector in config.selectors:
-                mode = adaptive_mode(config.mode, selector, config.over, config.features)
+                mode = adaptive_mode(config.mode, selector, config.over, config.features, config.cross_fit)
                 cfg = {"kind": "run", "system": system, "dataset": config.dataset, "split": split, "kq": 0, "kp": 0,
                        "mode": mode, "base_mode": config.mode, "selector": selector, "over": config.over,
-                       "features": config.features, "train_split": config.train_split, "measure": config.measure,
+                       "features": config.features, "measure": config.measure, "cross_fit": config.cross_fit,
+                       "train_split": split if config.cross_fit else config.train_split,
                        "seed": config.seed, "folds": config.folds, "cells": [list(c) for c in cells],
                        "inputs": inputs}  # fmt: skip
                 stage = run_dir(system, config.dataset, split, 0, 0, mode)
@@ -172,35 +184,44 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             return self._features(unit, ctx)
         store = ctx.store
         cells = [tuple(x) for x in c["cells"]]
-        train = _grid(ctx, c["system"], c["dataset"], c["train_split"], c["base_mode"], cells, c["measure"])
-        fixed = train.cells[train.best_mean()]
-        train = train.restrict(c["over"], fixed)
         fset = feature_set(c["features"], c["base_mode"])
-        names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], fset, train.queries)
         selector = SELECTORS[c["selector"]]
-        fitted = selector.fit(X, names, train, seed=int(c["seed"]), folds=int(c["folds"]))
-        queries = split_queries(store, c["dataset"], c["split"])
-        names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], fset, queries)
-        if names_t != names:
-            raise StoreError(f"the features of {c['split']} ({names_t}) are not those of {c['train_split']} ({names})")
-        apply_grid = Grid(queries, train.cells, np.zeros((len(queries), len(train.cells))))
-        chosen = selector.choose(fitted, Xt, apply_grid)
+        seed, folds = int(c["seed"]), int(c["folds"])
+        train = _grid(ctx, c["system"], c["dataset"], c["train_split"], c["base_mode"], cells, c["measure"])
+        names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], fset, train.queries)
+        if c.get("cross_fit"):
+            queries = train.queries
+            chosen, fixed, fitted_stats = _cross_fit(selector, X, names, train, seed, folds)
+            choice_cells = cells
+        else:
+            fixed = train.cells[train.best_mean()]
+            train = train.restrict(c["over"], fixed)
+            fitted = selector.fit(X, names, train, seed=seed, folds=folds)
+            queries = split_queries(store, c["dataset"], c["split"])
+            names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], fset, queries)
+            if names_t != names:
+                raise StoreError(f"the features of {c['split']} ({names_t}) are not those of {c['train_split']} "
+                                 f"({names})")  # fmt: skip
+            choice_cells = train.cells
+            chosen = selector.choose(fitted, Xt, Grid(queries, choice_cells, np.zeros((len(queries), len(cells)))))
+            fitted_stats = {"name": fitted.name, "params": fitted.params, "learned": fitted.learned,
+                            "importances": fitted.importances, "cv_score": fitted.cv_score}  # fmt: skip
+            fixed = list(fixed)
         tables = {}
         for cell in sorted(set(chosen.tolist())):
-            kq, kp = train.cells[cell]
+            kq, kp = choice_cells[cell]
             tables[cell] = read_run(store, run_dir(c["system"], c["dataset"], c["split"], kq, kp, c["base_mode"]))
         parts = []
         for cell, table in tables.items():
             want = pa.array([q for q, j in zip(queries, chosen.tolist(), strict=True) if j == cell])
             parts.append(table.filter(pc.is_in(table.column("query_id"), value_set=want)))
         out = pa.concat_tables(parts).sort_by([("query_id", "ascending"), ("rank", "ascending")])
-        histogram = {f"{kq}x{kp}": int((chosen == j).sum()) for j, (kq, kp) in enumerate(train.cells)}
-        kps = {kp for kq, kp in train.cells if histogram[f"{kq}x{kp}"]}
-        kqs = sorted({kq for kq, kp in train.cells})
+        histogram = {f"{kq}x{kp}": int((chosen == j).sum()) for j, (kq, kp) in enumerate(choice_cells)}
+        kps = {kp for kq, kp in choice_cells if histogram[f"{kq}x{kp}"]}
+        kqs = sorted({kq for kq, _ in cells})
         stats = {
-            "queries": len(queries), "rows": out.num_rows, "fixed": list(fixed), "histogram": histogram,
-            "selector": {"name": fitted.name, "params": fitted.params,
-                         "learned": fitted.learned, "importances": fitted.importances, "cv_score": fitted.cv_score},
+            "queries": len(queries), "rows": out.num_rows, "fixed": fixed, "histogram": histogram,
+            "selector": fitted_stats,
             "cost": {"passage_indexes": len(kps) if c["over"] != "kq" else 1,
                      # the features read the query's encoding at every K_q of the grid, the chosen one among them
                      "query_passes": len(kqs) if c["features"] != "text" else 1,
@@ -230,6 +251,31 @@ _COST = {
     "kp": "a passage index per K_p chosen; the query is encoded at the fixed K_q",
     "joint": "a passage index per K_p chosen; the query is encoded at its chosen K_q",
 }
+
+
+def _cross_fit(selector: Any, X: np.ndarray, names: list[str], grid: Grid, seed: int,
+               folds: int) -> tuple[np.ndarray, list[list[int]] | None, dict[str, Any]]:  # fmt: skip
+    """Each query's cell chosen by ``selector`` learned on the other folds of its own split (over every cell); the
+    fixed cells of the folds, and per fold what was learned (hyper-parameters, importances averaged)."""
+    from sklearn.model_selection import KFold
+
+    n = len(grid.queries)
+    chosen = np.zeros(n, dtype=int)
+    per_fold, importances = [], {}
+    splitter = KFold(max(2, min(folds, n)), shuffle=True, random_state=seed)
+    fixed_cells = []
+    for rest, held in splitter.split(np.arange(n)):
+        part = grid.subset([grid.queries[i] for i in rest])
+        fitted = selector.fit(X[rest], names, part, seed=seed, folds=folds)
+        held_grid = grid.subset([grid.queries[i] for i in held])
+        chosen[held] = selector.choose(fitted, X[held], held_grid)
+        fixed_cells.append(list(part.cells[part.best_mean()]))
+        per_fold.append({"params": fitted.params, "learned": fitted.learned, "cv_score": fitted.cv_score})
+        for k, v in fitted.importances.items():
+            importances[k] = importances.get(k, 0.0) + v / splitter.get_n_splits()
+    stats = {"name": selector.name, "params": per_fold[0]["params"], "folds": per_fold, "importances": importances,
+             "cv_score": None}  # fmt: skip
+    return chosen, (fixed_cells[0] if len({tuple(f) for f in fixed_cells}) == 1 else None), stats
 
 
 def _grid(ctx: Context, system: str, dataset: str, split: str, mode: str, cells: list[tuple[int, int]],

@@ -331,18 +331,31 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["system"], r["dataset"], r["split"], r["base_mode"], r["over_axis"], r["features"],
-                           r["measure"]), []).append(r)  # fmt: skip
-    for (system, dataset, split, base, over, features, measure), sels in groups.items():
+                           r["measure"], r["cross_fit"]), []).append(r)  # fmt: skip
+
+    def per_query(system: str, dataset: str, split: str, mode: str, measure: str) -> dict[str, float]:
+        return {r["query_id"]: r["value"] for r in rows(
+            db, "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
+                "and measure = ?", [system, dataset, split, mode, measure])}  # fmt: skip
+
+    for (system, dataset, split, base, over, features, measure, cross_fit), sels in groups.items():
         cells = rows(db, "select query_id, kq, kp, value from metrics where system = ? and dataset = ? and "
                          "split = ? and mode = ? and measure = ? and kq > 0",
                      [system, dataset, split, base, measure])  # fmt: skip
-        fixed = (sels[0]["fixed_kq"], sels[0]["fixed_kp"])
-        grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells]).restrict(over, fixed)
-        fixed_v = grid.scores[:, grid.cells.index(fixed)]
+        grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells])
+        if cross_fit:  # each fold has its own fixed cell: the baseline is the cross-fitted fixed selector's run
+            base_run = next((s["mode"] for s in sels if s["selector"] == "fixed"), None)
+            got_fixed = per_query(system, dataset, split, base_run, measure) if base_run else {}
+            if not got_fixed:
+                missing.append(f"the fixed selector's run beside {sels[0]['mode']} (the cross-fitted baseline)")
+                continue
+            fixed_v, fixed_name = np.array([got_fixed.get(q, 0.0) for q in grid.queries]), "per fold"
+        else:
+            fixed = (sels[0]["fixed_kq"], sels[0]["fixed_kp"])
+            grid = grid.restrict(over, fixed)
+            fixed_v, fixed_name = grid.scores[:, grid.cells.index(fixed)], f"{fixed[0]}x{fixed[1]}"
         for s in sels:
-            got = {r["query_id"]: r["value"] for r in rows(
-                db, "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
-                    "and measure = ?", [system, dataset, split, s["mode"], measure])}  # fmt: skip
+            got = per_query(system, dataset, split, s["mode"], measure)
             if not got:
                 missing.append(s["mode"])
                 continue
@@ -352,7 +365,8 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
             top = sorted(imp.items(), key=lambda kv: -kv[1])[:3]
             table.append({
                 "system": system, "dataset": dataset, "split": split, "mode": base, "over": over,
-                "features": features, "selector": s["selector"], "fixed": f"{fixed[0]}x{fixed[1]}",
+                "features": features + (" (cross-fitted)" if cross_fit else ""), "selector": s["selector"],
+                "fixed": fixed_name,
                 "fixed_ndcg_10": round(summary["fixed"], 4), "ndcg_10": round(summary["selected"], 4),
                 "oracle": round(summary["oracle"], 4), "gap_closed": round(summary["gap_closed"], 3),
                 "p_value": round(summary["p_value"], 4), "chosen": " ".join(f"{c}:{n}" for c, n in hist.items() if n),
@@ -367,7 +381,8 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
             "what the choice costs at query time.\n\n")
     body += _md_table(table) if table else ""
     if missing:
-        body += (f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate`.\n")
+        body += (f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
+                 "(and `diffret budget --selector fixed` for a cross-fitted baseline).\n")
     rep.files["adaptive_budgets.csv"] = _dicts_csv(table)
     rep.sections.append(("Adaptive budgets", body))
 

@@ -22,7 +22,7 @@ from storage.sql import StoreSQL
 
 
 def budget(root: str, model: Path, **kw) -> BudgetConfig:
-    return BudgetConfig(root=root, dataset="tiny", system=SystemRef(model=str(model)), folds=2, **kw)
+    return BudgetConfig(root=root, dataset="tiny", system=SystemRef(model=str(model)), **{"folds": 2, **kw})
 
 
 def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path: Path) -> None:  # noqa: F811
@@ -81,6 +81,28 @@ def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: d
     fixed_kp = stats["fixed"][1]
     assert {int(c.split("x")[1]) for c in stats["histogram"]} == {fixed_kp}  # over K_q: K_p stays the fixed one
     assert stats["cost"]["passage_indexes"] == 1 and stats["cost"]["first_pass_searches"] == 1
+
+
+def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Path) -> None:  # noqa: F811
+    """Each query's budget from selectors learned on the other folds of its own split (scifact-mini has no train
+    split): runs of their own (_cf), the report's baseline the cross-fitted fixed selector."""
+    w = copy_world(world, tmp_path)
+    cfg = budget(w["root"], w["model"], cross_fit=True, selectors=["fixed", "rule"], folds=3)
+    res = execute(stages()["budget"], cfg, log=print)
+    assert res.done == 1 + 2  # the test split's features (no train features), two runs
+    execute(stages()["evaluate"], w["configs"]["evaluate"], log=print)
+    from retrieval.analysis.report import build_report
+
+    with StoreSQL(ArtifactStore(w["root"])) as db:
+        runs = rows(db, "select mode, cross_fit, train_split from adaptive_runs order by mode")
+        rep = build_report(db, "t", n_boot=10)
+    assert [(r["mode"], r["cross_fit"], r["train_split"]) for r in runs] == [
+        ("adaptive_multi_dense_fixed_joint_encoding_cf", True, "test"),
+        ("adaptive_multi_dense_rule_joint_encoding_cf", True, "test")]  # fmt: skip
+    csv = rep.files["adaptive_budgets.csv"].decode().splitlines()
+    assert len(csv) == 3 and all("(cross-fitted)" in line and ",per fold," in line for line in csv[1:])
+    with pytest.raises(ValueError, match="over joint only"):
+        budget(w["root"], w["model"], cross_fit=True, over="kq")
 
 
 def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:  # noqa: F811
