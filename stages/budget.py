@@ -243,7 +243,7 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         return table.num_rows
 
     def finish(self, config: BudgetConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        return dict(plan.details)
+        return {**plan.details, "adaptive_runs": len(plan.details["runs"])}
 
 
 _COST = {

@@ -374,11 +374,11 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
                 "index_copies": s["passage_indexes"], "query_passes": s["query_passes"],
             })  # fmt: skip
     body = ("Adaptive budgets (`diffret budget`; view `adaptive_runs`): a (K_q, K_p) per query chosen from features "
-            "known before search, learned on the train split and applied here. fixed: the train-selected cell of "
-            "the cells the choice may take (over kq: K_p fixed; kp: K_q fixed; joint); oracle: each query's best "
-            "of them; gap_closed: (selector - fixed) / (oracle - fixed); p_value: paired t-test of the selector "
-            "against fixed; chosen: queries per cell; top_features: importances; index_copies / query_passes: "
-            "what the choice costs at query time.\n\n")
+            "known before search, learned on the train split and applied here (cross-fitted: learned on the other "
+            "folds of this split). fixed: the train-selected cell of the cells the choice may take (over kq: K_p "
+            "fixed; kp: K_q fixed; joint); oracle: each query's best of them; gap_closed: (selector - fixed) / "
+            "(oracle - fixed); p_value: paired t-test of the selector against fixed; chosen: queries per cell; "
+            "top_features: importances; index_copies / query_passes: what the choice costs at query time.\n\n")
     body += _md_table(table) if table else ""
     if missing:
         body += (f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
