@@ -342,7 +342,8 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
         cells = rows(db, "select query_id, kq, kp, value from metrics where system = ? and dataset = ? and "
                          "split = ? and mode = ? and measure = ? and kq > 0",
                      [system, dataset, split, base, measure])  # fmt: skip
-        grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells])
+        allowed = [tuple(c) for c in json.loads(sels[0]["cells"])]  # the grid it chose from, nothing more
+        grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells], allowed)
         if cross_fit:  # each fold has its own fixed cell: the baseline is the cross-fitted fixed selector's run
             base_run = next((s["mode"] for s in sels if s["selector"] == "fixed"), None)
             got_fixed = per_query(system, dataset, split, base_run, measure) if base_run else {}
