@@ -613,6 +613,28 @@ def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones,
     assert torch.equal(top1, full1.argmax(-1)) and torch.equal(at1, full1[..., cols])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softmaxs(backbones, arch, monkeypatch):
+    from retrieval.models import backbones as bb_module
+
+    bb, tok = backbones[arch]
+    h = 4 * torch.randn(4, 2, bb.hidden_size, generator=torch.Generator().manual_seed(2))
+    logp = torch.log_softmax(bb.logits(h).float().double(), -1)
+    want_h, want_p = -(logp.exp() * logp).sum(-1), logp.max(-1).values.exp()
+    cols = torch.tensor([5, 1])
+    for block_bytes in (1, bb_module.VOCAB_BLOCK_BYTES):  # many blocks, one block
+        monkeypatch.setattr(bb_module, "VOCAB_BLOCK_BYTES", block_bytes)
+        with torch.inference_mode():
+            top, at, entropy, maxprob = bb.read_head(h, cols, stats=True)
+            plain = bb.read_head(h, cols)
+        assert torch.equal(top, plain[0]) and torch.equal(at, plain[1])  # stats change nothing else
+        assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p,
+                                                                                      atol=1e-5)  # fmt: skip
+    monkeypatch.setattr(bb, "_projection", None)  # the full head's path (a GPU, a custom head)
+    _, _, entropy, maxprob = bb.read_head(h, cols, stats=True)
+    assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p, atol=1e-5)
+
+
 def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(backbones, monkeypatch):
     from retrieval.models import backbones as bb_module
 
