@@ -310,15 +310,19 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
         for f, v in text_features(texts[qid], int(n_tokens[qid])).items():
             out.append({"query_id": qid, "feature": f, "value": v})
     if kind != "text":
-        for k in kqs:
-            stage = encodings_dir(system, dataset, "query", k)
-            m = store.require_manifest(stage)
-            for name in sorted(m.files):
-                t = store.read_table(stage, name, columns=["id", "n_reps", "dense", "tokens", "sparse_weights"])
+        stages = {k: encodings_dir(system, dataset, "query", k) for k in kqs}
+        mans = {k: store.require_manifest(stage) for k, stage in stages.items()}
+        # the head's stats where every K's query encodings hold them (`diffret encode --head-stats`)
+        head = all(m.config.get("head_stats") for m in mans.values())
+        columns = ["id", "n_reps", "dense", "tokens", "sparse_weights", *(["slot_entropy", "slot_maxprob"] * head)]
+        for k, stage in stages.items():
+            for name in sorted(mans[k].files):
+                t = store.read_table(stage, name, columns=columns)
                 for row in t.to_pylist():
                     if row["id"] in wanted:
                         feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
-                                                  row["tokens"], row["sparse_weights"])  # fmt: skip
+                                                  row["tokens"], row["sparse_weights"], row.get("slot_entropy"),
+                                                  row.get("slot_maxprob"))  # fmt: skip
                         out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
     if first_pass is not None:
         run = read_run(store, first_pass, columns=["query_id", "score"])

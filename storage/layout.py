@@ -123,8 +123,11 @@ BOT_SCHEMA = pa.schema(
 )
 
 
-def encodings_schema(hidden_size: int) -> pa.Schema:
-    """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length."""
+def encodings_schema(hidden_size: int, head_stats: bool = False) -> pa.Schema:
+    """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length; with
+    ``head_stats`` (``diffret encode --head-stats``, the query side of the mask readout) also the LM head's softmax
+    entropy and max probability at each of the K slots."""
+    stats = [pa.field("slot_entropy", pa.list_(pa.float32())), pa.field("slot_maxprob", pa.list_(pa.float32()))]
     return pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
@@ -135,6 +138,7 @@ def encodings_schema(hidden_size: int) -> pa.Schema:
             pa.field("n_tokens", pa.int32(), nullable=False),
             pa.field("stopped", pa.bool_()),  # cut before K: a special token (mask), the closing quote (promptreps)
             pa.field("tokens", pa.list_(pa.int32())),  # the token read at each of the K slots (argmax / generated)
+            *(stats if head_stats else []),
         ]
     )
 

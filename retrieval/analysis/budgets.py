@@ -302,15 +302,27 @@ ENCODING_FEATURES = {
     "support": "non-zero entries of the sparse vector",
     "agreement": "mean pairwise cosine of the slots' dense vectors (1 for one slot)",
 }
+# With the LM head's stats stored (`diffret encode --head-stats`): per slot read, the softmax's entropy (nats) and
+# its largest probability, as mean / min / max over the slots; they cost nothing beyond that same pass.
+HEAD_FEATURES = {
+    f"{stat}_{agg}": f"{agg} over the slots read of the LM head's {what}"
+    for stat, what in (("entropy", "softmax entropy (nats)"), ("maxprob", "largest probability"))
+    for agg in ("mean", "min", "max")
+}
 
 
 def encoding_features(dense: np.ndarray, n_reps: int, tokens: Sequence[int] | None,
-                      sparse_weights: Sequence[float] | None) -> dict[str, float]:  # fmt: skip
-    """The :data:`ENCODING_FEATURES` of one text's encoding at one K.
+                      sparse_weights: Sequence[float] | None, entropy: Sequence[float] | None = None,
+                      maxprob: Sequence[float] | None = None) -> dict[str, float]:  # fmt: skip
+    """The :data:`ENCODING_FEATURES` of one text's encoding at one K, and the :data:`HEAD_FEATURES` when its
+    slots' ``entropy`` and ``maxprob`` (all K slots; the first ``n_reps`` were read) are given.
 
     >>> f = encoding_features(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), 3, [7, 7, 9, 0], [0.5, 1.5])
     >>> f["slots"], f["distinct"], f["sparse_mass"], f["support"], round(f["agreement"], 4)
     (3.0, 2.0, 2.0, 2.0, 0.4714)
+    >>> f = encoding_features(np.ones((1, 2)), 1, [7, 3], None, entropy=[2.0, 9.0], maxprob=[0.5, 0.1])
+    >>> f["entropy_mean"], f["entropy_max"], f["maxprob_min"], f["support"]
+    (2.0, 2.0, 0.5, 0.0)
     """
     vecs = np.asarray(dense, dtype=np.float64)[:n_reps]
     if len(vecs) > 1:
@@ -321,8 +333,13 @@ def encoding_features(dense: np.ndarray, n_reps: int, tokens: Sequence[int] | No
         agreement = 1.0
     read = list(tokens or [])[:n_reps]
     weights = np.asarray(sparse_weights if sparse_weights is not None else [], dtype=np.float64)
-    return {"slots": float(n_reps), "distinct": float(len(set(read))), "sparse_mass": float(weights.sum()),
-            "support": float(np.count_nonzero(weights)), "agreement": agreement}  # fmt: skip
+    out = {"slots": float(n_reps), "distinct": float(len(set(read))), "sparse_mass": float(weights.sum()),
+           "support": float(np.count_nonzero(weights)), "agreement": agreement}  # fmt: skip
+    for stat, values in (("entropy", entropy), ("maxprob", maxprob)):
+        if values is not None:
+            v = np.asarray(values, dtype=np.float64)[: max(1, n_reps)]
+            out.update({f"{stat}_mean": float(v.mean()), f"{stat}_min": float(v.min()), f"{stat}_max": float(v.max())})
+    return out
 
 
 def text_features(text: str, n_tokens: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ from test_stages import copy_world, world  # noqa: F401  (the module-scoped worl
 from retrieval.analysis.views import rows
 from stages import execute, stages
 from stages.budget import BudgetConfig
+from stages.encode import EncodeConfig
 from stages.runs import read_run
 from stages.systems import SystemRef
 from storage import ArtifactStore, StoreError
@@ -113,3 +114,36 @@ def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: di
                   "split=test" / "kq=2" / "kp=1" / "mode=multi_dense")  # fmt: skip
     with pytest.raises(StoreError, match=r"lacks the multi_dense cells \(K_q, K_p\) \[\(2, 1\)\]"):
         execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
+
+
+def test_head_stats_stored_at_encode_become_features(world: dict, tmp_path: Path) -> None:  # noqa: F811
+    """`encode --head-stats` on the query side: its folders record it and hold the head's entropy and max
+    probability per slot (a folder without it keeps its config: turning it on is config drift until --force); the
+    passages are not touched; the features then add mean / min / max of both per K_q, and the runs are new."""
+    from storage.layout import encodings_dir
+    from storage.manifest import ConfigDriftError
+
+    w = copy_world(world, tmp_path)
+    first = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)
+    store = ArtifactStore(w["root"])
+    system = first.system
+    passage = store.require_manifest(encodings_dir(system, "tiny", "passage", 1))
+    enc = w["configs"]["encode"].model_copy(update={"head_stats": True, "sides": ["query"]})
+    with pytest.raises(ConfigDriftError):
+        execute(stages()["encode"], enc, log=print)
+    assert execute(stages()["encode"], enc.model_copy(update={"force": True}), log=print).done == 2  # K = 1, 2
+    for k in (1, 2):
+        m = store.require_manifest(encodings_dir(system, "tiny", "query", k))
+        t = store.read_table(encodings_dir(system, "tiny", "query", k), sorted(m.files)[0])
+        assert m.config["head_stats"] is True and [len(e) for e in t.column("slot_entropy").to_pylist()] == [k] * 5
+    assert store.require_manifest(encodings_dir(system, "tiny", "passage", 1)) == passage
+    again = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)
+    assert again.done == 3  # the features (train, test) and the run, from the new query encodings
+    with StoreSQL(store) as db:
+        names = [r["feature"] for r in rows(db, "select distinct feature from budget_features where split = 'test' "
+                                                "and feature like '%@1' order by feature")]  # fmt: skip
+    assert names == sorted(f"{f}@1" for f in ("agreement", "distinct", "entropy_max", "entropy_mean", "entropy_min",
+                                              "maxprob_max", "maxprob_mean", "maxprob_min", "slots", "sparse_mass",
+                                              "support"))  # fmt: skip
+    with pytest.raises(ValueError, match="the diffembed readout has none"):
+        EncodeConfig(dataset="tiny", head_stats=True, readout={"readout": "diffembed"})
