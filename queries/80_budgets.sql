@@ -2,7 +2,8 @@
 -- files: features/system=*/dataset=*/split=*/set=*/features.parquet
 -- Query features for adaptive budgets (diffret budget), one row per (query, feature): length_tokens, length_words
 -- (free at query time) and, in set `encoding`, <feature>@<K> from the query's stored encoding at K (slots, distinct,
--- sparse_mass, support, agreement; one query pass per K at query time).
+-- sparse_mass, support, agreement, and entropy_* / maxprob_* of the LM head where encode stored them with
+-- --head-stats; one query pass per K at query time).
 CREATE OR REPLACE VIEW budget_features AS
 SELECT *
 FROM read_parquet(@files, hive_partitioning = true,
