@@ -232,6 +232,6 @@ def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Pat
     again = run(*args)
     assert "0 run(s) chosen, " in again.stdout + again.stderr  # a re-run does nothing
     out = tmp_path / "report"
-    run("report", "--root", str(pipeline_root), "--out", str(out), "--n-boot", "50")
+    run("report", "--root", str(pipeline_root), "--name", "adaptive", "--out", str(out), "--n-boot", "50")
     assert "## Adaptive budgets" in (out / "report.md").read_text()
     assert len((out / "adaptive_budgets.csv").read_text().splitlines()) == 3
