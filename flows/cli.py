@@ -202,6 +202,7 @@ def _register() -> None:
     stage_command("train-reranker", after=_print_detail("model: {} (rerank with it: diffret rerank --model <it> "
                                                         "--method <the same>)", "model_dir"))  # fmt: skip
     stage_command("evaluate")
+    stage_command("budget", after=_print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"))
     stage_command("summary")
     stage_command("report", after=_print_detail("report written: {}/report.md", "folder"))
     stage_command("latency", after=_print_detail("latency rows measured: {}", "rows"))

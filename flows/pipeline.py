@@ -24,7 +24,7 @@ from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
 from stages.base import GRID_K, KList, ModeList, StageConfig, inline_figures
 from stages.bm25 import BM25Config
-from stages.encode import EncodeConfig, check_k_within
+from stages.encode import EncodeConfig, check_head_stats, check_k_within
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
@@ -86,6 +86,7 @@ class PipelineConfig(StageConfig):
     workers: int = like(EncodeConfig, "workers")
     dask_address: str | None = like(EncodeConfig, "dask_address")
     verify: bool = like(EncodeConfig, "verify")
+    head_stats: bool = like(EncodeConfig, "head_stats")
     rules: ScoreRules = like(ScoreConfig, "rules")
     self_hits: Literal["keep", "drop"] = like(ScoreConfig, "self_hits")
     ties: Literal["trec", "rank"] = like(EvaluateConfig, "ties")
@@ -103,6 +104,7 @@ class PipelineConfig(StageConfig):
     @model_validator(mode="after")
     def _k_within_max_length(self) -> PipelineConfig:
         check_k_within([*self.kq, *self.kp], self.max_length)
+        check_head_stats(self.head_stats, self.readout)
         return self
 
     # ------------------------------------------------------------------------- stage configs
@@ -126,7 +128,7 @@ class PipelineConfig(StageConfig):
         common = dict(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
             batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address, verify=self.verify, **self._common(),
+            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))

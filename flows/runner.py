@@ -42,6 +42,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "train": ("flows.train", "train_flow"),
     "train-reranker": ("flows.train_reranker", "train_reranker_flow"),
     "evaluate": ("flows.evaluate", "evaluate_flow"),
+    "budget": ("flows.budget", "budget_flow"),
     "summary": ("flows.summary", "summary_flow"),
     "report": ("flows.report", "report_flow"),
     "latency": ("flows.latency", "latency_flow"),

@@ -15,7 +15,7 @@ from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
     "ingest", "tokenize", "encode", "bot", "index", "score", "beta", "late", "bm25", "rerank", "training_data", "train",
-    "train_reranker", "evaluate", "summary", "report", "latency",
+    "train_reranker", "evaluate", "budget", "summary", "report", "latency",
 )  # fmt: skip
 
 

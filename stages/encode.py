@@ -60,10 +60,13 @@ class EncodeConfig(StageConfig):
     workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
     verify: bool = like(TokenizeConfig, "verify")
+    head_stats: bool = Field(default=False, description="Also store the LM head's entropy and max probability at "
+                             "each query slot (the adaptive budgets' features; mask readout; passages unchanged).")
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:
         check_k_within(self.k, self.max_length)
+        check_head_stats(self.head_stats, self.readout)
         return self
 
     def settings(self) -> EncodeSettings:
@@ -95,6 +98,20 @@ def check_k_within(ks: list[int], max_length: int) -> None:
                          "lower K")  # fmt: skip
 
 
+def check_head_stats(head_stats: bool, readout: ReadoutConfig) -> None:
+    """Refuse head stats for a readout without mask slots (before any work).
+
+    >>> try:
+    ...     check_head_stats(True, ReadoutConfig(readout="diffembed"))
+    ... except ValueError as exc:
+    ...     print(str(exc)[:48])
+    --head-stats reads the LM head at the mask slots
+    """
+    if head_stats and readout.readout != "diffretriever":
+        raise ValueError(f"--head-stats reads the LM head at the mask slots: the {readout.readout} readout has "
+                         "none (use --readout diffretriever)")  # fmt: skip
+
+
 def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, kind: str,
                   tokens_hash: str) -> tuple[str | None, set[str]]:  # fmt: skip
     """The filters/ folder of a tokens folder and the shards it holds, when it is of these tokens (else none: the
@@ -111,8 +128,11 @@ def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, ki
     return stage, set(m.files)
 
 
-def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int) -> dict[str, Any]:
-    return {**numeric_settings(settings), "k": k, "tokens": tokens, "inputs": {"tokens": tokens_hash}}
+def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int,
+                     head_stats: bool = False) -> dict[str, Any]:  # fmt: skip
+    """An encodings folder's config (``head_stats`` only when on: a folder without it keeps its hash)."""
+    extra = {"head_stats": True} if head_stats else {}
+    return {**numeric_settings(settings), "k": k, "tokens": tokens, **extra, "inputs": {"tokens": tokens_hash}}
 
 
 @dataclass
@@ -130,6 +150,7 @@ class EncodeUnit:
     rows: int
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
     filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
+    head_stats: bool = False  # also the LM head's entropy and max probability at each slot
 
 
 _PLANS: dict[str, dict[str, Any]] = {}  # shared settings by key, read once per process (the key is their hash)
@@ -194,7 +215,8 @@ class Encode(
                                               t_man.config_hash)  # fmt: skip
             for k in config.k:
                 stage = encodings_dir(record.system, config.dataset, side, k)
-                cfg = encodings_config(settings, tokens, t_man.config_hash, k)
+                stats = config.head_stats and side == "query"
+                cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
                 ctx.hold(stage)  # another encode of this folder running now is refused, not raced
                 m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
@@ -206,7 +228,7 @@ class Encode(
                         continue
                     rows = int(t_man.files[shard].rows or 0)
                     unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash,
-                                      f_stage if shard in filtered else None)  # fmt: skip
+                                      f_stage if shard in filtered else None, stats)  # fmt: skip
                     plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
@@ -242,7 +264,7 @@ class Encode(
             filtered = f.column("allowed_ids").to_pylist()
         table = encode_rows(
             reader, ids, t.column("token_ids").to_pylist(), None if filtered else t.column("text").to_pylist(),
-            unit.side, unit.k, shared["batch_size"], ctx.advance, filtered=filtered,
+            unit.side, unit.k, shared["batch_size"], ctx.advance, filtered=filtered, head_stats=unit.head_stats,
         )  # fmt: skip
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 

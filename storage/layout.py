@@ -123,8 +123,11 @@ BOT_SCHEMA = pa.schema(
 )
 
 
-def encodings_schema(hidden_size: int) -> pa.Schema:
-    """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length."""
+def encodings_schema(hidden_size: int, head_stats: bool = False) -> pa.Schema:
+    """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length; with
+    ``head_stats`` (``diffret encode --head-stats``, the query side of the mask readout) also the LM head's softmax
+    entropy and max probability at each of the K slots."""
+    stats = [pa.field("slot_entropy", pa.list_(pa.float32())), pa.field("slot_maxprob", pa.list_(pa.float32()))]
     return pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
@@ -135,6 +138,7 @@ def encodings_schema(hidden_size: int) -> pa.Schema:
             pa.field("n_tokens", pa.int32(), nullable=False),
             pa.field("stopped", pa.bool_()),  # cut before K: a special token (mask), the closing quote (promptreps)
             pa.field("tokens", pa.list_(pa.int32())),  # the token read at each of the K slots (argmax / generated)
+            *(stats if head_stats else []),
         ]
     )
 
@@ -335,6 +339,19 @@ SEARCH_LATENCY_SCHEMA = pa.schema(
 )  # fmt: skip
 
 
+FEATURES_FILE = "features.parquet"
+# one row per (query, feature): what a query's budget is chosen from (diffret budget)
+FEATURES_SCHEMA = pa.schema(
+    [pa.field("query_id", pa.string(), nullable=False), pa.field("feature", pa.string(), nullable=False),
+     pa.field("value", pa.float64(), nullable=False)]
+)  # fmt: skip
+
+
+def features_dir(system: str, dataset: str, split: str, feature_set: str) -> str:
+    """A split's query features for adaptive budgets (``FEATURES_SCHEMA``, long)."""
+    return partition("features", system=system, dataset=dataset, split=split, set=feature_set)
+
+
 # Schema of the files a SQL view reads (used for typed zero-row placeholders).
 FILE_SCHEMAS: dict[str, pa.Schema] = {f"{name}.parquet": schema for name, schema in DATASET_TABLES.items()}
 FILE_SCHEMAS[RUN_FILE] = RUN_SCHEMA
@@ -344,6 +361,7 @@ FILE_SCHEMAS[TRAIN_LOG_FILE] = TRAIN_LOG_SCHEMA
 FILE_SCHEMAS[BOT_FILE] = BOT_SCHEMA
 FILE_SCHEMAS[ENCODE_LATENCY_FILE] = ENCODE_LATENCY_SCHEMA
 FILE_SCHEMAS[SEARCH_LATENCY_FILE] = SEARCH_LATENCY_SCHEMA
+FILE_SCHEMAS[FEATURES_FILE] = FEATURES_SCHEMA
 
 
 def schema_for_pattern(pattern: str) -> pa.Schema | None:
@@ -375,6 +393,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "training": ("training/*", "diffret training-data"),
     "models": ("models/*", "diffret train"),
     "latency": ("latency/*/*/*", "diffret latency"),
+    "features": ("features/*/*/*/*", "diffret budget"),
 }
 _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank"}
 
@@ -396,5 +415,5 @@ def repair_hint(rel: str) -> str:
         command = f"diffret download {parts[1].split('=', 1)[1]}"
     if parts[0] == "runs":
         mode = next((p.split("=", 1)[1] for p in parts if p.startswith("mode=")), "")
-        command = _RUN_COMMANDS.get(mode, command)
+        command = "diffret budget" if mode.startswith("adaptive_") else _RUN_COMMANDS.get(mode, command)
     return f"repair: run `{command}` again with the settings that made it"

@@ -314,6 +314,80 @@ def section_late(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
 
+def section_adaptive(db: StoreSQL, rep: Report) -> None:
+    """Adaptive budgets (``diffret budget``; view ``adaptive_runs``): per system, dataset, split, base mode, axis
+    and feature set, each selector's NDCG@10 against the fixed train-selected budget and the per-query oracle over
+    the same cells, the share of the gap it closes, a paired t-test against fixed, the cells chosen and the
+    features that mattered."""
+    import json
+
+    from .budgets import Grid, gap_closed
+
+    runs = rows(db, "select * from adaptive_runs order by system, dataset, split, base_mode, over_axis, features, "
+                    "selector")  # fmt: skip
+    if not runs:
+        return
+    table, missing = [], []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["system"], r["dataset"], r["split"], r["base_mode"], r["over_axis"], r["features"],
+                           r["measure"], r["cross_fit"]), []).append(r)  # fmt: skip
+
+    def per_query(system: str, dataset: str, split: str, mode: str, measure: str) -> dict[str, float]:
+        return {r["query_id"]: r["value"] for r in rows(
+            db, "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
+                "and measure = ?", [system, dataset, split, mode, measure])}  # fmt: skip
+
+    for (system, dataset, split, base, over, features, measure, cross_fit), sels in groups.items():
+        cells = rows(db, "select query_id, kq, kp, value from metrics where system = ? and dataset = ? and "
+                         "split = ? and mode = ? and measure = ? and kq > 0",
+                     [system, dataset, split, base, measure])  # fmt: skip
+        allowed = [tuple(c) for c in json.loads(sels[0]["cells"])]  # the grid it chose from, nothing more
+        grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells], allowed)
+        if cross_fit:  # each fold has its own fixed cell: the baseline is the cross-fitted fixed selector's run
+            base_run = next((s["mode"] for s in sels if s["selector"] == "fixed"), None)
+            got_fixed = per_query(system, dataset, split, base_run, measure) if base_run else {}
+            if not got_fixed:
+                missing.append(f"the fixed selector's run beside {sels[0]['mode']} (the cross-fitted baseline)")
+                continue
+            fixed_v, fixed_name = np.array([got_fixed.get(q, 0.0) for q in grid.queries]), "per fold"
+        else:
+            fixed = (sels[0]["fixed_kq"], sels[0]["fixed_kp"])
+            grid = grid.restrict(over, fixed)
+            fixed_v, fixed_name = grid.scores[:, grid.cells.index(fixed)], f"{fixed[0]}x{fixed[1]}"
+        for s in sels:
+            got = per_query(system, dataset, split, s["mode"], measure)
+            if not got:
+                missing.append(s["mode"])
+                continue
+            summary = gap_closed(fixed_v, np.array([got.get(q, 0.0) for q in grid.queries]), grid.oracle())
+            hist = json.loads(s["histogram"]) if s["histogram"] else {}
+            imp = json.loads(s["importances"]) if s["importances"] else {}
+            top = sorted(imp.items(), key=lambda kv: -kv[1])[:3]
+            table.append({
+                "system": system, "dataset": dataset, "split": split, "mode": base, "over": over,
+                "features": features + (" (cross-fitted)" if cross_fit else ""), "selector": s["selector"],
+                "fixed": fixed_name,
+                "fixed_ndcg_10": round(summary["fixed"], 4), "ndcg_10": round(summary["selected"], 4),
+                "oracle": round(summary["oracle"], 4), "gap_closed": round(summary["gap_closed"], 3),
+                "p_value": round(summary["p_value"], 4), "chosen": " ".join(f"{c}:{n}" for c, n in hist.items() if n),
+                "top_features": ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0),
+                "index_copies": s["passage_indexes"], "query_passes": s["query_passes"],
+            })  # fmt: skip
+    body = ("Adaptive budgets (`diffret budget`; view `adaptive_runs`): a (K_q, K_p) per query chosen from features "
+            "known before search, learned on the train split and applied here (cross-fitted: learned on the other "
+            "folds of this split). fixed: the train-selected cell of the cells the choice may take (over kq: K_p "
+            "fixed; kp: K_q fixed; joint); oracle: each query's best of them; gap_closed: (selector - fixed) / "
+            "(oracle - fixed); p_value: paired t-test of the selector against fixed; chosen: queries per cell; "
+            "top_features: importances; index_copies / query_passes: what the choice costs at query time.\n\n")
+    body += _md_table(table) if table else ""
+    if missing:
+        body += (f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
+                 "(and `diffret budget --selector fixed` for a cross-fitted baseline).\n")
+    rep.files["adaptive_budgets.csv"] = _dicts_csv(table)
+    rep.sections.append(("Adaptive budgets", body))
+
+
 QUERY_LENGTH = 32  # the synthetic length Figure 1 reads a query's encoding latency at (the nearest measured)
 
 
@@ -424,5 +498,6 @@ def build_report(
     section_footprint(db, rep, hidden, backbones, settings)
     section_reranking(db, rep)
     section_late(db, rep)
+    section_adaptive(db, rep)
     section_latency(db, rep)
     return rep

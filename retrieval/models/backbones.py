@@ -334,9 +334,12 @@ class Backbone:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
-    def read_head(self, hidden: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_head(self, hidden: torch.Tensor, columns: torch.Tensor,
+                  stats: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """What a readout takes from the LM head at ``hidden`` [..., H]: the argmax token over the vocabulary
-        [...] and the float32 logits at ``columns`` [C] ([..., C]), equal to those of :meth:`logits`.
+        [...] and the float32 logits at ``columns`` [C] ([..., C]), equal to those of :meth:`logits`; with
+        ``stats``, also the entropy (nats) and the maximum probability of the softmax over the vocabulary [...]
+        (a running log-sum-exp over the blocks; the query features of adaptive budgets).
 
         On a CPU the vocabulary is projected a block at a time (``VOCAB_BLOCK_BYTES`` of logits, which stay in
         the cache) with a running maximum, so the [..., V] logits are never held: the matrix product of each
@@ -356,7 +359,11 @@ class Backbone:
         proj = self.projection() if hidden.device.type == "cpu" else None
         if proj is None:
             full = self.logits(hidden).float()
-            return full.argmax(-1), full[..., columns]
+            if not stats:
+                return full.argmax(-1), full[..., columns]
+            logp = torch.log_softmax(full, -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            return full.argmax(-1), full[..., columns], entropy, logp.max(-1).values.exp()
         pre, weight, bias = proj
         x = pre(hidden)
         flat = x.reshape(-1, x.shape[-1])
@@ -367,18 +374,32 @@ class Backbone:
         columns = columns.to(x.device)
         picked = torch.empty((flat.shape[0], columns.numel()), dtype=torch.float32, device=x.device)
         sorted_cols, order = torch.sort(columns)
+        # with stats: sum exp(l - best) and sum exp(l - best) * l over the blocks so far, rescaled as best grows
+        s0 = torch.zeros(flat.shape[0], dtype=torch.float64, device=x.device) if stats else None
+        s1 = torch.zeros_like(s0) if stats else None
         for s in range(0, vocab, block):
             e = min(vocab, s + block)
             lg = torch.nn.functional.linear(flat, weight[s:e], None if bias is None else bias[s:e]).float()
             m, i = lg.max(-1)
             better = m > best  # strictly: the first of equal maxima wins, as argmax's
+            if stats:
+                new_best = torch.maximum(m, best).double()
+                scale = torch.exp(best.double() - new_best)
+                w = torch.exp(lg.double() - new_best[:, None])
+                s0 = s0 * scale + w.sum(-1)
+                s1 = s1 * scale + (w * lg.double()).sum(-1)
             best = torch.where(better, m, best)
             top = torch.where(better, i + s, top)
             lo, hi = torch.searchsorted(sorted_cols, torch.tensor([s, e], device=x.device)).tolist()
             if hi > lo:
                 picked[:, order[lo:hi]] = lg[:, sorted_cols[lo:hi] - s]
         lead = x.shape[:-1]
-        return top.reshape(lead), picked.reshape(*lead, columns.numel())
+        if not stats:
+            return top.reshape(lead), picked.reshape(*lead, columns.numel())
+        lse = best.double() + torch.log(s0)  # log of the softmax's normaliser
+        entropy = (lse - s1 / s0).float()  # H = lse - E[l]
+        maxprob = torch.exp(best.double() - lse).float()
+        return top.reshape(lead), picked.reshape(*lead, columns.numel()), entropy.reshape(lead), maxprob.reshape(lead)
 
     def projection(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
         """(transform, weight [V, H], bias) with ``logits(h) == linear(transform(h), weight, bias)`` bit for bit

@@ -52,7 +52,8 @@ def length_sorted_batches(lengths: list[int], batch_size: int, sort: bool = True
 
 
 def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
-    schema = encodings_schema(hidden)
+    head_stats = any(e.entropy is not None for e in encs)
+    schema = encodings_schema(hidden, head_stats)
     dense_type = schema.field("dense").type
     flat = [np.asarray(e.dense, dtype=np.float16) for e in encs]
     n_reps = [f.shape[0] for f in flat]
@@ -73,6 +74,8 @@ def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
             "n_tokens": pa.array([e.n_tokens for e in encs], pa.int32()),
             "stopped": pa.array([e.stopped for e in encs], pa.bool_()),
             "tokens": pa.array([None if e.tokens is None else e.tokens.tolist() for e in encs], pa.list_(pa.int32())),
+            **({name: pa.array([getattr(e, attr).tolist() for e in encs], pa.list_(pa.float32()))
+                for name, attr in (("slot_entropy", "entropy"), ("slot_maxprob", "maxprob"))} if head_stats else {}),
         },
         schema=schema,
     )
@@ -89,12 +92,14 @@ def encode_rows(
     on_batch: Callable[[int], None] | None = None,
     sort_by_length: bool = True,
     filtered: list[list[int]] | None = None,
+    head_stats: bool = False,
 ) -> pa.Table:
     """Encode texts in length-sorted batches and return them in their original order.
 
     ``texts`` are the raw texts (the sparse content-word filter reads them whole); None decodes the ids.
     ``filtered``: the filter's ids of each text, computed before (the tokenize stage's ``filters/``); the texts
-    are then not read.
+    are then not read. ``head_stats``: the mask readout also stores the LM head's entropy and max probability at
+    each slot (columns ``slot_entropy``, ``slot_maxprob``).
     """
     feed: list[str] | list[list[int]] | None = filtered if filtered is not None else texts
     if feed is None and reader.filter is not None:
@@ -103,7 +108,9 @@ def encode_rows(
     batches = list(length_sorted_batches([len(t) for t in token_ids], batch_size, sort_by_length))
 
     def prepare(batch: list[int]) -> Prepared:
-        return reader.prepare([token_ids[i] for i in batch], [feed[i] for i in batch] if feed else None, side, k)
+        ready = reader.prepare([token_ids[i] for i in batch], [feed[i] for i in batch] if feed else None, side, k)
+        ready.head_stats = head_stats
+        return ready
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffret-prepare") as pool:
         ahead = pool.submit(prepare, batches[0]) if batches else None

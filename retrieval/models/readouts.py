@@ -51,6 +51,8 @@ class Encoded:
     n_tokens: int = 0  # model input length
     stopped: bool | None = None  # cut before K: at a special token (mask readout) or the closing quote (promptreps)
     tokens: np.ndarray | None = None  # int32: the token read at each slot (argmax / generated), all K
+    entropy: np.ndarray | None = None  # float32 [K]: the LM head's softmax entropy (nats) at each slot (head stats)
+    maxprob: np.ndarray | None = None  # float32 [K]: and its largest probability
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Prepared:
     k: int
     mask_batch: _Batch | None = None  # the mask readout's padded inputs
     candidates: list[torch.Tensor] | None = None  # and each text's candidate vocabulary ids
+    head_stats: bool = False  # the mask readout also reads the head's entropy and max probability at each slot
 
 
 HEAD_CHUNK_BYTES = 256 << 20  # float32 logits of the candidate ids held at once while encoding ([texts, K, C])
@@ -317,10 +320,17 @@ class MaskReadout(
         for s in range(0, n_texts, step):
             chunk = cands[s : s + step]
             union = torch.unique(torch.cat(chunk))  # sorted
-            if logits is None:
+            ent = top_p = None
+            if logits is None and batch.head_stats:
+                toks, at, ent, top_p = self.bb.read_head(h[s : s + step], union, stats=True)
+            elif logits is None:
                 toks, at = self.bb.read_head(h[s : s + step], union)  # [b, K], [b, K, U]
             else:
                 toks, at = decoded[s : s + step], logits[s : s + step][..., union].float()
+                if batch.head_stats:
+                    logp = torch.log_softmax(logits[s : s + step].float(), -1)
+                    ent, top_p = -(logp.exp() * logp).sum(-1), logp.max(-1).values.exp()
+            stats = None if ent is None else (ent.float().cpu().numpy(), top_p.float().cpu().numpy())
             cuts = self._cutoffs(toks, k)
             ids = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)  # [b, C], -1: none
             cols = torch.searchsorted(union, ids.clamp(min=0))  # each text's candidates, as columns of the union
@@ -329,7 +339,10 @@ class MaskReadout(
             tokens = toks.cpu().numpy().astype(np.int32)
             for j, (n, (sp_ids, sp_w)) in enumerate(zip(cuts, sparse, strict=True)):
                 i = s + j
-                out.append(Encoded(dense[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j]))
+                e = Encoded(dense[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j])
+                if stats is not None:
+                    e.entropy, e.maxprob = stats[0][j], stats[1][j]
+                out.append(e)
         return out
 
     def _candidates(self, texts: Sequence[str | Sequence[int]] | None, n: int, device: torch.device) -> list[

@@ -210,3 +210,28 @@ def test_index_recall_against_exact_and_resume(pipeline_root: Path) -> None:
         assert c["recall_10"] >= 0.99 and c["queries"] == 300 and c["latency_ms_mean"] > 0
     assert "| 2 | 1 |" in p.stdout  # the recall table is printed
     assert "0 index(es) built, 1 already done" in run(*args, "--type", "IVF_PQ").stderr
+
+
+def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Path) -> None:
+    """`diffret budget` from the stored 2 x 2 grid (train + test): runs per selector that evaluate and SQL treat like
+    any run, the fixed selector equal to the train-selected cell on test, the report's table."""
+    system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
+    args = ["budget", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--selector", "fixed",
+            "--selector", "rule"]  # fmt: skip
+    p = run(*args)
+    assert "adaptive runs: 2" in p.stdout + p.stderr
+    run("evaluate", "--root", str(pipeline_root))
+    got = {r["selector"]: r for r in sql(pipeline_root, "select a.selector, a.fixed_kq, a.fixed_kp, c.ndcg_10 from "
+                                         "adaptive_runs a join cells c using (system, dataset, split, mode) where "
+                                         "a.split = 'test'")}  # fmt: skip
+    assert set(got) == {"fixed", "rule"}
+    fixed = got["fixed"]
+    cell = sql(pipeline_root, f"select ndcg_10 from cells where system = '{system}' and split = 'test' and mode = "
+                              f"'multi_dense' and kq = {fixed['fixed_kq']} and kp = {fixed['fixed_kp']}")  # fmt: skip
+    assert fixed["ndcg_10"] == pytest.approx(cell[0]["ndcg_10"])
+    again = run(*args)
+    assert "0 run(s) chosen, " in again.stdout + again.stderr  # a re-run does nothing
+    out = tmp_path / "report"
+    run("report", "--root", str(pipeline_root), "--name", "adaptive", "--out", str(out), "--n-boot", "50")
+    assert "## Adaptive budgets" in (out / "report.md").read_text()
+    assert len((out / "adaptive_budgets.csv").read_text().splitlines()) == 3

@@ -613,6 +613,53 @@ def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones,
     assert torch.equal(top1, full1.argmax(-1)) and torch.equal(at1, full1[..., cols])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softmaxs(backbones, arch, monkeypatch):
+    from retrieval.models import backbones as bb_module
+
+    bb, tok = backbones[arch]
+    h = 4 * torch.randn(4, 2, bb.hidden_size, generator=torch.Generator().manual_seed(2))
+    logp = torch.log_softmax(bb.logits(h).float().double(), -1)
+    want_h, want_p = -(logp.exp() * logp).sum(-1), logp.max(-1).values.exp()
+    cols = torch.tensor([5, 1])
+    for block_bytes in (1, bb_module.VOCAB_BLOCK_BYTES):  # many blocks, one block
+        monkeypatch.setattr(bb_module, "VOCAB_BLOCK_BYTES", block_bytes)
+        with torch.inference_mode():
+            top, at, entropy, maxprob = bb.read_head(h, cols, stats=True)
+            plain = bb.read_head(h, cols)
+        assert torch.equal(top, plain[0]) and torch.equal(at, plain[1])  # stats change nothing else
+        assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p,
+                                                                                      atol=1e-5)  # fmt: skip
+    monkeypatch.setattr(bb, "_projection", None)  # the full head's path (a GPU, a custom head)
+    _, _, entropy, maxprob = bb.read_head(h, cols, stats=True)
+    assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["bert", "qwen2"])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_head_stats_are_the_softmax_at_each_mask_and_change_no_other_column(backbones, arch, steps):
+    from retrieval.models.encoding import encode_rows
+
+    bb, tok = backbones[arch]
+    reader = make_reader(bb, ReadoutConfig(stop_cut=True, denoise_steps=steps))
+    texts = [TEXTS["short"], TEXTS["query"], TEXTS["long"]]
+    ids = [ids_of(tok, t) for t in texts]
+    plain = encode_rows(reader, ["a", "b", "c"], ids, texts, "query", 4, 2)
+    stats = encode_rows(reader, ["a", "b", "c"], ids, texts, "query", 4, 2, head_stats=True)
+    assert "slot_entropy" not in plain.column_names  # off: the shard is as before
+    assert stats.select(plain.column_names).equals(plain)
+    ent, top = stats.column("slot_entropy").to_pylist(), stats.column("slot_maxprob").to_pylist()
+    assert [len(e) for e in ent] == [4, 4, 4]  # every K slot, also those the stop cut drops
+    if steps == 1:  # the head at the mask positions of the batch as the readout pads it
+        b = reader._mask_batch(ids, "query", 4)
+        with torch.inference_mode():
+            hidden = bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
+            logp = torch.log_softmax(bb.logits(hidden[torch.arange(3)[:, None], b.positions]).double(), -1)
+        np.testing.assert_allclose(ent, -(logp.exp() * logp).sum(-1).numpy(), atol=1e-3)
+        np.testing.assert_allclose(top, logp.max(-1).values.exp().numpy(), atol=1e-4)
+    assert all(0 < p <= 1 for row in top for p in row) and all(e >= 0 for row in ent for e in row)
+
+
 def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(backbones, monkeypatch):
     from retrieval.models import backbones as bb_module
 
