@@ -296,7 +296,6 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
     """Long rows (query_id, feature, value) of the split's queries."""
     store = ctx.store
     queries = split_queries(store, dataset, split)
-    wanted = set(queries)
     q = store.read_table(dataset_dir(dataset), "queries.parquet", columns=["query_id", "text"])
     texts = dict(zip(q.column("query_id").to_pylist(), q.column("text").to_pylist(), strict=True))
     enc1 = store.require_manifest(encodings_dir(system, dataset, "query", min(kqs)))
@@ -318,12 +317,12 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
         for k, stage in stages.items():
             for name in sorted(mans[k].files):
                 t = store.read_table(stage, name, columns=columns)
+                t = t.filter(pc.is_in(t.column("id"), value_set=pa.array(queries)))  # this split's: only they convert
                 for row in t.to_pylist():
-                    if row["id"] in wanted:
-                        feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
-                                                  row["tokens"], row["sparse_weights"], row.get("slot_entropy"),
-                                                  row.get("slot_maxprob"))  # fmt: skip
-                        out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
+                    feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
+                                              row["tokens"], row["sparse_weights"], row.get("slot_entropy"),
+                                              row.get("slot_maxprob"))  # fmt: skip
+                    out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
     if first_pass is not None:
         run = read_run(store, first_pass, columns=["query_id", "score"])
         scores: dict[str, list[float]] = {q: [] for q in queries}

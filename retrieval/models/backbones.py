@@ -218,6 +218,17 @@ def detect_family(model_config: Any) -> str:
     )
 
 
+def softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entropy (nats) and the largest probability of the softmax over the last axis of ``logits``.
+
+    >>> h, p = softmax_stats(torch.zeros(1, 4))
+    >>> round(float(h[0]), 4), float(p[0])
+    (1.3863, 0.25)
+    """
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1), logp.max(-1).values.exp()
+
+
 class Backbone:
     """A model, its tokenizer and family facts; ``trunk`` gives hidden states, ``head`` logits from them."""
 
@@ -361,9 +372,7 @@ class Backbone:
             full = self.logits(hidden).float()
             if not stats:
                 return full.argmax(-1), full[..., columns]
-            logp = torch.log_softmax(full, -1)
-            entropy = -(logp.exp() * logp).sum(-1)
-            return full.argmax(-1), full[..., columns], entropy, logp.max(-1).values.exp()
+            return full.argmax(-1), full[..., columns], *softmax_stats(full)
         pre, weight, bias = proj
         x = pre(hidden)
         flat = x.reshape(-1, x.shape[-1])

@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from ..traits import Declared
-from .backbones import Backbone, BackboneError, load_backbone, passage_encoder_dir
+from .backbones import Backbone, BackboneError, load_backbone, passage_encoder_dir, softmax_stats
 from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
 from .sparse import (
     excluded_ids,
@@ -328,8 +328,7 @@ class MaskReadout(
             else:
                 toks, at = decoded[s : s + step], logits[s : s + step][..., union].float()
                 if batch.head_stats:
-                    logp = torch.log_softmax(logits[s : s + step].float(), -1)
-                    ent, top_p = -(logp.exp() * logp).sum(-1), logp.max(-1).values.exp()
+                    ent, top_p = softmax_stats(logits[s : s + step])
             stats = None if ent is None else (ent.float().cpu().numpy(), top_p.float().cpu().numpy())
             cuts = self._cutoffs(toks, k)
             ids = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)  # [b, C], -1: none
