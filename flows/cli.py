@@ -189,6 +189,7 @@ def _register() -> None:
     stage_command("download", after=_print_lines("report"))
     stage_command("tokenize")
     app.command("encode", help=_encode.__doc__)(config_command(EncodeConfig, _encode, name="encode", extra=[PREFECT]))
+    stage_command("compress")
     stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
                                                        markup=False))  # fmt: skip
     stage_command("bot", after=_print_bot)

@@ -31,6 +31,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "download": ("flows.download", "download_flow"),
     "tokenize": ("flows.encode", "tokenize_flow"),
     "encode": ("flows.encode", "encode_flow"),
+    "compress": ("flows.compress", "compress_flow"),
     "bot": ("flows.bot", "bot_flow"),
     "index": ("flows.index", "index_flow"),
     "beta": ("flows.beta", "beta_flow"),

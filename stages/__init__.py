@@ -2,7 +2,7 @@
 records what it wrote (see stages/base.py). ``STAGES`` maps a stage's name to it; flows/ runs any of them
 in this process or under Prefect through one ``run_stage``.
 
-    download -> tokenize -> encode -> (index) -> score / bm25 -> evaluate -> summary -> report
+    download -> tokenize -> encode -> (compress) -> (index) -> score / bm25 -> evaluate -> summary -> report
                                                    bm25 (train split) -> training (groups) -> train
                                                    bm25 (train split) + qrels -> train-reranker -> rerank
 """
@@ -14,8 +14,8 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "bot", "index", "score", "beta", "late", "bm25", "rerank", "training_data", "train",
-    "train_reranker", "evaluate", "budget", "summary", "report", "latency",
+    "ingest", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "rerank",
+    "training_data", "train", "train_reranker", "evaluate", "budget", "summary", "report", "latency",
 )  # fmt: skip
 
 

@@ -14,9 +14,12 @@ settings go to the registry (stages/systems.py).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import pyarrow as pa
 from pydantic import Field, model_validator
 
 from retrieval.devices import resolve_device
@@ -24,15 +27,19 @@ from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
-from storage import ArtifactStore, FileEntry, StoreError, remove_empty_sharded
-from storage.layout import encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
+from storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
+from storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
+from storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
-from .readers import tokens_manifest
+from .codebooks import DEFAULT_SAMPLE, codebook_config, compressed_config, ensure_codebook, make_codec
+from .readers import read_codebook, tokens_manifest
 from .systems import (
     EncodeSettings,
     SystemRecord,
     encoder_record,
+    encoder_slug,
+    float16_settings,
     numeric_settings,
     register,
     tokenizer_of,
@@ -62,6 +69,10 @@ class EncodeConfig(StageConfig):
     verify: bool = like(TokenizeConfig, "verify")
     head_stats: bool = Field(default=False, description="Also store the LM head's entropy and max probability at "
                              "each query slot (the adaptive budgets' features; mask readout; passages unchanged).")
+    store: str = like(EncodeSettings, "store")
+    store_seed: int = like(EncodeSettings, "store_seed")
+    codebook_sample: int = Field(default=DEFAULT_SAMPLE, ge=256, description="Vectors a compressed store's codebook "
+                                 "is trained on: a seeded sample of the corpus's own, drawn shard by shard.")
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:
@@ -71,7 +82,8 @@ class EncodeConfig(StageConfig):
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
-            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep
+            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
+            store=self.store, store_seed=self.store_seed,
         )
 
     def tokenize_config(self) -> TokenizeConfig:
@@ -151,6 +163,8 @@ class EncodeUnit:
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
     filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
     head_stats: bool = False  # also the LM head's entropy and max probability at each slot
+    store: str = FLOAT16  # passages: the storage choice their vectors are coded with (storage/codecs.py)
+    codebook: str | None = None  # its codebook folder, when the choice is trained
 
 
 _PLANS: dict[str, dict[str, Any]] = {}  # shared settings by key, read once per process (the key is their hash)
@@ -176,12 +190,45 @@ def reader_for(settings: EncodeSettings) -> Readout:
     Loading is serialised: transformers builds a model under process-global state (the meta device
     context), so two threads loading at once can hand each other meta tensors.
     """
+    settings = float16_settings(settings)  # how the vectors are stored does not change the model
     key = settings.model_dump_json()
     with _LOAD_LOCK:
         if key not in _READERS:
             _READERS.clear()  # one model at a time: free the previous one's memory
             _READERS[key] = make_reader(load_backbone(settings.backbone), settings.readout, settings.max_length)
         return _READERS[key]
+
+
+def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens_stage: str, shard: str,
+                 filter_stage: str | None, side: str, k: int, head_stats: bool = False,
+                 advance: Callable[[int], None] | None = None) -> pa.Table:  # fmt: skip
+    """One tokens shard encoded at K (float16 vectors, the encodings schema)."""
+    reader = reader_for(settings)
+    t = ctx.store.read_table(tokens_stage, shard)
+    ids, filtered = t.column("id").to_pylist(), None
+    if filter_stage:  # the filter's ids, stored at tokenize time: the texts are not filtered again
+        f = ctx.store.read_table(filter_stage, shard)
+        if f.column("id").to_pylist() != ids:
+            raise StoreError(f"{ctx.store.abspath(filter_stage)}/{shard}: its ids are not the tokens shard's; run "
+                             "`diffret encode --verify`")  # fmt: skip
+        filtered = f.column("allowed_ids").to_pylist()
+    return encode_rows(
+        reader, ids, t.column("token_ids").to_pylist(), None if filtered else t.column("text").to_pylist(),
+        side, k, batch_size, advance or (lambda _n: None), filtered=filtered, head_stats=head_stats,
+    )  # fmt: skip
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def _codec(ctx: Context, unit: EncodeUnit) -> Codec:
+    """The codec a passage unit codes with (its codebook read once per process)."""
+    key = f"{unit.store}|{unit.codebook}"
+    if key not in _CODECS:
+        codebook, digest = read_codebook(ctx.store, unit.codebook) if unit.codebook else (None, None)
+        _CODECS.clear()
+        _CODECS[key] = make_codec(unit.store, codebook, digest)
+    return _CODECS[key]
 
 
 class Encode(
@@ -217,6 +264,11 @@ class Encode(
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 stats = config.head_stats and side == "query"
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)
+                codebook = None
+                if side == "passage" and parse_store(config.store).trained:
+                    codebook = codebook_dir(record.system, config.dataset, k)
+                    digest = self._codebook(config, ctx, settings, tokens, t_stage, t_man, f_stage, filtered, k)
+                    cfg = compressed_config(cfg, Codec(config.store, 0, None, digest))
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
                 ctx.hold(stage)  # another encode of this folder running now is refused, not raced
                 m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
@@ -228,7 +280,8 @@ class Encode(
                         continue
                     rows = int(t_man.files[shard].rows or 0)
                     unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash,
-                                      f_stage if shard in filtered else None, stats)  # fmt: skip
+                                      f_stage if shard in filtered else None, stats,
+                                      config.store if side == "passage" else FLOAT16, codebook)  # fmt: skip
                     plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
@@ -245,6 +298,33 @@ class Encode(
                 unit.plan = plan.details["plan"]
         return plan
 
+    def _codebook(self, config: EncodeConfig, ctx: Context, settings: EncodeSettings, tokens: str, t_stage: str,
+                  t_man: Manifest, f_stage: str | None, filtered: set[str], k: int) -> str:  # fmt: skip
+        """The K_p codebook of a trained storage choice (trained now unless current): its sample is the float16
+        vectors of the shards ``diffret compress`` would read, in its seeded order, taken from the float16 system
+        when it holds them, else encoded here (the model's work before the units: the sample only)."""
+        f16 = float16_settings(settings)
+        source_cfg = encodings_config(f16, tokens, t_man.config_hash, k)
+        source = encodings_dir(encoder_slug(f16), config.dataset, "passage", k)
+        try:
+            have = ctx.store.read_manifest(source)
+        except StoreError:
+            have = None
+        stored = set(have.files) if have is not None and have.config_hash == config_hash(source_cfg) else set()
+
+        def vectors(shard: str) -> np.ndarray:
+            if shard in stored:
+                return vectors_of(ctx.store.read_table(source, shard))
+            check_weights(config.backbone)
+            table = encode_shard(ctx, f16, config.batch_size, t_stage, shard, f_stage if shard in filtered else None,
+                                 "passage", k)  # fmt: skip
+            return vectors_of(table)
+
+        cb_cfg = codebook_config(config.store, config.store_seed, config.codebook_sample, config.dataset, k,
+                                 config_hash(source_cfg), t_man.total_rows() * k)  # fmt: skip
+        return ensure_codebook(ctx.store, encoder_slug(settings), config.dataset, k, cb_cfg, config.force,
+                               sorted(t_man.files), vectors, ctx.log)  # fmt: skip
+
     def work_of(self, unit: EncodeUnit) -> int:
         return unit.rows
 
@@ -253,19 +333,11 @@ class Encode(
 
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
         shared = _shared(ctx, unit.plan)
-        reader = reader_for(EncodeSettings.model_validate(shared["settings"]))
-        t = ctx.store.read_table(unit.tokens_stage, unit.shard)
-        ids, filtered = t.column("id").to_pylist(), None
-        if unit.filter_stage:  # the filter's ids, stored at tokenize time: the texts are not filtered again
-            f = ctx.store.read_table(unit.filter_stage, unit.shard)
-            if f.column("id").to_pylist() != ids:
-                raise StoreError(f"{ctx.store.abspath(unit.filter_stage)}/{unit.shard}: its ids are not the tokens "
-                                 "shard's; run `diffret encode --verify`")  # fmt: skip
-            filtered = f.column("allowed_ids").to_pylist()
-        table = encode_rows(
-            reader, ids, t.column("token_ids").to_pylist(), None if filtered else t.column("text").to_pylist(),
-            unit.side, unit.k, shared["batch_size"], ctx.advance, filtered=filtered, head_stats=unit.head_stats,
-        )  # fmt: skip
+        table = encode_shard(ctx, EncodeSettings.model_validate(shared["settings"]), shared["batch_size"],
+                             unit.tokens_stage, unit.shard, unit.filter_stage, unit.side, unit.k, unit.head_stats,
+                             ctx.advance)  # fmt: skip
+        if unit.store != FLOAT16:
+            table = compress_table(table, _codec(ctx, unit))
         return ctx.store.write_shard(unit.out_stage, unit.shard, table)
 
     def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:

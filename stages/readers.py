@@ -15,8 +15,9 @@ from retrieval.data.collections import TITLE_SEP, passage_text
 from retrieval.search.bot import binary_flat
 from retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
 from retrieval.search.rules import ScoreRules
-from storage import ArtifactStore, IncompleteArtifactError, Manifest
-from storage.layout import BOT_FILE, dataset_dir
+from storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
+from storage.codecs import FLOAT16, Codebook, Codec, parse_store
+from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir, repair_hint
 
 SIDES = ("query", "passage")
 
@@ -140,15 +141,56 @@ def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | Non
 def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
                    sparse_factor: float = 1.0) -> Iterator[Encodings]:  # fmt: skip
     """The shards of an encoding folder in order, each verified against the manifest, ready to score under
-    ``rules`` (see ``encodings_from_table``)."""
+    ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
+    codec = codec_for(store, stage, m)
     for name in sorted(m.files):
-        yield encodings_from_table(store.read_table(stage, name), device, rules, sparse_factor)
+        yield encodings_from_table(store.read_table(stage, name), device, rules, sparse_factor, codec)
 
 
 def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
                    sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
     tables = [store.read_table(stage, name) for name in sorted(m.files)]
-    return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor)
+    return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor, codec_for(store, stage, m))
+
+
+def codebook_digest(store: ArtifactStore, stage: str) -> str:
+    """The sha256 of a stored codebook, its file verified against its manifest: missing ->
+    IncompleteArtifactError, changed -> ChecksumError (each naming the file and the repair)."""
+    m = store.read_manifest(stage)
+    entry = m.files.get(CODEBOOK_FILE) if m is not None else None
+    if entry is None:
+        raise IncompleteArtifactError(f"{store.abspath(stage)}: no codebook; run `diffret compress` (or `diffret "
+                                      "encode --store`) with the settings that made this system")  # fmt: skip
+    store.verify_file(stage, CODEBOOK_FILE, entry)
+    return entry.sha256
+
+
+def read_codebook(store: ArtifactStore, stage: str) -> tuple[Codebook, str]:
+    """A stored codebook (verified, :func:`codebook_digest`) and its sha256."""
+    digest = codebook_digest(store, stage)
+    return Codebook.from_bytes(store.read_bytes(f"{stage}/{CODEBOOK_FILE}"), store.abspath(stage)), digest
+
+
+def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
+    """What an encodings folder's vectors decode with: None for float16; a compressed system's storage choice with
+    the codebook its manifest names (one of another K_p, dataset or digest is refused, naming both)."""
+    spec = m.config.get("store", FLOAT16)
+    if spec == FLOAT16 or m.partition.get("side") == "query":  # queries are kept in float16
+        return None
+    if not parse_store(spec).trained:
+        return Codec(spec, 0)
+    cb_stage = codebook_dir(m.partition["system"], m.partition["dataset"], int(m.partition["k"]))
+    codebook, digest = read_codebook(store, cb_stage)
+    want = (m.config.get("inputs") or {}).get("codebook")
+    if digest != want:
+        raise StoreError(f"{store.abspath(stage)}: coded with codebook {str(want)[:12]}…, but "
+                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {repair_hint(stage)}")  # fmt: skip
+    try:
+        codebook.check(spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"],
+                       system=m.partition["system"])  # fmt: skip
+    except ValueError as exc:
+        raise StoreError(f"{store.abspath(cb_stage)}: {exc}") from None
+    return Codec(spec, codebook.dim, codebook, digest)
 
 
 def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu",

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from storage import ArtifactStore, Manifest, StoreError, config_hash
+from storage.codecs import FLOAT16, parse_store, store_tag
 from storage.layout import system_dir
 from storage.manifest import diff_configs
 
@@ -40,11 +41,16 @@ class EncodeSettings(BaseModel):
                             "(see the readout's truncation); run_encode.sh's 256, encode.py's own default 512.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
                            "'. '; diffret 0.1: ' ').")  # fmt: skip
+    store: str = Field(default=FLOAT16, description="How passage vectors are stored: float16, int8, residual:B "
+                       "(B = 1, 2, 4 bits; residual:B:C for C centroids) or pq:M (storage/codecs.py). A compressed "
+                       "system is a system of its own; queries stay float16.")  # fmt: skip
+    store_seed: int = Field(default=0, ge=0, description="Seed of a compressed store's codebook sample and training.")
 
     @model_validator(mode="after")
     def _resolve_readout(self) -> EncodeSettings:
         if not self.readout.is_resolved:
             self.readout = self.readout.resolved(finetuned_model(self.backbone))
+        parse_store(self.store)  # an unknown choice is refused here, naming the choices
         return self
 
 
@@ -82,10 +88,21 @@ def slug_base(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", base).strip("-.")[:60] or "model"
 
 
+# a system's storage settings when it stores float16 (left out of its settings: float16 slugs are unchanged)
+STORED = {"store": FLOAT16, "store_seed": 0}
+
+
 def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
-    """The settings that change the numbers (device, attention kernel and batch size do not)."""
+    """The settings that change the numbers (device, attention kernel and batch size do not); the storage choice
+    only when it is not float16."""
+    stored = {"store": s.store, "store_seed": s.store_seed} if s.store != FLOAT16 else {}
     return {**backbone_settings(s.backbone), "readout": s.readout.numbers(), "max_length": s.max_length,
-            "title_sep": s.title_sep}  # fmt: skip
+            "title_sep": s.title_sep, **stored}  # fmt: skip
+
+
+def float16_settings(s: EncodeSettings) -> EncodeSettings:
+    """The same encoder, storing float16 (the system a compressed one is made from)."""
+    return s.model_copy(update=STORED)
 
 
 def backbone_settings(b: BackboneConfig) -> dict[str, Any]:
@@ -114,13 +131,16 @@ def weights_of(b: BackboneConfig) -> dict[str, str]:
 
 
 def encoder_slug(s: EncodeSettings) -> str:
-    """``<model basename>-<readout>-<hash of numeric_settings>``.
+    """``<model basename>-<readout>-[<store>-]<hash of numeric_settings>``.
 
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert")))
     'tiny-bert-diffretriever-49546d2856'
+    >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert"), store="residual:2"))[:32]
+    'tiny-bert-diffretriever-residual'
     """
     name = slug_base(s.backbone.adapter or s.backbone.model)  # an adapter is named by its folder
-    return f"{name}-{s.readout.readout}-{config_hash(numeric_settings(s))[:10]}"
+    tag = f"{store_tag(s.store)}-" if s.store != FLOAT16 else ""
+    return f"{name}-{s.readout.readout}-{tag}{config_hash(numeric_settings(s))[:10]}"
 
 
 def bm25_slug(settings: BaseModel) -> str:
@@ -181,7 +201,7 @@ class SystemRecord(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # exactly what the slug's hash covers
 
     def flat_settings(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = dict(STORED) if self.kind == "encoder" else {}
         for key, value in self.settings.items():
             if isinstance(value, dict):
                 out.update({f"{key}.{k}": v for k, v in value.items()})
@@ -200,8 +220,9 @@ def settings_of(record: SystemRecord, device: str = "auto") -> EncodeSettings:
     """
     st = dict(record.settings)
     backbone = {k: st.pop(k) for k in list(st) if k in BackboneConfig.model_fields}
+    stored = {k: st[k] for k in STORED if k in st}
     s = EncodeSettings(backbone=BackboneConfig(**backbone, device=device), readout=ReadoutConfig(**st["readout"]),
-                       max_length=st["max_length"], title_sep=st["title_sep"])  # fmt: skip
+                       max_length=st["max_length"], title_sep=st["title_sep"], **stored)  # fmt: skip
     if encoder_slug(s) != record.system:
         raise StoreError(f"{record.system}: its registry record does not give back its settings; encode it again")
     return s
@@ -329,6 +350,8 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
         if cands and key not in known:
             raise StoreError(f"unknown system setting {key!r}; settings: {', '.join(sorted(known))}")
         cands = [(r, st) for r, st in cands if r.flat_settings().get(key) == want]
+    if len(cands) > 1 and "store" not in ref.where:  # a model names its float16 system unless --store is given
+        cands = [(r, st) for r, st in cands if r.flat_settings().get("store") == FLOAT16] or cands
     if len(cands) == 1:
         return cands[0][0]
     asked = " and ".join([f"model {ref.model!r}"] * bool(ref.model) + [f"{k}={v!r}" for k, v in ref.where.items()])

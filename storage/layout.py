@@ -123,16 +123,19 @@ BOT_SCHEMA = pa.schema(
 )
 
 
-def encodings_schema(hidden_size: int, head_stats: bool = False) -> pa.Schema:
+def encodings_schema(hidden_size: int, head_stats: bool = False, code_bytes: int | None = None) -> pa.Schema:
     """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length; with
     ``head_stats`` (``diffret encode --head-stats``, the query side of the mask readout) also the LM head's softmax
-    entropy and max probability at each of the K slots."""
+    entropy and max probability at each of the K slots. With ``code_bytes`` (a compressed store, storage/codecs.py)
+    the vectors are a ``codes`` column instead of ``dense``: one fixed-size binary code per vector."""
     stats = [pa.field("slot_entropy", pa.list_(pa.float32())), pa.field("slot_maxprob", pa.list_(pa.float32()))]
+    vectors = (pa.field("dense", pa.list_(pa.list_(pa.float16(), hidden_size)), nullable=False) if code_bytes is None
+               else pa.field("codes", pa.list_(pa.binary(code_bytes)), nullable=False))  # fmt: skip
     return pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
             pa.field("n_reps", pa.int16(), nullable=False),
-            pa.field("dense", pa.list_(pa.list_(pa.float16(), hidden_size)), nullable=False),
+            vectors,
             pa.field("sparse_ids", pa.list_(pa.int32())),
             pa.field("sparse_weights", pa.list_(pa.float32())),
             pa.field("n_tokens", pa.int32(), nullable=False),
@@ -169,6 +172,14 @@ def bot_dir(tokenizer: str, dataset: str) -> str:
 
 def encodings_dir(system: str, dataset: str, side: str, k: int) -> str:
     return partition("encodings", system=system, dataset=dataset, side=side, k=k)
+
+
+CODEBOOK_FILE = "codebook.npz"
+
+
+def codebook_dir(system: str, dataset: str, k: int) -> str:
+    """The codebook a compressed system's K_p passage vectors are coded with (``CODEBOOK_FILE``, storage/codecs.py)."""
+    return partition("codebooks", system=system, dataset=dataset, k=k)
 
 
 def plan_path(key: str) -> str:
@@ -382,6 +393,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "tokens": ("tokens/*/*/*", "diffret encode --verify"),
     "filters": ("filters/*/*/*/*", "diffret encode --verify"),
     "encodings": ("encodings/*/*/*/*", "diffret encode --verify"),
+    "codebooks": ("codebooks/*/*/*", "diffret compress"),
     "systems": ("systems/*", "diffret encode"),
     "runs": ("runs/*/*/*/*/*/*", "diffret score"),
     "metrics": ("metrics/*/*/*/*/*/*", "diffret evaluate"),

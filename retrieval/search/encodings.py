@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from storage.codecs import Codec, vectors_of
+
 from .rules import ScoreRules, round_bf16_
 
 
@@ -107,13 +109,14 @@ def padded(vectors: list[np.ndarray], device: str | torch.device = "cpu") -> tup
 
 
 def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", rules: ScoreRules | None = None,
-                         sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
+                         sparse_factor: float = 1.0, codec: Codec | None = None) -> Encodings:  # fmt: skip
     """Convert rows of the encodings schema (storage.layout.encodings_schema) into tensors to score.
 
     Each vector is L2-normalised; ``single`` is the mean of a text's normalised vectors (normalised again with
     ``rules.single_renorm``); ``rules.dtype == "bfloat16"`` rounds the normalised vectors and the mean to
     bfloat16 as the released evaluator does. Sparse weights are multiplied by ``sparse_factor`` (and rounded to
-    integers when it is not 1: the reference's stored x100 integers, see ``ScoreRules.sparse_factor``).
+    integers when it is not 1: the reference's stored x100 integers, see ``ScoreRules.sparse_factor``). A compressed
+    table (a ``codes`` column) is decoded with ``codec`` (storage/codecs.py).
 
     >>> import pyarrow as pa
     >>> from storage.layout import encodings_schema
@@ -127,10 +130,8 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", ru
     n = table.num_rows
     ids = table.column("id").to_pylist()
     n_reps = table.column("n_reps").to_numpy().astype(np.int64)
-    dense_col = table.column("dense").combine_chunks()
-    inner = dense_col.flatten()  # FixedSizeList per vector, respecting the list offsets
-    hidden = inner.type.list_size
-    flat = inner.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, hidden)
+    flat = vectors_of(table, codec)  # one row per vector, in text order
+    hidden = flat.shape[1]
     if flat.shape[0] != int(n_reps.sum()):
         raise ValueError(f"encodings: {flat.shape[0]} vectors but n_reps sums to {int(n_reps.sum())}")
     if n and int(n_reps.min()) < 1:

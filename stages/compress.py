@@ -1,0 +1,147 @@
+"""The compress stage: a stored float16 system -> the same system under a compressed storage choice, without
+re-encoding.
+
+    codebooks/system=<compressed>/dataset=<d>/k=<K_p>/codebook.npz          (residual:B, pq:M)
+    encodings/system=<compressed>/dataset=<d>/side=passage/k=<K_p>/shard=NNNNN.parquet   (a ``codes`` column)
+    encodings/system=<compressed>/dataset=<d>/side=query/k=<K_q>/...        (float16, as stored)
+
+The compressed system is the float16 one's settings plus ``store`` and ``store_seed`` (a system of its own, never
+mixed with the float16 one). Per K_p a codebook is trained from a seeded sample of the float16 vectors
+(stages/codebooks.py: the same sample and codebook as ``diffret encode --store`` with that seed), then every
+passage shard is coded with it, shard by shard (resumable as encode is); query folders are copied. The folders'
+configs are the ones ``encode --store`` writes, so the two ways give the same folders and the same runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from retrieval.fields import like
+from storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
+from storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
+from storage.layout import codebook_dir, encodings_dir
+
+from .base import Context, Plan, Stage, StageConfig
+from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
+from .encode import EncodeConfig
+from .readers import corpus_size, encoding_manifest, read_codebook, side_size
+from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
+
+
+class CompressConfig(StageConfig):
+    """Parameters of the compress flow."""
+
+    system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.")
+    dataset: str = like(EncodeConfig, "dataset")
+    to: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; residual:B:C for C centroids) or "
+                    "pq:M (storage/codecs.py).")  # fmt: skip
+    seed: int = like(EncodeConfig, "store_seed")
+    k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
+                                "dataset's passages).")  # fmt: skip
+    codebook_sample: int = like(EncodeConfig, "codebook_sample")
+
+
+@dataclass
+class CompressUnit:
+    """One float16 shard written under the compressed system: passages coded, queries as they are."""
+
+    source: str
+    shard: str
+    out_stage: str
+    side: str
+    k: int
+    rows: int
+    config_hash: str
+    store: str  # the storage choice (float16 for a query shard)
+    codebook: str | None = None  # its codebook folder, when trained
+
+
+class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", verb="compressed", distributed=True):
+    """Turn a stored float16 system into a compressed one (int8, residual:B, pq:M) without re-encoding."""
+
+    next_step = "score it: `diffret score -d {dataset} --system {system}`, then `diffret evaluate`."
+
+    def plan(self, config: CompressConfig, ctx: Context) -> Plan:
+        spec = parse_store(config.to)
+        if spec.kind == FLOAT16:
+            raise ValueError("--to float16 is the system as stored: give int8, residual:B or pq:M")
+        store = ctx.store
+        record = find_system(store, config.system.model_copy(update={"where": {**config.system.where,
+                                                                                "store": FLOAT16}}))  # fmt: skip
+        if record.kind != "encoder" or record.flat_settings().get("store") != FLOAT16:
+            raise StoreError(f"{record.system} is not a float16 encoder system; compress the float16 system it was "
+                             "made from")  # fmt: skip
+        source = settings_of(record)
+        target = source.model_copy(update={"store": config.to, "store_seed": config.seed})
+        out = encoder_record(target)
+        plan = Plan(system=out.system, work_unit="docs", work=0, details={"stages": {}, "source": record.system})
+        n_passages = corpus_size(store, config.dataset)
+        ks = config.k or [int(k) for k in store.list_partitions(
+            f"encodings/system={record.system}/dataset={config.dataset}/side=passage", "k")]  # fmt: skip
+        if not ks:
+            raise IncompleteArtifactError(f"{record.system} has no passage encodings of {config.dataset!r}; run "
+                                          "`diffret encode` first")  # fmt: skip
+        for side in ("query", "passage"):
+            expected = n_passages if side == "passage" else side_size(store, config.dataset, "query")[0]
+            for k in sorted(ks):
+                src = encodings_dir(record.system, config.dataset, side, k)
+                m = encoding_manifest(store, src, expected)  # a killed encode's folder is refused: finish it first
+                base = {**m.config, **numeric_settings(target)}  # the float16 folder's config, as this system's
+                codebook = None
+                if side == "passage" and spec.trained:
+                    codebook = codebook_dir(out.system, config.dataset, k)
+                    cb_cfg = codebook_config(config.to, config.seed, config.codebook_sample, config.dataset, k,
+                                             m.config_hash, m.total_rows() * k)  # fmt: skip
+                    digest = ensure_codebook(store, out.system, config.dataset, k, cb_cfg, config.force,
+                                             sorted(m.files), lambda s, src=src: vectors_of(store.read_table(src, s)),
+                                             ctx.log)  # fmt: skip
+                    base = compressed_config(base, make_codec(config.to, None, digest))
+                stage = encodings_dir(out.system, config.dataset, side, k)
+                ctx.hold(stage)
+                part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
+                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force)
+                plan.details["stages"][f"{side}/k={k}"] = stage
+                for shard in sorted(m.files):
+                    if shard in done:
+                        plan.skipped += 1
+                        continue
+                    rows = int(m.files[shard].rows or 0)
+                    plan.units.append(CompressUnit(src, shard, stage, side, k, rows, m_out.config_hash,
+                                                   config.to if side == "passage" else FLOAT16, codebook))
+                    plan.work += rows
+        register(store, out, write=False)
+        plan.details["record"] = out
+        return plan
+
+    def work_of(self, unit: CompressUnit) -> int:
+        return unit.rows
+
+    def unit_name(self, unit: CompressUnit) -> str:
+        return f"{unit.side} K={unit.k} {unit.shard.removesuffix('.parquet')}"
+
+    def run(self, unit: CompressUnit, ctx: Context) -> FileEntry:
+        table = ctx.store.read_table(unit.source, unit.shard)
+        if unit.store != FLOAT16:
+            codebook, digest = read_codebook(ctx.store, unit.codebook) if unit.codebook else (None, None)
+            table = compress_table(table, make_codec(unit.store, codebook, digest))
+        return ctx.store.write_shard(unit.out_stage, unit.shard, table)
+
+    def commit(self, unit: CompressUnit, result: FileEntry, ctx: Context) -> None:
+        ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
+
+    def finish(self, config: CompressConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """Compact each folder's shard records into its manifest; register the compressed system."""
+        for stage in plan.details["stages"].values():
+            ctx.store.compact_shards(stage)
+        register(ctx.store, plan.details["record"])
+        return {k: v for k, v in plan.details.items() if k != "record"}
+
+    def abort(self, config: CompressConfig, plan: Plan, ctx: Context) -> None:
+        """A failed run keeps the shards it finished; the folders it opened that hold none are removed."""
+        remove_empty_sharded(ctx.store, plan.details["stages"].values())
+
+
+stage = Compress()

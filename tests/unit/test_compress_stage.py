@@ -1,0 +1,200 @@
+"""Compressed encodings in the stage world (issue 29): `diffret compress` of a stored float16 system, `diffret
+encode --store` from the start (the same codebook, shards and runs), scoring over the codes, and a codebook that is
+corrupted, missing or of another K_p / dataset."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_beir
+from tiny_models import save_tiny_mlm
+
+from retrieval.models.backbones import BackboneConfig
+from stages import execute, stages
+from stages.compress import CompressConfig
+from stages.encode import EncodeConfig
+from stages.ingest import DownloadConfig
+from stages.readers import read_codebook
+from stages.score import ScoreConfig
+from stages.systems import SystemRef, find_system
+from storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
+from storage.codecs import CodebookError
+from storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, run_dir
+
+WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
+         "cloud apple lemon").split()  # fmt: skip
+CORPUS = [{"_id": f"d{i}", "title": WORDS[i % 20], "text": " ".join(WORDS[(i * 3 + j) % 20] for j in range(6))}
+          for i in range(60)]  # fmt: skip
+QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[(2 * i + j) % 20] for j in range(3))} for i in range(8)]
+QRELS = {"test": [(f"q{i}", f"d{3 * i}", 1) for i in range(8)]}
+K = [1, 4]
+
+
+def _run(name: str, config) -> object:  # noqa: ANN001
+    return execute(stages()[name], config, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("compress")
+    model = save_tiny_mlm(base / "model")
+    beir = write_beir(base / "tiny", CORPUS, QUERIES, QRELS)
+    root = str(base / "store")
+    bb = BackboneConfig(model=str(model))
+    _run("download", DownloadConfig(name="tiny", source=str(beir), root=root))
+    enc = EncodeConfig(root=root, dataset="tiny", k=K, backbone=bb, max_length=64, shard_size=20, batch_size=8)
+    _run("tokenize", enc.tokenize_config())
+    f16 = _run("encode", enc).system
+    _run("score", _score(root, f16))
+    return {"base": base, "root": root, "model": model, "encode": enc, "f16": f16}
+
+
+def _score(root: str, system: str) -> ScoreConfig:
+    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K,
+                       modes=["multi_dense", "single_dense", "fusion_multi_sparse_max"])  # fmt: skip
+
+
+def _runs(root: str, system: str) -> dict[tuple[int, int, str], list[dict]]:
+    store = ArtifactStore(root)
+    out = {}
+    for kq in K:
+        for kp in K:
+            for mode in ("multi_dense", "single_dense", "fusion_multi_sparse_max"):
+                t = store.read_table(run_dir(system, "tiny", "test", kq, kp, mode), "run.parquet")
+                out[kq, kp, mode] = t.to_pylist()
+    return out
+
+
+def _copy(world: dict, tmp_path: Path) -> str:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root)
+    return str(root)
+
+
+def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dict, tmp_path: Path) -> None:
+    root = _copy(world, tmp_path)
+    res = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), to="int8"))
+    assert res.done == 2 * (1 + 3) and "-int8-" in res.system  # K x (1 query shard + 3 passage shards)
+    store = ArtifactStore(root)
+    # --model alone still names the float16 system; --store names the compressed one
+    assert find_system(store, SystemRef(model=str(world["model"]))).system == world["f16"]
+    assert find_system(store, SystemRef(model=str(world["model"]), where={"store": "int8"})).system == res.system
+    f16 = store.read_manifest(encodings_dir(world["f16"], "tiny", "passage", 4))
+    i8 = store.read_manifest(encodings_dir(res.system, "tiny", "passage", 4))
+    assert sum(e.bytes for e in i8.files.values()) < sum(e.bytes for e in f16.files.values())
+    _run("score", _score(root, res.system))
+    a, b = _runs(root, world["f16"]), _runs(root, res.system)
+    for cell in a:  # a random tiny model's passages are near ties: the scores barely move, not the ranks
+        if cell[2] == "fusion_multi_sparse_max":  # min-max normalised: ranks, not scores
+            continue
+        sa = {(r["query_id"], r["doc_id"]): r["score"] for r in a[cell]}
+        sb = {(r["query_id"], r["doc_id"]): r["score"] for r in b[cell]}
+        both = sa.keys() & sb.keys()
+        assert len(both) > len(sa) // 2 and max(abs(sa[x] - sb[x]) for x in both) < 0.01, cell
+    # a second compress does nothing
+    again = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
+                                            to="int8"))  # fmt: skip
+    assert again.done == 0 and again.skipped == res.done
+
+
+def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: dict, tmp_path: Path) -> None:
+    """Must-show 3: the same codebook seed gives the same codebook, the same shards and the same runs."""
+    a = _copy(world, tmp_path / "a")
+    res = _run("compress", CompressConfig(root=a, dataset="tiny", system=SystemRef(system=world["f16"]),
+                                          to="residual:2", seed=3))  # fmt: skip
+    _run("score", _score(a, res.system))
+    # b: the float16 passages are gone, so encode --store encodes its codebook's sample itself
+    b = _copy(world, tmp_path / "b")
+    for k in K:
+        ArtifactStore(b).remove_stage(encodings_dir(world["f16"], "tiny", "passage", k))
+    enc = world["encode"].model_copy(update={"root": b, "store": "residual:2", "store_seed": 3})
+    direct = _run("encode", enc)
+    assert direct.system == res.system
+    _run("score", _score(b, direct.system))
+    sa, sb = ArtifactStore(a), ArtifactStore(b)
+    for k in K:
+        assert read_codebook(sa, codebook_dir(res.system, "tiny", k))[1] == read_codebook(
+            sb, codebook_dir(res.system, "tiny", k))[1]  # fmt: skip
+        for side in ("query", "passage"):
+            ma = sa.read_manifest(encodings_dir(res.system, "tiny", side, k))
+            mb = sb.read_manifest(encodings_dir(res.system, "tiny", side, k))
+            assert ma.config_hash == mb.config_hash
+            assert sorted(ma.files) == sorted(mb.files)
+            for name in ma.files:  # the same rows and codes (Parquet may lay the same table out otherwise)
+                stage = encodings_dir(res.system, "tiny", side, k)
+                assert sa.read_table(stage, name).equals(sb.read_table(stage, name)), (side, k, name)
+    assert _runs(a, res.system) == _runs(b, res.system)
+    # the codes are a quarter of a byte per dimension (plus the centroid id), and search still ranks sensibly
+    t = sa.read_table(encodings_dir(res.system, "tiny", "passage", 4), "shard=00000.parquet")
+    assert "dense" not in t.column_names and t.schema.field("codes").type.value_type.byte_width == 4 + 32 * 2 // 8
+
+
+def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_path: Path) -> None:
+    root = _copy(world, tmp_path)
+    cfg = CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), to="residual:1")
+    system = _run("compress", cfg).system
+    store = ArtifactStore(root)
+    stage = codebook_dir(system, "tiny", 4)
+    digest = read_codebook(store, stage)[1]
+    path = Path(root) / stage / CODEBOOK_FILE
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=CODEBOOK_FILE):
+        _run("score", _score(root, system))
+    _, problems = store.verify_all()
+    assert any(CODEBOOK_FILE in p and "diffret compress" in p for p in problems)
+    res = _run("compress", cfg)  # retrained from the same seeded sample: the same codebook, no shard redone
+    assert res.done == 0 and read_codebook(store, stage)[1] == digest
+    store.remove_stage(stage)
+    with pytest.raises(IncompleteArtifactError, match="diffret compress"):
+        _run("score", _score(root, system))
+    assert _run("compress", cfg).done == 0 and read_codebook(store, stage)[1] == digest
+
+
+def test_a_codebook_of_another_k_or_dataset_is_refused_naming_both(world: dict, tmp_path: Path) -> None:
+    root = _copy(world, tmp_path)
+    system = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
+                                             to="residual:2")).system  # fmt: skip
+    store = ArtifactStore(root)
+    cb, _ = read_codebook(store, codebook_dir(system, "tiny", 4))
+    with pytest.raises(CodebookError, match="k=4, not k=1"):
+        cb.check("residual:2", cb.dim, k=1, dataset="tiny")
+    with pytest.raises(CodebookError, match="dataset='tiny', not dataset='nfcorpus'"):
+        cb.check("residual:2", cb.dim, k=4, dataset="nfcorpus")
+    # K_p = 4's codebook put in K_p = 1's place: scoring refuses it rather than decode with it
+    shutil.rmtree(Path(root) / codebook_dir(system, "tiny", 1))
+    shutil.copytree(Path(root) / codebook_dir(system, "tiny", 4), Path(root) / codebook_dir(system, "tiny", 1))
+    with pytest.raises(StoreError, match="codebook"):
+        _run("score", _score(root, system))
+
+
+def test_bad_choices_are_refused_before_any_work(world: dict, tmp_path: Path) -> None:
+    root = _copy(world, tmp_path)
+    ref = SystemRef(system=world["f16"])
+    with pytest.raises(ValueError, match="unknown store 'residual:3'"):
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="residual:3"))
+    with pytest.raises(CodebookError, match="needs at least 256 vectors"):  # 60 passages at K_p = 1
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="pq:8", k=[1]))
+    with pytest.raises(ValueError, match="float16 is the system as stored"):
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="float16"))
+    with pytest.raises(ValueError, match="unknown store"):
+        EncodeConfig(root=root, dataset="tiny", backbone=BackboneConfig(model="x"), store="int4").settings()
+
+
+def test_codebook_sample_is_seeded_and_reads_only_the_shards_it_needs() -> None:
+    from stages.codebooks import codebook_sample
+
+    read: list[str] = []
+    data = {f"s{i}": np.full((10, 2), i, np.float32) for i in range(6)}
+
+    def vectors(name: str) -> np.ndarray:
+        read.append(name)
+        return data[name]
+
+    a = codebook_sample(sorted(data), vectors, 15, seed=1)
+    assert len(a) == 15 and len(read) == 2
+    assert np.array_equal(a, codebook_sample(sorted(data), data.__getitem__, 15, seed=1))
