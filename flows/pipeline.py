@@ -87,6 +87,9 @@ class PipelineConfig(StageConfig):
     dask_address: str | None = like(EncodeConfig, "dask_address")
     verify: bool = like(EncodeConfig, "verify")
     head_stats: bool = like(EncodeConfig, "head_stats")
+    store: str = like(EncodeConfig, "store")
+    store_seed: int = like(EncodeConfig, "store_seed")
+    codebook_sample: int = like(EncodeConfig, "codebook_sample")
     rules: ScoreRules = like(ScoreConfig, "rules")
     self_hits: Literal["keep", "drop"] = like(ScoreConfig, "self_hits")
     ties: Literal["trec", "rank"] = like(EvaluateConfig, "ties")
@@ -128,7 +131,8 @@ class PipelineConfig(StageConfig):
         common = dict(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
             batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, **self._common(),
+            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
+            store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))

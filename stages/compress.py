@@ -36,8 +36,8 @@ class CompressConfig(StageConfig):
 
     system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.")
     dataset: str = like(EncodeConfig, "dataset")
-    to: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; residual:B:C for C centroids) or "
-                    "pq:M (storage/codecs.py).")  # fmt: skip
+    to: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
+                    "16,384 centroids) or pq:M (storage/codecs.py).")  # fmt: skip
     seed: int = like(EncodeConfig, "store_seed")
     k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
                                 "dataset's passages).")  # fmt: skip

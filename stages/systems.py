@@ -42,8 +42,8 @@ class EncodeSettings(BaseModel):
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
                            "'. '; diffret 0.1: ' ').")  # fmt: skip
     store: str = Field(default=FLOAT16, description="How passage vectors are stored: float16, int8, residual:B "
-                       "(B = 1, 2, 4 bits; residual:B:C for C centroids) or pq:M (storage/codecs.py). A compressed "
-                       "system is a system of its own; queries stay float16.")  # fmt: skip
+                       "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (storage/codecs.py). "
+                       "A compressed system is a system of its own; queries stay float16.")  # fmt: skip
     store_seed: int = Field(default=0, ge=0, description="Seed of a compressed store's codebook sample and training.")
 
     @model_validator(mode="after")

@@ -77,8 +77,8 @@ def parse_store(spec: str) -> StoreSpec:
             return StoreSpec("pq", m=int(parts[1]))
     except ValueError:
         pass
-    raise ValueError(f"unknown store {spec!r}: expected float16, int8, residual:B (B in 1, 2, 4; residual:B:C for C "
-                     "centroids) or pq:M")  # fmt: skip
+    raise ValueError(f"unknown store {spec!r}: expected float16, int8, residual:B (B in 1, 2, 4; residual:2:16384 "
+                     "for 16,384 centroids) or pq:M")  # fmt: skip
 
 
 def store_tag(spec: str) -> str:
