@@ -8,11 +8,14 @@ FROM read_parquet(@files, hive_partitioning = true,
 
 -- view: encodings
 -- files: encodings/system=*/dataset=*/side=*/k=*/shard=*.parquet
--- One row per (system, dataset, side, K, text). `dense` is [n_reps][H] float16; select it only when needed.
+-- One row per (system, dataset, side, K, text). `dense` is [n_reps][H] float16; a compressed system's passages
+-- have `codes` instead (one fixed-size binary code per vector, storage/codecs.py); select them only when needed.
+-- Files are read by column name, so folders with and without codes or head stats mix.
 CREATE OR REPLACE VIEW encodings AS
 SELECT system, dataset, side, k, id, n_reps, n_tokens, stopped, tokens,
-       len(sparse_ids) AS sparse_nnz, sparse_ids, sparse_weights, dense
-FROM read_parquet(@files, hive_partitioning = true,
+       len(sparse_ids) AS sparse_nnz, sparse_ids, sparse_weights,
+       * EXCLUDE (system, dataset, side, k, id, n_reps, n_tokens, stopped, tokens, sparse_ids, sparse_weights)
+FROM read_parquet(@files, hive_partitioning = true, union_by_name = true,
                   hive_types = {'system': VARCHAR, 'dataset': VARCHAR, 'side': VARCHAR, 'k': INTEGER});
 
 -- view: bot

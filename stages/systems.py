@@ -270,6 +270,8 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
         return
     path = _local_path(record.model) if record.model else None
     stats = {"model_path": path, **({"weights": weights} if weights else {})}
+    if record.kind == "encoder" and record.settings.get("store", FLOAT16) != FLOAT16:  # the system it compresses
+        stats["float16_system"] = encoder_slug(float16_settings(settings_of(record)))
     m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats=stats)
     store.write_manifest(stage, m)
 

@@ -16,6 +16,7 @@ from retrieval.models.backbones import BackboneConfig
 from stages import execute, stages
 from stages.compress import CompressConfig
 from stages.encode import EncodeConfig
+from stages.evaluate import EvaluateConfig
 from stages.ingest import DownloadConfig
 from stages.readers import read_codebook
 from stages.score import ScoreConfig
@@ -23,6 +24,7 @@ from stages.systems import SystemRef, find_system
 from storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
 from storage.codecs import CodebookError
 from storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, run_dir
+from storage.sql import StoreSQL
 
 WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
          "cloud apple lemon").split()  # fmt: skip
@@ -94,6 +96,19 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
         sb = {(r["query_id"], r["doc_id"]): r["score"] for r in b[cell]}
         both = sa.keys() & sb.keys()
         assert len(both) > len(sa) // 2 and max(abs(sa[x] - sb[x]) for x in both) < 0.01, cell
+    # SQL: bytes measured per vector and passage, each cell against the float16 system's
+    _run("evaluate", EvaluateConfig(root=root))
+    with StoreSQL(store) as db:
+        _, sizes = db.query("select system, store, kp, bytes_per_vector, bytes_per_passage from vector_bytes "
+                            "where kp = 4 order by store")  # fmt: skip
+        _, effect = db.query("select store, float16_system, kq, kp, mode, ndcg_10_change from compression_effect")
+        _, enc = db.query("select system, count(*), count(dense), count(codes) from encodings group by 1 order by 1")
+    (f, _, _, f_vec, f_pas), (c, store_name, _, c_vec, c_pas) = sizes
+    assert (f, c, store_name) == (world["f16"], res.system, "int8") and c_vec < 0.7 * f_vec and c_pas < f_pas
+    assert len(effect) == 4 * 3 and {e[:2] for e in effect} == {("int8", world["f16"])}
+    assert all(abs(e[-1]) <= 1 for e in effect)
+    by_system = {r[0]: r[1:] for r in enc}
+    assert by_system[res.system][1] == 8 * 2 and by_system[res.system][2] == 60 * 2  # queries dense, passages coded
     # a second compress does nothing
     again = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
                                             to="int8"))  # fmt: skip
