@@ -16,6 +16,7 @@ def footprint_projection(
     bytes_per_value: float = 2.0,
     sparse_topk: int = 256,
     queries: int = 6980 + 43 + 54,
+    passage_bytes_per_vector: float | None = None,
 ) -> dict[str, Any]:
     """Bytes of the encodings of the full grid at MS MARCO scale, with its assumptions.
 
@@ -23,12 +24,17 @@ def footprint_projection(
     default: 2 bytes) plus ``sparse_topk`` (int32 id, float32 weight) pairs; every backbone and setting
     (e.g. zero-shot and fine-tuned) repeats it. Parquet (zstd) barely compresses float16 activations,
     so raw bytes are a fair estimate; ``bytes_per_value`` can be taken from the store's own ratio.
+    ``passage_bytes_per_vector``: a compressed store's bytes per passage vector (storage/codecs.py; the queries
+    stay float16).
 
     >>> round(footprint_projection(hidden=3584, backbones=4, settings=2)["total_tb"], 1)
     16.5
+    >>> round(footprint_projection(passage_bytes_per_vector=900)["total_tb"], 1)   # residual:2 at H = 3584
+    2.7
     """
     vectors_per_text = sum(grid)
-    dense = (passages + queries) * vectors_per_text * hidden * bytes_per_value
+    per_vector = hidden * bytes_per_value
+    dense = (passages * (passage_bytes_per_vector or per_vector) + queries * per_vector) * vectors_per_text
     sparse = (passages + queries) * len(grid) * sparse_topk * 8
     per_setting = dense + sparse
     total = per_setting * backbones * settings
@@ -41,6 +47,7 @@ def footprint_projection(
             "vectors_per_text": vectors_per_text,
             "bytes_per_value": bytes_per_value,
             "sparse_topk": sparse_topk,
+            "passage_bytes_per_vector": passage_bytes_per_vector or per_vector,
             "backbones": backbones,
             "settings": settings,
         },

@@ -20,6 +20,7 @@ from storage.sql import StoreSQL
 from ..search.modes import MODE_NAMES
 from .correlation import feature_correlations
 from .figures import (
+    compression_png,
     correlation_png,
     cost_effect_png,
     encode_latency_png,
@@ -269,6 +270,70 @@ def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, se
     rep.sections.append(("Footprint", body))
 
 
+def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
+    """Compressed systems against their float16 systems (views ``vector_bytes``, ``compression_effect``): bytes
+    per vector and per passage measured on disk, the MS MARCO projection per storage choice, and the NDCG@10 /
+    MRR@10 change per mode over the grid (a table and a figure)."""
+    from storage.codecs import code_bytes
+
+    systems = rows(db, "select system, store, float16_system from compressed_systems order by float16_system, system")
+    if not systems:
+        return
+    sizes = rows(db, "select s.system, s.store, s.float16_system, v.dataset, "
+                     "sum(v.vector_bytes) / sum(v.vectors) bytes_per_vector, "
+                     "sum(f.vector_bytes) / sum(f.vectors) float16_bytes_per_vector, "
+                     "sum(v.all_bytes) / max(v.passages) bytes_per_passage, "
+                     "sum(f.all_bytes) / max(f.passages) float16_bytes_per_passage, list(v.kp order by v.kp) kp "
+                     "from compressed_systems s join vector_bytes v on v.system = s.system "
+                     "join vector_bytes f on f.system = s.float16_system and f.dataset = v.dataset and f.kp = v.kp "
+                     "group by all order by s.float16_system, v.dataset, bytes_per_vector")  # fmt: skip
+    width = {r["float16_system"]: rows(db, "select len(dense[1]) h from encodings where system = ? and side = "
+                                           "'passage' and dense is not null limit 1", [r["float16_system"]])
+             for r in sizes}  # fmt: skip
+    base = footprint_projection(hidden=hidden, backbones=backbones, settings=settings)
+    for r in sizes:
+        r["smaller"] = r["float16_bytes_per_vector"] / r["bytes_per_vector"]
+        h = width[r["float16_system"]][0]["h"] if width[r["float16_system"]] else None
+        # the measured bytes per vector scaled to the projection's width by the code's own width
+        scaled = r["bytes_per_vector"] * code_bytes(r["store"], hidden) / code_bytes(r["store"], h) if h else None
+        proj = footprint_projection(hidden=hidden, backbones=backbones, settings=settings,
+                                    passage_bytes_per_vector=scaled) if scaled else None  # fmt: skip
+        r["msmarco_projection"] = human_bytes(proj["total_bytes"]) if proj else "–"
+        r["msmarco_bytes"] = proj["total_bytes"] if proj else None
+    rep.files["compression.csv"] = _dicts_csv(sizes)
+    effect = rows(db, "select * from compression_effect order by float16_system, store, dataset, split, mode, kq, kp")
+    rep.files["compression_effect.csv"] = _dicts_csv(effect)
+    means = rows(db, "select e.store, e.system, e.dataset, e.split, e.mode, count(*) cells, "
+                     "avg(ndcg_10_change) ndcg_10_change, min(ndcg_10_change) worst_ndcg_10_change, "
+                     "avg(mrr_10_change) mrr_10_change, avg(float16_ndcg_10) float16_ndcg_10 "
+                     "from compression_effect e group by all order by e.dataset, e.split, e.mode, e.store")  # fmt: skip
+    body = ("Compressed systems (`diffret compress`, `diffret encode --store`; storage/codecs.py) against the float16 "
+            "system they were made from. Bytes are measured on disk from the Parquet metadata (view `vector_bytes`): "
+            "per vector the vectors' column, per passage every column over the K_p compressed (the sparse side "
+            "included). The MS MARCO projection scales each choice's measured bytes per vector to H = "
+            f"{hidden} by its code width, keeps the queries in float16 and the rest as the Footprint section's "
+            f"(float16: {human_bytes(base['total_bytes'])}).\n\n"
+            + _md_table(sizes, ["store", "dataset", "kp", "bytes_per_vector", "float16_bytes_per_vector", "smaller",
+                                "bytes_per_passage", "float16_bytes_per_passage", "msmarco_projection"])  # fmt: skip
+            + "\nThe change in mean NDCG@10 and MRR@10 against float16, over the cells scored with both (view "
+            "`compression_effect`; per cell in `compression_effect.csv`):\n\n"
+            + _md_table(means, ["store", "dataset", "split", "mode", "cells", "float16_ndcg_10", "ndcg_10_change",
+                                "worst_ndcg_10_change", "mrr_10_change"]))  # fmt: skip
+    test = [m for m in means if m["split"] == "test"] or means
+    passage = {(r["system"], r["dataset"]): r["bytes_per_passage"] for r in sizes}
+    points = [{"store": m["store"], "mode": m["mode"], "ndcg_10_change": m["ndcg_10_change"],
+               "bytes_per_passage": passage[m["system"], m["dataset"]]}
+              for m in test if (m["system"], m["dataset"]) in passage]  # fmt: skip
+    for r in sizes:  # float16 itself, at no change
+        for mode in sorted({m["mode"] for m in test}):
+            points.append({"store": "float16", "mode": mode, "ndcg_10_change": 0.0,
+                           "bytes_per_passage": r["float16_bytes_per_passage"]})  # fmt: skip
+    if points:
+        rep.files["compression.png"] = compression_png(points, "storage choices: size against NDCG@10 change")
+        body += "\n![compression](compression.png)\n"
+    rep.sections.append(("Compression", body))
+
+
 def section_reranking(db: StoreSQL, rep: Report) -> None:
     """DiffuRank rerankers against the first-stage runs they reordered (view ``rerank_gains``)."""
     gains = rows(db, "select system, method, dataset, split, depth, first_stage, first_mode, ndcg_10, first_ndcg_10, "
@@ -496,6 +561,7 @@ def build_report(
     section_correlation(db, rep, n_boot)
     section_tables(db, rep, refs, finetuned or {})
     section_footprint(db, rep, hidden, backbones, settings)
+    section_compression(db, rep, hidden, backbones, settings)
     section_reranking(db, rep)
     section_late(db, rep)
     section_adaptive(db, rep)

@@ -18,6 +18,7 @@ from stages.compress import CompressConfig
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
 from stages.ingest import DownloadConfig
+from stages.report import ReportConfig
 from stages.readers import read_codebook
 from stages.score import ScoreConfig
 from stages.systems import SystemRef, find_system
@@ -109,6 +110,14 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
     assert all(abs(e[-1]) <= 1 for e in effect)
     by_system = {r[0]: r[1:] for r in enc}
     assert by_system[res.system][1] == 8 * 2 and by_system[res.system][2] == 60 * 2  # queries dense, passages coded
+    # the report's Compression section: sizes, the MS MARCO projection, the change per mode, the figure
+    folder = Path(_run("report", ReportConfig(root=root, name="c", n_boot=20)).details["folder"])
+    md = (folder / "report.md").read_text()
+    section = md.split("## Compression", 1)[1].split("\n## ", 1)[0]
+    assert "| int8 | tiny |" in section and "TB |" in section and "multi_dense" in section
+    assert (folder / "compression.png").read_bytes()[:4] == b"\x89PNG"
+    lines = (folder / "compression.csv").read_text().splitlines()
+    assert len(lines) == 2 and "msmarco_projection" in lines[0]
     # a second compress does nothing
     again = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
                                             to="int8"))  # fmt: skip
