@@ -18,8 +18,8 @@ from stages.compress import CompressConfig
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
 from stages.ingest import DownloadConfig
-from stages.report import ReportConfig
 from stages.readers import read_codebook
+from stages.report import ReportConfig
 from stages.score import ScoreConfig
 from stages.systems import SystemRef, find_system
 from storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
