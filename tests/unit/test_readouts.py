@@ -210,11 +210,29 @@ def test_prompt_pieces_have_no_unknown_tokens(backbones, arch):
 
 
 # ------------------------------------------------------------------------------------------ 3. padding invariance
+@pytest.fixture(scope="module")
+def sharp_backbones(tmp_path_factory) -> dict[str, tuple[Backbone, object]]:
+    """The tiny backbones with their LM head's output scaled 30x. A random head is near uniform: its slots'
+    confidences tie to 1e-6, so with S > 1 the unmasking order (and so the vectors) would be decided by the last
+    bits of a padded or unpadded sum, not by the readout."""
+    folder = tmp_path_factory.mktemp("sharp")
+    out = {}
+    for arch in ARCHS:
+        bb, tok = tiny_backbone(arch, folder / arch)
+        last = max((m for m in bb.model.modules() if isinstance(m, torch.nn.Linear)), key=lambda m: m.out_features)
+        with torch.no_grad():
+            last.weight.mul_(30)
+            if last.bias is not None:
+                last.bias.mul_(30)
+        out[arch] = (bb, tok)
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("padding_side", SIDES)
 @pytest.mark.parametrize("steps", [1, 2])
-def test_mask_readout_padding_invariance(backbones, arch, padding_side, steps):
-    bb, _ = backbones[arch]
+def test_mask_readout_padding_invariance(backbones, sharp_backbones, arch, padding_side, steps):
+    bb, _ = (backbones if steps == 1 else sharp_backbones)[arch]
     cfg = dict(padding_side=padding_side, denoise_steps=steps)
     alone = encode(bb, [TEXTS["short"]], **cfg)[0]
     first = encode(bb, [TEXTS["short"], TEXTS["long"]], **cfg)
