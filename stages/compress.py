@@ -27,7 +27,7 @@ from storage.layout import codebook_dir, encodings_dir
 from .base import Context, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
-from .readers import corpus_size, encoding_manifest, read_codebook, side_size
+from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size
 from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
 
 
@@ -40,7 +40,7 @@ class CompressConfig(StageConfig):
                     "16,384 centroids) or pq:M (storage/codecs.py).")  # fmt: skip
     seed: int = like(EncodeConfig, "store_seed")
     k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
-                                "dataset's passages).")  # fmt: skip
+                                "dataset; its queries are copied as they are).")  # fmt: skip
     codebook_sample: int = like(EncodeConfig, "codebook_sample")
 
 
@@ -78,15 +78,10 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         target = source.model_copy(update={"store": config.to, "store_seed": config.seed})
         out = encoder_record(target)
         plan = Plan(system=out.system, work_unit="docs", work=0, details={"stages": {}, "source": record.system})
-        n_passages = corpus_size(store, config.dataset)
-        ks = config.k or [int(k) for k in store.list_partitions(
-            f"encodings/system={record.system}/dataset={config.dataset}/side=passage", "k")]  # fmt: skip
-        if not ks:
-            raise IncompleteArtifactError(f"{record.system} has no passage encodings of {config.dataset!r}; run "
-                                          "`diffret encode` first")  # fmt: skip
-        for side in ("query", "passage"):
-            expected = n_passages if side == "passage" else side_size(store, config.dataset, "query")[0]
-            for k in sorted(ks):
+        sides = self._sides(config, ctx, record.system)
+        for side, ks in sides.items():
+            expected = side_size(store, config.dataset, side)[0]
+            for k in ks:
                 src = encodings_dir(record.system, config.dataset, side, k)
                 m = encoding_manifest(store, src, expected)  # a killed encode's folder is refused: finish it first
                 base = {**m.config, **numeric_settings(target)}  # the float16 folder's config, as this system's
@@ -115,6 +110,22 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         register(store, out, write=False)
         plan.details["record"] = out
         return plan
+
+    @staticmethod
+    def _sides(config: CompressConfig, ctx: Context, system: str) -> dict[str, list[int]]:
+        """The K of each side to write (``k``, default every K stored): the passages' when the dataset has a corpus,
+        the queries' when it has stored query encodings (a queries-only dataset such as TREC DL: queries only)."""
+        def stored(side: str) -> list[int]:
+            found = ctx.store.list_partitions(f"encodings/system={system}/dataset={config.dataset}/side={side}", "k")
+            return sorted(int(k) for k in found)
+
+        has_corpus = "corpus.parquet" in dataset_manifest(ctx.store, config.dataset).files
+        passage = (config.k or stored("passage")) if has_corpus else []
+        query = [k for k in stored("query") if not config.k or k in config.k]
+        if not passage and not query:
+            raise IncompleteArtifactError(f"{system} has no encodings of {config.dataset!r} to compress; run `diffret "
+                                          "encode` first")  # fmt: skip
+        return {side: ks for side, ks in (("query", query), ("passage", passage)) if ks}
 
     def work_of(self, unit: CompressUnit) -> int:
         return unit.rows
