@@ -11,7 +11,8 @@ WHERE stage = 'systems' AND stats ->> 'float16_system' IS NOT NULL;
 -- files: encodings/system=*/dataset=*/side=passage/k=*/shard=*.parquet
 -- Bytes on disk per passage encoding folder, measured from the Parquet metadata (compressed column chunks): per
 -- vector (the dense or codes column over the vectors stored) and per passage (every column: the sparse side too),
--- with the storage choice (float16 for a system that is not compressed).
+-- with the storage choice (float16 for a system that is not compressed) and its codebook's bytes (not in the
+-- per-vector figures: a codebook is paid once per K_p, however large the corpus).
 CREATE OR REPLACE VIEW vector_bytes AS
 WITH chunks AS (
     SELECT regexp_extract(file_name, 'system=([^/]+)', 1) AS system,
@@ -27,12 +28,18 @@ WITH chunks AS (
     FROM read_parquet(@files, hive_partitioning = true, union_by_name = true,
                       hive_types = {'system': VARCHAR, 'dataset': VARCHAR, 'side': VARCHAR, 'k': INTEGER})
     GROUP BY ALL
+), codebooks AS (
+    SELECT partition ->> 'system' AS system, partition ->> 'dataset' AS dataset,
+           CAST(partition ->> 'k' AS INTEGER) AS k, sum(bytes) AS codebook_bytes
+    FROM artifact_files WHERE stage = 'codebooks'
+    GROUP BY ALL
 )
 SELECT c.system, c.dataset, c.k AS kp, coalesce(s.store, 'float16') AS store, n.passages, n.vectors,
        c.vector_bytes, c.all_bytes, c.vector_bytes / n.vectors AS bytes_per_vector,
-       c.all_bytes / n.passages AS bytes_per_passage
+       c.all_bytes / n.passages AS bytes_per_passage, coalesce(b.codebook_bytes, 0) AS codebook_bytes
 FROM chunks c JOIN counts n USING (system, dataset, k)
-LEFT JOIN compressed_systems s ON s.system = c.system;
+LEFT JOIN compressed_systems s ON s.system = c.system
+LEFT JOIN codebooks b ON b.system = c.system AND b.dataset = c.dataset AND b.k = c.k;
 
 -- view: compression_effect
 -- Each compressed system's cells against its float16 system's, cell by cell (same dataset, split, K_q, K_p,

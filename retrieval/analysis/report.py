@@ -283,7 +283,8 @@ def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, 
                      "sum(v.vector_bytes) / sum(v.vectors) bytes_per_vector, "
                      "sum(f.vector_bytes) / sum(f.vectors) float16_bytes_per_vector, "
                      "sum(v.all_bytes) / max(v.passages) bytes_per_passage, "
-                     "sum(f.all_bytes) / max(f.passages) float16_bytes_per_passage, list(v.kp order by v.kp) kp "
+                     "sum(f.all_bytes) / max(f.passages) float16_bytes_per_passage, list(v.kp order by v.kp) kp, "
+                     "sum(v.codebook_bytes) codebook_bytes "
                      "from compressed_systems s join vector_bytes v on v.system = s.system "
                      "join vector_bytes f on f.system = s.float16_system and f.dataset = v.dataset and f.kp = v.kp "
                      "group by all order by s.float16_system, v.dataset, bytes_per_vector")  # fmt: skip
@@ -310,11 +311,14 @@ def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, 
     body = ("Compressed systems (`diffret compress`, `diffret encode --store`; storage/codecs.py) against the float16 "
             "system they were made from. Bytes are measured on disk from the Parquet metadata (view `vector_bytes`): "
             "per vector the vectors' column, per passage every column over the K_p compressed (the sparse side "
-            "included). The MS MARCO projection scales each choice's measured bytes per vector to H = "
+            "included); codebook_bytes: its codebooks over those K_p, paid once whatever the corpus size (one with as "
+            "many centroids as vectors stores the vectors themselves). The MS MARCO projection scales each choice's "
+            "measured bytes per vector to H = "
             f"{hidden} by its code width, keeps the queries in float16 and the rest as the Footprint section's "
             f"(float16: {human_bytes(base['total_bytes'])}).\n\n"
             + _md_table(sizes, ["store", "dataset", "kp", "bytes_per_vector", "float16_bytes_per_vector", "smaller",
-                                "bytes_per_passage", "float16_bytes_per_passage", "msmarco_projection"])  # fmt: skip
+                                "bytes_per_passage", "float16_bytes_per_passage", "codebook_bytes",
+                                "msmarco_projection"])  # fmt: skip
             + "\nThe change in mean NDCG@10 and MRR@10 against float16, over the cells scored with both (view "
             "`compression_effect`; per cell in `compression_effect.csv`):\n\n"
             + _md_table(means, ["store", "dataset", "split", "mode", "cells", "float16_ndcg_10", "ndcg_10_change",
