@@ -196,12 +196,17 @@ def compression_png(points: list[dict[str, Any]], title: str) -> bytes:
     """Bytes per passage (log x) against the mean NDCG@10 change from float16, one point per storage choice and
     mode (``store``, ``mode``, ``bytes_per_passage``, ``ndcg_10_change``); float16 itself at 0."""
     fig, ax = _pyplot().subplots(figsize=(6.4, 4), dpi=110)
-    for mode in sorted({p["mode"] for p in points}):
+    modes = sorted({p["mode"] for p in points})
+    for mode in modes:
         pts = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["bytes_per_passage"])
         ax.plot([p["bytes_per_passage"] for p in pts], [p["ndcg_10_change"] for p in pts], "o-", label=mode, ms=5)
-        for p in pts:
-            ax.annotate(p["store"], (p["bytes_per_passage"], p["ndcg_10_change"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    low = {}  # each choice named once, at its lowest point
+    for p in points:
+        if p["store"] not in low or p["ndcg_10_change"] < low[p["store"]]["ndcg_10_change"]:
+            low[p["store"]] = p
+    for p in low.values():
+        ax.annotate(p["store"], (p["bytes_per_passage"], p["ndcg_10_change"]), fontsize=7, rotation=-30,
+                    xytext=(2, -4), textcoords="offset points")  # fmt: skip
     ax.axhline(0, color="grey", lw=0.8)
     ax.legend(fontsize=7, frameon=False)
     return _log_x(fig, ax, "bytes per passage (all K_p, measured)", "mean NDCG@10 change vs float16", title)

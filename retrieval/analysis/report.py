@@ -323,7 +323,7 @@ def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, 
             "`compression_effect`; per cell in `compression_effect.csv`):\n\n"
             + _md_table(means, ["store", "dataset", "split", "mode", "cells", "float16_ndcg_10", "ndcg_10_change",
                                 "worst_ndcg_10_change", "mrr_10_change"]))  # fmt: skip
-    test = [m for m in means if m["split"] == "test"] or means
+    test = [m for m in means if m["split"] == "test" and m["mode"] != "sparse_max"] or means  # sparse: unchanged
     passage = {(r["system"], r["dataset"]): r["bytes_per_passage"] for r in sizes}
     points = [{"store": m["store"], "mode": m["mode"], "ndcg_10_change": m["ndcg_10_change"],
                "bytes_per_passage": passage[m["system"], m["dataset"]]}
