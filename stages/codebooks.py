@@ -69,10 +69,9 @@ def ensure_codebook(store: ArtifactStore, system: str, dataset: str, k: int, con
     return codebook_digest(store, stage)
 
 
-def compressed_config(base: dict[str, Any], codec: Codec) -> dict[str, Any]:
-    """A compressed passage folder's config: its encode config, and the codebook it was coded with."""
-    extra = {"codebook": codec.digest} if codec.digest else {}
-    return {**base, "inputs": {**base["inputs"], **extra}}
+def compressed_config(base: dict[str, Any], digest: str) -> dict[str, Any]:
+    """A compressed passage folder's config: its encode config, and the codebook it was coded with (its sha256)."""
+    return {**base, "inputs": {**base["inputs"], "codebook": digest}}
 
 
 def make_codec(spec: str, codebook: Codebook | None, digest: str | None) -> Codec:

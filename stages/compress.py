@@ -93,7 +93,7 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                     digest = ensure_codebook(store, out.system, config.dataset, k, cb_cfg, config.force,
                                              sorted(m.files), lambda s, src=src: vectors_of(store.read_table(src, s)),
                                              ctx.log)  # fmt: skip
-                    base = compressed_config(base, make_codec(config.to, None, digest))
+                    base = compressed_config(base, digest)
                 stage = encodings_dir(out.system, config.dataset, side, k)
                 ctx.hold(stage)
                 part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}

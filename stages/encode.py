@@ -268,7 +268,7 @@ class Encode(
                 if side == "passage" and parse_store(config.store).trained:
                     codebook = codebook_dir(record.system, config.dataset, k)
                     digest = self._codebook(config, ctx, settings, tokens, t_stage, t_man, f_stage, filtered, k)
-                    cfg = compressed_config(cfg, Codec(config.store, 0, None, digest))
+                    cfg = compressed_config(cfg, digest)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
                 ctx.hold(stage)  # another encode of this folder running now is refused, not raced
                 m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
