@@ -105,6 +105,11 @@ def copy_world(world: dict, tmp_path: Path) -> dict:
     return {**world, "root": str(root), "configs": configs(str(root), world["model"], world["beir"])}
 
 
+def f16(world: dict) -> str:
+    """The world's float16 encoder system (compress made an int8 one beside it)."""
+    return world["results"]["encode"].system
+
+
 def snapshot(root: str) -> dict[str, int]:
     out = {}
     for base, _, files in os.walk(root):
@@ -147,7 +152,7 @@ def test_current_stage_redoes_nothing(world: dict, name: str) -> None:
 
 def _encode_manifest_edit(world: dict) -> str:
     """Encode has no setting outside its system slug: simulate a store whose manifest says otherwise."""
-    path = next(Path(world["root"]).glob("encodings/*/dataset=tiny/side=query/k=1/_manifest.json"))
+    path = Path(world["root"]) / f"encodings/system={f16(world)}/dataset=tiny/side=query/k=1/_manifest.json"
     m = json.loads(path.read_text())
     m["config"]["readout"]["sparse_topk"] = 99
     path.write_text(json.dumps(m))
@@ -218,7 +223,7 @@ def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: di
     runner = CliRunner()
     ok = runner.invoke(app, ["verify", "--root", w["root"]])
     assert ok.exit_code == 0 and "match their manifests" in ok.output, ok.output
-    shard = sorted(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=2/shard=*.parquet"))[0]
+    shard = sorted(Path(w["root"]).glob(f"encodings/system={f16(w)}/dataset=tiny/side=passage/k=2/shard=*"))[0]
     good = bytearray(shard.read_bytes())
     bad = good.copy()
     bad[len(bad) // 2] ^= 0x01  # one bit, same size
@@ -233,7 +238,7 @@ def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: di
 def test_encode_compacts_its_shard_records_when_it_finishes(world: dict) -> None:
     root = Path(world["root"])
     assert not list(root.glob("encodings/**/_shards.jsonl")) and not list(root.glob("tokens/**/_shards.jsonl"))
-    m = json.loads(next(root.glob("encodings/*/dataset=tiny/side=passage/k=2/_manifest.json")).read_text())
+    m = json.loads((root / f"encodings/system={f16(world)}/dataset=tiny/side=passage/k=2/_manifest.json").read_text())
     assert len(m["files"]) == 3 and all(e["mtime_ns"] > 0 for e in m["files"].values())
 
 
@@ -245,7 +250,7 @@ def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, t
     from stages.encode import Encode
 
     w = copy_world(world, tmp_path)
-    stage = next(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=2"))
+    stage = Path(w["root"]) / f"encodings/system={f16(w)}/dataset=tiny/side=passage/k=2"
     good = {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")}
     shutil.rmtree(stage)
     committed: list[str] = []
@@ -303,7 +308,7 @@ def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dic
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     w = copy_world(world, tmp_path)
-    shard = sorted(Path(w["root"]).glob("encodings/*/dataset=tiny/side=passage/k=1/shard=*.parquet"))[1]
+    shard = sorted(Path(w["root"]).glob(f"encodings/system={f16(w)}/dataset=tiny/side=passage/k=1/shard=*"))[1]
     st, good = shard.stat(), shard.read_bytes()
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x01
@@ -321,12 +326,12 @@ def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dic
 
 def test_registry_records_each_system_and_finds_it(world: dict) -> None:
     store = ArtifactStore(world["root"])
-    recs = {r.kind: r for r, _ in list_systems(store)}
+    recs = {r.kind: r for r, _ in list_systems(store) if "store" not in r.settings}  # the float16 one
     enc = recs["encoder"]
     assert enc.model == str(world["model"]) and enc.readout == "diffretriever" and enc.has_sparse
     assert enc.settings["dtype"] == "float32" and enc.settings["max_length"] == 96
     assert find_system(store, SystemRef(model=str(world["model"]))).system == enc.system
-    assert find_system(store, SystemRef(system=enc.system[:12])).system == enc.system  # a unique prefix
+    assert find_system(store, SystemRef(system=enc.system[:-4])).system == enc.system  # a unique prefix
     assert find_system(store, SystemRef(system="bm25")).kind == "bm25"
     with pytest.raises(StoreError, match="no encoder system"):
         find_system(store, SystemRef(model=str(world["model"]), where={"dtype": "bfloat16"}))
