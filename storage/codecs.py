@@ -18,7 +18,6 @@ path between the encodings schema's float16 ``dense`` column and its ``codes`` c
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -362,6 +361,3 @@ def vectors_of(table: pa.Table, codec: Codec | None = None) -> np.ndarray:
     raw = np.frombuffer(buf, np.uint8)[inner.offset * size : (inner.offset + len(inner)) * size]
     return decode(raw.reshape(len(inner), size), codec.spec, codec.codebook, codec.dim)
 
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
