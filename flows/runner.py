@@ -55,6 +55,7 @@ def use_prefect(flag: bool | None = None) -> bool:
     return flag if flag is not None else bool(os.environ.get("PREFECT_API_URL"))
 
 
+SERVER_STARTUP_S = 120  # Prefect's 20 s default is too short for a fresh database on a busy two-core machine
 HEARTBEAT_S = 30  # flow-run heartbeats (Prefect's minimum); automations/zombie-flows.yaml waits 90 s for one
 
 
@@ -70,7 +71,7 @@ def prefect_api() -> Iterator[None]:
     up front gives every process of the run the same one.
     """
     from prefect import tags
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(temporary_settings(set_defaults={"flows.heartbeat_frequency": HEARTBEAT_S}))
@@ -79,7 +80,8 @@ def prefect_api() -> Iterator[None]:
             from prefect.server.api.server import SubprocessASGIServer
 
             server = SubprocessASGIServer()
-            server.start()  # stopped at exit
+            # stopped at exit; a longer configured startup timeout wins
+            server.start(timeout=max(SERVER_STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
             stack.enter_context(temporary_settings(updates={PREFECT_API_URL: server.api_url}))
         yield
 
