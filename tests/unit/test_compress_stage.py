@@ -222,3 +222,42 @@ def test_codebook_sample_is_seeded_and_reads_only_the_shards_it_needs() -> None:
     a = codebook_sample(sorted(data), vectors, 15, seed=1)
     assert len(a) == 15 and len(read) == 2
     assert np.array_equal(a, codebook_sample(sorted(data), data.__getitem__, 15, seed=1))
+
+
+def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_compressed_corpus(
+    world: dict, tmp_path: Path
+) -> None:
+    """TREC DL holds queries only: compress copies them, and the corpus (msmarco-passage) is compressed as a
+    dataset of its own; the compressed system then scores the queries-only dataset against that corpus."""
+    root = str(tmp_path / "store")
+    corpus = write_beir(tmp_path / "ms", CORPUS, QUERIES[:2], {"dev": [("q0", "d0", 1)]})
+    dl = write_beir(tmp_path / "dl", None, QUERIES, QRELS)
+    _run("download", DownloadConfig(name="msmarco-passage", source=str(corpus), root=root))
+    _run("download", DownloadConfig(name="trec-dl-2019", source=str(dl), root=root))
+    f16 = None
+    for name, sides in (("msmarco-passage", ["query", "passage"]), ("trec-dl-2019", ["query"])):
+        enc = world["encode"].model_copy(update={"root": root, "dataset": name, "sides": sides})
+        _run("tokenize", enc.tokenize_config())
+        f16 = _run("encode", enc).system
+    ref = SystemRef(system=f16)
+    res = _run("compress", CompressConfig(root=root, dataset="trec-dl-2019", system=ref, to="int8"))
+    store = ArtifactStore(root)
+    assert res.done == len(K)  # one query shard per K, no passage folder
+    for k in K:
+        assert not store.exists(encodings_dir(res.system, "trec-dl-2019", "passage", k))
+        stage = encodings_dir(res.system, "trec-dl-2019", "query", k)
+        src = encodings_dir(f16, "trec-dl-2019", "query", k)
+        assert store.read_table(stage, "shard=00000.parquet").equals(store.read_table(src, "shard=00000.parquet"))
+    with pytest.raises(IncompleteArtifactError, match="msmarco-passage"):  # its corpus is not compressed yet
+        _run("score", _score(root, res.system).model_copy(update={"dataset": "trec-dl-2019"}))
+    _run("compress", CompressConfig(root=root, dataset="msmarco-passage", system=ref, to="int8"))
+    for system in (f16, res.system):
+        _run("score", _score(root, system).model_copy(update={"dataset": "trec-dl-2019"}))
+    run = run_dir(res.system, "trec-dl-2019", "test", 4, 4, "multi_dense")
+    a = store.read_table(run_dir(f16, "trec-dl-2019", "test", 4, 4, "multi_dense"), "run.parquet").to_pylist()
+    b = store.read_table(run, "run.parquet").to_pylist()
+    assert {r["query_id"] for r in b} == {q["_id"] for q in QUERIES}
+    sa = {(r["query_id"], r["doc_id"]): r["score"] for r in a}
+    sb = {(r["query_id"], r["doc_id"]): r["score"] for r in b}
+    both = sa.keys() & sb.keys()
+    assert len(both) > len(sa) // 2 and max(abs(sa[x] - sb[x]) for x in both) < 0.01
