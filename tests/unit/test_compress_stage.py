@@ -17,14 +17,15 @@ from stages import execute, stages
 from stages.compress import CompressConfig
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
+from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
-from stages.readers import read_codebook
+from stages.readers import read_codebook, read_encodings
 from stages.report import ReportConfig
 from stages.score import ScoreConfig
 from stages.systems import SystemRef, find_system
 from storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
 from storage.codecs import CodebookError
-from storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, run_dir
+from storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, index_dir, run_dir
 from storage.sql import StoreSQL
 
 WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
@@ -261,3 +262,27 @@ def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_comp
     sb = {(r["query_id"], r["doc_id"]): r["score"] for r in b}
     both = sa.keys() & sb.keys()
     assert len(both) > len(sa) // 2 and max(abs(sa[x] - sb[x]) for x in both) < 0.01
+
+
+def test_a_lancedb_index_is_built_from_the_decoded_codes(world: dict, tmp_path: Path) -> None:
+    """LanceDB tables of a compressed system hold its decoded vectors, and a flat table finds what exact search
+    over the codes finds (up to the near ties of a random tiny model)."""
+    root = _copy(world, tmp_path)
+    ref = SystemRef(system=world["f16"])
+    system = _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="residual:2")).system
+    res = _run("index", IndexConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=[1, 4], kp=[4],
+                                    index_type="none"))  # fmt: skip
+    checks = res.details["checks"][4]
+    assert res.done == 1 and len(checks) == 2 and all(c["recall_10"] >= 0.9 for c in checks.values()), checks
+    import lancedb
+
+    store = ArtifactStore(root)
+    rows = lancedb.connect(str(Path(root) / index_dir(system, "tiny", 4))).open_table("docs").to_arrow().to_pylist()
+    assert len(rows) == 60
+    decoded, as_stored = (read_encodings(store, st, store.read_manifest(st)) for st in (
+        encodings_dir(system, "tiny", "passage", 4), encodings_dir(world["f16"], "tiny", "passage", 4)))  # fmt: skip
+    row = decoded.ids.index(rows[7]["doc_id"])
+    vectors = np.asarray(rows[7]["vector"], np.float32)
+    coded, stored = (e.multi[row][e.mask[row]].numpy() for e in (decoded, as_stored))
+    loss = np.abs(coded - stored).max()  # what residual:2 changed
+    assert loss > 0 and np.abs(vectors - coded).max() < loss / 10
