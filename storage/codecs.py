@@ -6,9 +6,10 @@ A choice is named by a spec string (``EncodeSettings.store``):
 - ``int8``: a float32 scale (the vector's largest magnitude / 127, symmetric) and H int8 values (4 + H bytes);
 - ``residual:B`` (B in 1, 2, 4), or ``residual:B:C`` for C centroids: ColBERTv2's residual compression. Spherical
   k-means centroids trained on a sample of the corpus's own unit vectors; a vector is its nearest centroid's id
-  (4 bytes) and, per dimension, the B-bit bucket of its residual (cut at the sample residuals' quantiles, decoded
-  to the bucket's median); 4 + ceil(H B / 8) bytes. C defaults to ColBERTv2's 2^floor(log2(16 sqrt(n))) for n
-  vectors in the corpus (at most the sample size);
+  (4 bytes) and, per dimension, the B-bit bucket of its residual (cut at the quantiles of the residuals of a
+  held-out 5% of the sample that k-means did not see, as ColBERTv2 does, decoded to the bucket's median);
+  4 + ceil(H B / 8) bytes. C defaults to ColBERTv2's 2^floor(log2(16 sqrt(n))) for n vectors in the corpus (at
+  most the sample size);
 - ``pq:M``: product quantisation, M sub-quantisers of 8 bits (M bytes), trained by faiss.
 
 Codebooks (centroids, bucket cutoffs and values, PQ centroids) are trained with faiss from a seeded sample and
@@ -31,6 +32,7 @@ FLOAT16 = "float16"
 RESIDUAL_BITS = (1, 2, 4)
 PQ_BITS = 8
 ID_BYTES = 4  # a residual code's centroid id (uint32, as ColBERTv2 stores its codes)
+HELDOUT = 0.05, 50_000  # residual: the share of the sample (and its cap) held out of k-means for the buckets
 
 
 class CodebookError(ValueError):
@@ -191,7 +193,8 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
     """Train a storage choice's codebook on a sample of vectors ([n, H]; unit vectors for residual), seeded.
 
     ``n_corpus``: vectors in the whole corpus (ColBERTv2's centroid count; default: the sample's). ``meta`` is
-    recorded (what the codebook is for: :meth:`Codebook.check`).
+    recorded (what the codebook is for: :meth:`Codebook.check`). residual: k-means sees all but a seeded 5% of the
+    sample (at most 50,000 vectors), whose residuals set the buckets.
 
     >>> rng = np.random.default_rng(0)
     >>> x = rng.normal(size=(600, 16)).astype(np.float32)
@@ -217,13 +220,18 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
         cents = faiss.vector_to_array(pq.centroids).reshape(s.m, 2**PQ_BITS, dim // s.m)
         return Codebook(spec, dim, {"centroids": cents.astype(np.float32)}, dict(meta))
     x = _unit(x)
+    # ColBERTv2: k-means on the sample less a seeded held-out share, whose residuals set the buckets (the sample's
+    # own residuals are too small where k-means fits them closely: many centroids for few vectors)
+    held = int(min(HELDOUT[0] * n, HELDOUT[1]))
+    order = np.random.default_rng(seed).permutation(n)
+    train, heldout = (x[order[held:]], x[order[:held]]) if held and n - held >= 2 else (x, x)
     c = s.centroids or colbert_centroids(n_corpus or n)
-    c = max(2, min(c, n))
+    c = max(2, min(c, len(train)))
     km = faiss.Kmeans(dim, c, niter=20, seed=seed, spherical=True, min_points_per_centroid=1,
-                      max_points_per_centroid=max(256, -(-n // c)), verbose=False)  # fmt: skip
-    km.train(x)
+                      max_points_per_centroid=max(256, -(-len(train) // c)), verbose=False)  # fmt: skip
+    km.train(np.ascontiguousarray(train))
     cents = _unit(km.centroids)
-    residual = x - cents[_nearest(cents, x)]
+    residual = heldout - cents[_nearest(cents, heldout)]
     levels = 2**s.bits
     flat = residual.ravel()
     cutoffs = np.quantile(flat, np.arange(1, levels) / levels).astype(np.float32)

@@ -69,7 +69,19 @@ def test_residual_centroids_follow_colbertv2_or_the_spec() -> None:
     x = clustered(2000, 16)
     assert train_codebook(x, "residual:2").arrays["centroids"].shape == (512, 16)  # 2^floor(log2(16 sqrt 2000))
     assert train_codebook(x, "residual:2:64").arrays["centroids"].shape == (64, 16)
-    assert train_codebook(x, "residual:2", n_corpus=10**6).arrays["centroids"].shape[0] == 2000  # at most the sample
+    # at most the vectors k-means sees: the sample less its held-out 5%
+    assert train_codebook(x, "residual:2", n_corpus=10**6).arrays["centroids"].shape[0] == 1900
+
+
+def test_residual_buckets_are_cut_from_vectors_kmeans_did_not_see() -> None:
+    """ColBERTv2 holds 5% of the sample out of k-means: with a centroid per vector k-means sees, those vectors'
+    residuals are zero, and buckets cut from them would decode every other vector to its centroid alone."""
+    x = clustered(1000, 16)
+    cb = train_codebook(x, "residual:2:1000", seed=0)
+    assert cb.arrays["centroids"].shape[0] == 950
+    assert np.abs(cb.arrays["values"]).min() > 1e-3 and np.abs(cb.arrays["cutoffs"]).max() > 1e-3
+    out = decode(encode(x, "residual:2", cb), "residual:2", cb)
+    assert cosine(out, x).mean() > 0.99
 
 
 def test_more_centroids_decode_closer() -> None:
