@@ -82,6 +82,7 @@ class Context:
     advance: Callable[[int], None] = _ignore
     note: str = ""
     held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # released when the stage ends
+    stale: list[str] = field(default_factory=list)  # folders built from other inputs, rebuilt (logged once, planned)
 
     def hold(self, stage_dir: str) -> None:
         """Hold ``stage_dir``'s run lock until the stage ends: a second process writing the same folder at the
@@ -100,14 +101,27 @@ class Context:
         return advance
 
     def state(self, stage_dir: str, config: dict[str, Any], force: bool, **kwargs: Any) -> StageState:
-        """:meth:`ArtifactStore.state`, logging why an existing folder is rebuilt."""
+        """:meth:`ArtifactStore.state`, logging why an existing folder is rebuilt (stale ones together, once
+        planned: :meth:`log_stale`)."""
         st = self.store.state(stage_dir, config, force=force, **kwargs)
         if st is StageState.STALE:
-            self.log(f"{stage_dir}: built from other inputs or settings; rebuilding it")
+            self.stale.append(stage_dir)
         elif st is StageState.DAMAGED:
             self.log(f"{stage_dir}: damaged (a file fails its checksum, or its manifest is unreadable or edited by "
                      "hand); rebuilding it")  # fmt: skip
         return st
+
+    def log_stale(self, show: int = 3) -> None:
+        """One line for the folders found built from other inputs or settings (the first ``show`` named)."""
+        if not self.stale:
+            return
+        if len(self.stale) == 1:
+            self.log(f"{self.stale[0]}: built from other inputs or settings; rebuilding it")
+        else:
+            more = f", and {len(self.stale) - show} more" if len(self.stale) > show else ""
+            self.log(f"{len(self.stale)} folders built from other inputs or settings; rebuilding them: "
+                     f"{', '.join(self.stale[:show])}{more}")  # fmt: skip
+        self.stale.clear()
 
 
 @dataclass
@@ -336,7 +350,10 @@ def execute(
     started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
-        plan = stage.plan(config, ctx)
+        try:
+            plan = stage.plan(config, ctx)
+        finally:
+            ctx.log_stale()
         try:
             results = (units or run_units)(stage, plan, ctx)
         except BaseException:

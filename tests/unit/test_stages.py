@@ -202,8 +202,11 @@ def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path:
     w = copy_world(world, tmp_path)
     forced = w["configs"]["score"].model_copy(update={"topk": 3, "force": True})
     assert execute(stages()["score"], forced, log=lambda _: None).done == 40
-    res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lambda _: None)
+    lines: list[str] = []
+    res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lines.append)
     assert (res.done, res.skipped) == (40, 9)  # the encoder's runs are stale; beta's, late's, BM25's, the reranked
+    stale = [line for line in lines if "built from other inputs" in line]  # one line for the 40, not 40 lines
+    assert len(stale) == 1 and stale[0].startswith("40 folders") and stale[0].endswith("and 37 more"), lines
 
 
 def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
