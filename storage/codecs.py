@@ -9,7 +9,7 @@ A choice is named by a spec string (``EncodeSettings.store``):
   (4 bytes) and, per dimension, the B-bit bucket of its residual (cut at the quantiles of the residuals of a
   held-out 5% of the sample that k-means did not see, as ColBERTv2 does, decoded to the bucket's median);
   4 + ceil(H B / 8) bytes. C defaults to ColBERTv2's 2^floor(log2(16 sqrt(n))) for n vectors in the corpus (at
-  most the sample size);
+  most the vectors k-means sees);
 - ``pq:M``: product quantisation, M sub-quantisers of 8 bits (M bytes), trained by faiss.
 
 Codebooks (centroids, bucket cutoffs and values, PQ centroids) are trained with faiss from a seeded sample and
