@@ -150,7 +150,7 @@ def _print_detail(text: str, key: str) -> Callable[[Any], None]:
 
 def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
     """Tokenize, then encode a dataset's queries / passages for every K: dense multi-vectors + sparse weights."""
-    from .encode import EncodeConfig, run_encode
+    from .compose import EncodeConfig, run_encode
     from .runner import use_prefect
 
     config = _config(EncodeConfig, data)
@@ -162,13 +162,15 @@ def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
 
 def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
-    from .pipeline import PipelineConfig, pipeline_flow, run_pipeline
+    from .compose import PipelineConfig, run_pipeline
     from .runner import prefect_api, use_prefect
 
     t0 = time.perf_counter()
     config = _config(PipelineConfig, data)
     with _errors():
         if use_prefect(prefect) or config.workers or config.dask_address:
+            from .pipeline import pipeline_flow
+
             with prefect_api():
                 res = pipeline_flow(config)
         else:
@@ -182,8 +184,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
 
 def _register() -> None:
     """Every stage's command, generated from its config, in pipeline order (the whole experiment first)."""
-    from .encode import EncodeConfig
-    from .pipeline import PipelineConfig
+    from .compose import EncodeConfig, PipelineConfig
 
     app.command("run", help=_pipeline.__doc__)(config_command(PipelineConfig, _pipeline, name="run", extra=[PREFECT]))
     stage_command("download", after=_print_lines("report"))

@@ -1,9 +1,9 @@
 """One way to run any stage: :func:`run_stage`, in this process or as a Prefect flow run.
 
-In this process it is ``stages.execute``. Under Prefect, each stage has a flow (``flows/<stage>.py``) whose
-body is :func:`run_in_flow`: the same plan, units run in the flow (or, for a distributed stage, as Prefect
-tasks on a thread, a local Dask cluster or an existing one), commits in the flow process, a progress
-artifact and a markdown summary. Both return one :class:`stages.StageResult`.
+In this process it is ``stages.execute``, and Prefect is not imported (that takes about a second). Under
+Prefect, each stage has a flow (``flows/<stage>.py``) whose body is :func:`run_in_flow`: the same plan, units run
+in the flow (or, for a distributed stage, as Prefect tasks on a thread, a local Dask cluster or an existing one),
+commits in the flow process, a progress artifact and a markdown summary. Both return one :class:`stages.StageResult`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-from prefect import get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.futures import as_completed
 
 from stages import Context, Stage, StageConfig, StageResult, execute
 from stages.base import inline_figures, run_units
@@ -148,6 +144,8 @@ class ArtifactProgress:
         self._last: dict[str, float] = {}
 
     def __call__(self, label: str, done: int, total: int | None, unit: str, note: str = "") -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
         now = time.monotonic()
         finished = total is not None and done >= total
         if total is None or (label in self._ids and now - self._last.get(label, 0.0) < 1.0 and not finished):
@@ -165,6 +163,8 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
     """The body of every stage flow: ``stages.execute`` with its units as tasks of this run when the stage is
     distributed, progress as an artifact, and the summary (what it did, where, the rows, the time, what is
     next) published as a markdown artifact."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact
 
     def units(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
         ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) to run, {plan.skipped} already done")
@@ -187,6 +187,8 @@ def unit_parameters(stage: Stage, root: str, unit: Any) -> dict[str, Any]:
 def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) -> list[Any]:
     """One Prefect task per unit, named after it, on the config's task runner (Dask workers, or this process),
     under this stage's flow run; each committed here (one writer) as it completes, progress on this run."""
+    from prefect.futures import as_completed
+
     from tasks.units import run_unit_task
 
     total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from storage.sql import StoreSQL
 
@@ -42,6 +41,7 @@ def rank_correlation(x: list[float], y: list[float], n_boot: int = 1000, seed: i
     nan = float("nan")
     if n < 3 or np.ptp(xa) == 0 or np.ptp(ya) == 0:
         return Correlation(n, nan, (nan, nan), nan, (nan, nan))
+    from scipy import stats  # here, not at import: scipy.stats takes about a second to import
 
     def spearman(a: np.ndarray, b: np.ndarray) -> float:
         return float(stats.spearmanr(a, b).statistic) if np.ptp(a) and np.ptp(b) else nan

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from scipy import stats
 
 from .trec import _rows
 
@@ -86,6 +85,8 @@ def paired_ttest_values(
     if np.all(d == d[0]):  # zero variance: scipy would return nan
         t, p = (0.0, 1.0) if d[0] == 0 else (math.copysign(math.inf, float(d[0])), 0.0)
     else:
+        from scipy import stats  # here: scipy.stats takes ~1 s to import, and most commands never test
+
         res = stats.ttest_rel(xa, xb)
         t, p = float(res.statistic), float(res.pvalue)
     return TTest(measure, len(common), float(xa.mean()), float(xb.mean()), mean_diff, t, p)

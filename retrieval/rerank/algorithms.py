@@ -11,7 +11,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 
 # ------------------------------------------------------------------------------------- relevance scores
@@ -180,6 +179,8 @@ def assignment_permutation(log_probs: np.ndarray) -> list[int]:
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"expected a square [slots, identifiers] matrix, got {list(m.shape)}")
     m = np.where(np.isfinite(m), m, -1e30)  # an impossible pair is merely very expensive
+    from scipy.optimize import linear_sum_assignment  # here: scipy's import is slow, most runs never assign
+
     rows, cols = linear_sum_assignment(m, maximize=True)
     perm = [0] * len(rows)
     for r, c in zip(rows.tolist(), cols.tolist(), strict=True):

@@ -1,0 +1,225 @@
+"""The stages composed, without Prefect: ``run_encode`` (tokenize, then encode) and ``run_pipeline`` (`diffret
+run`: download -> tokenize/encode the grid -> (index) -> score -> BM25 -> evaluate -> summary: leaderboard,
+heatmaps, summary page in the store), each stage through ``run_stage``: in this process, or, with ``prefect``, as
+the stage's flow run (flows/encode.py, flows/pipeline.py hold the flows; Prefect is imported only then).
+
+Every stage is idempotent over the store (a stage finds its finished artifacts by config hash and
+skips them), so re-running the pipeline, or `prefect deployment run` after a failure, resumes where
+the last run stopped and a finished run does no model work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from retrieval.data.sources import corpus_of
+from retrieval.fields import cli, like
+from retrieval.models.backbones import BackboneConfig
+from retrieval.models.readouts import ReadoutConfig
+from retrieval.search.bm25 import BM25Settings
+from retrieval.search.rules import ScoreRules
+from stages import bm25, evaluate, index, ingest, score, summary
+from stages import encode as encode_stage
+from stages import tokenize as tokenize_stage
+from stages.base import GRID_K, KList, ModeList, StageConfig, StageResult
+from stages.bm25 import BM25Config
+from stages.encode import EncodeConfig, check_head_stats, check_k_within
+from stages.evaluate import EvaluateConfig
+from stages.index import IndexConfig
+from stages.ingest import DownloadConfig
+from stages.score import ScoreConfig
+from stages.summary import SummaryConfig
+from stages.systems import SystemRef
+
+from .runner import prefect_api, run_stage
+
+# `diffret run --preset`: the paper's 5 x 5 grid, or for a CPU-only laptop a 3 x 3 grid and shorter texts
+# (pass --model for a small checkpoint too).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"kq": list(GRID_K), "kp": list(GRID_K), "batch_size": 32},
+    "laptop": {"kq": [1, 4, 16], "kp": [1, 4, 16], "batch_size": 16},
+}
+
+
+class PipelineConfig(StageConfig):
+    """The whole zero-shot experiment on one dataset: download, encode the grid, score, BM25, evaluate, summary.
+
+    Each setting means what it means for the stage it goes to, with the same default.
+    """
+
+    # each field is declared by the stage it goes to (retrieval.fields.like): the same default and help
+
+    preset: Literal["paper", "laptop"] = Field(
+        default="paper", description="paper: the 5 x 5 grid, batch 32; laptop (CPU only): {1, 4, 16}^2, batch 16. "
+        "kq, kp and batch_size given explicitly win.",
+    )
+    dataset: str = like(DownloadConfig, "name", default="scifact", json_schema_extra=cli(short="-d"))
+    source: str | None = like(DownloadConfig, "source")
+    corpus_source: str | None = Field(
+        default=None, description="Mirror of the judged corpus when it is another collection (TREC DL)."
+    )
+    cache_dir: str = like(DownloadConfig, "cache_dir")
+    unknown_judgments: Literal["error", "drop", "keep"] = like(DownloadConfig, "unknown_judgments")
+    splits: list[str] = like(ScoreConfig, "splits")
+    backbone: BackboneConfig = like(EncodeConfig, "backbone")
+    readout: ReadoutConfig = like(EncodeConfig, "readout")
+    max_length: int = like(EncodeConfig, "max_length")
+    title_sep: str = like(EncodeConfig, "title_sep")
+    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's).")
+    kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
+                            "preset's).")  # fmt: skip
+    modes: ModeList = like(ScoreConfig, "modes")
+    bm25: bool = Field(default=True, description="Add the BM25 baseline.")
+    index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
+        default="skip",
+        description="LanceDB index per K_p, checked against exact search (none: flat table; skip: no index).",
+    )
+    topk: int = like(ScoreConfig, "topk")
+    train_topk: int = like(ScoreConfig, "train_topk")
+    batch_size: int | None = like(EncodeConfig, "batch_size", default=None, description="Texts per forward pass "
+                                  "(default: the preset's).")  # fmt: skip
+    shard_size: int = like(EncodeConfig, "shard_size")
+    workers: int = like(EncodeConfig, "workers")
+    dask_address: str | None = like(EncodeConfig, "dask_address")
+    verify: bool = like(EncodeConfig, "verify")
+    head_stats: bool = like(EncodeConfig, "head_stats")
+    store: str = like(EncodeConfig, "store")
+    store_seed: int = like(EncodeConfig, "store_seed")
+    codebook_sample: int = like(EncodeConfig, "codebook_sample")
+    rules: ScoreRules = like(ScoreConfig, "rules")
+    self_hits: Literal["keep", "drop"] = like(ScoreConfig, "self_hits")
+    ties: Literal["trec", "rank"] = like(EvaluateConfig, "ties")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """The preset's grid and batch, where not given explicitly."""
+        if isinstance(data, dict):
+            preset = PRESETS.get(data.get("preset") or "paper", {})
+            data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()
+                                                                                   if v is not None}}  # fmt: skip
+        return data
+
+    @model_validator(mode="after")
+    def _k_within_max_length(self) -> PipelineConfig:
+        check_k_within([*self.kq, *self.kp], self.max_length)
+        check_head_stats(self.head_stats, self.readout)
+        return self
+
+    # ------------------------------------------------------------------------- stage configs
+    def _common(self) -> dict[str, Any]:
+        return {"root": self.root, "force": self.force}
+
+    def corpus(self) -> str:
+        return corpus_of(self.dataset)
+
+    def downloads(self) -> list[DownloadConfig]:
+        def dl(name: str, source: str | None) -> DownloadConfig:
+            return DownloadConfig(name=name, source=source, cache_dir=self.cache_dir,
+                                  unknown_judgments=self.unknown_judgments, **self._common())  # fmt: skip
+
+        out = [dl(self.dataset, self.source)]
+        if self.corpus() != self.dataset:
+            out.insert(0, dl(self.corpus(), self.corpus_source))
+        return out
+
+    def encodes(self) -> list[EncodeConfig]:
+        common = dict(
+            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
+            batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
+            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
+            store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
+        )  # fmt: skip
+        if self.corpus() == self.dataset:
+            ks = sorted(set(self.kq) | set(self.kp))
+            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=ks, **common)]
+        return [
+            EncodeConfig(dataset=self.dataset, sides=["query"], k=self.kq, **common),
+            EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
+        ]
+
+    def score(self, system: str) -> ScoreConfig:
+        return ScoreConfig(
+            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
+            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
+            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
+        )  # fmt: skip
+
+    def bm25_config(self) -> BM25Config:
+        return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
+                          train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
+                          **self._common())  # fmt: skip
+
+    def index_config(self, system: str) -> IndexConfig:
+        return IndexConfig(
+            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
+            kq=self.kq, kp=self.kp, index_type=self.index, **self._common(),
+        )  # fmt: skip
+
+    def evaluate(self, systems: list[str]) -> EvaluateConfig:
+        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, ties=self.ties,
+                              **self._common())  # fmt: skip
+
+    def summary(self, system: str, bm25: str | None) -> SummaryConfig:
+        return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())
+
+
+def run_encode(
+    config: EncodeConfig,
+    *,
+    prefect: bool = False,
+    log: Callable[[str], None] = print,
+    report: Callable | None = None,
+) -> StageResult:
+    """Tokenize what is missing, then encode: through Prefect (one flow run) or in this process."""
+    if prefect:
+        from .encode import encode_flow
+
+        with prefect_api():
+            return StageResult.model_validate(encode_flow(config))
+    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
+    if tok.done:
+        log(f"tokenize: {tok.line()}")
+    return run_stage(encode_stage.stage, config, log=log, report=report)
+
+
+def run_pipeline(
+    config: PipelineConfig,
+    *,
+    prefect: bool = False,
+    log: Callable[[str], None] = print,
+    report: Callable | None = None,
+) -> dict[str, Any]:
+    """Every stage in order, each through ``run_stage`` (sub-flow runs under Prefect); the result lines,
+    the system, and the leaderboard and summary folder of each split."""
+    steps: list[str] = []
+
+    def step(name: str, line: str) -> None:
+        steps.append(f"{name}: {line}")
+        log(steps[-1])
+
+    for d in config.downloads():
+        res = run_stage(ingest.stage, d, prefect=prefect, log=log, report=report)
+        step(f"download {d.name}", res.details.get("status", "done"))
+    system = ""
+    for e in config.encodes():
+        res = run_encode(e, prefect=prefect, log=log, report=report)
+        system = res.system or system
+        step(f"encode {e.dataset} {'+'.join(e.sides)}", res.line())
+    if config.index != "skip":
+        step("index", run_stage(index.stage, config.index_config(system), prefect=prefect, log=log).line())
+    step("score", run_stage(score.stage, config.score(system), prefect=prefect, log=log, report=report).line())
+    bm25_system = None
+    if config.bm25:
+        res = run_stage(bm25.stage, config.bm25_config(), prefect=prefect, log=log)
+        bm25_system = res.system
+        step("bm25", res.line())
+    systems = [system] + ([bm25_system] if bm25_system else [])
+    ev = run_stage(evaluate.stage, config.evaluate(systems), prefect=prefect, log=log, report=report)
+    step("evaluate", ev.line())
+    sm = run_stage(summary.stage, config.summary(system, bm25_system), prefect=prefect, log=log)
+    step("summary", sm.line())
+    return {"system": system, "bm25": bm25_system, "steps": steps, **sm.details}
