@@ -133,9 +133,10 @@ class PipelineConfig(StageConfig):
             dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
             store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
         )  # fmt: skip
-        if self.corpus() == self.dataset:
+        if self.corpus() == self.dataset:  # one pass per K_q on the queries, one per K_p on the passages
             ks = sorted(set(self.kq) | set(self.kp))
-            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=ks, **common)]
+            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=ks, kq=self.kq, kp=self.kp,
+                                 **common)]  # fmt: skip
         return [
             EncodeConfig(dataset=self.dataset, sides=["query"], k=self.kq, **common),
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),

@@ -55,7 +55,11 @@ class EncodeConfig(StageConfig):
     dataset: str = like(TokenizeConfig, "dataset")
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to encode.",
                                                      json_schema_extra=cli(flag="--side"))  # fmt: skip
-    k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
+    k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side), on each side "
+                     "that --kq / --kp does not name its own.")
+    kq: KList | None = Field(default=None, description="Query budgets K_q: the query side's passes (default: k).")
+    kp: KList | None = Field(default=None, description="Passage budgets K_p: the passage side's passes (default: k). "
+                             "`diffret run --kq 4 --kp 16` encodes the queries at 4 and the passages at 16 only.")
     backbone: BackboneConfig = Field(default_factory=default_backbone,
                                      description="The model and how it is loaded.")  # fmt: skip
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
@@ -76,9 +80,18 @@ class EncodeConfig(StageConfig):
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:
-        check_k_within(self.k, self.max_length)
+        check_k_within([k for side in self.sides for k in self.ks(side)], self.max_length)
         check_head_stats(self.head_stats, self.readout)
         return self
+
+    def ks(self, side: str) -> list[int]:
+        """The budgets encoded on ``side``: its own (``kq`` / ``kp``) when given, else ``k``.
+
+        >>> EncodeConfig(dataset="d", kq=[4], kp=[16]).ks("query"), EncodeConfig(dataset="d", k=[1, 4]).ks("passage")
+        ([4], [1, 4])
+        """
+        own = self.kq if side == "query" else self.kp
+        return list(own if own is not None else self.k)
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
@@ -245,7 +258,8 @@ class Encode(
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         cls = readout_class(config.readout.readout)
-        cls.check_k(config.k)
+        for side in config.sides:
+            cls.check_k(config.ks(side))
         if cls.name == "diffretriever":  # a masked readout needs a mask token: refused before any work
             mask_token_id(tokenizer_of(config.backbone), resolve_family(config.backbone), config.backbone.mask_token,
                           config.backbone.model)  # fmt: skip
@@ -260,7 +274,7 @@ class Encode(
                                     "tokenize stage")  # fmt: skip
             f_stage, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
                                               t_man.config_hash)  # fmt: skip
-            for k in config.k:
+            for k in config.ks(side):
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 stats = config.head_stats and side == "query"
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)
