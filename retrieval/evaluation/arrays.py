@@ -111,28 +111,34 @@ def _dedupe_qrels(qrels: pa.Table) -> pa.Table:
     return qrels.take(pa.array(keep, pa.int64()))
 
 
-class _Ranking:
-    """A run's judged queries as dense [queries, depth] matrices in one evaluated order."""
+class _Rows:
+    """A run in one evaluated order, as arrays: each row's judged-query code (-1: a query without judgments), its
+    document's grade and whether it is judged, and (``ties="trec"``) its place in its query's rank order."""
 
-    def __init__(self, ordered: pa.Table, judged: _Judged, depth: int | None):
+    def __init__(self, ordered: pa.Table, judged: _Judged):
         code = pc.index_in(ordered.column("query_id"), value_set=judged.ids).to_numpy(zero_copy_only=False)
-        keep = ~np.isnan(code) if code.dtype.kind == "f" else np.ones(len(code), bool)
-        if code.dtype.kind == "f":  # nulls (queries without judgments) came back as NaN: ignored
-            ordered = ordered.filter(pa.array(keep))
-            code = code[keep].astype(np.int64)
-        code = code.astype(np.int64)
+        self.code = np.where(np.isnan(code), -1, code).astype(np.int64) if code.dtype.kind == "f" else code
+        at = pc.index_in(_key(ordered), value_set=judged.keys).to_numpy(zero_copy_only=False)
+        self.judged = ~np.isnan(at) if at.dtype.kind == "f" else np.ones(len(at), bool)
+        self.grade = np.zeros(len(at), np.int64)
+        self.grade[self.judged] = judged.grades[at[self.judged].astype(np.int64)]
+        self.rpos = ordered.column("_rpos").to_numpy() if "_rpos" in ordered.column_names else None
+
+
+class _Ranking:
+    """A run's judged queries as dense [queries, depth] matrices in one evaluated order (with ``depth``: each
+    query's first ``depth`` documents in rank order, kept in the evaluated order)."""
+
+    def __init__(self, rows: _Rows, judged: _Judged, depth: int | None):
+        keep = rows.code >= 0
+        if depth is not None:
+            keep &= rows.rpos < depth
+        code, grade, judged_row = rows.code[keep], rows.grade[keep], rows.judged[keep]
         n = len(judged.ids)
         starts = np.searchsorted(code, np.arange(n))
         pos = np.arange(len(code)) - starts[code] if len(code) else np.zeros(0, np.int64)
         self.num_ret = np.bincount(code, minlength=n)
-        if depth is not None:
-            cut = pos < depth
-            ordered, code, pos = ordered.filter(pa.array(cut)), code[cut], pos[cut]
         width = int(pos.max()) + 1 if len(pos) else 1
-        at = pc.index_in(_key(ordered), value_set=judged.keys).to_numpy(zero_copy_only=False)
-        judged_row = ~np.isnan(at) if at.dtype.kind == "f" else np.ones(len(at), bool)
-        grade = np.zeros(len(at), np.int64)
-        grade[judged_row] = judged.grades[at[judged_row].astype(np.int64)]
         self.gain = np.zeros((n, width))
         self.gain[code, pos] = np.where(grade > 0, grade, 0).astype(np.float64)
         self.rel = np.zeros((n, width), bool)
@@ -242,7 +248,7 @@ def evaluate_tables(
         _check_measure(name)
     if ties not in ("rank", "trec", "score"):
         raise ValueError(f"ties must be 'rank', 'trec' or 'score', not {ties!r}")
-    _check_run(run, ties)
+    by_rank = _check_run(run, ties)
     if len(qrels) == 0:
         return METRICS_SCHEMA.empty_table()
     negative = pc.any(pc.less(qrels.column("relevance"), 0)).as_py()
@@ -251,22 +257,19 @@ def evaluate_tables(
     judged = _Judged(qrels, relevance_level)
     values: dict[str, np.ndarray] = {}
     if ours:
-        whole = _order(run, "rank" if ties == "rank" else "score")
-        if ties == "trec":
-            by_rank = _order(run, "rank")
+        if ties == "rank":
+            whole = by_rank
+        elif ties == "score":
+            whole = _order(run, "score")
+        else:  # every row's place in its query's rank order, kept through the sort into trec_eval's order
+            whole = _order(by_rank.append_column("_rpos", pa.array(_positions(by_rank))), "score")
+        rows = _Rows(whole, judged)
         rankings: dict[int | None, _Ranking] = {}
         for name in ours:
-            depth = _depth(name)
-            if ties == "trec" and depth is not None:
-                if depth not in rankings:  # the first d in rank order, then in trec_eval's order
-                    top = _first(by_rank, depth)
-                    rankings[depth] = _Ranking(_order(top, "score"), judged, depth)
-                r = rankings[depth]
-            else:
-                if None not in rankings:
-                    rankings[None] = _Ranking(whole, judged, None)
-                r = rankings[None]
-            values[name] = _measure(name, r, judged)
+            depth = _depth(name) if ties == "trec" else None
+            if depth not in rankings:  # trec: the first d in rank order (a filter keeps trec_eval's order)
+                rankings[depth] = _Ranking(rows, judged, depth)
+            values[name] = _measure(name, rankings[depth], judged)
     if theirs:
         order = "rank" if ties == "rank" else "score"
         table = run.sort_by([("query_id", "ascending"), ("rank", "ascending")]) if ties == "trec" else run
@@ -286,13 +289,14 @@ def evaluate_tables(
     )
 
 
-def _first(ordered: pa.Table, depth: int) -> pa.Table:
-    """Each query's first ``depth`` rows of a table sorted by query."""
-    qids = ordered.column("query_id").combine_chunks()
-    dict_codes = pc.dictionary_encode(qids).indices.to_numpy()
-    change = np.r_[True, dict_codes[1:] != dict_codes[:-1]] if len(dict_codes) else np.zeros(0, bool)
-    start = np.maximum.accumulate(np.where(change, np.arange(len(change)), 0)) if len(change) else change
-    return ordered.filter(pa.array((np.arange(len(change)) - start) < depth))
+def _positions(ordered: pa.Table) -> np.ndarray:
+    """Each row's place (0, 1, ...) within its query, in a table sorted by query."""
+    if len(ordered) == 0:
+        return np.zeros(0, np.int64)
+    q = ordered.column("query_id").combine_chunks()
+    change = np.r_[True, ~pc.equal(q.slice(1), q.slice(0, len(q) - 1)).to_numpy(zero_copy_only=False)]
+    start = np.maximum.accumulate(np.where(change, np.arange(len(change)), 0))
+    return np.arange(len(change)) - start
 
 
 def _adjacent_equal(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
@@ -304,23 +308,25 @@ def _adjacent_equal(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
     return same
 
 
-def _check_run(run: pa.Table, ties: Ties) -> None:
+def _check_run(run: pa.Table, ties: Ties) -> pa.Table | None:
     """The errors ``run_from_table`` raises: missing columns or nulls, a document twice in a query, repeated
     ranks within a query (ranks order the evaluation). Sorts and neighbour comparisons: a hash table of every
-    (query, document) pair is far slower on millions of rows."""
+    (query, document) pair is far slower on millions of rows. Returns the run in rank order where the evaluation
+    needs it (``ties`` rank or trec)."""
     from .trec import _require_columns
 
     _require_columns(run, ("query_id", "doc_id", "rank", "score"), "run")
-    if len(run) < 2:
-        return
-    pairs = run.select(["query_id", "doc_id"]).sort_by([("query_id", "ascending"), ("doc_id", "ascending")])
-    twice = np.flatnonzero(_adjacent_equal(pairs, ("query_id", "doc_id")))
-    if len(twice):
-        q, d = (pairs.column(c)[int(twice[0])].as_py() for c in ("query_id", "doc_id"))
-        raise ValueError(f"run: document {d!r} appears twice for query {q!r}")
-    if ties == "rank":
-        ranks = run.select(["query_id", "rank"]).sort_by([("query_id", "ascending"), ("rank", "ascending")])
-        again = np.flatnonzero(_adjacent_equal(ranks, ("query_id", "rank")))
-        if len(again):
-            q = ranks.column("query_id")[int(again[0])].as_py()
-            raise ValueError(f"run: query {q!r} has repeated ranks; ranks must be unique within a query")
+    if len(run) >= 2:
+        pairs = run.select(["query_id", "doc_id"]).sort_by([("query_id", "ascending"), ("doc_id", "ascending")])
+        twice = np.flatnonzero(_adjacent_equal(pairs, ("query_id", "doc_id")))
+        if len(twice):
+            q, d = (pairs.column(c)[int(twice[0])].as_py() for c in ("query_id", "doc_id"))
+            raise ValueError(f"run: document {d!r} appears twice for query {q!r}")
+    if ties == "score":
+        return None
+    by_rank = _order(run, "rank")
+    again = np.flatnonzero(_adjacent_equal(by_rank, ("query_id", "rank"))) if ties == "rank" else []
+    if len(again):
+        q = by_rank.column("query_id")[int(again[0])].as_py()
+        raise ValueError(f"run: query {q!r} has repeated ranks; ranks must be unique within a query")
+    return by_rank
