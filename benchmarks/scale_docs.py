@@ -66,8 +66,9 @@ def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, fl
     lines = ["# Scale: every stage's cost against the corpus size", "",
              "Measured by `benchmarks/scale_e2e.py` on this machine (2 cores, 24 GB, no GPU): a synthetic MS "
              "MARCO-shaped collection (passages of MS MARCO's length from a real English word distribution, "
-             f"{big['collection']['queries']} queries with one relevant passage each) through the CLI, stage by stage, "
-             "with a random-weight BERT masked LM of hidden size 64 (2 layers) and two local Dask workers for encoding. "
+             f"{big['collection']['queries']} queries with one relevant passage each) through the CLI, stage by "
+             "stage, with a random-weight BERT masked LM of hidden size 64 (2 layers) and two local Dask workers for "
+             "encoding. "
              "Reproduce: `python benchmarks/scale_e2e.py --n 10000 --n 100000 --n 1000000 --write-docs`.", "",
              "## Measured", "",
              "| stage | " + " | ".join(f"N = {r['n']:,}" for r in results) + " | time exponent | memory exponent |",
@@ -76,7 +77,8 @@ def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, fl
         cells = []
         for r in results:
             s = next(s for s in r["stages"] if s["stage"] == name)
-            cells.append(f"{_fmt_s(s['seconds'])}, {s['peak_rss_mb']:,.0f} MB, {s['files']} files, {_fmt_b(s['bytes'])}")
+            cells.append(f"{_fmt_s(s['seconds'])}, {s['peak_rss_mb']:,.0f} MB, {s['files']} files, "
+                         f"{_fmt_b(s['bytes'])}")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {t_exp.get(name, float('nan')):.2f} | "
                      f"{m_exp.get(name, float('nan')):.2f} |")  # fmt: skip
     lines += ["", "Each cell: wall time, the peak RSS of the largest process of the command (Dask workers included), "
