@@ -243,7 +243,8 @@ def export_run(
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
     root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,
-    verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first.")] = False,
+    verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first (by default its size and mtime "
+                                "against its manifest; a file touched since is hashed).")] = False,
     out: Annotated[str | None, Opt("--out", "-o", help="Write the result to FILE.csv or FILE.parquet.")] = None,
 ) -> None:  # fmt: skip
     """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
