@@ -74,20 +74,22 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
             s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"])
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
         board = [r.as_dict() for r in s.rows]
-        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board})
+        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board,
+                                                      "warnings": s.warnings()})  # fmt: skip
         with ctx.store.stage_writer(unit.stage, m) as w:
             for name, data in s.files().items():
                 w.write_file(name, data)
 
     def finish(self, config: SummaryConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """The leaderboard of each split (from the stored summaries) and where each summary folder is."""
-        out: dict[str, Any] = {"leaderboards": {}, "folders": {}}
+        out: dict[str, Any] = {"leaderboards": {}, "folders": {}, "warnings": []}
         pages = []
         for split in config.splits:
             stage = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
             m = ctx.store.require_manifest(stage)
             out["leaderboards"][split] = m.stats.get("leaderboard", [])
             out["folders"][split] = ctx.store.abspath(stage)
+            out["warnings"] += m.stats.get("warnings", [])
             pages.append(summary_page(ctx.store, stage))
         out["markdown"] = "\n".join(pages)
         return out
