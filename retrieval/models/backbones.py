@@ -740,13 +740,13 @@ def check_saved_model(folder: Path) -> None:
     from storage.layout import MANIFEST_NAME
 
     home = folder if folder.name != PASSAGE_ENCODER else folder.parent
+    if not (home / MANIFEST_NAME).is_file():  # a model from elsewhere
+        return
     try:
         stage = json.loads((home / MANIFEST_NAME).read_text()).get("stage")
     except (OSError, ValueError, AttributeError):
-        stage = None  # no manifest (a model from elsewhere), or an unreadable one: verify() below names it
-        if not (home / MANIFEST_NAME).is_file():
-            return
-    if stage not in (None, "models"):
+        stage = "models"  # unreadable: verify() below names it and the repair
+    if stage != "models":  # another tool's file of that name
         return
     # inside a store (``models/model=<name>``) the error names the stage that rebuilds it
     root, rel = (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent,
