@@ -25,7 +25,7 @@ from retrieval.data.collections import (
 )
 from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source
 from retrieval.fields import cli
-from storage import ArtifactStore, Manifest, StageState
+from storage import ArtifactStore, Manifest, StageState, StoreError
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig
@@ -172,6 +172,8 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
     )
 
     def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
+        if config.source is None and not config.force and (stored := self._stored(config, ctx)) is not None:
+            return stored
         progress = None
         if ctx.report is not None:
             report = ctx.report
@@ -190,6 +192,30 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
             lines = [f"{config.name}: already in the store with the same source; nothing to do"]
             return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
         return Plan(units=[IngestUnit(config.name, files, st, config.unknown_judgments)])
+
+    def _stored(self, config: DownloadConfig, ctx: Context) -> Plan | None:
+        """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
+        the network): nothing to do when its files verify; a damaged copy is rebuilt from the source it was made
+        from (None: the official location is fetched)."""
+        stage = dataset_dir(config.name)
+        try:
+            m = ctx.store.read_manifest(stage, trusted=False)
+        except StoreError:
+            m = None
+        if m is None:
+            return None
+        origin = str(m.config.get("source") or "")
+        state = ctx.store.state(stage, m.config)
+        if state is StageState.CURRENT:
+            lines = [f"{config.name}: already in the store (from {origin}); nothing to do"]
+            return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
+        if origin in ("", "official"):
+            return None
+        if not (Path(origin).exists() or "://" in origin):
+            raise DatasetError(f"{ctx.store.abspath(stage)}: the stored copy of {config.name!r} is damaged and its "
+                               f"source {origin} is gone; give it again with --source")  # fmt: skip
+        unknown = m.config.get("unknown_judgments", config.unknown_judgments)
+        return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)
 
     def run(self, unit: IngestUnit, ctx: Context) -> IngestResult:
         return materialise(ctx.store, unit.name, unit.files, state=unit.state, unknown_judgments=unit.unknown_judgments)

@@ -87,6 +87,23 @@ class LateConfig(QueriesConfig):
         return v
 
 
+def capped_depths(depths: list[int], first_depth: int | None, log: Any = print) -> list[int]:
+    """The m's a late run can honour: each at most the first stage's depth (the documents its run keeps per query),
+    so that a run's label and ``topk`` say what was re-scored; a cap is logged.
+
+    >>> capped_depths([10, 100, 100000], 1000, log=print)
+    m 100,000 is capped at 1,000, the first stage's depth (its run keeps 1,000 documents per query)
+    [10, 100, 1000]
+    """
+    if not first_depth:
+        return depths
+    for m in depths:
+        if m > first_depth:
+            log(f"m {m:,} is capped at {first_depth:,}, the first stage's depth (its run keeps {first_depth:,} "
+                "documents per query)")  # fmt: skip
+    return sorted({min(m, int(first_depth)) for m in depths})
+
+
 @dataclass
 class LateUnit:
     cells: list[Cell]
@@ -131,7 +148,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         cells = []
         for split in config.splits:
             slug, src = first[split]
-            for m in config.depths:
+            for m in capped_depths(config.depths, store.require_manifest(src).config.get("topk"), ctx.log):
                 mode = f"late_{config.mode}_m{m}"
                 cfg = {
                     "system": record.system, "dataset": config.dataset, "corpus": corpus, "split": split,

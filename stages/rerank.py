@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
@@ -59,6 +59,14 @@ class RerankConfig(QueriesConfig):
     step: int = Field(default=10, ge=1, description="Window step (RankGPT's sliding window).")
     steps: int = Field(default=4, ge=1, description="Denoising steps of permutation_sampling.")
     batch_size: int = Field(default=8, ge=1, description="Prompts per forward pass (pairs or windows).")
+
+    @model_validator(mode="after")
+    def _windows_overlap(self) -> RerankConfig:
+        if self.step > self.window:  # RankGPT's windows would leave the documents between them where they were
+            raise ValueError(f"--step {self.step} is larger than --window {self.window}: the documents between two "
+                             "windows would never be reranked; give a step no larger than the window (the default: "
+                             "window 20, step 10)")  # fmt: skip
+        return self
 
     def settings(self) -> dict[str, Any]:
         """What the reranker system's slug hashes (everything that changes its numbers)."""

@@ -340,6 +340,7 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
         exact = [r for r, _ in records if r.system == ref.system]
         hits = exact or [r for r, _ in records if r.system.startswith(ref.system)]
         if len(hits) == 1:
+            _refuse_disagreement(ref, hits[0], next(st for r, st in records if r is hits[0]))
             return hits[0]
         what = "several systems start with" if hits else "no system named"
         raise StoreError(f"{what} {ref.system!r} in {store.root}; {_known(store)}")
@@ -371,6 +372,24 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
     how = f"or add the setting that tells them apart ({', '.join(flags)})" if flags else "as the settings given fit all"
     raise StoreError(f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with "
                      f"--system SLUG, {how}")  # fmt: skip
+
+
+def _refuse_disagreement(ref: SystemRef, record: SystemRecord, stats: dict[str, Any]) -> None:
+    """A slug given with ``--model`` or settings that do not describe it: refused naming both (the slug never
+    silently wins over the other selectors)."""
+    wrong = []
+    if ref.model and record.model != ref.model:
+        path = _local_path(ref.model)
+        if not (path and stats.get("model_path") == path):
+            wrong.append(f"--model {ref.model} (it was encoded from {record.model})")
+    flat = record.flat_settings()
+    for key, want in ref.where.items():
+        if flat.get(key) != want:
+            have = flat.get(key, "nothing (not a setting of this system)")
+            wrong.append(f"--{key.split('.')[-1].replace('_', '-')} {want} (it has {have})")
+    if wrong:
+        raise StoreError(f"--system {record.system} does not match {'; '.join(wrong)}: give the slug alone, or the "
+                         "model and settings alone (`diffret systems` lists both)")  # fmt: skip
 
 
 def _differing(settings: Any) -> list[str]:

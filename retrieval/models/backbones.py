@@ -693,6 +693,9 @@ def check_model_files(cfg: BackboneConfig) -> None:
     no weights (model.safetensors, pytorch_model.bin, a sharded index or a .gguf file); is the download complete?
     """
     cfg = with_adapter(cfg)
+    for saved in (cfg.model, cfg.adapter):
+        if saved:
+            check_saved_model(Path(saved).expanduser())
     folder = Path(cfg.model).expanduser()
     if not folder.is_dir():
         return
@@ -720,6 +723,36 @@ def check_model_files(cfg: BackboneConfig) -> None:
         )
     for path in files:
         _check_safetensors(path)
+
+
+_SAVED_STORES: dict[str, Any] = {}  # store root -> ArtifactStore: a file hashed once per process (size, mtime)
+
+
+def check_saved_model(folder: Path) -> None:
+    """Refuse a model folder diffret saved (``diffret train``, ``train-reranker``: a ``_manifest.json`` of stage
+    ``models`` in it, or in its parent for a ``passage_encoder/``) whose files do not match their manifest's sha256,
+    as an encoding's shards are checked before they are read; a :class:`storage.ChecksumError` naming the file and
+    the repair. Other folders and hub ids pass.
+
+    >>> check_saved_model(Path("org/some-hub-id"))
+    """
+    from storage import ArtifactStore
+    from storage.layout import MANIFEST_NAME
+
+    home = folder if folder.name != PASSAGE_ENCODER else folder.parent
+    if not (home / MANIFEST_NAME).is_file():  # a model from elsewhere
+        return
+    try:
+        stage = json.loads((home / MANIFEST_NAME).read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        stage = "models"  # unreadable: verify() below names it and the repair
+    if stage != "models":  # another tool's file of that name
+        return
+    # inside a store (``models/model=<name>``) the error names the stage that rebuilds it
+    root, rel = (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent,
+                                                                                                  home.name)
+    store = _SAVED_STORES.setdefault(str(root), ArtifactStore(str(root)))
+    store.verify(rel)
 
 
 def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> None:
