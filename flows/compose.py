@@ -19,6 +19,7 @@ from retrieval.data.sources import corpus_of
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import ReadoutConfig
+from retrieval.models.released import read_released
 from retrieval.search.bm25 import BM25Settings
 from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
@@ -68,9 +69,10 @@ class PipelineConfig(StageConfig):
     readout: ReadoutConfig = like(EncodeConfig, "readout")
     max_length: int = like(EncodeConfig, "max_length")
     title_sep: str = like(EncodeConfig, "title_sep")
-    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's).")
+    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's; "
+                            "a released checkpoint's trained K_q).")  # fmt: skip
     kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
-                            "preset's).")  # fmt: skip
+                            "preset's; a released checkpoint's trained K_p).")  # fmt: skip
     modes: ModeList = like(ScoreConfig, "modes")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
@@ -96,9 +98,14 @@ class PipelineConfig(StageConfig):
     @model_validator(mode="before")
     @classmethod
     def _preset(cls, data: Any) -> Any:
-        """The preset's grid and batch, where not given explicitly."""
+        """The preset's grid and batch, where not given explicitly; a released checkpoint's trained (K_q, K_p) in
+        place of the preset's grid."""
         if isinstance(data, dict):
-            preset = PRESETS.get(data.get("preset") or "paper", {})
+            preset = dict(PRESETS.get(data.get("preset") or "paper", {}))
+            backbone = data.get("backbone")
+            model = backbone.get("model") if isinstance(backbone, dict) else getattr(backbone, "model", None)
+            if isinstance(model, str) and (ckpt := read_released(model)) is not None:
+                preset.update(kq=[ckpt.kq], kp=[ckpt.kp])
             data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()
                                                                                    if v is not None}}  # fmt: skip
         return data
@@ -133,10 +140,9 @@ class PipelineConfig(StageConfig):
             dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
             store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
         )  # fmt: skip
-        if self.corpus() == self.dataset:
-            ks = sorted(set(self.kq) | set(self.kp))
-            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=ks, **common)]
-        return [
+        if self.corpus() == self.dataset and set(self.kq) == set(self.kp):
+            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=self.kq, **common)]
+        return [  # each side at its own budgets: no passage pass at a K only the queries use
             EncodeConfig(dataset=self.dataset, sides=["query"], k=self.kq, **common),
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
         ]
