@@ -223,7 +223,7 @@ class SystemRecord(BaseModel):
     """One registered system (the ``config`` of its registry manifest)."""
 
     system: str
-    kind: Literal["encoder", "bm25", "reranker"]
+    kind: Literal["encoder", "bm25", "reranker", "run", "fusion"]  # run: imported (diffret import-run)
     model: str | None = None  # the backbone as given (HF id or path); None for BM25
     readout: str | None = None
     multi_vector: bool = False

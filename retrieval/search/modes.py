@@ -15,7 +15,7 @@ How each mode computes its scores follows ``rules.ScoreRules`` (by default the r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,14 +169,28 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     >>> f.index.tolist(), f.scores.tolist()   # 8: 0.5*0 + 0.5*1; 7: 0.5*1; 9: 0
     ([[7, 8, 9]], [[0.5, 0.5, 0.0]])
     """
-    if a.scores.shape[0] != b.scores.shape[0]:
-        raise ValueError(f"fusion of runs over different query sets ({a.scores.shape[0]} vs {b.scores.shape[0]})")
+    return fuse_runs([a, b], depth, weights, flat)
+
+
+def fuse_runs(runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] | None = None,
+              flat: str = "zero") -> TopK:  # fmt: skip
+    """:func:`fuse_minmax` of any number of runs over the same queries (``weights``: default equal, summing to 1).
+
+    >>> a = TopK(np.array([[3.0, 1.0]], np.float32), np.array([[7, 8]]))
+    >>> fuse_runs([a, a, a]).scores.round(4).tolist()
+    [[1.0, 0.0]]
+    """
+    weights = list(weights) if weights is not None else [1.0 / len(runs)] * len(runs)
+    if len(weights) != len(runs):
+        raise ValueError(f"{len(weights)} fusion weights for {len(runs)} runs")
+    if len({r.scores.shape[0] for r in runs}) > 1:
+        raise ValueError(f"fusion of runs over different query sets ({[r.scores.shape[0] for r in runs]})")
     if flat not in ("zero", "one"):
         raise ValueError(f"fusion flat must be zero or one, not {flat!r}")
     out_s, out_i = [], []
-    for qi in range(a.scores.shape[0]):
+    for qi in range(runs[0].scores.shape[0]):
         acc: dict[int, float] = {}
-        for run, w in ((a, weights[0]), (b, weights[1])):
+        for run, w in zip(runs, weights, strict=True):
             s, ix = run.scores[qi, :depth], run.index[qi, :depth]
             keep = ix >= 0
             s, ix = s[keep].astype(np.float64), ix[keep]
