@@ -182,7 +182,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
             with progress(transient=True) as report:
                 res = run_pipeline(config, log=log, report=report)
     for sp, rows in res["leaderboards"].items():
-        print_leaderboard(config.dataset, sp, rows)
+        print_leaderboard(config.name(), sp, rows)
         console.print(f"summary, leaderboard and heatmaps: {res['folders'][sp]}", highlight=False, soft_wrap=True)
     console.print(f"done in {time.perf_counter() - t0:,.1f} s", highlight=False)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from retrieval.data.sources import corpus_of
+from retrieval.data.sources import corpus_of, stored_name
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import ReadoutConfig
@@ -120,8 +120,16 @@ class PipelineConfig(StageConfig):
     def _common(self) -> dict[str, Any]:
         return {"root": self.root, "force": self.force}
 
+    def name(self) -> str:
+        """The stored name of ``dataset`` (an ir_datasets id is stored under the catalog's name, or with / as -).
+
+        >>> PipelineConfig(dataset="beir/scifact/test", backbone={"model": "org/m"}).name()
+        'scifact'
+        """
+        return stored_name(self.dataset)
+
     def corpus(self) -> str:
-        return corpus_of(self.dataset)
+        return corpus_of(self.name())
 
     def downloads(self) -> list[DownloadConfig]:
         def dl(name: str, source: str | None) -> DownloadConfig:
@@ -129,7 +137,7 @@ class PipelineConfig(StageConfig):
                                   unknown_judgments=self.unknown_judgments, **self._common())  # fmt: skip
 
         out = [dl(self.dataset, self.source)]
-        if self.corpus() != self.dataset:
+        if self.corpus() != self.name():
             out.insert(0, dl(self.corpus(), self.corpus_source))
         return out
 
@@ -140,37 +148,37 @@ class PipelineConfig(StageConfig):
             dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
             store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
         )  # fmt: skip
-        if self.corpus() == self.dataset and set(self.kq) == set(self.kp):
-            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=self.kq, **common)]
+        if self.corpus() == self.name() and set(self.kq) == set(self.kp):
+            return [EncodeConfig(dataset=self.name(), sides=["query", "passage"], k=self.kq, **common)]
         return [  # each side at its own budgets: no passage pass at a K only the queries use
-            EncodeConfig(dataset=self.dataset, sides=["query"], k=self.kq, **common),
+            EncodeConfig(dataset=self.name(), sides=["query"], k=self.kq, **common),
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
         ]
 
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
-            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
+            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
             kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
             device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
-        return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
+        return BM25Config(dataset=self.name(), corpus=self.corpus(), splits=self.splits, topk=self.topk,
                           train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
                           **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
-            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
+            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
             kq=self.kq, kp=self.kp, index_type=self.index, **self._common(),
         )  # fmt: skip
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
-        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, ties=self.ties,
+        return EvaluateConfig(systems=systems, datasets=[self.name()], splits=self.splits, ties=self.ties,
                               **self._common())  # fmt: skip
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
-        return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())
+        return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())
 
 
 def run_encode(
