@@ -32,7 +32,7 @@ class CompareConfig(StageConfig):
 
     dataset: str = Field(description="The dataset the runs answer.", json_schema_extra=cli(short="-d"))
     split: str = Field(default="test", description="The query split.")
-    runs: list[str] = Field(default_factory=list, description="Runs to compare: SYSTEM[:MODE[:KQ:KP]] (a slug or "
+    runs: list[str] | None = Field(default=None, description="Runs to compare: SYSTEM[:MODE[:KQ:KP]] (a slug or "
                             "unique prefix, bm25, an imported run's name; MODE and KQ:KP where the system has several "
                             "runs). Default: every run of the dataset and split.",
                             json_schema_extra=cli(flag="--run"))  # fmt: skip
