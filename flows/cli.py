@@ -181,6 +181,11 @@ def _print_warnings(res: Any) -> None:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
+def _print_shown(res: Any) -> None:
+    out.print(res.details.get("shown", ""), highlight=False, markup=False, soft_wrap=True, end="")
+    console.print(f"tables (md, csv, tex): {res.details.get('folder')}", highlight=False, soft_wrap=True)
+
+
 def _print_detail(text: str, key: str) -> Callable[[Any], None]:
     def after(res: Any) -> None:
         console.print(text.format(res.details.get(key)), highlight=False, soft_wrap=True)
@@ -217,7 +222,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
             with progress(transient=True) as report:
                 res = run_pipeline(config, log=log, report=report)
     for sp, rows in res["leaderboards"].items():
-        print_leaderboard(config.dataset, sp, rows)
+        print_leaderboard(config.name(), sp, rows)
         console.print(f"summary, leaderboard and heatmaps: {res['folders'][sp]}", highlight=False, soft_wrap=True)
     _print_warnings(res)
     console.print(f"done in {time.perf_counter() - t0:,.1f} s", highlight=False)
@@ -241,12 +246,15 @@ def _register() -> None:
     stage_command("beta")
     stage_command("late")
     stage_command("bm25")
+    stage_command("import-run")
+    stage_command("fuse")
     stage_command("rerank")
     stage_command("training", "training-data")
     stage_command("train", after=_print_detail("model: {}", "model_dir"))
     stage_command("train-reranker", after=_print_detail("model: {} (rerank with it: diffret rerank --model <it> "
                                                         "--method <the same>)", "model_dir"))  # fmt: skip
     stage_command("evaluate")
+    stage_command("compare", after=_print_shown)
     stage_command("budget", after=_print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"))
     stage_command("summary", after=_print_warnings)
     stage_command("report", after=_print_detail("report written: {}/report.md", "folder"))
@@ -264,10 +272,12 @@ def export_run(
     split: Annotated[str, Opt(help="The run's query split.")] = "test",
     kq: Annotated[int, Opt(help="The run's K_q (0 for BM25).")] = 0,
     kp: Annotated[int, Opt(help="The run's K_p (0 for BM25).")] = 0,
-    mode: Annotated[str, Opt(help="The run's mode (bm25 for BM25).")] = "bm25", root: Root = DEFAULT_ROOT,
+    mode: Annotated[str | None, Opt(help="The run's mode (default: the one mode of BM25, an imported run, a "
+                                         "fusion).")] = None, root: Root = DEFAULT_ROOT,
 ) -> None:  # fmt: skip
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
     from retrieval.evaluation import write_trec_run
+    from stages.rerank import first_stage_mode
     from stages.runs import read_run
     from stages.systems import SystemRef, find_system
     from storage import ArtifactStore
@@ -277,6 +287,7 @@ def export_run(
         store = ArtifactStore(root)
         store.refuse_inside(output, "--output")
         slug = find_system(store, SystemRef(system=system)).system
+        mode = first_stage_mode(store, slug, mode)
         table = read_run(store, run_dir(slug, dataset, split, kq, kp, mode))
         write_trec_run(table, output, tag=f"{slug}.{mode}.kq{kq}.kp{kp}")
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)

@@ -23,7 +23,7 @@ from retrieval.data.collections import (
     read_corpus,
     read_queries,
 )
-from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source
+from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
 from retrieval.fields import cli
 from storage import ArtifactStore, Manifest, StageState, StoreError
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
@@ -36,9 +36,20 @@ INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifa
 class DownloadConfig(StageConfig):
     """Parameters of the download flow."""
 
+    @property
+    def dataset(self) -> str:
+        """The name the collection is stored under (:func:`retrieval.data.sources.stored_name`).
+
+        >>> DownloadConfig(name="beir/scifact/test").dataset
+        'scifact'
+        """
+        return stored_name(self.name)
+
     name: str = Field(
         description="Collection: a BEIR name (scifact, nfcorpus, arguana, fiqa, trec-covid, nq, hotpotqa, quora, "
-        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, or any name with a --source.",
+        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, an ir_datasets id (beir/scifact/test, "
+        "msmarco-passage/dev/small, lotte/science/test/search, ...; stored under the catalog's name where it is one, "
+        "else with / as -), or any name with a --source.",
         json_schema_extra=cli(positional=True),
     )
     source: str | None = Field(
@@ -181,17 +192,19 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
             def progress(label: str, done: int, total: int | None) -> None:
                 report(f"download {label}", done, total, "bytes", "")
 
+        name = config.dataset
+        dataset_dir(name)  # a name the store cannot hold: refused before any download
         files = resolve_source(
             config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress
         )
         st = ctx.store.state(
-            dataset_dir(config.name), artifact_config(config.name, files, config.unknown_judgments), force=config.force,
-            hint=DRIFT_HINT.format(name=config.name),
+            dataset_dir(name), artifact_config(name, files, config.unknown_judgments), force=config.force,
+            hint=DRIFT_HINT.format(name=name),
         )  # fmt: skip
         if st is StageState.CURRENT:
-            lines = [f"{config.name}: already in the store with the same source; nothing to do"]
-            return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
-        return Plan(units=[IngestUnit(config.name, files, st, config.unknown_judgments)])
+            lines = [f"{name}: already in the store with the same source; nothing to do"]
+            return Plan(skipped=1, details={"dataset": name, "status": "unchanged", "report": lines})
+        return Plan(units=[IngestUnit(name, files, st, config.unknown_judgments)])
 
     def _stored(self, config: DownloadConfig, ctx: Context) -> Plan | None:
         """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
@@ -223,11 +236,11 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
     def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
         """What was stored (or found stored), with the rows of each table and the source (``markdown``)."""
         details = results[0].summary() if results else dict(plan.details)
-        m = ctx.store.require_manifest(dataset_dir(config.name))
+        m = ctx.store.require_manifest(dataset_dir(config.dataset))
         lines = ["| table | rows |", "|---|---:|"]
         lines += [f"| {name.removesuffix('.parquet')} | {e.rows or 0:,} |" for name, e in sorted(m.files.items())]
         details["rows"] = {name: e.rows for name, e in m.files.items()}
-        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.name)}`", "", *lines, "",
+        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.dataset)}`", "", *lines, "",
                                          f"Source: `{m.config.get('source')}`"])  # fmt: skip
         return details
 

@@ -38,7 +38,7 @@ from storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 from .base import Context, Plan, Stage
 from .encode import EncodeConfig, encodings_config, reader_for
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
-from .rerank import RerankConfig, first_stage_run
+from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
 from .systems import EncodeSettings, SystemRef, find_system, settings_of
 
@@ -62,7 +62,7 @@ class LateConfig(QueriesConfig):
     first_stage: str = like(RerankConfig, "first_stage", json_schema_extra=cli(flag="--first-stage"))
     first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=cli(flag="--first-kq"))
     first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=cli(flag="--first-kp"))
-    first_mode: str = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
+    first_mode: str | None = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
     batch_size: int = like(EncodeConfig, "batch_size")
     device: str = like(BackboneConfig, "device")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "
@@ -154,7 +154,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                     "system": record.system, "dataset": config.dataset, "corpus": corpus, "split": split,
                     "kq": config.kq, "kp": config.kp, "mode": mode, "topk": m, "rescore": config.mode,
                     "first_stage": {"system": slug, "kq": config.first_kq, "kp": config.first_kp,
-                                    "mode": config.first_mode},
+                                    "mode": first_stage_mode(store, config.first_stage, config.first_mode)},
                     "ignore_identical_ids": config.ignore_ids(), "rules": config.rules.model_dump(),
                     "inputs": {"first": store.require_manifest(src).config_hash, "queries": q_man.config_hash},
                 }  # fmt: skip

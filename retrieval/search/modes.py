@@ -15,7 +15,7 @@ How each mode computes its scores follows ``rules.ScoreRules`` (by default the r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,15 +169,29 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     >>> f.index.tolist(), f.scores.tolist()   # 8: 0.5*0 + 0.5*1; 7: 0.5*1; 9: 0
     ([[7, 8, 9]], [[0.5, 0.5, 0.0]])
     """
-    if a.scores.shape[0] != b.scores.shape[0]:
-        raise ValueError(f"fusion of runs over different query sets ({a.scores.shape[0]} vs {b.scores.shape[0]})")
+    return fuse_runs([a, b], depth, weights, flat)
+
+
+def fuse_runs(runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] | None = None,
+              flat: str = "zero") -> TopK:  # fmt: skip
+    """:func:`fuse_minmax` of any number of runs over the same queries (``weights``: default equal, summing to 1).
+
+    >>> a = TopK(np.array([[3.0, 1.0]], np.float32), np.array([[7, 8]]))
+    >>> fuse_runs([a, a, a]).scores.round(4).tolist()
+    [[1.0, 0.0]]
+    """
+    weights = list(weights) if weights is not None else [1.0 / len(runs)] * len(runs)
+    if len(weights) != len(runs):
+        raise ValueError(f"{len(weights)} fusion weights for {len(runs)} runs")
+    if len({r.scores.shape[0] for r in runs}) > 1:
+        raise ValueError(f"fusion of runs over different query sets ({[r.scores.shape[0] for r in runs]})")
     if flat not in ("zero", "one"):
         raise ValueError(f"fusion flat must be zero or one, not {flat!r}")
-    n = a.scores.shape[0]
+    n = runs[0].scores.shape[0]
     # vectorised over queries; each value is computed as the per-query loop of diffret 0.1 computed it:
-    # 0.0 + w_a * norm_a (+ w_b * norm_b when both runs hold the document), so the runs are identical
+    # 0.0 + w_1 * norm_1 (+ w_2 * norm_2 ..., in run order, for the runs that hold the document): identical runs
     parts_d, parts_v = [], []
-    for run, w in ((a, weights[0]), (b, weights[1])):
+    for run, w in zip(runs, weights, strict=True):
         s, ix = run.scores[:, :depth].astype(np.float64), run.index[:, :depth]
         valid = ix >= 0
         lo = np.min(np.where(valid, s, np.inf), axis=1, keepdims=True)
@@ -189,15 +203,19 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
         parts_d.append(np.where(valid, ix, _NO_DOC))
         parts_v.append(np.where(valid, w * norm, 0.0))
     docs, vals = np.concatenate(parts_d, axis=1), np.concatenate(parts_v, axis=1)
-    order = np.argsort(docs, axis=1, kind="stable")  # a document's entry from ``a`` before its entry from ``b``
+    order = np.argsort(docs, axis=1, kind="stable")  # a document's entries together, in run order
     docs, vals = np.take_along_axis(docs, order, 1), np.take_along_axis(vals, order, 1)
-    again = np.zeros(docs.shape, bool)
-    again[:, 1:] = (docs[:, 1:] == docs[:, :-1]) & (docs[:, 1:] != _NO_DOC)  # the second entry of a document
+    cols = np.arange(docs.shape[1])[None, :]
+    new = np.ones(docs.shape, bool)
+    new[:, 1:] = (docs[:, 1:] != docs[:, :-1]) | (docs[:, 1:] == _NO_DOC)
+    start = np.maximum.accumulate(np.where(new, cols, 0), axis=1)  # each entry's first entry of its document
+    member = cols - start  # 0 for the first run holding the document, 1 for the next, ...
     fused = 0.0 + vals
-    first = np.zeros(docs.shape, bool)
-    first[:, :-1] = again[:, 1:]  # the first entry of a document both runs hold: add the second's value
-    fused[first] = fused[first] + vals[again]
-    keep = (docs != _NO_DOC) & ~again
+    rows = np.broadcast_to(np.arange(n)[:, None], docs.shape)
+    for t in range(1, len(runs)):  # add the later runs' values one run at a time, as the loop did
+        at = member == t
+        fused[rows[at], start[at]] = fused[rows[at], start[at]] + vals[at]
+    keep = new & (docs != _NO_DOC)
     key = np.where(keep, -fused, np.inf)
     rank = np.argsort(key, axis=1, kind="stable")  # by fused score descending, then document (already ascending)
     docs, fused, keep = (np.take_along_axis(x, rank, 1) for x in (docs, fused, keep))

@@ -18,6 +18,7 @@ from retrieval.search import (
     doc_order,
     encodings_from_table,
     fuse_minmax,
+    fuse_runs,
     maxsim,
     run_table,
     scoring,
@@ -226,12 +227,13 @@ def test_encodings_errors() -> None:
         search_pass({1: enc}, [enc], ["fusion_multi_sparse_max"])
 
 
-def _fuse_loop(a: TopK, b: TopK, depth: int, flat: str) -> TopK:
-    """Fusion as diffret 0.1 computed it, a query at a time (the vectorised fuse_minmax must equal it exactly)."""
+def _fuse_loop(runs: list[TopK], depth: int, flat: str) -> TopK:
+    """Fusion as diffret 0.1 computed it, a query at a time (the vectorised fuse_runs must equal it exactly)."""
     out_s, out_i = [], []
-    for qi in range(a.scores.shape[0]):
+    for qi in range(runs[0].scores.shape[0]):
         acc: dict[int, float] = {}
-        for run, w in ((a, 0.5), (b, 0.5)):
+        for run in runs:
+            w = 1.0 / len(runs)
             s, ix = run.scores[qi, :depth], run.index[qi, :depth]
             keep = ix >= 0
             s, ix = s[keep].astype(np.float64), ix[keep]
@@ -268,8 +270,9 @@ def test_vectorised_fusion_equals_the_per_query_loop(flat: str) -> None:
             pad = short[:, None] & (np.arange(k)[None, :] >= cut[:, None])
             return TopK(np.where(pad, -np.inf, scores).astype(np.float32), np.where(pad, -1, index))
 
-        a, b = run(), run()
+        runs = [run() for _ in range(int(rng.integers(2, 5)))]  # two (the modes' fusions) to four runs
         depth = int(rng.integers(1, 2 * k + 1))
-        got, want = fuse_minmax(a, b, depth, flat=flat), _fuse_loop(a, b, depth, flat)
+        got = fuse_minmax(*runs, depth, flat=flat) if len(runs) == 2 else fuse_runs(runs, depth, flat=flat)
+        want = _fuse_loop(runs, depth, flat)
         assert got.index.tolist() == want.index.tolist()
         assert got.scores.tobytes() == want.scores.tobytes()

@@ -51,8 +51,8 @@ def test_run_encodes_queries_at_kq_and_passages_at_kp_only(tmp_path: Path) -> No
 
 def test_a_side_without_its_own_budgets_takes_k() -> None:
     cfg = EncodeConfig(dataset="d", k=[1, 8], kq=[2])
-    assert cfg.ks("query") == [2] and cfg.ks("passage") == [1, 8]
+    assert cfg.budgets("query") == [2] and cfg.budgets("passage") == [1, 8]
     (enc,) = PipelineConfig(dataset="scifact", kq=[4], kp=[16]).encodes()
-    assert enc.ks("query") == [4] and enc.ks("passage") == [16]
+    assert enc.budgets("query") == [4] and enc.budgets("passage") == [16]
     with pytest.raises(ValueError, match="beyond --max-length"):
         EncodeConfig(dataset="d", k=[1], kp=[64], max_length=32)
