@@ -210,7 +210,7 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
         the network): nothing to do when its files verify; a damaged copy is rebuilt from the source it was made
         from (None: the official location is fetched)."""
-        stage = dataset_dir(config.name)
+        stage = dataset_dir(config.dataset)
         try:
             m = ctx.store.read_manifest(stage, trusted=False)
         except StoreError:
@@ -220,12 +220,12 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         origin = str(m.config.get("source") or "")
         state = ctx.store.state(stage, m.config)
         if state is StageState.CURRENT:
-            lines = [f"{config.name}: already in the store (from {origin}); nothing to do"]
-            return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
+            lines = [f"{config.dataset}: already in the store (from {origin}); nothing to do"]
+            return Plan(skipped=1, details={"dataset": config.dataset, "status": "unchanged", "report": lines})
         if origin in ("", "official"):
             return None
         if not (Path(origin).exists() or "://" in origin):
-            raise DatasetError(f"{ctx.store.abspath(stage)}: the stored copy of {config.name!r} is damaged and its "
+            raise DatasetError(f"{ctx.store.abspath(stage)}: the stored copy of {config.dataset!r} is damaged and its "
                                f"source {origin} is gone; give it again with --source")  # fmt: skip
         unknown = m.config.get("unknown_judgments", config.unknown_judgments)
         return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)

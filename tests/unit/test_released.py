@@ -83,7 +83,8 @@ def test_encode_and_run_take_the_trained_budget_and_prompt(tmp_path):
     assert EncodeConfig(dataset="d", backbone={"model": folder}, k=[1]).budgets("passage") == [1]
     run = PipelineConfig(dataset="d", backbone={"model": folder})
     assert (run.kq, run.kp) == ([4], [16])
-    assert [(e.sides, e.k) for e in run.encodes()] == [(["query"], [4]), (["passage"], [16])]
+    (enc_run,) = run.encodes()  # one encode, each side at its own trained budget
+    assert enc_run.budgets("query") == [4] and enc_run.budgets("passage") == [16]
     assert PipelineConfig(dataset="d", backbone={"model": folder}, kq=[1], kp=[1]).kq == [1]
     s = EncodeSettings(backbone={"model": folder})
     assert (s.readout.prompt, s.readout.finetuned) == ("checkpoint", "yes")
