@@ -25,7 +25,6 @@ from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import encode_rows
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.encodings import encodings_from_table, take
 from retrieval.search.exact import SearchSettings
 from retrieval.search.late import rescore
@@ -162,7 +161,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
         if cells:
-            factor = config.rules.sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+            factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
             plan.units.append(LateUnit(
                 cells, {s: first[s][1] for s in {c.split for c in cells}}, record.system, settings.model_dump(),
                 q_stage, full if full_ok else None, partial_dir(record.system, corpus, config.kp), t_stage,

@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout
@@ -285,6 +286,18 @@ class StoreSQL:
         rel = self._run(sql)
         cols = [d[0] for d in rel.description] if rel.description else []
         return cols, rel.fetchall()
+
+    def arrow(self, sql: str) -> pa.Table:
+        """A read-only query's result as an Arrow table (:meth:`query`'s checks).
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+        ...     db.arrow("select 42 as answer").to_pylist()
+        [{'answer': 42}]
+        """
+        rel = self._run(sql, relation=True)
+        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow  # DuckDB 1.x: arrow(); 2.x: to_arrow_table()
+        return fetch()
 
     def export(self, sql: str, path: str) -> int:
         """Write a read-only query's result to ``path`` (``.csv`` or ``.parquet``) atomically; its row count.
