@@ -228,37 +228,39 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
     console.print(f"done in {time.perf_counter() - t0:,.1f} s", highlight=False)
 
 
+def _printers() -> dict[str, Callable[[Any], None]]:
+    """What a stage's command prints after its result line, by stage (default: nothing more)."""
+    return {
+        "download": _print_lines("report"),
+        "index": lambda res: out.print(index_checks(res.details["checks"]), highlight=False, markup=False),
+        "bot": _print_bot,
+        "train": _print_detail("model: {}", "model_dir"),
+        "train-reranker": _print_detail("model: {} (rerank with it: diffret rerank --model <it> --method <the same>)",
+                                        "model_dir"),  # fmt: skip
+        "compare": _print_shown,
+        "budget": _print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"),
+        "summary": _print_warnings,
+        "report": _print_detail("report written: {}/report.md", "folder"),
+        "latency": _print_detail("latency rows measured: {}", "rows"),
+    }
+
+
 def _register() -> None:
-    """Every stage's command, generated from its config, in pipeline order (the whole experiment first)."""
+    """Every stage's command, generated from its config, in pipeline order (the whole experiment first); a stage
+    registered with ``stages.register`` or the ``diffret.stages`` entry points gets its command the same way."""
+    from stages import stages
+
     from .compose import EncodeConfig, PipelineConfig
 
     app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
                                                                            extra=[PREFECT]))
-    stage_command("download", after=_print_lines("report"))
-    stage_command("tokenize")
-    app.command("encode", help=_encode.__doc__, cls=Command)(config_command(EncodeConfig, _encode, name="encode",
-                                                                          extra=[PREFECT]))
-    stage_command("compress")
-    stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
-                                                       markup=False))  # fmt: skip
-    stage_command("bot", after=_print_bot)
-    stage_command("score")
-    stage_command("beta")
-    stage_command("late")
-    stage_command("bm25")
-    stage_command("import-run")
-    stage_command("fuse")
-    stage_command("rerank")
-    stage_command("training", "training-data")
-    stage_command("train", after=_print_detail("model: {}", "model_dir"))
-    stage_command("train-reranker", after=_print_detail("model: {} (rerank with it: diffret rerank --model <it> "
-                                                        "--method <the same>)", "model_dir"))  # fmt: skip
-    stage_command("evaluate")
-    stage_command("compare", after=_print_shown)
-    stage_command("budget", after=_print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"))
-    stage_command("summary", after=_print_warnings)
-    stage_command("report", after=_print_detail("report written: {}/report.md", "folder"))
-    stage_command("latency", after=_print_detail("latency rows measured: {}", "rows"))
+    printers = _printers()
+    for name, st in stages().items():
+        if name == "encode":  # tokenizes first, and can run on Dask
+            app.command("encode", help=_encode.__doc__, cls=Command)(config_command(EncodeConfig, _encode,
+                                                                                  name="encode", extra=[PREFECT]))
+        else:
+            stage_command(name, st.command, after=printers.get(name))
 
 
 _register()
@@ -365,6 +367,24 @@ def systems(root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table) -> None
     rows = [(r.system, r.kind, r.model, r.readout, json.dumps(r.settings, sort_keys=True), st.get("model_path"))
             for r, st in recs]  # fmt: skip
     print_rows(cols, rows, fmt)
+
+
+@app.command(cls=Command)
+def deployments(
+    write: Annotated[bool, Opt("--write", help="Rewrite prefect.yaml in the current folder (the repository root).")]
+    = False,
+) -> None:
+    """Print the Prefect deployments of every stage (prefect.yaml), generated from the stage registry."""
+    from .deployments import render
+
+    text = render()
+    if write:
+        from pathlib import Path
+
+        Path("prefect.yaml").write_text(text)
+        out.print("prefect.yaml written", highlight=False)
+    else:
+        print(text, end="")
 
 
 def _exit_now(code: int) -> None:

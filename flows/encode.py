@@ -1,4 +1,5 @@
-"""The encode flow: tokenize a dataset's sides once, then encode every (side, K, shard) of the grid.
+"""The encode flow: tokenize a dataset's sides once, then encode every (side, K, shard) of the grid (its own module:
+the other stages' flows are generated in flows/stages.py).
 
 Shards already done with the same config are skipped, so a re-run resumes a killed one. Runs in-process,
 on a local Dask cluster (``workers``), or on an existing one (``dask_address``; one worker per GPU).
@@ -11,17 +12,11 @@ from prefect import flow
 from stages import encode as encode_stage
 from stages import tokenize as tokenize_stage
 from stages.encode import EncodeConfig
-from stages.tokenize import TokenizeConfig
 
 from .compose import run_encode
 from .runner import run_in_flow, run_name
 
-__all__ = ["EncodeConfig", "TokenizeConfig", "encode_flow", "run_encode", "tokenize_flow"]
-
-
-@flow(name="tokenize", flow_run_name=run_name, description=tokenize_stage.stage.description)
-def tokenize_flow(config: TokenizeConfig) -> dict:
-    return run_in_flow(tokenize_stage.stage, config)
+__all__ = ["EncodeConfig", "encode_flow", "run_encode"]
 
 
 @flow(name="encode", flow_run_name=run_name, description=encode_stage.stage.description)

@@ -1,9 +1,10 @@
 """One way to run any stage: :func:`run_stage`, in this process or as a Prefect flow run.
 
 In this process it is ``stages.execute``, and Prefect is not imported (that takes about a second). Under
-Prefect, each stage has a flow (``flows/<stage>.py``) whose body is :func:`run_in_flow`: the same plan, units run
-in the flow (or, for a distributed stage, as Prefect tasks on a thread, a local Dask cluster or an existing one),
-commits in the flow process, a progress artifact and a markdown summary. Both return one :class:`stages.StageResult`.
+Prefect, each stage has a flow (generated in ``flows/stages.py``) whose body is :func:`run_in_flow`: the same plan,
+units run in the flow (or, for a distributed stage, as Prefect tasks on a thread, a local Dask cluster or an
+existing one), commits in the flow process, a progress artifact and a markdown summary.
+Both return one :class:`stages.StageResult`.
 """
 
 from __future__ import annotations
@@ -22,31 +23,31 @@ from stages.base import inline_figures, run_units
 from storage import ArtifactStore
 from tasks.keys import artifact_key
 
-# stage name -> (module of flows/, flow function)
-FLOWS: dict[str, tuple[str, str]] = {
-    "download": ("flows.download", "download_flow"),
-    "tokenize": ("flows.encode", "tokenize_flow"),
-    "encode": ("flows.encode", "encode_flow"),
-    "compress": ("flows.compress", "compress_flow"),
-    "bot": ("flows.bot", "bot_flow"),
-    "index": ("flows.index", "index_flow"),
-    "beta": ("flows.beta", "beta_flow"),
-    "late": ("flows.late", "late_flow"),
-    "score": ("flows.score", "score_flow"),
-    "bm25": ("flows.bm25", "bm25_flow"),
-    "import-run": ("flows.import_run", "import_run_flow"),
-    "fuse": ("flows.fuse", "fuse_flow"),
-    "rerank": ("flows.rerank", "rerank_flow"),
-    "training": ("flows.training_data", "training_data_flow"),
-    "train": ("flows.train", "train_flow"),
-    "train-reranker": ("flows.train_reranker", "train_reranker_flow"),
-    "evaluate": ("flows.evaluate", "evaluate_flow"),
-    "compare": ("flows.compare", "compare_flow"),
-    "budget": ("flows.budget", "budget_flow"),
-    "summary": ("flows.summary", "summary_flow"),
-    "report": ("flows.report", "report_flow"),
-    "latency": ("flows.latency", "latency_flow"),
+# stages whose flow does more than run the stage: (module, function); every other stage's flow is generated in
+# flows/stages.py from the registry
+CUSTOM: dict[str, tuple[str, str]] = {
+    "encode": ("flows.encode", "encode_flow"),  # tokenizes first
+    "report": ("flows.report", "report_flow"),  # publishes its sections as artifacts
 }
+
+
+def flow_name(command: str) -> str:
+    """The flow function's name of a stage's command: ``import-run`` -> ``import_run_flow``."""
+    return command.replace("-", "_") + "_flow"
+
+
+def flow_ref(stage: str) -> tuple[str, str]:
+    """(module, function) of a stage's Prefect flow (the flow is named after the stage's command)."""
+    from stages import stages
+
+    return CUSTOM.get(stage) or ("flows.stages", flow_name(stages()[stage].command))
+
+
+def flows() -> dict[str, tuple[str, str]]:
+    """Every stage's flow as (module, function), by stage name."""
+    from stages import stages
+
+    return {name: flow_ref(name) for name in stages()}
 
 
 def use_prefect(flag: bool | None = None) -> bool:
@@ -95,7 +96,7 @@ def run_stage(
 ) -> StageResult:
     """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress) or as its Prefect flow."""
     if prefect:
-        module, name = FLOWS[stage.name]
+        module, name = flow_ref(stage.name)
         flow_fn = getattr(importlib.import_module(module), name)
         with prefect_api():
             return StageResult.model_validate(flow_fn(config))

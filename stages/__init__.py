@@ -1,6 +1,7 @@
 """The pipeline's stages, importable without Prefect: each plans its units from the store, runs them, and
-records what it wrote (see stages/base.py). ``STAGES`` maps a stage's name to it; flows/ runs any of them
-in this process or under Prefect through one ``run_stage``.
+records what it wrote (see stages/base.py). :func:`stages` maps a stage's name to it; the CLI command, the
+Prefect flow and the deployment of every stage follow from it (flows/commands.py, flows/stages.py,
+flows/deployments.py), so adding a stage is writing its module and registering it (docs/ARCHITECTURE.md).
 
     download -> tokenize -> encode -> (compress) -> (index) -> score / bm25 -> evaluate -> summary -> report
                                                    import-run / fuse (any runs) -> evaluate -> compare
@@ -10,6 +11,7 @@ in this process or under Prefect through one ``run_stage``.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from importlib import import_module
 
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
@@ -19,15 +21,46 @@ _MODULES = (
     "rerank", "training_data", "train", "train_reranker", "evaluate", "compare", "budget", "summary", "report",
     "latency",
 )  # fmt: skip
+ENTRY_POINTS = "diffret.stages"  # another package's stages: [project.entry-points."diffret.stages"] name = "module"
+_REGISTERED: list[str] = []
+
+
+def register(module: str) -> Stage:
+    """Add the stage that ``module`` (any importable module) defines as ``stage``: from then on it has its CLI
+    command, its Prefect flow and its deployment like the built-in stages. Another package registers its stages
+    once installed through the ``diffret.stages`` entry-point group instead.
+
+    >>> register("stages.score").name  # a module registered twice is one stage
+    'score'
+    """
+    st = import_module(module).stage
+    if not isinstance(st, Stage):
+        raise TypeError(f"{module}.stage is a {type(st).__name__}, not a diffret Stage")
+    if module not in _REGISTERED and f"{__name__}.{module}" not in _REGISTERED:
+        _REGISTERED.append(module)
+    return st
+
+
+@lru_cache(maxsize=1)
+def _entry_point_modules() -> tuple[str, ...]:
+    from importlib.metadata import entry_points
+
+    return tuple(ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINTS))
 
 
 def stages() -> dict[str, Stage]:
-    """Every stage by name, in pipeline order (modules are imported on first use)."""
-    out = {}
-    for mod in _MODULES:
-        st = import_module(f"{__name__}.{mod}").stage
+    """Every stage by name, in pipeline order, then the registered ones (modules are imported on first use).
+
+    >>> list(stages())[:3]
+    ['download', 'tokenize', 'encode']
+    """
+    out: dict[str, Stage] = {}
+    for mod in [f"{__name__}.{m}" for m in _MODULES] + _REGISTERED + list(_entry_point_modules()):
+        st = import_module(mod).stage
+        if st.name in out and out[st.name] is not st:
+            raise ValueError(f"two stages named {st.name!r}: {type(out[st.name]).__module__} and {mod}")
         out[st.name] = st
     return out
 
 
-__all__ = ["Context", "Plan", "Stage", "StageConfig", "StageResult", "execute", "stages"]
+__all__ = ["ENTRY_POINTS", "Context", "Plan", "Stage", "StageConfig", "StageResult", "execute", "register", "stages"]

@@ -272,10 +272,16 @@ class Stage(Declared, ABC):
     reports_progress: ClassVar[bool] = False  # run() calls ctx.advance itself (e.g. per encoded batch)
     task_tags: ClassVar[tuple[str, ...]] = ()  # Prefect tags of its unit tasks (e.g. "gpu", for concurrency limits)
     next_step: ClassVar[str] = ""  # what a person runs after it ({dataset}, {system}: the run's)
+    command: ClassVar[str] = ""  # its CLI command and Prefect deployment name (default: its name)
+    deployment: ClassVar[str] = ""  # the deployment's description in the Prefect UI (default: the docstring)
+    example: ClassVar[dict[str, Any]] = {}  # the deployment's default parameters, besides root
 
     def __init_subclass__(cls, **traits: Any) -> None:
         super().__init_subclass__(**traits)
         cls.description = (cls.__doc__ or "").strip()
+        cls.command = cls.__dict__.get("command") or getattr(cls, "name", "")
+        cls.deployment = cls.__dict__.get("deployment") or cls.description  # not inherited: each says its own
+        cls.example = cls.__dict__.get("example", {})
 
     @abstractmethod
     def plan(self, config: Any, ctx: Context) -> Plan:

@@ -53,6 +53,17 @@ class BetaUnit:
 class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written"):
     """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "SIDR_beta search: a stored system's sparse query vectors against the bag-of-tokens index of its "
+        "tokenizer (the bot deployment builds it); no passage is encoded. One run folder per (split, K_q) with "
+        "mode beta, kp 0."
+    )
+    example = {
+        "dataset": "scifact",
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "kq": [1],
+    }  # the deployment's parameters, besides root
+
     next_step = (
         "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment); re-score the top m: "
         "`diffret late -d {dataset}`."

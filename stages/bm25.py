@@ -34,6 +34,11 @@ class BM25Unit:
 class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written"):
     """BM25 baseline runs (bm25s, Lucene k1=0.9 b=0.4)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "BM25 baseline runs (bm25s, Lucene variant, k1=0.9, b=0.4, English stemmer and stopwords)."
+    )
+    example = {"dataset": "scifact", "splits": ["test"]}  # the deployment's parameters, besides root
+
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: BM25Config, ctx: Context) -> Plan:

@@ -41,6 +41,16 @@ class BotConfig(StageConfig):
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
     """SIDR's binary bag-of-tokens index of a corpus: a pass over its stored token ids, no model."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "SIDR's binary bag-of-tokens index of a dataset's passages: their distinct token ids (special ids "
+        "dropped), built from the stored token ids with no model (run the tokenize stage first). Its manifest "
+        "records the build seconds, bytes and density (the bot_indexes view)."
+    )
+    example = {
+        "dataset": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    }  # the deployment's parameters, besides root
+
     next_step = "search it with a SIDR system: `diffret beta -d {dataset}` (the beta deployment)."
 
     def plan(self, config: BotConfig, ctx: Context) -> Plan:

@@ -119,6 +119,15 @@ def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -
 class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="chosen"):
     """Adaptive budgets: a (K_q, K_p) per query from features known before search (learned on a train split)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Adaptive budgets: learns, on a train split's per-query grid metrics, a selector (fixed, a one-feature "
+        "rule, a classifier over the cells, a regressor of each cell's score) from query features known before "
+        "search, and writes for each other split a run of the cell chosen per query (mode "
+        "`adaptive_<mode>_<selector>_<over>_<features>`), which evaluate, the views and the report treat like any "
+        "run. Never evaluated on the split it learned from."
+    )
+    example = {"dataset": "scifact"}  # the deployment's parameters, besides root
+
     next_step = "evaluate them: `diffret evaluate`; compare: `diffret report` (section Adaptive budgets)."
 
     def plan(self, config: BudgetConfig, ctx: Context) -> Plan:

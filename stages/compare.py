@@ -91,6 +91,13 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
     """Runs against a baseline: means, paired tests corrected across the table, win / tie / loss (Markdown, CSV,
     LaTeX)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Runs against a baseline per measure: means, paired t-test or Wilcoxon on per-query scores, p-values "
+        "corrected across the table (Holm by default), win / tie / loss; `comparisons/comparison=<name>/` as "
+        "Markdown, CSV and LaTeX."
+    )
+    example = {"dataset": "scifact", "split": "test", "baseline": "bm25"}  # the deployment's parameters, besides root
+
     next_step = "put it in the paper: comparison.tex in the store folder above (or --out DIR)."
 
     def plan(self, config: CompareConfig, ctx: Context) -> Plan:

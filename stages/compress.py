@@ -62,6 +62,14 @@ class CompressUnit:
 class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", verb="compressed", distributed=True):
     """Turn a stored float16 system into a compressed one (int8, residual:B, pq:M) without re-encoding."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Compress a stored float16 encoder system without re-encoding: per K_p a codebook trained from a seeded "
+        "sample of its own vectors (residual:B, pq:M; int8 needs none), every passage shard coded with it, the "
+        "queries kept in float16. The result is a system of its own (its slug names the choice) that score, index "
+        "and late read as any other; the report's Compression section compares it with the float16 one."
+    )
+    example = {"dataset": "scifact", "to": "residual:2"}  # the deployment's parameters, besides root
+
     next_step = "score it: `diffret score -d {dataset} --system {system}`, then `diffret evaluate`."
 
     def plan(self, config: CompressConfig, ctx: Context) -> Plan:

@@ -262,6 +262,20 @@ class Encode(
 ):
     """Encode a dataset's queries and passages for every K of the grid."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Encode a stored dataset's queries and passages for every K of the budget grid (dense multi-vectors + "
+        "sparse vocabulary weights) with a DiffRetriever mask readout or a baseline (promptreps, diffembed, "
+        "repllama). Sharded and resumable: re-running skips shards whose manifest entry verifies. Set workers "
+        "(local Dask cluster) or dask_address (existing cluster, one worker per GPU) to scale out."
+    )
+    example = {
+        "dataset": "scifact",
+        "sides": ["query", "passage"],
+        "k": [1, 2, 4, 8, 16],
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "readout": {"readout": "diffretriever"},
+    }  # the deployment's parameters, besides root
+
     next_step = (
         "score the grid: `diffret score -d {dataset} --system {system}` (the score deployment), then `diffret "
         "evaluate`."

@@ -120,6 +120,12 @@ def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> pa.Table
 class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated"):
     """Per-query metrics (pytrec_eval) for the runs in the store."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Per-query pytrec_eval metrics (NDCG@10, MRR@10 on the run cut at 10, Recall@100/1000; TREC DL binary "
+        "measures at grade >= 2) for every run in the store without up-to-date metrics."
+    )
+    example = {}  # the deployment's parameters, besides root
+
     next_step = (
         "the leaderboard and heatmaps: `diffret summary -d {dataset} --system SYSTEM` (the summary "
         "deployment); any table: `diffret sql`."

@@ -65,6 +65,16 @@ class FuseUnit:
 class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
     """Fuse stored runs of any systems (min-max normalised, weighted) into a system of its own."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Fuse stored runs of any systems (BM25, imported runs, encoder cells: SYSTEM[:MODE[:KQ:KP]]) by per-query "
+        "min-max normalisation and a weighted sum, into a system of its own."
+    )
+    example = {
+        "dataset": "scifact",
+        "splits": ["test"],
+        "runs": ["bm25", "splade"],
+    }  # the deployment's parameters, besides root
+
     next_step = ("evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run "
                  "{system}`.")  # fmt: skip
 

@@ -75,6 +75,17 @@ def _sha256(path: Path) -> str:
 class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)", verb="imported"):
     """Store a run made elsewhere (TREC or Parquet) as a system of its own: evaluated, compared, fused, reranked."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Store a run made elsewhere (a TREC run file or a Parquet table: Pyserini, PLAID, an API) as a system of "
+        "its own, every id checked against the collection; it is then evaluated, compared, fused, reranked and "
+        "re-scored like any."
+    )
+    example = {
+        "dataset": "scifact",
+        "split": "test",
+        "path": "./runs/splade.trec",
+    }  # the deployment's parameters, besides root
+
     next_step = ("evaluate it: `diffret evaluate -d {dataset}`; then `diffret compare -d {dataset} --baseline bm25 "
                  "--run {system}`.")  # fmt: skip
 

@@ -104,6 +104,20 @@ def check_against_exact(
 class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="built"):
     """LanceDB multivector index per K_p, with recall against exact search."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Build a LanceDB multivector table (+ IVF_PQ / IVF_HNSW_SQ index) per K_p from stored passage encodings, "
+        "and report recall@10 / @100 against exact MaxSim and the latency in the index manifest. config.system "
+        "names the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: {setting: value}}`."
+    )
+    example = {
+        "dataset": "scifact",
+        "split": "test",
+        "kq": [1, 2, 4, 8, 16],
+        "kp": [1, 2, 4, 8, 16],
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "index_type": "IVF_PQ",
+    }  # the deployment's parameters, besides root
+
     next_step = (
         "the recall of each index against exact search is above; score the grid exactly with `diffret score "
         "-d {dataset} --system {system}`."

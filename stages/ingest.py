@@ -177,6 +177,14 @@ class IngestUnit:
 class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
     """Materialise a retrieval test collection into the artifact store."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Materialise a retrieval test collection (BEIR layout, MS MARCO, TREC DL) as corpus / queries / qrels "
+        "Parquet under `datasets/dataset=<name>/` in the artifact store. Set config.source to a local folder, "
+        "archive or URL to read an offline mirror instead of the official location. Re-running is safe: a "
+        "collection already stored from the same source is left as it is."
+    )
+    example = {"name": "scifact", "source": None}  # the deployment's parameters, besides root
+
     next_step = (
         "encode it: `diffret encode -d {dataset} --model MODEL` (the encode deployment), or the whole grid: "
         "`diffret run -d {dataset} --model MODEL` (the pipeline deployment)."

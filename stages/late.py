@@ -123,6 +123,19 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
     """Late-parametric re-scoring: a first stage's top m per query, re-scored by a system's mode; only the passages
     some query needs are encoded."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Late-parametric re-scoring (SIDR's beta(m)): each query's top m of a stored first-stage run (a beta run, "
+        "BM25, any encoder's) re-scored by a system's mode; only the passages some query needs are encoded (kept "
+        "under partial/ and reused by later runs). One run per m, mode `late_<mode>_m<m>`."
+    )
+    example = {
+        "dataset": "scifact",
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "mode": "multi_dense",
+        "depths": [10, 20, 100],
+        "first_stage": "bm25",
+    }  # the deployment's parameters, besides root
+
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: LateConfig, ctx: Context) -> Plan:

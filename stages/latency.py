@@ -114,6 +114,15 @@ class LatencyConfig(StageConfig):
 class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb="measured"):
     """Encoding latency against input length and search latency against index size (the paper's Figures 1, 3)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "The paper's cost figures for one system: encoding latency per text against input length (synthetic "
+        "inputs, at each K or PromptReps cap N, batch size 1 by default) and exact search latency per query "
+        "against index size, single- and multi-vector; min / median / max of repeated runs after warm-up, with "
+        "the device, dtype, attention and library versions. Stored under `latency/` (views `encode_latency`, "
+        "`search_latency`); a changed setting or machine is a new folder, a repeated run does nothing."
+    )
+    example = {}  # the deployment's parameters, besides root
+
     next_step = "query them: `diffret sql \"SELECT * FROM encode_latency\"`; plot them: `diffret report`."
 
     def plan(self, config: LatencyConfig, ctx: Context) -> Plan:

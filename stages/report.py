@@ -48,6 +48,14 @@ class ReportConfig(StageConfig):
 class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", verb="written"):
     """The paper's analyses and tables from the metrics (and latency rows) in the store."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "The paper's analyses from the metrics in the store: train-split budget selection, (K_q, K_p) landscapes, "
+        "per-query oracle, peak-K_q vs query length / entropy correlations with bootstrap CIs, D / S / H tables "
+        "with t-test markers, and the storage footprint with its MS MARCO projection. Written to "
+        "`reports/report=<name>/` and published as markdown artifacts."
+    )
+    example = {"name": "default"}  # the deployment's parameters, besides root
+
     next_step = (
         "query any number behind it: `diffret sql \"select * from best_cells\"`; `diffret views` lists the "
         "tables."

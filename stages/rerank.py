@@ -143,6 +143,20 @@ class RerankUnit:
 class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True):
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Rerank a stored run's top candidates (BM25 by default) with a diffusion LM, DiffuRank's four methods: "
+        "pointwise, logits_listwise, permutation_sampling, permutation_assignment. Writes a run like any other "
+        "system's."
+    )
+    example = {
+        "dataset": "scifact",
+        "splits": ["test"],
+        "first_stage": "bm25",
+        "depth": 100,
+        "method": "logits_listwise",
+        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
+    }  # the deployment's parameters, besides root
+
     next_step = "evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: RerankConfig, ctx: Context) -> Plan:

@@ -64,6 +64,20 @@ class ScorePass:
 class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored"):
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Exact search (chunked, CPU or GPU) for every (K_q, K_p, mode) cell over stored encodings: one run folder "
+        "per cell under runs/. One pass over each K_p's passages scores every K_q and mode. config.system names "
+        "the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: {setting: value}}`."
+    )
+    example = {
+        "dataset": "scifact",
+        "splits": ["test"],
+        "kq": [1, 2, 4, 8, 16],
+        "kp": [1, 2, 4, 8, 16],
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "device": "auto",
+    }  # the deployment's parameters, besides root
+
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: ScoreConfig, ctx: Context) -> Plan:

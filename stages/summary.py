@@ -39,6 +39,12 @@ class SummaryConfig(StageConfig):
 class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
     """Leaderboard, heatmaps and summary markdown of one system on one dataset."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Leaderboard (best cell per mode, BM25, paired t-tests), a heatmap per mode and summary.md of one system "
+        "on one dataset, from the metrics in the store; rewritten only when those metrics change."
+    )
+    example = {"dataset": "scifact"}  # the deployment's parameters, besides root
+
     next_step = (
         "the paper's analyses over every stored system: `diffret report` (the report deployment); ad-hoc SQL: "
         "`diffret sql`."

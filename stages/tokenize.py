@@ -116,6 +116,15 @@ class TokenizeUnit:
 class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
     """Tokenize a dataset's queries and passages once per tokenizer."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Tokenize a stored dataset's queries and passages once per (tokenizer, max_length); the encode flow runs "
+        "it first, so this deployment is for tokenizing ahead of encoding."
+    )
+    example = {
+        "dataset": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    }  # the deployment's parameters, besides root
+
     next_step = (
         "encode the tokens: `diffret encode -d {dataset}` (the encode deployment); SIDR's bag of tokens: "
         "`diffret bot -d {dataset}`."

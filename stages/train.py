@@ -89,6 +89,18 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             task_tags=("gpu",)):  # fmt: skip
     """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Contrastive fine-tuning (InfoNCE, dense tau 0.01 + sparse) of a backbone on a stored training set, LoRA "
+        "(r 16, alpha 64) or full, at the budget the base model's zero-shot train split selected unless "
+        "settings.kq / settings.kp are given; checkpoints every N steps, so a re-run resumes. Writes "
+        "`models/model=<name>/` (the peft adapter, or the weights with --full / merge) that encode and run take "
+        "as --model; the loss curve is the run's artifact. Several GPUs: torchrun (docs/operations.md)."
+    )
+    example = {
+        "training_set": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    }  # the deployment's parameters, besides root
+
     next_step = (
         "encode and score with the fine-tuned model: `diffret run -d DATASET --model MODEL_FOLDER` (the "
         "pipeline deployment)."

@@ -75,6 +75,20 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
                     reports_progress=True, task_tags=("gpu",)):  # fmt: skip
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
 
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Fine-tune a DiffuRank reranker on ranked lists: RankZephyr-format data (source) or qrels-ordered lists "
+        "over a stored BM25 run (dataset). listwise_ce / ranknet for pointwise and logits_listwise, MDLM SFT "
+        "(DocID masking) for the permutation methods; LoRA r 16, alpha 32, constant lr 1e-4, 3 epochs, 64 lists a "
+        "step. Resumable."
+    )
+    example = {
+        "dataset": "scifact",
+        "split": "train",
+        "first_stage": "bm25",
+        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
+        "settings": {"method": "logits_listwise"},
+    }  # the deployment's parameters, besides root
+
     next_step = "rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment)."
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:

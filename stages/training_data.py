@@ -98,6 +98,18 @@ class TrainingUnit:
 class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(s)", verb="written"):
     """Training groups (query, positives, hard negatives) from a Tevatron file or mined from a stored run."""
 
+    command = "training-data"
+    deployment = (  # the Prefect deployment's description (flows/deployments.py)
+        "Contrastive training groups in Tevatron's format (query, positive and hard-negative passages) as "
+        "`training/set=<name>/groups.parquet`: from a Tevatron file (config.source) or mined from a stored run on "
+        "a dataset's train split (config.dataset; BM25 by default: top 30 minus the positives, 15 sampled)."
+    )
+    example = {
+        "dataset": "scifact",
+        "split": "train",
+        "negatives": "bm25",
+    }  # the deployment's parameters, besides root
+
     next_step = "fine-tune on it: `diffret train` (the train deployment)."
 
     def plan(self, config: TrainingDataConfig, ctx: Context) -> Plan:

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.pipeline import PipelineConfig
-from flows.runner import FLOWS
+from flows.runner import flows
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import SIDR_ONLY, ReadoutConfig
 from stages import stages
@@ -121,7 +121,7 @@ def test_every_config_field_has_a_description() -> None:
 
 
 def test_every_prefect_deployment_validates_against_its_config() -> None:
-    by_flow = {f"{module.replace('.', '/')}.py:{fn}": CONFIGS[stage] for stage, (module, fn) in FLOWS.items()}
+    by_flow = {f"{module.replace('.', '/')}.py:{fn}": CONFIGS[stage] for stage, (module, fn) in flows().items()}
     by_flow["flows/pipeline.py:pipeline_flow"] = PipelineConfig
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     assert {d["entrypoint"] for d in deployments} == set(by_flow), "a stage without a deployment, or the reverse"

@@ -15,7 +15,7 @@ import yaml
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from flows.runner import FLOWS, unit_parameters
+from flows.runner import flows, unit_parameters
 from retrieval.models.backbones import FAMILIES, BackboneConfig, Family
 from retrieval.search.modes import MODE_NAMES
 from stages import execute, stages
@@ -31,7 +31,7 @@ DEV_NOTES = ("renders them as a form", ":meth:", ":class:", ":func:", "``like``"
 
 
 def flow_functions() -> dict[str, Any]:
-    out = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in FLOWS.items()}
+    out = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in flows().items()}
     out["pipeline"] = importlib.import_module("flows.pipeline").pipeline_flow
     return out
 
@@ -115,8 +115,8 @@ def test_flow_runs_and_unit_tasks_are_named_and_summarised(tiny: dict, tmp_path:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.download import download_flow
     from flows.encode import encode_flow
+    from flows.stages import download_flow
 
     root = str(tmp_path / "store")
     bb = {"model": str(tiny["model"])}

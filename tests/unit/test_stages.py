@@ -460,12 +460,12 @@ def test_killed_reranker_training_resumes_bit_identical(world: dict, tmp_path: P
 def test_every_stage_has_a_flow_and_a_deployment() -> None:
     import yaml
 
-    from flows.runner import FLOWS
+    from flows.runner import flows
 
     root = Path(__file__).parents[2]
     entries = {d["entrypoint"] for d in yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]}
     for name in stages():
-        module, fn = FLOWS[name]
+        module, fn = flows()[name]
         assert f"{module.replace('.', '/')}.py:{fn}" in entries, name
 
 

@@ -1,0 +1,99 @@
+"""Adding a stage is writing its module and registering it: a toy stage in a package of its own (a temporary
+folder, nothing else in the repository touched) gets its CLI command, its Prefect flow with the config's typed
+form, and its deployment in the generated prefect.yaml; run from the command line it writes its folder, and a
+second run finds it current."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import REPO
+
+TOY = '''
+"""A toy stage: one text file per name."""
+from pydantic import Field
+
+from stages.base import Context, Folder, Plan, Stage, StageConfig
+from storage import Manifest
+
+
+class ToyConfig(StageConfig):
+    """Parameters of the toy stage."""
+
+    name: str = Field(description="Whom to greet.")
+    times: int = Field(default=2, ge=1, description="How many times.")
+
+
+class Toy(Stage, name="toy", config=ToyConfig, noun="greeting(s)", verb="written"):
+    """Write a greeting into the store."""
+
+    example = {"name": "world"}
+
+    def plan(self, config: ToyConfig, ctx: Context) -> Plan:
+        plan = Plan()
+        plan.add_folder(ctx, f"toys/name={config.name}", {"name": config.name, "times": config.times}, config.force)
+        return plan
+
+    def run(self, unit: Folder, ctx: Context) -> None:
+        m = Manifest.new("toy", {"name": unit.config["name"]}, unit.config)
+        with ctx.store.stage_writer(unit.stage, m) as w:
+            w.write_file("greeting.txt", ("hello " * unit.config["times"]).encode())
+
+
+stage = Toy()
+'''
+
+SCRIPT = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import stages
+stages.register("toypkg.toy")
+from typer.testing import CliRunner
+from flows.cli import app
+from flows.deployments import render
+import flows.stages
+from prefect.utilities.callables import parameter_schema
+runner = CliRunner()
+first = runner.invoke(app, ["toy", "--name", "you", "--times", "3", "--root", sys.argv[2]])
+again = runner.invoke(app, ["toy", "--name", "you", "--times", "3", "--root", sys.argv[2]])
+schema = parameter_schema(flows.stages.toy_flow).model_dump()
+print(json.dumps({
+    "help": runner.invoke(app, ["toy", "--help"]).output,
+    "first": [first.exit_code, first.output], "again": [again.exit_code, again.output],
+    "flow": flows.stages.toy_flow.name, "form": sorted(schema["definitions"]["ToyConfig"]["properties"]),
+    "yaml": render(),
+}))
+'''
+
+
+def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg" / "toypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "toy.py").write_text(textwrap.dedent(TOY))
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "pkg"), str(tmp_path / "store")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "--name" in got["help"] and "--times" in got["help"] and "Whom to greet." in got["help"]
+    assert got["first"][0] == 0 and "1 greeting(s) written" in got["first"][1], got["first"]
+    assert got["again"][0] == 0 and "0 greeting(s) written, 1 already done" in got["again"][1], got["again"]
+    assert (tmp_path / "store" / "toys" / "name=you" / "greeting.txt").read_text() == "hello hello hello "
+    assert got["flow"] == "toy" and {"name", "times", "root", "force"} <= set(got["form"])
+    assert "- name: toy\n" in got["yaml"] and "entrypoint: flows/stages.py:toy_flow" in got["yaml"]
+    assert "      name: world\n" in got["yaml"] and "Write a greeting into the store." in got["yaml"]
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+    assert after == before  # nothing in the repository was touched
+
+
+def test_prefect_yaml_is_what_the_registry_generates() -> None:
+    """The file users deploy is `diffret deployments --write`'s output: a stage added or changed without
+    regenerating it fails here."""
+    from flows.deployments import render
+
+    assert (REPO / "prefect.yaml").read_text() == render(), "run `diffret deployments --write` from the repository root"
