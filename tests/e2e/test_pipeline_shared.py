@@ -24,9 +24,9 @@ pytestmark = pytest.mark.e2e
 
 GRID = [
     "--kq",
-    "1,2",
+    "1,4",
     "--kp",
-    "1,2",
+    "1,4",
     "--max-length",
     "128",
     "--shard-size",
@@ -63,7 +63,7 @@ def test_pipeline_writes_every_cell_metrics_and_summary(pipeline_root: Path) -> 
     assert train == [{"queries": 809}]
     dense = [c for c in cells if c["mode"] != "bm25"]
     assert len(dense) == 2 * 2 * 5
-    assert {(c["kq"], c["kp"]) for c in dense} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert {(c["kq"], c["kp"]) for c in dense} == {(1, 1), (1, 4), (4, 1), (4, 4)}
     assert {c["mode"] for c in dense} == set(MODES)
     assert all(c["queries"] == 300 for c in cells)  # every judged test query, with or without results
     bm25 = [c for c in cells if c["mode"] == "bm25"]
@@ -117,13 +117,13 @@ def test_export_run_writes_a_trec_file(pipeline_root: Path, tmp_path: Path) -> N
 
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
     out = tmp_path / "run.trec"
-    run("export-run", "--root", str(pipeline_root), "--system", system, "-d", "scifact", "--kq", "2", "--kp", "1",
+    run("export-run", "--root", str(pipeline_root), "--system", system, "-d", "scifact", "--kq", "4", "--kp", "1",
         "--mode", "multi_dense", "-o", str(out))  # fmt: skip
     lines = out.read_text().splitlines()
     assert lines[0].split()[1] == "Q0" and lines[0].split()[3] == "1"
     stored = sql(
         pipeline_root,
-        f"select count(*) n from runs where system = '{system}' and kq = 2 and kp = 1 and mode = 'multi_dense' "
+        f"select count(*) n from runs where system = '{system}' and kq = 4 and kp = 1 and mode = 'multi_dense' "
         "and split = 'test'",
     )[0]["n"]
     assert len(lines) == stored and sum(len(v) for v in read_trec_run(out).values()) == stored
@@ -133,8 +133,8 @@ def test_score_errors_and_resume(pipeline_root: Path) -> None:
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
     base = ["score", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--kq", "1", "--kp", "1"]
     # K_p that was never encoded
-    p = run(*base[:-2], "--kp", "4", check=False)
-    assert p.returncode == 2 and "run `diffret encode`" in p.stderr and "k=4" in p.stderr
+    p = run(*base[:-2], "--kp", "2", check=False)
+    assert p.returncode == 2 and "run `diffret encode`" in p.stderr and "k=2" in p.stderr
     # an unknown split
     p = run(*base, "--split", "dev", check=False)
     assert p.returncode == 2 and "no split 'dev'" in p.stderr and "test" in p.stderr
@@ -200,15 +200,15 @@ def test_report_on_the_scifact_run(pipeline_root: Path, tmp_path: Path) -> None:
 
 def test_index_recall_against_exact_and_resume(pipeline_root: Path) -> None:
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
-    args = ["index", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--kq", "1,2", "--kp", "2"]
+    args = ["index", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--kq", "1,4", "--kp", "4"]
     p = run(*args, "--type", "IVF_PQ")
     assert "1 index(es) built" in p.stderr
     manifest = json.loads(next((pipeline_root / "index").rglob("_manifest.json")).read_text())
     checks = manifest["stats"]["check"]
-    assert set(checks) == {"1", "2"}
+    assert set(checks) == {"1", "4"}
     for c in checks.values():
         assert c["recall_10"] >= 0.99 and c["queries"] == 300 and c["latency_ms_mean"] > 0
-    assert "| 2 | 1 |" in p.stdout  # the recall table is printed
+    assert "| 4 | 1 |" in p.stdout  # the recall table is printed
     assert "0 index(es) built, 1 already done" in run(*args, "--type", "IVF_PQ").stderr
 
 
@@ -238,14 +238,15 @@ def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Pat
 
 
 def test_the_python_quickstart_gives_the_runs_metrics(pipeline_root: Path) -> None:
-    """examples/quickstart.py (the README's Python example: in memory, no store) at K = 2 prints, per mode, the
-    means the pipeline stored for its (2, 2) test cell: one sparse scale, one evaluator, for the API and the stages."""
+    """examples/quickstart.py (the README's Python example: in memory, no store) at (K_q, K_p) = (4, 4) prints,
+    per mode, the means `diffret run` stored for its (4, 4) test cell, to the last bit (so to 4 decimals): one
+    sparse scale, one evaluator, for the API and the stages."""
     import subprocess
     import sys
 
     from conftest import REPO
 
-    p = subprocess.run([sys.executable, "examples/quickstart.py", "2"], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "examples/quickstart.py"], cwd=REPO, capture_output=True, text=True,
                        timeout=900)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
     printed = {}
@@ -254,6 +255,6 @@ def test_the_python_quickstart_gives_the_runs_metrics(pipeline_root: Path) -> No
         printed[mode] = eval(means)  # noqa: S307 (a dict of floats printed by the example)
     assert set(printed) == {"multi_dense", "sparse_max", "fusion_multi_sparse_max"}
     for mode, means in printed.items():
-        stored = sql(pipeline_root, "select measure, avg(value) as v from metrics where split = 'test' and kq = 2 "
-                     f"and kp = 2 and mode = '{mode}' and system not like 'bm25%' group by measure")  # fmt: skip
+        stored = sql(pipeline_root, "select measure, avg(value) as v from metrics where split = 'test' and kq = 4 "
+                     f"and kp = 4 and mode = '{mode}' and system not like 'bm25%' group by measure")  # fmt: skip
         assert means == pytest.approx({r["measure"]: r["v"] for r in stored}, abs=1e-12), mode
