@@ -6,7 +6,7 @@ first-appearance order, an encoding is complete only with every text) is written
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -58,6 +58,60 @@ def side_texts(
     else:
         raise ValueError(f"unknown side {side!r}; expected query or passage")
     return ids, texts, m.config_hash
+
+
+def cut_ranges(batches: Iterable[tuple[list, list]], ranges: list[tuple[int, int]]
+               ) -> Iterator[tuple[int, int, list, list]]:  # fmt: skip
+    """(start, end, ids, texts) of each ``[start, end)`` row range (ascending, not overlapping) of a stream of
+    (ids, texts) batches, holding only the rows from the next range's start on.
+
+    >>> batches = [(["a", "b"], ["A", "B"]), (["c", "d"], ["C", "D"]), (["e"], ["E"])]
+    >>> [(s, e, ids, texts) for s, e, ids, texts in cut_ranges(iter(batches), [(0, 1), (2, 5)])]
+    [(0, 1, ['a'], ['A']), (2, 5, ['c', 'd', 'e'], ['C', 'D', 'E'])]
+    >>> list(cut_ranges(iter([]), [(0, 0)]))  # an empty side's one empty range
+    [(0, 0, [], [])]
+    """
+    todo = sorted(ranges)
+    i, at = 0, 0  # the next range; the corpus row of the buffer's first row
+    buf_ids: list = []
+    buf_texts: list = []
+    for ids, texts in batches:
+        if i == len(todo):
+            return
+        buf_ids += ids
+        buf_texts += texts
+        while i < len(todo) and at + len(buf_ids) >= todo[i][1]:
+            s, e = todo[i]
+            yield s, e, buf_ids[s - at : e - at], buf_texts[s - at : e - at]
+            i += 1
+            keep_from = todo[i][0] if i < len(todo) else at + len(buf_ids)
+            drop = max(0, min(keep_from, at + len(buf_ids)) - at)
+            buf_ids, buf_texts, at = buf_ids[drop:], buf_texts[drop:], at + drop
+        if i < len(todo) and at + len(buf_ids) <= todo[i][0]:  # rows before the next range: not kept
+            at += len(buf_ids)
+            buf_ids, buf_texts = [], []
+    for s, e in todo[i:]:  # ranges at or past the end
+        yield s, e, buf_ids[max(s - at, 0) : max(e - at, 0)], buf_texts[max(s - at, 0) : max(e - at, 0)]
+
+
+def side_text_ranges(
+    store: ArtifactStore, dataset: str, side: str, ranges: list[tuple[int, int]], title_sep: str = TITLE_SEP
+) -> Iterator[tuple[int, int, list[str], list[str]]]:
+    """:func:`side_texts`' ids and texts for each ``[start, end)`` range (ascending, not overlapping), the corpus
+    read a batch at a time: memory holds a range and a batch, not the corpus (:func:`cut_ranges`)."""
+    if side != "passage":
+        ids, texts, _ = side_texts(store, dataset, side, title_sep)
+        for s, e in sorted(ranges):
+            yield s, e, ids[s:e], texts[s:e]
+        return
+    corpus_size(store, dataset)
+    batches = (
+        (b.column("doc_id").to_pylist(),
+         [passage_text(ti, tx, title_sep) for ti, tx in
+          zip(b.column("title").to_pylist(), b.column("text").to_pylist(), strict=True)])
+        for b in store.iter_batches(dataset_dir(dataset), "corpus.parquet", columns=["doc_id", "title", "text"])
+    )  # fmt: skip
+    yield from cut_ranges(batches, ranges)
 
 
 def side_size(store: ArtifactStore, dataset: str, side: str) -> tuple[int, str]:

@@ -10,6 +10,7 @@ whole, as the reference does.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from storage import FileEntry, remove_empty_sharded
 from storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
 
 from .base import Context, Plan, Stage, StageConfig
-from .readers import TITLE_SEP, side_size, side_texts
+from .readers import TITLE_SEP, side_size, side_text_ranges
 from .systems import tokenizer_of, tokens_slug
 
 DEFAULT_MODEL = "dllm-hub/ModernBERT-base-chat-v0.1"
@@ -170,32 +171,39 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
     def run(self, unit: TokenizeUnit, ctx: Context) -> list[tuple[str, FileEntry]]:
         """Tokenize the side's missing shards (its texts are read once, only when a shard is missing)."""
         tokenizer = tokenizer_of(BackboneConfig.model_validate(unit.backbone))
-        ids, texts, _ = side_texts(ctx.store, unit.dataset, unit.side, unit.title_sep)
-        if len(ids) != unit.rows:
-            raise ValueError(f"{unit.dataset}/{unit.side}: {len(ids)} texts, the plan counted {unit.rows}")
+        size, _ = side_size(ctx.store, unit.dataset, unit.side)
+        if size != unit.rows:
+            raise ValueError(f"{unit.dataset}/{unit.side}: {size} texts, the plan counted {unit.rows}")
         out = []
-        for name, s, e in unit.shards:
-            t = tokenize_texts(tokenizer, texts[s:e], unit.max_length)
-            t = t.add_column(0, "id", pa.array(ids[s:e], pa.string()))
-            t = t.append_column("text", pa.array(texts[s:e], pa.string())).cast(TOKENS_SCHEMA)
-            entry = ctx.store.write_shard(unit.stage, name, t)
-            # recorded as each shard is written (an appended record, safe from any process): a run killed
-            # half-way through a side keeps the shards it finished
-            ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
-            out.append((name, entry))
-        if unit.shards:
-            ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
-        if unit.filter_shards:
-            flt = make_filter(tokenizer, unit.filter_kind)
-            assert flt is not None
-            todo = sum(e - s for _, s, e in unit.filter_shards)
-            with word_pool(unit.filter_workers, todo) as pool:
-                for name, s, e in unit.filter_shards:
-                    allowed = pa.array(flt.allowed_many(texts[s:e], pool), pa.list_(pa.int32()))
-                    t = pa.table({"id": pa.array(ids[s:e], pa.string()), "allowed_ids": allowed}, schema=FILTER_SCHEMA)
+        tokens = {(s, e): name for name, s, e in unit.shards}
+        filters = {(s, e): name for name, s, e in unit.filter_shards}
+        flt = make_filter(tokenizer, unit.filter_kind) if filters else None
+        todo = sum(e - s for s, e in filters)
+        with word_pool(unit.filter_workers, todo) if filters else contextlib.nullcontext() as pool:
+            # the side's texts a shard at a time (memory: a shard, not the corpus)
+            for s, e, ids, texts in side_text_ranges(ctx.store, unit.dataset, unit.side, sorted({*tokens, *filters}),
+                                                     unit.title_sep):  # fmt: skip
+                if (s, e) in tokens:
+                    name = tokens[(s, e)]
+                    t = tokenize_texts(tokenizer, texts, unit.max_length)
+                    t = t.add_column(0, "id", pa.array(ids, pa.string()))
+                    t = t.append_column("text", pa.array(texts, pa.string())).cast(TOKENS_SCHEMA)
+                    entry = ctx.store.write_shard(unit.stage, name, t)
+                    # recorded as each shard is written (an appended record, safe from any process): a run killed
+                    # half-way through a side keeps the shards it finished
+                    ctx.store.record_shard(unit.stage, name, entry, unit.config_hash)
+                    out.append((name, entry))
+                if (s, e) in filters:
+                    assert flt is not None
+                    name = filters[(s, e)]
+                    allowed = pa.array(flt.allowed_many(texts, pool), pa.list_(pa.int32()))
+                    t = pa.table({"id": pa.array(ids, pa.string()), "allowed_ids": allowed}, schema=FILTER_SCHEMA)
                     entry = ctx.store.write_shard(unit.filter_stage, name, t)
                     ctx.store.record_shard(unit.filter_stage, name, entry, unit.filter_hash)
                     out.append((name, entry))
+        if unit.shards:
+            ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")
+        if unit.filter_shards:
             ctx.log(f"filtered {unit.dataset}/{unit.side} ({unit.filter_kind}): {len(unit.filter_shards)} shard(s)")
         return out
 

@@ -745,19 +745,34 @@ class ArtifactStore:
         A shard recorded but not yet compacted into the manifest (a sharded stage still running, or killed)
         is read through its record.
         """
+        self.read_table_entry(stage_dir, name)
+        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+            return pq.read_table(f, columns=columns)
+
+    def iter_batches(self, stage_dir: str, name: str, columns: list[str] | None = None,
+                     batch_size: int = 65_536) -> Iterator[pa.RecordBatch]:  # fmt: skip
+        """:meth:`read_table`'s file (verified the same way) as record batches, so that memory holds one batch
+        and not the file: a corpus of millions of passages read a slice at a time."""
+        self.read_table_entry(stage_dir, name)
+        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+            yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
+
+    def read_table_entry(self, stage_dir: str, name: str) -> FileEntry:
+        """The verified manifest entry of one file of a complete stage folder (a shard recorded but not yet
+        compacted into the manifest through its record), as :meth:`read_table` checks it."""
         m = self._manifest_for_read(stage_dir)
         entry = m.files.get(name)
         try:
             if entry is None:
                 raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
             self.verify_file(stage_dir, name, entry)
+            return entry
         except (IncompleteArtifactError, ChecksumError):
             pending = self._pending_entry(stage_dir, name, m.config_hash)  # redone, or not compacted yet
             if pending is None:
                 raise
             self.verify_file(stage_dir, name, pending)
-        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
-            return pq.read_table(f, columns=columns)
+            return pending
 
     # ------------------------------------------------------------------------------------ locks
     @contextlib.contextmanager

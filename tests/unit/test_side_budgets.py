@@ -56,3 +56,26 @@ def test_a_side_without_its_own_budgets_takes_k() -> None:
     assert enc.budgets("query") == [4] and enc.budgets("passage") == [16]
     with pytest.raises(ValueError, match="beyond --max-length"):
         EncodeConfig(dataset="d", k=[1], kp=[64], max_length=32)
+
+
+def test_a_side_read_a_batch_at_a_time_gives_each_shard_its_rows() -> None:
+    """The tokenize stage reads the corpus in batches (memory: a shard, not the corpus): any batch sizes and any
+    subset of shard ranges give the rows a whole-side read gives them."""
+    import random
+
+    from stages.readers import cut_ranges
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(0, 40)
+        ids, texts = list(range(n)), [str(i) for i in range(n)]
+        batches, i = [], 0
+        while i < n:
+            k = rng.randint(1, 7)
+            batches.append((ids[i : i + k], texts[i : i + k]))
+            i += k
+        size = rng.randint(1, 6)
+        shards = [(s, min(s + size, n)) for s in range(0, n, size)] or [(0, 0)]
+        todo = [r for r in shards if rng.random() < 0.6] or shards[:1]
+        got = list(cut_ranges(iter(batches), todo))
+        assert got == [(s, e, ids[s:e], texts[s:e]) for s, e in sorted(todo)], (n, batches, todo)
