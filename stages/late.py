@@ -57,12 +57,14 @@ class LateConfig(QueriesConfig):
     kq: int = Field(default=1, ge=1, description="The re-scoring system's query budget K_q.")
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
-    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query (one run each).",
-                              json_schema_extra=cli(flag="--m"))  # fmt: skip
-    first_stage: str = like(RerankConfig, "first_stage", json_schema_extra=cli(flag="--first-stage"))
-    first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=cli(flag="--first-kq"))
-    first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=cli(flag="--first-kp"))
-    first_mode: str = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
+    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
+                              "stage's top (one run each).", json_schema_extra=cli(flag="--depth",
+                                                                                   deprecated=["--m"]))  # fmt: skip
+    first_stage: str = like(RerankConfig, "first_stage")
+    # rerank's former spellings (--kq, --kp, --mode) are this command's re-scoring budgets and mode: not taken here
+    first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=None)
+    first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=None)
+    first_mode: str = like(RerankConfig, "first_mode", json_schema_extra=None)
     batch_size: int = like(EncodeConfig, "batch_size")
     device: str = like(BackboneConfig, "device")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "

@@ -29,7 +29,8 @@ def stores(tmp_path_factory) -> dict[str, Path]:
     a, b = base / "a", base / "b"
     run("run", "--source", str(MINI), "--root", str(a), "--model", str(DREAM), *GRID)  # float16
     for to in ("residual:2", "int8"):
-        run("compress", "-d", "scifact-mini", "--model", str(DREAM), "--to", to, "--seed", "5", "--root", str(a))
+        run("compress", "-d", "scifact-mini", "--model", str(DREAM), "--store", to, "--store-seed", "5", "--root",
+            str(a))
         run("score", "-d", "scifact-mini", "--model", str(DREAM), "--store", to, "--kq", "1,4", "--kp", "1,4",
             "--split", "test", "--root", str(a))  # fmt: skip
     run("evaluate", "--root", str(a))

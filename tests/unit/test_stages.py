@@ -66,7 +66,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "bot": BotConfig(dataset="tiny", backbone=bb, max_length=96, **common),
         "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4,
                                **common),  # fmt: skip
-        "compress": CompressConfig(dataset="tiny", system=ref, to="int8", **common),
+        "compress": CompressConfig(dataset="tiny", system=ref, store="int8", **common),
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "beta": BetaConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
