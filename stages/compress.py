@@ -43,6 +43,7 @@ class CompressConfig(StageConfig):
                        json_schema_extra=cli(deprecated=["--to"]))  # fmt: skip
     store_seed: int = like(EncodeConfig, "store_seed", validation_alias=AliasChoices("store_seed", "seed"),
                            json_schema_extra=cli(deprecated=["--seed"]))  # fmt: skip
+    verify: bool = like(EncodeConfig, "verify")
     k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
                                 "dataset; its queries are copied as they are).")  # fmt: skip
     codebook_sample: int = like(EncodeConfig, "codebook_sample")
@@ -101,7 +102,8 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                 stage = encodings_dir(out.system, config.dataset, side, k)
                 ctx.hold(stage)
                 part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force)
+                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force,
+                                                 verify=config.verify)  # fmt: skip
                 plan.details["stages"][f"{side}/k={k}"] = stage
                 for shard in sorted(m.files):
                     if shard in done:

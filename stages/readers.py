@@ -17,7 +17,7 @@ from retrieval.search.encodings import Encodings, SparseFlat, encodings_from_tab
 from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
 from storage.codecs import FLOAT16, Codebook, Codec, parse_store
-from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir, repair_hint
+from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")
 
@@ -184,7 +184,7 @@ def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
     want = (m.config.get("inputs") or {}).get("codebook")
     if digest != want:
         raise StoreError(f"{store.abspath(stage)}: coded with codebook {str(want)[:12]}…, but "
-                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {repair_hint(stage)}")  # fmt: skip
+                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {store.repair_hint(stage)}")  # fmt: skip
     try:
         codebook.check(spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"],
                        system=m.partition["system"])  # fmt: skip

@@ -95,7 +95,7 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
                 raise DamagedView(str(exc)) from None
             if manifests[folder] is None and store.is_local:
                 raise DamagedView(f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
-                                  f"trusted; {layout.repair_hint(folder)}")  # fmt: skip
+                                  f"trusted; {store.repair_hint(folder)}")  # fmt: skip
         m = manifests[folder]
         if m is None or name not in m.files:
             continue

@@ -233,12 +233,13 @@ def _resolve_system(db: StoreSQL, name: str) -> str:
 
 
 def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
+    # the artifacts, not the reports (a report's own earlier copy would make rebuilding it change it)
     fp = rows(
         db,
         "select stage, count(distinct folder) folders, count(*) files, sum(bytes)::BIGINT bytes "
-        "from artifact_files group by stage order by bytes desc",
+        "from artifact_files where stage <> 'reports' group by stage order by bytes desc",
     )
-    detail = rows(db, "select * from footprint order by bytes desc")
+    detail = rows(db, "select * from footprint where stage <> 'reports' order by bytes desc")
     for r in detail:
         r["bytes"] = int(r["bytes"] or 0)
         r["rows"] = None if r["rows"] is None else int(r["rows"])
