@@ -239,7 +239,7 @@ def export_run(
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # a query may start with '-' (a comment: "-- x")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
     root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,

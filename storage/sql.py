@@ -222,6 +222,9 @@ class StoreSQL:
             statements = self.con.extract_statements(sql)
         except duckdb.Error as exc:
             raise StoreError(f"SQL error: {' '.join(str(exc).split())}") from None
+        if not statements:  # comments, ';' (DuckDB would run nothing and return no result)
+            raise StoreError(f"no SQL statement in {sql.strip()[:60]!r} (only comments or ';'): give a SELECT over "
+                             "the views (`diffret views` lists them)")  # fmt: skip
         for st in statements:
             kind = st.type.name
             if kind not in READ_ONLY:
@@ -233,7 +236,8 @@ class StoreSQL:
 
     def _run(self, sql: str, relation: bool = False) -> Any:
         if not sql.strip():
-            raise StoreError("empty SQL query: give a SELECT over the views (`diffret views` lists them)")
+            raise StoreError("empty SQL query (only whitespace): give a SELECT over the views (`diffret views` lists "
+                             "them)")  # fmt: skip
         try:
             rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
             return rel
