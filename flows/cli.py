@@ -160,6 +160,18 @@ def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
     console.print(res.line(), highlight=False, soft_wrap=True)
 
 
+def _bot(data: dict[str, Any], prefect: bool | None = None) -> None:
+    """Tokenize the passages (when not yet), then SIDR's binary bag-of-tokens index of them: no model."""
+    from .compose import BotConfig, run_bot
+    from .runner import use_prefect
+
+    config = _config(BotConfig, data)
+    with _errors(), progress() as report:
+        res = run_bot(config, prefect=use_prefect(prefect), log=log, report=report)
+    console.print(res.line(), highlight=False, soft_wrap=True)
+    _print_bot(res)
+
+
 def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
     from .compose import PipelineConfig, run_pipeline
@@ -184,7 +196,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
 
 def _register() -> None:
     """Every stage's command, generated from its config, in pipeline order (the whole experiment first)."""
-    from .compose import EncodeConfig, PipelineConfig
+    from .compose import BotConfig, EncodeConfig, PipelineConfig
 
     app.command("run", help=_pipeline.__doc__)(config_command(PipelineConfig, _pipeline, name="run", extra=[PREFECT]))
     stage_command("download", after=_print_lines("report"))
@@ -193,7 +205,7 @@ def _register() -> None:
     stage_command("compress")
     stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
                                                        markup=False))  # fmt: skip
-    stage_command("bot", after=_print_bot)
+    app.command("bot", help=_bot.__doc__)(config_command(BotConfig, _bot, name="bot", extra=[PREFECT]))
     stage_command("score")
     stage_command("beta")
     stage_command("late")

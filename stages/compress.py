@@ -27,7 +27,7 @@ from storage.layout import codebook_dir, encodings_dir
 from .base import Context, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
-from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size
+from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
 from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
 
 
@@ -121,13 +121,9 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
     def _sides(config: CompressConfig, ctx: Context, system: str) -> dict[str, list[int]]:
         """The K of each side to write (``k``, default every K stored): the passages' when the dataset has a corpus,
         the queries' when it has stored query encodings (a queries-only dataset such as TREC DL: queries only)."""
-        def stored(side: str) -> list[int]:
-            found = ctx.store.list_partitions(f"encodings/system={system}/dataset={config.dataset}/side={side}", "k")
-            return sorted(int(k) for k in found)
-
         has_corpus = "corpus.parquet" in dataset_manifest(ctx.store, config.dataset).files
-        passage = (config.k or stored("passage")) if has_corpus else []
-        query = [k for k in stored("query") if not config.k or k in config.k]
+        passage = (config.k or stored_budgets(ctx.store, system, config.dataset, "passage")) if has_corpus else []
+        query = [k for k in stored_budgets(ctx.store, system, config.dataset, "query") if not config.k or k in config.k]
         if not passage and not query:
             raise IncompleteArtifactError(f"{system} has no encodings of {config.dataset!r} to compress; run `diffret "
                                           "encode` first")  # fmt: skip

@@ -24,8 +24,16 @@ from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, mod
 from retrieval.search.rules import ScoreRules
 from storage.layout import encodings_dir, run_dir
 
-from .base import GRID_K, Context, KList, ModeList, Plan, Stage
-from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, query_encodings, split_queries
+from .base import Context, KList, ModeList, Plan, Stage
+from .readers import (
+    budgets,
+    corpus_size,
+    dataset_manifest,
+    encoding_manifest,
+    iter_encodings,
+    query_encodings,
+    split_queries,
+)
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
 
@@ -34,8 +42,10 @@ class ScoreConfig(RetrievalConfig):
     """Parameters of the score flow."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose encodings to score.")
-    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
-    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
+    kq: KList | None = Field(default=None, description="Query budgets K_q (default: every K_q whose query encodings "
+                             "are stored).")  # fmt: skip
+    kp: KList | None = Field(default=None, description="Passage budgets K_p (default: every K_p whose passage "
+                             "encodings are stored).")  # fmt: skip
     modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).",
                             json_schema_extra=cli(flag="--mode"))  # fmt: skip
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
@@ -74,6 +84,9 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         # a representation without sparse vectors is scored in the dense modes only
         modes = modes_for(config.modes, record.has_sparse) or ["single_dense"]
         corpus, ignore = config.corpus_name(), config.ignore_ids()
+        config = config.model_copy(update={
+            "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
+            "kp": budgets(store, config.kp, record.system, corpus, "passage", ctx.log)})  # fmt: skip
         ds_hash = dataset_manifest(store, config.dataset).config_hash
         n_passages = corpus_size(store, corpus)
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
