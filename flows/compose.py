@@ -75,6 +75,7 @@ class PipelineConfig(StageConfig):
     kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
                             "preset's).")  # fmt: skip
     modes: ModeList = like(ScoreConfig, "modes")
+    q1p1_multi: Literal["skip", "keep"] = like(ScoreConfig, "q1p1_multi")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="skip",
@@ -147,8 +148,9 @@ class PipelineConfig(StageConfig):
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
-            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
-            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
+            kq=self.kq, kp=self.kp, modes=self.modes, q1p1_multi=self.q1p1_multi, topk=self.topk,
+            train_topk=self.train_topk, device=self.backbone.device, rules=self.rules, self_hits=self.self_hits,
+            **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:

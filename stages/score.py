@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from pydantic import Field
 
@@ -20,7 +21,7 @@ from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import sparse_quantised
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
-from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
+from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from retrieval.search.rules import ScoreRules
 from storage.layout import encodings_dir, run_dir
 
@@ -48,6 +49,10 @@ class ScoreConfig(RetrievalConfig):
                              "encodings are stored).")  # fmt: skip
     modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).",
                             json_schema_extra=cli(flag="--mode"))  # fmt: skip
+    q1p1_multi: Literal["skip", "keep"] = Field(default="skip", description="multi_dense and "
+                                                "fusion_multi_sparse_max at K_q = K_p = 1 (one slot a side: MaxSim is "
+                                                "single_dense clamped at 0): skip, as the reference evaluator does, "
+                                                "or keep (diffret 0.1).")  # fmt: skip
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
     device: str = like(BackboneConfig, "device")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
@@ -101,13 +106,17 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                 for kq in config.kq:
                     inputs = {"queries": ds_hash, "query_encodings": q_man[kq].config_hash,
                               "passage_encodings": p_man[kp].config_hash}  # fmt: skip
-                    for mode in modes:
+                    for mode in cell_modes(modes, kq, kp, config.q1p1_multi):
                         cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode,
                                           config.depth(split), config.fusion_depth, ignore, inputs,
                                           config.rules)  # fmt: skip
                         stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
                         if plan.needs(ctx, stage, cfg, config.force):
                             todo.append(Cell(split, kq, kp, mode, stage, cfg))
+        skipped = [m for m in modes if m not in cell_modes(modes, 1, 1, config.q1p1_multi)]
+        if skipped and 1 in config.kq and 1 in config.kp:
+            ctx.log(f"K_q = K_p = 1: {', '.join(skipped)} not scored, as the reference evaluator does (--q1p1-multi "
+                    "keep scores them)")  # fmt: skip
         plan.count = len(todo)
         query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
         row = {q: i for i, q in enumerate(query_ids)}

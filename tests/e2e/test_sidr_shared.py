@@ -80,6 +80,7 @@ def test_tiny_dream_late_rescoring_encodes_only_the_candidates(mini: Path) -> No
     run("late", "-d", "mini", "--system", system, "--depth", "5", "--kp", "1", "--first-stage", system, "--first-kq",
         "1", "--first-kp", "0", "--first-mode", "beta", "--root", root, "--force")  # fmt: skip
     run("encode", "-d", "mini", "--model", d, "--side", "passage", "--k", "1", "--root", root)
-    run("score", "-d", "mini", "--system", system, "--kq", "1", "--kp", "1", "--mode", "multi_dense", "--root", root)
+    run("score", "-d", "mini", "--system", system, "--kq", "1", "--kp", "1", "--mode", "multi_dense", "--q1p1-multi",
+        "keep", "--root", root)  # fmt: skip
     _late_matches_full(mini, system, 3)
     _late_matches_full(mini, system, 5)

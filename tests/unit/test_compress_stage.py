@@ -57,7 +57,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _score(root: str, system: str) -> ScoreConfig:
-    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K,
+    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K, q1p1_multi="keep",
                        modes=["multi_dense", "single_dense", "fusion_multi_sparse_max"])  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """Issue 44: defaults that send users where they meant to go. `diffret score`, `index` and `beta` without K lists
 take the K that are encoded (saying which) instead of the paper's whole grid; none encoded is one line naming
-`encode`; `diffret bot` tokenizes the passages first, as `encode` does, instead of refusing until the tokens exist."""
+`encode`; `diffret bot` tokenizes the passages first, as `encode` does, instead of refusing until the tokens exist;
+at K_q = K_p = 1 score skips multi_dense and its fusion as the reference evaluator does (saying so), and keeps them
+with --q1p1-multi keep."""
 
 from __future__ import annotations
 
@@ -78,3 +80,14 @@ def test_bot_tokenizes_the_passages_first_as_encode_does(world: dict, tmp_path: 
     code, out = invoke(root, "verify")
     assert code == 0, out
 
+
+def test_q1_p1_skips_multi_dense_as_the_reference_unless_kept(world: dict, tmp_path: Path) -> None:
+    root, model = copy(world, tmp_path), world["model"]
+    code, out = invoke(root, "score", "-d", "c", "--model", model, "--kq", "1", "--kp", "1")
+    assert code == 0 and "3 cell(s) scored" in out, out
+    assert "multi_dense, fusion_multi_sparse_max not scored, as the reference evaluator does" in out, out
+    modes = lambda: sorted(p.name for p in root.glob("runs/*/dataset=c/split=test/kq=1/kp=1/mode=*"))  # noqa: E731
+    assert modes() == ["mode=fusion_single_sparse_max", "mode=single_dense", "mode=sparse_max"]
+    code, out = invoke(root, "score", "-d", "c", "--model", model, "--kq", "1", "--kp", "1", "--q1p1-multi", "keep")
+    assert code == 0 and "2 cell(s) scored, 3 already done" in out, out
+    assert len(modes()) == 5
