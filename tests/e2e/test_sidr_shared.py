@@ -84,3 +84,32 @@ def test_tiny_dream_late_rescoring_encodes_only_the_candidates(mini: Path) -> No
         "keep", "--root", root)  # fmt: skip
     _late_matches_full(mini, system, 3)
     _late_matches_full(mini, system, 5)
+
+
+def test_the_batch_readout_gives_splade_tiny_the_per_text_vectors_byte_for_byte() -> None:
+    """Issue 44: SIDR's head over a batch at once (padding left out) gives the vectors of the per-text head product
+    it replaced, byte for byte, on 24 of the passages (batches of 8, both heads; benchmarks/encode.py --readout sidr
+    times the two)."""
+    if not (MINI / "corpus.jsonl").exists() or not (SPLADE / "model.safetensors").exists():
+        pytest.skip("../shared fixtures or models are absent")
+    import json
+
+    import torch
+
+    from retrieval.models.backbones import BackboneConfig, load_backbone
+    from retrieval.models.encoding import encode_rows
+    from retrieval.models.readouts import ReadoutConfig, make_reader
+    from stages.readers import passage_text
+
+    docs = [json.loads(line) for line in (MINI / "corpus.jsonl").read_text().splitlines() if line][:24]
+    texts = [passage_text(d.get("title", ""), d["text"]) for d in docs]
+    bb = load_backbone(BackboneConfig(model=str(SPLADE), device="cpu"))
+    token_ids = bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    for head, act in (("official", "elu1p"), ("lm", "log1p_relu")):
+        reader = make_reader(bb, ReadoutConfig(readout="sidr", sidr_head=head, sidr_act=act), 256)
+        batched = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, "passage", 1, 8)
+        reader.batch_weights = lambda hidden, att, side_bb=None, r=reader: torch.stack(  # the per-text product
+            [r.weights(hidden[i][att[i].bool()], side_bb) for i in range(len(hidden))]
+        )
+        per_text = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, "passage", 1, 8)
+        assert batched.equals(per_text), head
