@@ -17,7 +17,6 @@ import numpy as np
 from pydantic import Field
 
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.bot import beta_search, bot_blocks
 from retrieval.search.encodings import SparseFlat
 from retrieval.search.rules import ScoreRules
@@ -100,7 +99,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
             query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
             row = {q: i for i, q in enumerate(query_ids)}
             split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
-            factor = ScoreRules().sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+            factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
             plan.units.append(BetaUnit(cells, {kq: q_stages[kq] for kq in {c.kq for c in cells}}, b_stage, query_ids,
                                        split_rows, factor))  # fmt: skip
         plan.count = len(cells)

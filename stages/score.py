@@ -19,7 +19,6 @@ from pydantic import Field
 from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from retrieval.search.rules import ScoreRules
@@ -124,7 +123,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore,
                                   block_bytes=int(config.block_mb * (1 << 20)), rules=config.rules)
         device = str(resolve_device(config.device))
-        factor = config.rules.sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]
             stages = {kq: q_stages[kq] for kq in sorted({c.kq for c in cells})}

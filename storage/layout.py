@@ -250,6 +250,10 @@ SHARD_RECORDS_DIR = "_records"  # the same as one small file per shard (object s
 METRICS_FILE = "per_query.parquet"
 
 
+IMPORTED_MODE = "imported"  # the mode of a run made elsewhere (diffret import-run; kq = kp = 0)
+FUSION_MODE = "fusion"  # the mode of a fusion of stored runs (diffret fuse; kq = kp = 0)
+
+
 def run_dir(system: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
     """One run folder per (system, dataset, split, K_q, K_p, mode); BM25 (no budget) uses kq = kp = 0, mode=bm25."""
     return partition("runs", system=system, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
@@ -271,6 +275,11 @@ def summary_dir(system: str, dataset: str, split: str) -> str:
 
 def report_dir(name: str) -> str:
     return partition("reports", report=name)
+
+
+def comparison_dir(name: str) -> str:
+    """A table of runs against a baseline (``diffret compare``): comparison.md, .csv and .tex."""
+    return partition("comparisons", comparison=name)
 
 
 GROUPS_FILE = "groups.parquet"
@@ -404,12 +413,14 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "partial": ("partial/*/*/*", "diffret late --verify"),
     "summaries": ("summaries/*/*/*", "diffret summary"),
     "reports": ("reports/*", "diffret report"),
+    "comparisons": ("comparisons/*", "diffret compare"),
     "training": ("training/*", "diffret training-data"),
     "models": ("models/*", "diffret train"),
     "latency": ("latency/*/*/*", "diffret latency"),
     "features": ("features/*/*/*/*", "diffret budget"),
 }
-_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta"}
+_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta",
+                 "imported": "diffret import-run", "fusion": "diffret fuse"}  # fmt: skip
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
 
 
