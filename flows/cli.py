@@ -253,7 +253,8 @@ def _register() -> None:
     stage_command("compress")
     stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
                                                        markup=False))  # fmt: skip
-    app.command("bot", help=_bot.__doc__)(config_command(BotConfig, _bot, name="bot", extra=[PREFECT]))
+    app.command("bot", help=_bot.__doc__, cls=Command)(config_command(BotConfig, _bot, name="bot",
+                                                                    extra=[PREFECT]))  # fmt: skip
     stage_command("score")
     stage_command("beta")
     stage_command("late")

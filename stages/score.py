@@ -48,10 +48,9 @@ class ScoreConfig(RetrievalConfig):
                              "encodings are stored).")  # fmt: skip
     modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).",
                             json_schema_extra=cli(flag="--mode"))  # fmt: skip
-    q1p1_multi: Literal["skip", "keep"] = Field(default="skip", description="multi_dense and "
-                                                "fusion_multi_sparse_max at K_q = K_p = 1 (one slot a side: MaxSim is "
-                                                "single_dense clamped at 0): skip, as the reference evaluator does, "
-                                                "or keep (diffret 0.1).")  # fmt: skip
+    q1p1_multi: Literal["skip", "keep"] = Field(default="skip", description="At K_q = K_p = 1, skip multi_dense "
+                                                "and its fusion as the reference evaluator does, or keep them.")
+    # (one slot a side: MaxSim is single_dense clamped at 0; diffret 0.1 kept them)
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
     device: str = like(BackboneConfig, "device")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
