@@ -1,7 +1,8 @@
 """Issues 22 and 44, issue 45 item 5: every kind of stage folder (dataset, tokens, filters, encodings, a compressed
-system's encodings and codebooks, runs of score / bm25 / beta / late / rerank / budget, metrics, features, index,
-bag of tokens, partial/, summaries, reports, training sets, models, reranker models, latency) x three faults
-(manifest deleted, a file truncated, a byte flipped; some kinds also a manifest edited by hand): `diffret verify`
+system's encodings and codebooks, runs of score / bm25 / beta / late / rerank / budget / import-run / fuse, metrics,
+features, index, bag of tokens, partial/, summaries, reports, comparisons, training sets, models, reranker models,
+latency) x three faults (manifest deleted, a file truncated, a byte flipped; some kinds also a manifest edited by
+hand): `diffret verify`
 names the damage with its repair, SQL on the views that do not read it keeps working meanwhile, and the repair it
 prints (the command that made the folder, with the settings that made it where the line says so), run as printed,
 leaves `verify` clean and the folder's outputs as they were. The CLI runs in this process (typer's runner, the
@@ -43,6 +44,8 @@ KINDS = {
     "beta runs": ("runs/system={sidr}/dataset=c/split=test/kq=1/kp=0/mode=beta", "runs", "beta"),
     "late runs": ("runs/system={sidr}/dataset=c/split=test/kq=1/kp=1/mode=late_sparse_max_m4", "runs", "late"),
     "rerank runs": ("runs/*/dataset=c/split=test/kq=0/kp=0/mode=rerank", "runs", "rerank"),
+    "imported runs": ("runs/system=ext/dataset=c/split=test/kq=0/kp=0/mode=imported", "runs", "import-run"),
+    "fused runs": ("runs/*/dataset=c/split=test/kq=0/kp=0/mode=fusion", "runs", "fuse"),
     "adaptive runs": ("runs/system={f16}/dataset=c/split=test/kq=0/kp=0/mode=adaptive_*", "runs", "budget"),
     "metrics": ("metrics/system={f16}/dataset=c/split=test/kq=1/kp=1/mode=single_dense", "metrics", "evaluate"),
     "features": ("features/system={f16}/dataset=c/split=test/*", "budget_features", "budget"),
@@ -51,6 +54,7 @@ KINDS = {
     "partial": ("partial/system={sidr}/dataset=c/k=1", None, "late"),
     "summaries": ("summaries/system={f16}/dataset=c/split=test", None, "summary"),
     "reports": ("reports/report=t", None, "report"),
+    "comparisons": ("comparisons/comparison=cmp", None, "compare"),
     "training": ("training/set=c", "training_groups", "training-data"),
     "models": ("models/model=tiny-ft", "train_log", "train"),
     "reranker": ("models/model=*-rr-*", "train_log", "train-reranker"),
@@ -74,6 +78,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("faults")
     m = str(save_tiny_mlm(base / "model"))
     beir = write_beir(base / "c", CORPUS, QUERIES, QRELS)
+    trec = base / "ext.trec"  # a run made elsewhere (diffret import-run)
+    trec.write_text("".join(f"{q['_id']} Q0 {d['_id']} {r + 1} {8 - r} ext\n" for q in QUERIES
+                            for r, d in enumerate(CORPUS)))  # fmt: skip
     root = base / "store"
 
     def run(*args: str) -> None:
@@ -116,14 +123,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
                     "--search-k", "1x1", "--search-queries", "2", "--topk", "5", "--repeats", "1", "--warmup", "0",
                     "--kinds", "encode"],  # fmt: skip
         "report": ["--name", "t", "--n-boot", "20"],
+        "import-run": [str(trec), "-d", "c", "--name", "ext"],
+        "fuse": ["-d", "c", "--run", "bm25", "--run", "ext"],
+        "compare": ["-d", "c", "--name", "cmp"],
     }
     for command in ("bot", "beta", "late", "compress", "index", "budget", "training-data", "train",
-                    "train-reranker"):  # fmt: skip
+                    "train-reranker", "import-run", "fuse"):  # fmt: skip
         run(command, *made[command])
     rr = next(root.glob("models/model=*-rr-*"))
     made["rerank"] = ["-d", "c", "--model", str(rr), "--method", "logits_listwise", "--prompt", PROMPT, "--depth",
                       "4", "--window", "3", "--step", "1", "--doc-tokens", "8"]  # fmt: skip
-    for command in ("rerank", "evaluate", "latency"):
+    for command in ("rerank", "evaluate", "latency", "compare"):
         run(command, *made[command])
     run(*pipeline)  # the summary again, over every run now evaluated
     run("report", *made["report"])
@@ -184,6 +194,8 @@ def repair(printed: str, made: dict[str, list[str]]) -> list[str]:
         takes = flag.startswith("-") and i + 1 < len(settings) and not settings[i + 1].startswith("--")
         if flag.startswith("-") and flag not in given:
             extra += settings[i : i + 1 + takes]
+        elif not flag.startswith("-") and flag not in words:  # a positional argument (import-run's file)
+            extra.append(flag)
         i += 1 + takes
     return words + extra
 
