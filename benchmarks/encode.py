@@ -9,7 +9,12 @@
 4. the content filter, once per text at tokenize time, against filtering in every K pass (what encode did before
    tokenize stored it), and against the encode time
 
+``--readout sidr``: SIDR's readout (the head at every position of a text, max-pooled) through the pipeline, against
+the per-text head product it replaced, on the same batches (the same vectors, byte for byte), and against the
+mask readout at K = 1 on the same model                                                      target >= 5x per-text
+
     python benchmarks/encode.py [--model ../shared/models/splade-tiny-mlm] [--docs 1000] [--device auto]
+    python benchmarks/encode.py --readout sidr --docs 300
     python benchmarks/encode.py --model ../shared/models/smollm2-135m-instruct-gguf --skip full,in-encode \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --mask-token '<|im_start|>' --docs 96 --batch-size 16 \
         --max-length 512        # the model's compute dominates (a causal LM read through masks, bidirectionally)
@@ -75,8 +80,11 @@ def main() -> None:
     ap.add_argument("--mask-token", default=None, help="for a model without one (a causal LM read through masks)")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out: full (the full-logits loop), "
                     "in-encode (filtering while encoding)")
+    ap.add_argument("--readout", default="diffretriever", choices=["diffretriever", "sidr"])
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
+    if args.readout == "sidr":
+        return sidr(args)
 
     bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype,
                                       gguf_file=args.gguf_file, mask_token=args.mask_token))  # fmt: skip
@@ -164,6 +172,45 @@ def main() -> None:
         ]
     for name, t, note in rows_out:
         print(f"{name:28s} {n / t:9.2f} docs/s  {note}")
+
+
+def sidr(args: argparse.Namespace) -> None:
+    """SIDR's readout: the pipeline (one head product per batch, padding left out) against the per-text product it
+    replaced (the code before: ``weights`` one text at a time, kept here as the baseline), on the same batches; the
+    vectors compared byte for byte."""
+    bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype))
+    reader = make_reader(bb, ReadoutConfig(readout="sidr"), args.max_length)
+    texts = load_texts(Path(args.corpus), args.docs)
+    ids = [str(i) for i in range(len(texts))]
+    token_ids = [t[: args.max_length] for t in bb.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    print(
+        f"model {args.model} on {bb.device} ({args.dtype}), {torch.get_num_threads()} threads; {len(texts)} "
+        f"passages, batch {args.batch_size}, max length {args.max_length}; readout sidr"
+    )
+    batched = reader.batch_weights
+
+    def per_text(hidden: torch.Tensor, att: torch.Tensor, side_bb=None) -> torch.Tensor:  # noqa: ANN001
+        return torch.stack([reader.weights(hidden[i][att[i].bool()], side_bb) for i in range(len(hidden))])
+
+    def encode(weights, readout=None):  # noqa: ANN001, ANN202
+        reader.batch_weights = weights
+        try:
+            return encode_rows(readout or reader, ids, token_ids, texts, "passage", 1, args.batch_size)
+        finally:
+            reader.batch_weights = batched
+
+    encode(batched)  # warm up
+    t_new = timed(lambda: encode(batched), bb.device, args.repeats)
+    t_old = timed(lambda: encode(per_text), bb.device, args.repeats)
+    same = encode(batched).equals(encode(per_text))
+    mask = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
+    t_mask = timed(lambda: encode(batched, mask), bb.device, args.repeats)
+    n = len(texts)
+    for name, t, note in [("sidr, per batch (pipeline)", t_new, f"{t_old / t_new:.2f}x per text (target >= 5)"),
+                          ("sidr, per text (before)", t_old, ""),
+                          ("mask readout K=1", t_mask, f"mask/sidr {t_new / t_mask:.2f}x")]:  # fmt: skip
+        print(f"{name:28s} {n / t:9.2f} docs/s  {note}")
+    print(f"the same vectors, byte for byte: {same}")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,18 @@ def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
     console.print(res.line(), highlight=False, soft_wrap=True)
 
 
+def _bot(data: dict[str, Any], prefect: bool | None = None) -> None:
+    """Tokenize the passages (when not yet), then SIDR's binary bag-of-tokens index of them: no model."""
+    from .compose import BotConfig, run_bot
+    from .runner import use_prefect
+
+    config = _config(BotConfig, data)
+    with _errors(), progress() as report:
+        res = run_bot(config, prefect=use_prefect(prefect), log=log, report=report)
+    console.print(res.line(), highlight=False, soft_wrap=True)
+    _print_bot(res)
+
+
 def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
     from .compose import PipelineConfig, run_pipeline
@@ -250,7 +262,7 @@ def _register() -> None:
     registered with ``stages.register`` or the ``diffret.stages`` entry points gets its command the same way."""
     from stages import stages
 
-    from .compose import EncodeConfig, PipelineConfig
+    from .compose import BotConfig, EncodeConfig, PipelineConfig
 
     app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
                                                                            extra=[PREFECT]))
@@ -259,6 +271,9 @@ def _register() -> None:
         if name == "encode":  # tokenizes first, and can run on Dask
             app.command("encode", help=_encode.__doc__, cls=Command)(config_command(EncodeConfig, _encode,
                                                                                   name="encode", extra=[PREFECT]))
+        elif name == "bot":  # tokenizes first, as encode does
+            app.command("bot", help=_bot.__doc__, cls=Command)(config_command(BotConfig, _bot, name="bot",
+                                                                            extra=[PREFECT]))  # fmt: skip
         else:
             stage_command(name, st.command, after=printers.get(name))
 
@@ -295,7 +310,8 @@ def export_run(
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)
 
 
-@app.command(cls=Command)
+# a query may start with '-' (a comment: "-- x")
+@app.command(cls=Command, context_settings={"ignore_unknown_options": True})
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
     root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,

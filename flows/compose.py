@@ -1,7 +1,8 @@
-"""The stages composed, without Prefect: ``run_encode`` (tokenize, then encode) and ``run_pipeline`` (`diffret
-run`: download -> tokenize/encode the grid -> (index) -> score -> BM25 -> evaluate -> summary: leaderboard,
-heatmaps, summary page in the store), each stage through ``run_stage``: in this process, or, with ``prefect``, as
-the stage's flow run (flows/encode.py, flows/pipeline.py hold the flows; Prefect is imported only then).
+"""The stages composed, without Prefect: ``run_encode`` (tokenize, then encode), ``run_bot`` (tokenize, then the
+bag of tokens) and ``run_pipeline`` (`diffret run`: download -> tokenize/encode the grid -> (index) -> score -> BM25
+-> evaluate -> summary: leaderboard, heatmaps, summary page in the store), each stage through ``run_stage``: in this
+process, or, with ``prefect``, as the stage's flow run (flows/encode.py, flows/bot.py, flows/pipeline.py hold the
+flows; Prefect is imported only then).
 
 Every stage is idempotent over the store (a stage finds its finished artifacts by config hash and
 skips them), so re-running the pipeline, or `prefect deployment run` after a failure, resumes where
@@ -23,10 +24,12 @@ from retrieval.models.released import read_released
 from retrieval.search.bm25 import BM25Settings
 from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
+from stages import bot as bot_stage
 from stages import encode as encode_stage
 from stages import tokenize as tokenize_stage
 from stages.base import GRID_K, KList, ModeList, StageConfig, StageResult
 from stages.bm25 import BM25Config
+from stages.bot import BotConfig
 from stages.encode import EncodeConfig, check_head_stats, check_k_within
 from stages.evaluate import EvaluateConfig
 from stages.index import IndexConfig
@@ -74,6 +77,7 @@ class PipelineConfig(StageConfig):
     kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
                             "preset's; a released checkpoint's trained K_p).")  # fmt: skip
     modes: ModeList = like(ScoreConfig, "modes")
+    q1p1_multi: Literal["skip", "keep"] = like(ScoreConfig, "q1p1_multi")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="skip",
@@ -160,8 +164,9 @@ class PipelineConfig(StageConfig):
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
             dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
-            kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
-            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
+            kq=self.kq, kp=self.kp, modes=self.modes, q1p1_multi=self.q1p1_multi, topk=self.topk,
+            train_topk=self.train_topk, device=self.backbone.device, rules=self.rules, self_hits=self.self_hits,
+            **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
@@ -200,6 +205,25 @@ def run_encode(
     if tok.done:
         log(f"tokenize: {tok.line()}")
     return run_stage(encode_stage.stage, config, log=log, report=report)
+
+
+def run_bot(
+    config: BotConfig,
+    *,
+    prefect: bool = False,
+    log: Callable[[str], None] = print,
+    report: Callable | None = None,
+) -> StageResult:
+    """Tokenize the passages where their tokens are missing, then build the bag of tokens (as ``run_encode``)."""
+    if prefect:
+        from .bot import bot_flow
+
+        with prefect_api():
+            return StageResult.model_validate(bot_flow(config))
+    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
+    if tok.done:
+        log(f"tokenize: {tok.line()}")
+    return run_stage(bot_stage.stage, config, log=log, report=report)
 
 
 def run_pipeline(

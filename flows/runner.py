@@ -27,6 +27,7 @@ from tasks.keys import artifact_key
 # flows/stages.py from the registry
 CUSTOM: dict[str, tuple[str, str]] = {
     "encode": ("flows.encode", "encode_flow"),  # tokenizes first
+    "bot": ("flows.bot", "bot_flow"),  # tokenizes first
     "report": ("flows.report", "report_flow"),  # publishes its sections as artifacts
 }
 

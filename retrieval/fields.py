@@ -32,9 +32,28 @@ def like(model: type[BaseModel], name: str, **overrides: Any) -> Any:
     ('How many.', 5)
     """
     info = copy.deepcopy(model.model_fields[name])
+    origin = origin_of(info) or f"{model.__qualname__}.{name}"
     for key, value in overrides.items():
         if key == "default":
             info.default, info.default_factory = value, None
         else:  # json_schema_extra (the command-line declarations) included: replaced, not merged
             setattr(info, key, value)
+    extra = dict(info.json_schema_extra) if isinstance(info.json_schema_extra, dict) else {}
+    info.json_schema_extra = {**extra, "like": origin}
     return info
+
+
+def origin_of(info: Any) -> str | None:
+    """The field a ``like`` field passes on, as ``"Config.field"`` (the first declaration, through chains of
+    ``like``); None for a field declared where it is.
+
+    >>> from pydantic import Field
+    >>> class A(BaseModel):
+    ...     n: int = Field(default=3)
+    >>> class B(BaseModel):
+    ...     m: int = like(A, "n")
+    >>> origin_of(B.model_fields["m"]), origin_of(A.model_fields["n"])
+    ('A.n', None)
+    """
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return extra.get("like")

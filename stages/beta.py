@@ -25,7 +25,7 @@ from storage import IncompleteArtifactError, StoreError
 from storage.layout import bot_dir, encodings_dir, run_dir
 
 from .base import Context, KList, Plan, Stage
-from .readers import bot_index, encoding_manifest, query_encodings, split_queries
+from .readers import bot_index, budgets, encoding_manifest, query_encodings, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRecord, SystemRef, find_system, tokenizer_of, vocab_hash
 
@@ -35,7 +35,8 @@ class BetaConfig(RetrievalConfig):
 
     system: SystemRef = Field(default_factory=SystemRef, description="The query encoder: a stored system with "
                               "sparse query vectors.")  # fmt: skip
-    kq: KList = Field(default=[1], description="Query budgets K_q (their query encodings must be stored).")
+    kq: KList | None = Field(default=None, description="Query budgets K_q (default: every K_q whose query encodings "
+                             "are stored).")  # fmt: skip
     bot: str | None = Field(default=None, description="The bag-of-tokens index's tokenizer slug (`diffret sql "
                             "'from bot_indexes'`); default: the one the system's queries were tokenized with.")
 
@@ -75,6 +76,8 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
         if not record.has_sparse:
             raise ValueError(f"{record.system}: the {record.readout} readout has no sparse vectors; beta search needs "
                              "a sparse query side (sidr, diffretriever, promptreps)")  # fmt: skip
+        config = config.model_copy(update={"kq": budgets(store, config.kq, record.system, config.dataset, "query",
+                                                         ctx.log)})  # fmt: skip
         q_stages = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
         q_hashes = {}
         tokens = None

@@ -36,6 +36,14 @@ class BotConfig(StageConfig):
     backbone: BackboneConfig = like(TokenizeConfig, "backbone")
     max_length: int = like(TokenizeConfig, "max_length")
     title_sep: str = like(TokenizeConfig, "title_sep")
+    shard_size: int = like(TokenizeConfig, "shard_size")
+
+    def tokenize_config(self) -> TokenizeConfig:
+        """The tokenize stage's settings for the passages this index reads (the bot flow tokenizes them first, as the
+        encode flow does)."""
+        return TokenizeConfig(root=self.root, force=self.force, dataset=corpus_of(self.dataset), sides=["passage"],
+                              backbone=self.backbone, max_length=self.max_length, title_sep=self.title_sep,
+                              shard_size=self.shard_size)  # fmt: skip
 
 
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):

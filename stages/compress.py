@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
-from retrieval.fields import like
+from retrieval.fields import cli, like
 from storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
 from storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
 from storage.layout import codebook_dir, encodings_dir
@@ -27,18 +27,23 @@ from storage.layout import codebook_dir, encodings_dir
 from .base import Context, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
-from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size
+from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
 from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
 
 
 class CompressConfig(StageConfig):
     """Parameters of the compress flow."""
 
-    system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.")
+    system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.",
+                              json_schema_extra=cli(filters_except=["store", "store_seed"]))  # fmt: skip
     dataset: str = like(EncodeConfig, "dataset")
-    to: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
-                    "16,384 centroids) or pq:M (storage/codecs.py).")  # fmt: skip
-    seed: int = like(EncodeConfig, "store_seed")
+    # encode's names for the same settings (`--to` and `--seed` before: taken, with a warning)
+    store: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
+                       "16,384 centroids) or pq:M (storage/codecs.py).", validation_alias=AliasChoices("store", "to"),
+                       json_schema_extra=cli(deprecated=["--to"]))  # fmt: skip
+    store_seed: int = like(EncodeConfig, "store_seed", validation_alias=AliasChoices("store_seed", "seed"),
+                           json_schema_extra=cli(deprecated=["--seed"]))  # fmt: skip
+    verify: bool = like(EncodeConfig, "verify")
     k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
                                 "dataset; its queries are copied as they are).")  # fmt: skip
     codebook_sample: int = like(EncodeConfig, "codebook_sample")
@@ -68,14 +73,14 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         "queries kept in float16. The result is a system of its own (its slug names the choice) that score, index "
         "and late read as any other; the report's Compression section compares it with the float16 one."
     )
-    example = {"dataset": "scifact", "to": "residual:2"}  # the deployment's parameters, besides root
+    example = {"dataset": "scifact", "store": "residual:2"}  # the deployment's parameters, besides root
 
     next_step = "score it: `diffret score -d {dataset} --system {system}`, then `diffret evaluate`."
 
     def plan(self, config: CompressConfig, ctx: Context) -> Plan:
-        spec = parse_store(config.to)
+        spec = parse_store(config.store)
         if spec.kind == FLOAT16:
-            raise ValueError("--to float16 is the system as stored: give int8, residual:B or pq:M")
+            raise ValueError("--store float16 is the system as stored: give int8, residual:B or pq:M")
         store = ctx.store
         ref = config.system  # by model: its float16 system (a slug names the system itself: checked below)
         if ref.system is None:
@@ -85,7 +90,7 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
             raise StoreError(f"{record.system} is not a float16 encoder system; compress the float16 system it was "
                              "made from")  # fmt: skip
         source = settings_of(record)
-        target = source.model_copy(update={"store": config.to, "store_seed": config.seed})
+        target = source.model_copy(update={"store": config.store, "store_seed": config.store_seed})
         out = encoder_record(target)
         plan = Plan(system=out.system, work_unit="docs", work=0, details={"stages": {}, "source": record.system})
         sides = self._sides(config, ctx, record.system)
@@ -98,8 +103,8 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                 codebook = None
                 if side == "passage" and spec.trained:
                     codebook = codebook_dir(out.system, config.dataset, k)
-                    cb_cfg = codebook_config(config.to, config.seed, config.codebook_sample, config.dataset, k,
-                                             m.config_hash, m.total_rows() * k)  # fmt: skip
+                    cb_cfg = codebook_config(config.store, config.store_seed, config.codebook_sample, config.dataset,
+                                             k, m.config_hash, m.total_rows() * k)  # fmt: skip
                     digest = ensure_codebook(store, out.system, config.dataset, k, cb_cfg, config.force,
                                              sorted(m.files), lambda s, src=src: vectors_of(store.read_table(src, s)),
                                              ctx.log)  # fmt: skip
@@ -107,7 +112,8 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                 stage = encodings_dir(out.system, config.dataset, side, k)
                 ctx.hold(stage)
                 part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force)
+                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force,
+                                                 verify=config.verify)  # fmt: skip
                 plan.details["stages"][f"{side}/k={k}"] = stage
                 for shard in sorted(m.files):
                     if shard in done:
@@ -115,7 +121,7 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                         continue
                     rows = int(m.files[shard].rows or 0)
                     plan.units.append(CompressUnit(src, shard, stage, side, k, rows, m_out.config_hash,
-                                                   config.to if side == "passage" else FLOAT16, codebook))
+                                                   config.store if side == "passage" else FLOAT16, codebook))
                     plan.work += rows
         register(store, out, write=False)
         plan.details["record"] = out
@@ -125,13 +131,9 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
     def _sides(config: CompressConfig, ctx: Context, system: str) -> dict[str, list[int]]:
         """The K of each side to write (``k``, default every K stored): the passages' when the dataset has a corpus,
         the queries' when it has stored query encodings (a queries-only dataset such as TREC DL: queries only)."""
-        def stored(side: str) -> list[int]:
-            found = ctx.store.list_partitions(f"encodings/system={system}/dataset={config.dataset}/side={side}", "k")
-            return sorted(int(k) for k in found)
-
         has_corpus = "corpus.parquet" in dataset_manifest(ctx.store, config.dataset).files
-        passage = (config.k or stored("passage")) if has_corpus else []
-        query = [k for k in stored("query") if not config.k or k in config.k]
+        passage = (config.k or stored_budgets(ctx.store, system, config.dataset, "passage")) if has_corpus else []
+        query = [k for k in stored_budgets(ctx.store, system, config.dataset, "query") if not config.k or k in config.k]
         if not passage and not query:
             raise IncompleteArtifactError(f"{system} has no encodings of {config.dataset!r} to compress; run `diffret "
                                           "encode` first")  # fmt: skip

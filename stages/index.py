@@ -25,8 +25,8 @@ from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, FileEntry, Manifest
 from storage.layout import encodings_dir, index_dir
 
-from .base import GRID_K, Context, Folder, KList, Plan, Stage
-from .readers import corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries
+from .base import Context, Folder, KList, Plan, Stage
+from .readers import budgets, corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries
 from .runs import QueriesConfig
 from .systems import SystemRef, find_system
 
@@ -39,8 +39,10 @@ class IndexConfig(QueriesConfig):
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose passages to index.")
     split: str = Field(default="test", description="Query split of the recall check.")
-    kq: KList = Field(default=list(GRID_K), description="Query budgets of the recall check.")
-    kp: KList = Field(default=list(GRID_K), description="Passage budgets to index (one table each).")
+    kq: KList | None = Field(default=None, description="Query budgets of the recall check (default: every K_q whose "
+                             "query encodings are stored).")  # fmt: skip
+    kp: KList | None = Field(default=None, description="Passage budgets to index, one table each (default: every "
+                             "K_p whose passage encodings are stored).")  # fmt: skip
     index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="IVF_PQ", description="The LanceDB index: IVF_PQ, IVF_HNSW_SQ, or none (a flat table).",
         json_schema_extra=cli(flag="--type"),
@@ -127,6 +129,9 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         n_passages = corpus_size(store, corpus)
+        config = config.model_copy(update={
+            "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
+            "kp": budgets(store, config.kp, record.system, corpus, "passage", ctx.log)})  # fmt: skip
         q_hashes = {
             str(kq): encoding_manifest(store, encodings_dir(record.system, config.dataset, "query", kq)).config_hash
             for kq in config.kq

@@ -56,13 +56,18 @@ class LateConfig(QueriesConfig):
     kq: int = Field(default=1, ge=1, description="The re-scoring system's query budget K_q.")
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
-    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query (one run each).",
-                              json_schema_extra=cli(flag="--m"))  # fmt: skip
-    first_stage: str = like(RerankConfig, "first_stage", json_schema_extra=cli(flag="--first-stage"))
-    first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=cli(flag="--first-kq"))
-    first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=cli(flag="--first-kp"))
-    first_mode: str | None = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
+    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
+                              "stage's top (one run each).", json_schema_extra=cli(flag="--depth",
+                                                                                   deprecated=["--m"]))  # fmt: skip
+    first_stage: str = like(RerankConfig, "first_stage")
+    # rerank's former spellings (--kq, --kp, --mode) are this command's re-scoring budgets and mode: not taken here
+    first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=None)
+    first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=None)
+    first_mode: str | None = like(RerankConfig, "first_mode", json_schema_extra=None)
     batch_size: int = like(EncodeConfig, "batch_size")
+    verify: bool = like(EncodeConfig, "verify", description="Check every part of the partial folder by sha256 "
+                        "(default: its size and mtime); a damaged part is encoded again, even when every run is "
+                        "current.")  # fmt: skip
     device: str = like(BackboneConfig, "device")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "
                               "reference evaluator's).")  # fmt: skip
@@ -114,9 +119,13 @@ class LateUnit:
     partial_stage: str
     tokens_stage: str
     partial_config: dict[str, Any]
+    dataset: str
     corpus: str
     batch_size: int
     sparse_factor: float
+    splits: list[str]  # the runs' splits and depth: what the partial folder must hold (cells or not)
+    depth: int
+    verify: bool = False
 
 
 class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written"):
@@ -173,12 +182,19 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                 stage = run_dir(record.system, config.dataset, split, config.kq, config.kp, mode)
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
-        if cells:
+        partial = partial_dir(record.system, corpus, config.kp)
+        partial_cfg = encodings_config(settings, tokens, t_man.config_hash, config.kp)
+        damage = None if cells or full_ok else store.shard_damage(partial, partial_cfg, config.verify)
+        if damage:  # every run is current, but the passages they needed are not: encoded again
+            ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
+        if cells or damage:
             factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
+            splits = sorted({c.split for c in cells}) if cells else list(config.splits)
+            depth = max(int(c.config["topk"]) for c in cells) if cells else max(config.depths)
             plan.units.append(LateUnit(
-                cells, {s: first[s][1] for s in {c.split for c in cells}}, record.system, settings.model_dump(),
-                q_stage, full if full_ok else None, partial_dir(record.system, corpus, config.kp), t_stage,
-                encodings_config(settings, tokens, t_man.config_hash, config.kp), corpus, config.batch_size, factor,
+                cells, {s: first[s][1] for s in splits}, record.system, settings.model_dump(), q_stage,
+                full if full_ok else None, partial, t_stage, partial_cfg, config.dataset, corpus, config.batch_size,
+                factor, splits, depth, config.verify,
             ))  # fmt: skip
         plan.count = len(cells)
         return plan
@@ -190,13 +206,15 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         for name in sorted(t_man.files):
             corpus_ids.extend(store.read_table(unit.tokens_stage, name, columns=["id"]).column("id").to_pylist())
         position = {d: i for i, d in enumerate(corpus_ids)}
-        depth = max(int(c.config["topk"]) for c in unit.cells)
-        splits = sorted({c.split for c in unit.cells})
-        query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, _dataset(unit), s)))
-        first: dict[str, dict[str, np.ndarray]] = {s: _top(read_run(store, unit.first_runs[s]), depth, position)
-                                                   for s in splits}  # fmt: skip
-        needed = np.unique(np.concatenate([v for s in splits for v in first[s].values()] + [np.zeros(0, np.int64)]))
+        query_ids = list(dict.fromkeys(q for s in unit.splits for q in split_queries(store, unit.dataset, s)))
+        first: dict[str, dict[str, np.ndarray]] = {s: _top(read_run(store, unit.first_runs[s]), unit.depth, position)
+                                                   for s in unit.splits}  # fmt: skip
+        needed = np.unique(np.concatenate([v for s in unit.splits for v in first[s].values()]
+                                          + [np.zeros(0, np.int64)]))  # fmt: skip
         table, encoded, encode_seconds = self._passages(unit, ctx, needed, corpus_ids)
+        if not unit.cells:  # only the partial folder was repaired
+            ctx.log(f"{ctx.store.abspath(unit.partial_stage)}: {encoded:,} passage(s) encoded again")
+            return {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids)}
         settings = SearchSettings(rules=ScoreRules.model_validate(unit.cells[0].config["rules"]),
                                   ignore_identical_ids=bool(unit.cells[0].config["ignore_identical_ids"]))
         passages = encodings_from_table(table, "cpu", settings.rules, unit.sparse_factor)
@@ -216,7 +234,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
             timing = search_stats(time.perf_counter() - start, len(query_ids), len(m_cells))
             row = {q: i for i, q in enumerate(query_ids)}
             for cell in m_cells:
-                rows = [row[q] for q in split_queries(store, _dataset(unit), cell.split)]
+                rows = [row[q] for q in split_queries(store, unit.dataset, cell.split)]
                 t = run_table(top, query_ids, corpus_ids, rows, lex, depth=m)
                 needed_m = int(len(np.unique(np.concatenate([cands[i] for i in rows] + [np.zeros(0, np.int64)]))))
                 write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **stats, "needed_m": needed_m,
@@ -239,7 +257,8 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         stage = unit.partial_stage
         ctx.hold(stage)
         part = {"system": unit.system, "dataset": unit.corpus, "k": str(unit.partial_config["k"])}
-        man, done = store.open_sharded(stage, "partial", part, unit.partial_config)
+        man, done = store.open_sharded(stage, "partial", part, unit.partial_config, verify=unit.verify)
+        store.drop_shards(stage, set(man.files) - done)  # damaged parts: what they held is encoded again below
         have = [store.read_table(stage, n) for n in sorted(done)]
         held = set(pc.unique(pa.concat_arrays([t.column("id").combine_chunks() for t in have])).to_pylist()) \
             if have else set()  # fmt: skip
@@ -258,7 +277,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                               todo.column("text").to_pylist(), "passage", int(unit.partial_config["k"]),
                               unit.batch_size, ctx.advance)  # fmt: skip
             seconds = time.perf_counter() - start
-            name = PART.format(len(done))  # open_sharded compacted every earlier record: the next free number
+            name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)
             entry = store.write_shard(stage, name, new)
             store.record_shard(stage, name, entry, man.config_hash)
             store.compact_shards(stage)
@@ -270,10 +289,6 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
     def abort(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
         """A failed run keeps the parts it finished; a partial folder it opened and never filled is removed."""
         remove_empty_sharded(ctx.store, [u.partial_stage for u in plan.units])
-
-
-def _dataset(unit: LateUnit) -> str:
-    return str(unit.cells[0].config["dataset"])
 
 
 def _rows(table: pa.Table, ids: pa.Array) -> pa.Table:

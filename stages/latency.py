@@ -19,6 +19,7 @@ import pyarrow as pa
 from pydantic import Field, field_validator
 
 from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, lance_search_latency
+from retrieval.fields import cli
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from storage import Manifest
@@ -53,10 +54,12 @@ class LatencyConfig(StageConfig):
     max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="The system's max_length (its slug, as "
                             "encode names it); the synthetic inputs are not cut by it, only by the model's positions.")
     kinds: list[Literal["encode", "search"]] = Field(default=["encode", "search"], description="What to time.")
-    sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.")
+    sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.",
+                                                     json_schema_extra=cli(flag="--side", deprecated=["--sides"]))
     lengths: list[int] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
                                "tokens, before the prompt).")  # fmt: skip
-    batch_sizes: list[int] = Field(default=[1], description="Texts per forward pass (1: one query's latency).")
+    batch_sizes: list[int] = Field(default=[1], description="Texts per forward pass (1: one query's latency).",
+                                   json_schema_extra=cli(flag="--batch-size", deprecated=["--batch-sizes"]))
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
     search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search; "
                                     "synthetic, held in memory: documents x K_p x hidden x 4 bytes.")

@@ -6,7 +6,7 @@ first-appearance order, an encoding is complete only with every text) is written
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,7 +17,7 @@ from retrieval.search.encodings import Encodings, SparseFlat, encodings_from_tab
 from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
 from storage.codecs import FLOAT16, Codebook, Codec, parse_store
-from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir, repair_hint
+from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")
 
@@ -177,6 +177,37 @@ def bot_index(store: ArtifactStore, stage: str) -> tuple[list[str], SparseFlat]:
 
 
 # ------------------------------------------------------------------------------------------ encodings
+def stored_budgets(store: ArtifactStore, system: str, dataset: str, side: str) -> list[int]:
+    """The K of a system's stored encodings of one side of a dataset (folders with a manifest), ascending.
+
+    >>> import tempfile
+    >>> from storage import Manifest
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     for k in (16, 4):
+    ...         store.write_manifest(f"encodings/system=s/dataset=d/side=query/k={k}", Manifest.new("x", {}, {}))
+    ...     stored_budgets(store, "s", "d", "query"), stored_budgets(store, "s", "d", "passage")
+    ([4, 16], [])
+    """
+    found = store.list_partitions(f"encodings/system={system}/dataset={dataset}/side={side}", "k")
+    return sorted(int(k) for k in found)
+
+
+def budgets(store: ArtifactStore, given: list[int] | None, system: str, dataset: str, side: str,
+            log: Callable[[str], None]) -> list[int]:  # fmt: skip
+    """``given``, else every K stored for the side (saying which, through ``log``); none stored: an error naming
+    the command that makes them."""
+    if given is not None:
+        return given
+    found = stored_budgets(store, system, dataset, side)
+    if not found:
+        raise IncompleteArtifactError(f"{system} has no {side} encodings of {dataset!r}: run `diffret encode -d "
+                                      f"{dataset} --side {side}` with its model first")  # fmt: skip
+    name = "K_q" if side == "query" else "K_p"
+    log(f"no {name} given: the {side} encodings stored for {dataset}, {name} = {', '.join(map(str, found))}")
+    return found
+
+
 def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | None = None) -> Manifest:
     """The manifest of an encoding folder; with ``expected_rows``, only when it holds every text."""
     m = store.read_manifest(stage)
@@ -238,7 +269,7 @@ def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
     want = (m.config.get("inputs") or {}).get("codebook")
     if digest != want:
         raise StoreError(f"{store.abspath(stage)}: coded with codebook {str(want)[:12]}…, but "
-                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {repair_hint(stage)}")  # fmt: skip
+                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {store.repair_hint(stage)}")  # fmt: skip
     try:
         codebook.check(spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"],
                        system=m.partition["system"])  # fmt: skip

@@ -43,12 +43,12 @@ class RerankConfig(QueriesConfig):
     first_stage: str = Field(default="bm25", description="The run to rerank: a system slug (or unique prefix), or "
                              "bm25 for the store's BM25 system.")  # fmt: skip
     first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).",
-                          json_schema_extra=cli(flag="--kq"))  # fmt: skip
+                          json_schema_extra=cli(deprecated=["--kq"]))  # fmt: skip
     first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).",
-                          json_schema_extra=cli(flag="--kp"))  # fmt: skip
+                          json_schema_extra=cli(deprecated=["--kp"]))  # fmt: skip
     first_mode: str | None = Field(default=None, description="The first-stage run's mode (default: bm25 for BM25, "
                                    "imported for an imported run, fusion for a fusion; an encoder's must be named).",
-                                   json_schema_extra=cli(flag="--mode"))  # fmt: skip
+                                   json_schema_extra=cli(deprecated=["--mode"]))  # fmt: skip
     depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
     method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
     backbone: BackboneConfig = Field(default_factory=default_backbone,

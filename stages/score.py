@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from pydantic import Field
 
@@ -19,12 +20,20 @@ from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
-from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
+from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from retrieval.search.rules import ScoreRules
 from storage.layout import encodings_dir, run_dir
 
-from .base import GRID_K, Context, KList, ModeList, Plan, Stage
-from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, query_encodings, split_queries
+from .base import Context, KList, ModeList, Plan, Stage
+from .readers import (
+    budgets,
+    corpus_size,
+    dataset_manifest,
+    encoding_manifest,
+    iter_encodings,
+    query_encodings,
+    split_queries,
+)
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
 
@@ -33,10 +42,15 @@ class ScoreConfig(RetrievalConfig):
     """Parameters of the score flow."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose encodings to score.")
-    kq: KList = Field(default=list(GRID_K), description="Query budgets K_q.")
-    kp: KList = Field(default=list(GRID_K), description="Passage budgets K_p.")
+    kq: KList | None = Field(default=None, description="Query budgets K_q (default: every K_q whose query encodings "
+                             "are stored).")  # fmt: skip
+    kp: KList | None = Field(default=None, description="Passage budgets K_p (default: every K_p whose passage "
+                             "encodings are stored).")  # fmt: skip
     modes: ModeList = Field(default=list(MODE_NAMES), description="Scoring modes (paper section 3.3).",
                             json_schema_extra=cli(flag="--mode"))  # fmt: skip
+    q1p1_multi: Literal["skip", "keep"] = Field(default="skip", description="At K_q = K_p = 1, skip multi_dense "
+                                                "and its fusion as the reference evaluator does, or keep them.")
+    # (one slot a side: MaxSim is single_dense clamped at 0; diffret 0.1 kept them)
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
     device: str = like(BackboneConfig, "device")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "
@@ -87,6 +101,9 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         # a representation without sparse vectors is scored in the dense modes only
         modes = modes_for(config.modes, record.has_sparse) or ["single_dense"]
         corpus, ignore = config.corpus_name(), config.ignore_ids()
+        config = config.model_copy(update={
+            "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
+            "kp": budgets(store, config.kp, record.system, corpus, "passage", ctx.log)})  # fmt: skip
         ds_hash = dataset_manifest(store, config.dataset).config_hash
         n_passages = corpus_size(store, corpus)
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
@@ -101,13 +118,17 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                 for kq in config.kq:
                     inputs = {"queries": ds_hash, "query_encodings": q_man[kq].config_hash,
                               "passage_encodings": p_man[kp].config_hash}  # fmt: skip
-                    for mode in modes:
+                    for mode in cell_modes(modes, kq, kp, config.q1p1_multi):
                         cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode,
                                           config.depth(split), config.fusion_depth, ignore, inputs,
                                           config.rules)  # fmt: skip
                         stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
                         if plan.needs(ctx, stage, cfg, config.force):
                             todo.append(Cell(split, kq, kp, mode, stage, cfg))
+        skipped = [m for m in modes if m not in cell_modes(modes, 1, 1, config.q1p1_multi)]
+        if skipped and 1 in config.kq and 1 in config.kp:
+            ctx.log(f"K_q = K_p = 1: {', '.join(skipped)} not scored, as the reference evaluator does (--q1p1-multi "
+                    "keep scores them)")  # fmt: skip
         plan.count = len(todo)
         query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
         row = {q: i for i, q in enumerate(query_ids)}

@@ -39,6 +39,7 @@ from storage import IncompleteArtifactError, Manifest, StoreError
 from storage.layout import (
     BOT_FILE,
     GROUPS_FILE,
+    MODEL_TASK_KEY,
     TRAIN_LOG_FILE,
     TRAIN_LOG_SCHEMA,
     bot_dir,
@@ -315,7 +316,9 @@ def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, s
                 if f.is_file():
                     w.write_file(str(f.relative_to(tmp)), f.read_bytes())
             rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
-            w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
+            # which command made the model, readable without the manifest (verify names it as the repair)
+            schema = TRAIN_LOG_SCHEMA.with_metadata({MODEL_TASK_KEY: cfg.get("task", "encoder")})
+            w.write_parquet(TRAIN_LOG_FILE, schema, [pa.Table.from_pylist(rows, schema)])
             w.write_file("loss.png", _loss_png(log, unit.name, ylabel))
 
 

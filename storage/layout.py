@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -395,12 +396,13 @@ def schema_for_pattern(pattern: str) -> pa.Schema | None:
 
 
 # Every kind of stage folder: its glob (relative to the root) and the command whose next run rebuilds a damaged
-# one (run with the settings that made it). Sharded folders (tokens, encodings) trust a shard whose size and mtime
-# match its record, so their repair adds --verify, which re-hashes every shard.
+# one (run with the settings that made it; `repair_hint` names a more precise one where the folder or the store tells
+# it). Sharded folders (tokens, filters, encodings, partial) trust a shard whose size and mtime match its record, so
+# their repair adds --verify, which re-hashes every shard.
 STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "datasets": ("datasets/*", "diffret download <name>"),
-    "tokens": ("tokens/*/*/*", "diffret encode --verify"),
-    "filters": ("filters/*/*/*/*", "diffret encode --verify"),
+    "tokens": ("tokens/*/*/*", "diffret tokenize --verify"),
+    "filters": ("filters/*/*/*/*", "diffret tokenize --verify"),
     "encodings": ("encodings/*/*/*/*", "diffret encode --verify"),
     "codebooks": ("codebooks/*/*/*", "diffret compress"),
     "systems": ("systems/*", "diffret encode"),
@@ -409,7 +411,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "index": ("index/*/*/*", "diffret index"),
     "bot": ("bot/*/*", "diffret bot"),
     "partial": ("partial/*/*/*", "diffret late --verify"),
-    "summaries": ("summaries/*/*/*", "diffret run"),
+    "summaries": ("summaries/*/*/*", "diffret summary"),
     "reports": ("reports/*", "diffret report"),
     "comparisons": ("comparisons/*", "diffret compare"),
     "training": ("training/*", "diffret training-data"),
@@ -417,26 +419,54 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "latency": ("latency/*/*/*", "diffret latency"),
     "features": ("features/*/*/*/*", "diffret budget"),
 }
-_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "imported": "diffret import-run",
-                 "fusion": "diffret fuse"}
+_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta",
+                 "imported": "diffret import-run", "fusion": "diffret fuse"}  # fmt: skip
+MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
 
 
-def repair_hint(rel: str) -> str:
-    """How to rebuild the stage folder holding ``rel`` (a path relative to the root): the command to run again.
+def repair_hint(rel: str, facts: dict[str, Any] | None = None) -> str:
+    """How to rebuild the stage folder holding ``rel`` (a path relative to the root): the command that made it, to run
+    again. ``facts`` are what the store tells beyond the path (:meth:`storage.ArtifactStore.repair_hint`):
+    ``compressed`` (a compressed system's ``{"store", "seed", "float16_system"}``; ``float16_system`` only when its
+    float16 folders are stored, so that ``diffret compress`` can rebuild it), ``task`` (a model's: ``reranker``),
+    ``bm25`` (a summary's BM25 system: its command is then complete, no setting left to add).
 
     >>> repair_hint("encodings/system=s/dataset=d/side=query/k=1/shard=00000.parquet")
     'repair: run `diffret encode --verify` again with the settings that made it'
     >>> repair_hint("runs/system=b/dataset=d/split=test/kq=0/kp=0/mode=bm25")
     'repair: run `diffret bm25` again with the settings that made it'
+    >>> repair_hint("runs/system=s/dataset=d/split=test/kq=1/kp=1/mode=late_sparse_max_m10")
+    'repair: run `diffret late` again with the settings that made it'
+    >>> repair_hint("summaries/system=s/dataset=d/split=test", {"bm25": "bm25-1f"})
+    'repair: run `diffret summary --system s -d d --split test --bm25 bm25-1f` again'
     """
+    facts = facts or {}
     parts = rel.lstrip("/").split("/")
     entry = STAGE_FOLDERS.get(parts[0])
     if entry is None:
         return "repair: run the stage that wrote it again"
     command = entry[1]
-    if parts[0] == "datasets" and len(parts) > 1 and parts[1].startswith("dataset="):
-        command = f"diffret download {parts[1].split('=', 1)[1]}"
-    if parts[0] == "runs":
-        mode = next((p.split("=", 1)[1] for p in parts if p.startswith("mode=")), "")
-        command = "diffret budget" if mode.startswith("adaptive_") else _RUN_COMMANDS.get(mode, command)
+    keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    kind = parts[0]
+    if kind == "datasets" and "dataset" in keys:
+        command = f"diffret download {keys['dataset']}"
+    elif kind == "runs":
+        mode = keys.get("mode", "")
+        command = ("diffret budget" if mode.startswith("adaptive_") else "diffret late" if mode.startswith("late_")
+                   else _RUN_COMMANDS.get(mode, command))  # fmt: skip
+    elif kind == "filters" and "filter" in keys:
+        command = f"diffret tokenize --content-filter {keys['filter']} --verify"
+    elif kind in ("encodings", "codebooks") and (c := facts.get("compressed")):
+        seed = f" --store-seed {c['seed']}" if c.get("seed") else ""
+        if c.get("float16_system"):  # a float16 system stored: compress made it (or can make it again)
+            command = f"diffret compress --system {c['float16_system']} -d {keys.get('dataset')} --store {c['store']}"
+        else:
+            command = f"diffret encode --store {c['store']}"
+        command += f"{seed} --verify"
+    elif kind == "models" and facts.get("task") == "reranker":
+        command = "diffret train-reranker"
+    elif kind == "summaries" and "bm25" in facts and {"system", "dataset", "split"} <= keys.keys():
+        bm25 = f" --bm25 {facts['bm25']}" if facts["bm25"] else ""
+        return (f"repair: run `diffret summary --system {keys['system']} -d {keys['dataset']} --split "
+                f"{keys['split']}{bm25}` again")  # fmt: skip
     return f"repair: run `{command}` again with the settings that made it"

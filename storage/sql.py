@@ -100,7 +100,7 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
                 raise DamagedView(str(exc)) from None
             if manifests[folder] is None and store.is_local:
                 raise DamagedView(f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
-                                  f"trusted; {layout.repair_hint(folder)}")  # fmt: skip
+                                  f"trusted; {store.repair_hint(folder)}")  # fmt: skip
         m = manifests[folder]
         if m is None or name not in m.files:
             continue
@@ -235,6 +235,9 @@ class StoreSQL:
             statements = self.con.extract_statements(sql)
         except duckdb.Error as exc:
             raise StoreError(f"SQL error: {' '.join(str(exc).split())}") from None
+        if not statements:  # comments, ';' (DuckDB would run nothing and return no result)
+            raise StoreError(f"no SQL statement in {sql.strip()[:60]!r} (only comments or ';'): give a SELECT over "
+                             "the views (`diffret views` lists them)")  # fmt: skip
         for st in statements:
             kind = st.type.name
             if kind not in READ_ONLY:
@@ -246,7 +249,8 @@ class StoreSQL:
 
     def _run(self, sql: str, relation: bool = False) -> Any:
         if not sql.strip():
-            raise StoreError("empty SQL query: give a SELECT over the views (`diffret views` lists them)")
+            raise StoreError("empty SQL query (only whitespace): give a SELECT over the views (`diffret views` lists "
+                             "them)")  # fmt: skip
         try:
             rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
             return rel

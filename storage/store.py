@@ -272,15 +272,82 @@ class ArtifactStore:
         except FileNotFoundError:
             return None
         except (NotADirectoryError, IsADirectoryError):
-            raise StoreError(f"{path}: not a manifest file; {layout.repair_hint(stage_dir)}") from None
+            raise StoreError(f"{path}: not a manifest file; {self.repair_hint(stage_dir)}") from None
         try:
             m = Manifest.from_json(text, where=path)
         except StoreError as exc:
-            raise StoreError(f"{exc}; {layout.repair_hint(stage_dir)}") from None
+            raise StoreError(f"{exc}; {self.repair_hint(stage_dir)}") from None
         if trusted and (what := m.edited()):
             raise StoreError(f"{path}: manifest edited by hand ({what}), so the folder is not trusted; "
-                             f"{layout.repair_hint(stage_dir)}")  # fmt: skip
+                             f"{self.repair_hint(stage_dir)}")  # fmt: skip
         return m
+
+    def repair_hint(self, rel: str) -> str:
+        """How to rebuild the stage folder holding ``rel``: the command that made it
+        (:func:`storage.layout.repair_hint`), told by what the store holds where the path alone does not say it:
+        which command made a compressed system's folders, whether a model is a reranker, a summary's BM25 system.
+        Reads what it can and never raises (it names the repair inside another error).
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test")
+        'repair: run `diffret summary` again with the settings that made it'
+        """
+        facts: dict[str, Any] = {}
+        parts = rel.lstrip("/").split("/")
+        keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        try:
+            if parts[0] in ("encodings", "codebooks") and "system" in keys:
+                facts = self._compressed_facts(keys)
+            elif parts[0] == "models" and len(parts) > 1:
+                facts = {"task": self._model_task("/".join(parts[:2]))}
+            elif parts[0] == "summaries" and len(parts) > 3:
+                facts = {"bm25": self._summary_bm25("/".join(parts[:4]))}
+        except Exception:  # noqa: BLE001  (a hint never hides the error it is part of)
+            facts = {}
+        return layout.repair_hint(rel, facts)
+
+    def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(config, stats) of a folder's manifest as written, or None (missing, unreadable): no checks, no hints."""
+        try:
+            with self.fs.open(self.abspath(layout.manifest_path(stage_dir)), "rb") as f:
+                data = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return (data.get("config") or {}), (data.get("stats") or {})
+
+    def _compressed_facts(self, keys: dict[str, str]) -> dict[str, Any]:
+        record = self._raw_config(layout.system_dir(keys["system"]))
+        if record is None:
+            return {}
+        settings, stats = record[0].get("settings") or {}, record[1]
+        spec = settings.get("store", "float16")
+        if spec == "float16":
+            return {}
+        f16 = stats.get("float16_system")
+        side = keys.get("side", "passage")
+        source = f"encodings/system={f16}/dataset={keys.get('dataset')}/side={side}/k={keys.get('k')}"
+        stored = f16 is not None and self.exists(layout.manifest_path(source))
+        return {"compressed": {"store": spec, "seed": settings.get("store_seed", 0),
+                               "float16_system": f16 if stored else None}}  # fmt: skip
+
+    def _model_task(self, stage_dir: str) -> str:
+        """A stored model's task: its manifest's (``reranker`` for train-reranker's), else its train log's."""
+        found = self._raw_config(stage_dir)
+        if found is not None and found[0].get("task"):
+            return str(found[0]["task"])
+        with self.fs.open(self.abspath(f"{stage_dir}/{layout.TRAIN_LOG_FILE}"), "rb") as f:
+            meta = pq.read_schema(f).metadata or {}
+        return meta.get(layout.MODEL_TASK_KEY, b"encoder").decode()
+
+    def _summary_bm25(self, stage_dir: str) -> str | None:
+        """A summary's BM25 system: its manifest's, else its leaderboard's BM25 row (None: it has none; unreadable
+        both: FileNotFoundError)."""
+        found = self._raw_config(stage_dir)
+        if found is not None:
+            return found[0].get("bm25")
+        rows = self.read_bytes(f"{stage_dir}/leaderboard.csv").decode().splitlines()
+        return next((r.split(",")[0] for r in rows[1:] if r.split(",")[1:2] == ["bm25"]), None)
 
     def require_manifest(self, stage_dir: str) -> Manifest:
         m = self.read_manifest(stage_dir)
@@ -288,7 +355,7 @@ class ArtifactStore:
             hint = ""
             if self.exists(stage_dir):
                 hint = (f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
-                        f"{layout.repair_hint(stage_dir)})")  # fmt: skip
+                        f"{self.repair_hint(stage_dir)})")  # fmt: skip
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
         return m
 
@@ -343,7 +410,7 @@ class ArtifactStore:
         hashed with the same size and mtime); :class:`ChecksumError` names what differs."""
         path = self.abspath(f"{stage_dir}/{name}")
         stat = self.file_stat(f"{stage_dir}/{name}")
-        repair = layout.repair_hint(stage_dir)
+        repair = self.repair_hint(stage_dir)
         if stat is None:
             raise ChecksumError(f"{path}: listed in the manifest but missing; {repair}")
         size = stat[0]
@@ -426,7 +493,7 @@ class ArtifactStore:
                 continue
             if what := m.edited():
                 problems.append(f"{self.abspath(folder)}: manifest edited by hand ({what}); "
-                                f"{layout.repair_hint(folder)}")  # fmt: skip
+                                f"{self.repair_hint(folder)}")  # fmt: skip
             files = dict(m.files)
             for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
                 if isinstance(rec, StoreError):
@@ -457,7 +524,7 @@ class ArtifactStore:
                 files = [p for p in self.fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_"))]
                 if files:
                     out.append(f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
-                               f"{layout.repair_hint(rel)}")  # fmt: skip
+                               f"{self.repair_hint(rel)}")  # fmt: skip
         return out
 
     def state(
@@ -558,6 +625,58 @@ class ArtifactStore:
                 m.files[name] = entry.model_copy(update={"mtime_ns": seen[1]})
                 self.record_shard(stage_dir, name, m.files[name], m.config_hash)
         return m, done
+
+    def shard_damage(self, stage_dir: str, config: dict[str, Any], verify: bool = False) -> str | None:
+        """What the next ``open_sharded`` of a folder of ``config`` would find damaged, without changing anything:
+        files without a manifest, an unreadable or hand-edited manifest, a listed shard missing or resized, or (when
+        ``verify``, or its mtime moved) of another sha256; None when whole (or absent, or of other settings).
+
+        >>> import tempfile, pyarrow as pa
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     m, _ = store.open_sharded("t/k=1", "t", {"k": "1"}, {"n": 1})
+        ...     store.record_shard("t/k=1", "a.parquet", store.write_shard("t/k=1", "a.parquet", pa.table({"x": [1]})))
+        ...     _ = store.compact_shards("t/k=1")
+        ...     whole = store.shard_damage("t/k=1", {"n": 1})
+        ...     store.write_bytes("t/k=1/a.parquet", b"PAR1")
+        ...     whole, store.shard_damage("t/k=1", {"n": 1}).split(", not")[0]
+        (None, 'a.parquet: 4 bytes')
+        """
+        try:
+            m = self.read_manifest(stage_dir, trusted=False)
+        except StoreError as exc:
+            return str(exc)
+        listing = self._listing(stage_dir)
+        if m is None:
+            files = [n for n in listing if not n.startswith((".", "_"))]
+            return f"{len(files)} file(s) but no manifest" if files else None
+        if config_hash(m.config) != config_hash(config):
+            return None
+        if what := m.edited():
+            return f"manifest edited by hand ({what})"
+        for name, entry in sorted(m.files.items()):
+            seen = listing.get(name)
+            if seen is None or seen[0] != entry.bytes:
+                return f"{name}: {'missing' if seen is None else f'{seen[0]} bytes, not {entry.bytes}'}"
+            if verify or entry.mtime_ns is None or seen[1] != entry.mtime_ns:
+                try:
+                    self.verify_file(stage_dir, name, entry, cached=False)
+                except ChecksumError:
+                    return f"{name}: another sha256 than its manifest's"
+        return None
+
+    def drop_shards(self, stage_dir: str, names: Iterable[str]) -> None:
+        """Forget shards of a sharded folder (their manifest entries and files): what a cache does with a damaged
+        part it will not rewrite."""
+        with self.lock(stage_dir + "/_manifest"):
+            m = self.read_manifest(stage_dir, trusted=False)
+            if m is None:
+                return
+            for name in names:
+                m.files.pop(name, None)
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(self.abspath(f"{stage_dir}/{name}"))
+            self.write_manifest(stage_dir, m)
 
     def _keep_checked_entries(self, stage_dir: str) -> bool:
         """A sharded folder whose manifest's file list was edited by hand (its config intact): keep the entries

@@ -18,6 +18,7 @@ Every choice where diffret 0.1 differed from the reference is a named setting of
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -107,6 +108,7 @@ class Prepared:
 
 
 HEAD_CHUNK_BYTES = 256 << 20  # float32 logits of the candidate ids held at once while encoding ([texts, K, C])
+SIDR_BLOCK_BYTES = 64 << 20  # float32 SIDR head scores held at once ([positions, vocabulary block])
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:
@@ -683,10 +685,10 @@ class SidrReadout(
         bb = self._side(side)
         rows, hidden, att = self._forward(token_ids, bb)
         mean = (hidden * att[..., None]).sum(1) / att.sum(1, keepdim=True).clamp(min=1.0)
+        pooled = self.batch_weights(hidden, att, bb)
         out = []
         for i in range(len(rows)):
-            w = self.weights(hidden[i][att[i].bool()], bb)  # the text's own positions only
-            ids, vals = topk_sparse(w, None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
+            ids, vals = topk_sparse(pooled[i], None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
             out.append(Encoded(_f16(mean[i : i + 1]), ids, vals, n_tokens=len(rows[i])))
         return out
 
@@ -714,21 +716,67 @@ class SidrReadout(
         """[V] pooled vocabulary weights of one text from its positions' last hidden states [L, H] (``bb``: the
         encoder they came from; default the query side's)."""
         bb = bb or self.bb
+        return self._activate(self._scores(hidden, bb).max(0).values)
+
+    def batch_weights(self, hidden: torch.Tensor, att: torch.Tensor, bb: Backbone | None = None,
+                      block: int = SIDR_BLOCK_BYTES) -> torch.Tensor:  # fmt: skip
+        """[B, V] pooled vocabulary weights of a batch ([B, L, H] last hidden states, [B, L] attention mask): each
+        text's :meth:`weights` from its real positions only, the padding left out. The head is one product over the
+        batch's positions, ``block`` bytes of float32 scores at a time (vocabulary columns for the official head,
+        whole texts' positions for the model's LM head), each block max-pooled per text. The same numbers as text by
+        text; the same bytes where the matrix product's rounding does not depend on the rows beside a text's
+        (splade-tiny's: tests/e2e/test_sidr_shared.py)."""
+        bb = bb or self.bb
+        real = att.bool()
+        lengths = real.sum(1).tolist()
+        flat = hidden[real]  # [N, H]: text after text
+        if self.cfg.sidr_head == "official":  # vocabulary columns a block, every position
+            width = self._vocab_cut(bb.model.get_input_embeddings().weight.shape[0])
+            cols = max(1, block // (4 * max(1, len(flat))))
+            return self._activate(torch.cat([_segment_max(self._scores(flat, bb, slice(c, c + cols)), lengths)
+                                             for c in range(0, width, cols)], dim=1))  # fmt: skip
+        rows = max(1, block // (4 * bb.vocab_size))  # the model's head: whole texts' positions a block
+        tops, first, start = [], 0, 0
+        while first < len(lengths):  # (a text longer than a block: alone)
+            last, n = first + 1, lengths[first]
+            while last < len(lengths) and n + lengths[last] <= rows:
+                n, last = n + lengths[last], last + 1
+            tops.append(_segment_max(self._scores(flat[start : start + n], bb), lengths[first:last]))
+            first, start = last, start + n
+        return self._activate(torch.cat(tops))
+
+    def _scores(self, hidden: torch.Tensor, bb: Backbone, cols: slice = slice(None)) -> torch.Tensor:
+        """[L, C] scores of positions' last hidden states [L, H] for the vocabulary columns ``cols`` of the
+        tokenizer's ids (the official head computes those columns only)."""
         if self.cfg.sidr_head == "lm":
             scores = bb.logits(hidden.to(bb.dtype)).float()
-        else:
-            emb = bb.model.get_input_embeddings().weight.float()
-            scores = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:]) @ emb.T
-        top = scores[:, : self._vocab_cut(scores.shape[-1])].max(0).values
-        # both activations are non-decreasing, so act(max) == max(act); pooling first keeps training from holding
-        # an [L, V] activation for the backward pass (only the max's indices are kept)
+            return scores[:, : self._vocab_cut(scores.shape[-1])][:, cols]
+        emb = bb.model.get_input_embeddings().weight.float()
+        emb = emb[: self._vocab_cut(emb.shape[0])][cols]
+        return torch.nn.functional.layer_norm(hidden, hidden.shape[-1:]) @ emb.T
+
+    def _activate(self, top: torch.Tensor) -> torch.Tensor:
+        """The activation of pooled scores ([..., V]), special ids zeroed. Both activations are non-decreasing, so
+        act(max) == max(act); pooling first keeps training from holding an [L, V] activation for the backward pass
+        (only the max's indices are kept)."""
         pooled = torch.nn.functional.elu(top) + 1 if self.cfg.sidr_act == "elu1p" else torch.log1p(top.relu())
         keep = torch.ones_like(pooled)
-        keep[self._banned[self._banned < pooled.shape[0]].to(pooled.device)] = 0.0
+        keep[..., self._banned[self._banned < pooled.shape[-1]].to(pooled.device)] = 0.0
         return pooled * keep  # not in place: training backpropagates through it
 
     def _vocab_cut(self, width: int) -> int:
         return min(width, len(self.bb.tokenizer))  # padded embedding rows past the tokenizer never score
+
+
+def _segment_max(scores: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, V] the column maxima of each text's rows of ``scores`` [N, V] (``lengths``: rows a text, in order; every
+    text has one at least).
+
+    >>> _segment_max(torch.tensor([[1.0, 5.0], [3.0, 2.0], [0.0, -1.0]]), [2, 1]).tolist()
+    [[3.0, 5.0], [0.0, -1.0]]
+    """
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    return torch.stack([scores[a:b].amax(0) for a, b in itertools.pairwise(bounds)])
 
 
 READOUTS: dict[str, type[Readout]] = {

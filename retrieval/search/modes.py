@@ -137,6 +137,21 @@ def modes_for(modes: Iterable[str], has_sparse: bool) -> list[str]:
     return [n for n, m in MODES.items() if n in wanted and (has_sparse or not m.needs_sparse)]
 
 
+def cell_modes(modes: Iterable[str], kq: int, kp: int, q1p1_multi: str = "skip") -> list[str]:
+    """The modes a (K_q, K_p) cell is scored in. At K_q = K_p = 1 the reference evaluator skips multi_dense and its
+    fusion (one slot a side: MaxSim is single_dense clamped at 0; evaluate_sweep.py L687-694), and so does diffret by
+    default; ``q1p1_multi="keep"`` scores them (diffret 0.1).
+
+    >>> cell_modes(MODE_NAMES, 1, 1)
+    ['single_dense', 'sparse_max', 'fusion_single_sparse_max']
+    >>> cell_modes(MODE_NAMES, 1, 1, "keep") == cell_modes(MODE_NAMES, 1, 4) == list(MODE_NAMES)
+    True
+    """
+    if kq == kp == 1 and q1p1_multi == "skip":
+        return [m for m in modes if "multi_dense" not in (MODES[m].fuses or (m,))]
+    return list(modes)
+
+
 def base_modes_needed(modes: Iterable[str]) -> list[str]:
     """The base modes to score so that every requested mode (fusions included) can be built, in table order."""
     need = set()

@@ -181,7 +181,7 @@ def baseline(mini: Path) -> Baseline:
     seconds = time.monotonic() - start
     assert p.returncode == 0, f"the uninterrupted run failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     result = Result.of(root)
-    assert len(result.metrics) > 0 and len(result.runs) == 5 + 1  # 5 modes at (1, 1), and BM25
+    assert len(result.metrics) > 0 and len(result.runs) == 3 + 1  # 3 modes at (1, 1) (no multi), and BM25
     assert_clean(root, "the uninterrupted run")
     print(f"\nuninterrupted run: {seconds:.1f} s, {len(events)} stage outputs")
     return Baseline(root, mini, result, events, seconds)

@@ -88,7 +88,7 @@ def test_rerank_each_method_writes_an_evaluated_run(store: Path) -> None:
     ("extra", "message"),
     [
         (["--first-stage", "nosuch"], "no system named 'nosuch'"),
-        (["--first-stage", "bm25", "--mode", "multi_dense"], "no first-stage run"),
+        (["--first-stage", "bm25", "--first-mode", "multi_dense"], "no first-stage run"),
         (["--depth", "0"], "depth"),
         (["--method", "logits_listwise", "--window", "20"], "exceeds"),  # splade-tiny's 512 tokens
         (["--method", "permutation_assignment", "--prompt", "BAD_PROMPT"], "is not a single token"),

@@ -82,7 +82,7 @@ def test_rerank_and_late_take_an_imported_first_stage(stores):
     cli("import-run", str(stores["trec"]), "-d", "sub", "--name", "bm25-file", "--root", a)
     cli("rerank", "-d", "sub", "--first-stage", "bm25-file", "--model", str(SPLADE), "--method", "pointwise",
         "--depth", "10", "--doc-tokens", "32", "--root", a)  # fmt: skip
-    cli("late", "-d", "sub", "--system", "splade-tiny-mlm-diffretriever", "--first-stage", "bm25-file", "--m", "10",
+    cli("late", "-d", "sub", "--system", "splade-tiny-mlm-diffretriever", "--first-stage", "bm25-file", "--depth", "10",
         "--mode", "sparse_max", "--root", a)  # fmt: skip
     cli("evaluate", "--root", a)
     got = rows(stores["a"], "select s.kind, c.mode, c.queries from cells c join systems s using (system) where "

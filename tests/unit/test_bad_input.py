@@ -22,7 +22,7 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200", "NLTK_DATA": os.en
 CORPUS = [{"_id": "d1", "title": "Cats", "text": "cats purr"}, {"_id": "d2", "title": "", "text": "dogs bark"}]
 QUERIES = [{"_id": "q1", "text": "what do cats do"}, {"_id": "q2", "text": "barking"}]
 QRELS = {"test": [("q1", "d1", 1), ("q2", "d2", 2)]}
-SMALL_RUN = ["--kq", "1", "--kp", "1", "--no-bm25", "--mode", "multi_dense", "--max-length", "32"]
+SMALL_RUN = ["--kq", "1", "--kp", "1", "--no-bm25", "--mode", "single_dense", "--max-length", "32"]
 
 
 def cli(*argv: str, prelude: str = "", timeout: int = 300, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -231,6 +231,6 @@ def test_sigint_stops_cleanly_and_the_same_command_resumes(tmp_path: Path, tiny_
     assert done
     p = cli(*args)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "multi_dense" in p.stdout  # the leaderboard
+    assert "single_dense" in p.stdout  # the leaderboard
     assert all(f.stat().st_mtime_ns == t for f, t in done.items())  # shards finished before the interrupt: kept
     assert cli("verify", "--root", str(root)).returncode == 0

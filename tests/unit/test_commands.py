@@ -186,3 +186,89 @@ def test_a_value_a_validator_derives_is_not_pinned_by_the_command() -> None:
     assert res.exit_code == 0, res.output
     assert got["config"].settings.loss == "mdlm"
     assert got["config"].backbone.model == "dllm-hub/ModernBERT-base-chat-v0.1"  # the stage's default backbone
+
+
+def _fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    """Path -> field info of every field, nested configs flattened (a system reference is one field)."""
+    out: dict[tuple[str, ...], object] = {}
+    for name, info in model.model_fields.items():
+        inner = _inner(info.annotation)
+        if inspect.isclass(inner) and issubclass(inner, BaseModel) and inner is not SystemRef:
+            out.update(_fields(inner, prefix + (name,)))
+        out[prefix + (name,)] = info
+    return out
+
+
+def test_one_spelling_per_setting_across_commands() -> None:
+    """Issue 44: an option means one setting in every command, a setting is one option in every command (a list's
+    field is named in the plural, its option in the singular), and a field passed on from another config
+    (``like``) keeps that config's option: the first stage is --first-kq / --first-kp / --first-mode in late,
+    rerank and train-reranker alike, a compressed store --store / --store-seed in encode and compress."""
+    from flows.commands import cli_meta, config_opts
+    from retrieval.fields import origin_of
+
+    configs = _project_configs()
+    by_flag: dict[str, set] = {}
+    by_name: dict[str, set] = {}
+    passed_on = []
+    for stage, cls in CONFIGS.items():
+        fields = _fields(cls)
+        for o in config_opts(cls):
+            if o.alias_of or o.positional:
+                continue
+            flag = o.flags[0].split("/")[0]
+            if o.ref is not None:  # a filter of the registry by a setting: that setting's name and option
+                by_flag.setdefault(flag, set()).add(o.path[-1])
+                by_name.setdefault(o.path[-1], set()).add(flag)
+                continue
+            info = fields[o.path]
+            listed = typing.get_origin(_inner(info.annotation)) is list
+            name = o.path[-1].removesuffix("s") if listed else o.path[-1]
+            by_flag.setdefault(flag, set()).add(name)
+            if "switch" in cli_meta(info):  # --full sets a value of its field: an option beside the field's own
+                continue
+            by_name.setdefault(name, set()).add(flag)
+            if origin := origin_of(info):
+                owner, field = origin.rsplit(".", 1)
+                source = cli_meta(configs[owner].model_fields[field])
+                if not source.get("positional"):
+                    passed_on.append((command_of(stage), flag, source.get("flag", "--" + field.replace("_", "-"))))
+    assert {f: n for f, n in by_flag.items() if len(n) > 1} == {}, "one option, several settings"
+    assert {n: f for n, f in by_name.items() if len(f) > 1} == {}, "one setting, several options"
+    assert [p for p in passed_on if p[1] != p[2]] == [], "a setting passed on under another option"
+
+
+def _project_configs() -> dict[str, type[BaseModel]]:
+    """Every pydantic model of the project, by name (where a ``like`` field's origin is declared)."""
+    out, todo = {}, [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.split(".")[0] in ("stages", "retrieval", "flows", "storage"):
+                out[sub.__qualname__] = sub
+    return out
+
+
+def test_former_spellings_are_taken_hidden_with_a_warning(tmp_path) -> None:
+    """rerank's --kq / --kp / --mode (now --first-kq / --first-kp / --first-mode) and compress's --to / --seed (now
+    --store / --store-seed) still work, with a warning, and are not in --help."""
+    import typer
+
+    from flows.commands import config_command
+    from stages.compress import CompressConfig
+    from stages.rerank import RerankConfig
+
+    got = {}
+    toy = typer.Typer()
+    for name, cls in (("rerank", RerankConfig), ("compress", CompressConfig)):
+        toy.command(name)(config_command(cls, lambda data, cls=cls: got.update(cfg=cls(**data)), name=name))
+    res = CliRunner().invoke(toy, ["rerank", "--kq", "4", "--kp", "16", "--mode", "multi_dense"])
+    assert res.exit_code == 0, res.output
+    assert (got["cfg"].first_kq, got["cfg"].first_kp, got["cfg"].first_mode) == (4, 16, "multi_dense")
+    assert "warning: --kq is deprecated here; use --first-kq" in res.output
+    res = CliRunner().invoke(toy, ["compress", "-d", "x", "--to", "int8", "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    assert (got["cfg"].store, got["cfg"].store_seed) == ("int8", 3) and "use --store-seed" in res.output
+    assert CompressConfig.model_validate({"dataset": "x", "to": "pq:8", "seed": 2}).store == "pq:8"  # a deployment
+    shown = help_segments("rerank")
+    assert {"--first-kq", "--first-kp", "--first-mode"} <= set(shown) and not {"--kq", "--kp", "--mode"} & set(shown)

@@ -57,7 +57,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _score(root: str, system: str) -> ScoreConfig:
-    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K,
+    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K, q1p1_multi="keep",
                        modes=["multi_dense", "single_dense", "fusion_multi_sparse_max"])  # fmt: skip
 
 
@@ -89,7 +89,8 @@ def _copy(world: dict, tmp_path: Path) -> str:
 
 def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
-    res = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), to="int8"))
+    res = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
+                                          store="int8"))  # fmt: skip
     assert res.done == 2 * (1 + 3) and "-int8-" in res.system  # K x (1 query shard + 3 passage shards)
     store = ArtifactStore(root)
     # --model alone still names the float16 system; --store names the compressed one
@@ -126,7 +127,7 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
     assert len(lines) == 2 and "msmarco_projection" in lines[0]
     # a second compress does nothing
     again = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                            to="int8"))  # fmt: skip
+                                            store="int8"))  # fmt: skip
     assert again.done == 0 and again.skipped == res.done
 
 
@@ -134,7 +135,7 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
     """Must-show 3: the same codebook seed gives the same codebook, the same shards and the same runs."""
     a = _copy(world, tmp_path / "a")
     res = _run("compress", CompressConfig(root=a, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                          to="residual:2", seed=3))  # fmt: skip
+                                          store="residual:2", store_seed=3))  # fmt: skip
     _run("score", _score(a, res.system))
     # b: the float16 passages are gone, so encode --store encodes its codebook's sample itself
     b = _copy(world, tmp_path / "b")
@@ -164,7 +165,7 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
 
 def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
-    cfg = CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), to="residual:1")
+    cfg = CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), store="residual:1")
     system = _run("compress", cfg).system
     store = ArtifactStore(root)
     stage = codebook_dir(system, "tiny", 4)
@@ -188,7 +189,7 @@ def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_pat
 def test_a_codebook_of_another_k_or_dataset_is_refused_naming_both(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
     system = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                             to="residual:2")).system  # fmt: skip
+                                             store="residual:2")).system  # fmt: skip
     store = ArtifactStore(root)
     cb, _ = read_codebook(store, codebook_dir(system, "tiny", 4))
     with pytest.raises(CodebookError, match="k=4, not k=1"):
@@ -206,11 +207,11 @@ def test_bad_choices_are_refused_before_any_work(world: dict, tmp_path: Path) ->
     root = _copy(world, tmp_path)
     ref = SystemRef(system=world["f16"])
     with pytest.raises(ValueError, match="unknown store 'residual:3'"):
-        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="residual:3"))
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="residual:3"))
     with pytest.raises(CodebookError, match="needs at least 256 vectors"):  # 60 passages at K_p = 1
-        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="pq:8", k=[1]))
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="pq:8", k=[1]))
     with pytest.raises(ValueError, match="float16 is the system as stored"):
-        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="float16"))
+        _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="float16"))
     with pytest.raises(ValueError, match="unknown store"):
         EncodeConfig(root=root, dataset="tiny", backbone=BackboneConfig(model="x"), store="int4").settings()
 
@@ -246,7 +247,7 @@ def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_comp
         _run("tokenize", enc.tokenize_config())
         f16 = _run("encode", enc).system
     ref = SystemRef(system=f16)
-    res = _run("compress", CompressConfig(root=root, dataset="trec-dl-2019", system=ref, to="int8"))
+    res = _run("compress", CompressConfig(root=root, dataset="trec-dl-2019", system=ref, store="int8"))
     store = ArtifactStore(root)
     assert res.done == len(K)  # one query shard per K, no passage folder
     for k in K:
@@ -256,7 +257,7 @@ def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_comp
         assert store.read_table(stage, "shard=00000.parquet").equals(store.read_table(src, "shard=00000.parquet"))
     with pytest.raises(IncompleteArtifactError, match="msmarco-passage"):  # its corpus is not compressed yet
         _run("score", _score(root, res.system).model_copy(update={"dataset": "trec-dl-2019"}))
-    _run("compress", CompressConfig(root=root, dataset="msmarco-passage", system=ref, to="int8"))
+    _run("compress", CompressConfig(root=root, dataset="msmarco-passage", system=ref, store="int8"))
     for system in (f16, res.system):
         _run("score", _score(root, system).model_copy(update={"dataset": "trec-dl-2019"}))
     run = run_dir(res.system, "trec-dl-2019", "test", 4, 4, "multi_dense")
@@ -271,7 +272,7 @@ def test_a_lancedb_index_is_built_from_the_decoded_codes(world: dict, tmp_path: 
     over the codes finds (up to the near ties of a random tiny model)."""
     root = _copy(world, tmp_path)
     ref = SystemRef(system=world["f16"])
-    system = _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, to="residual:2")).system
+    system = _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="residual:2")).system
     res = _run("index", IndexConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=[1, 4], kp=[4],
                                     index_type="none"))  # fmt: skip
     checks = res.details["checks"][4]

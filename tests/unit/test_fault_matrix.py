@@ -1,14 +1,19 @@
-"""Issue 22, must-show 3: every kind of stage folder (dataset, tokens, encodings, runs, metrics, index, models,
-summaries) x four faults (manifest deleted, a file truncated, a byte flipped, the manifest edited by hand):
-`diffret verify` names the damage with its repair, SQL on the views that do not read it keeps working meanwhile,
-and the repair (the command that made the folder, run again: the one `verify` prints) restores it, after which
-`verify` is clean. The CLI runs in this process (typer's runner) to keep the 32 cases fast.
+"""Issues 22 and 44, issue 45 item 5: every kind of stage folder (dataset, tokens, filters, encodings, a compressed
+system's encodings and codebooks, runs of score / bm25 / beta / late / rerank / budget / import-run / fuse, metrics,
+features, index, bag of tokens, partial/, summaries, reports, comparisons, training sets, models, reranker models,
+latency) x three faults (manifest deleted, a file truncated, a byte flipped; some kinds also a manifest edited by
+hand): `diffret verify`
+names the damage with its repair, SQL on the views that do not read it keeps working meanwhile, and the repair it
+prints (the command that made the folder, with the settings that made it where the line says so), run as printed,
+leaves `verify` clean and the folder's outputs as they were. The CLI runs in this process (typer's runner, the
+store root from $DIFFRET_ROOT as a user would have it) to keep the cases fast.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -18,28 +23,52 @@ from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
 from flows.cli import app
+from storage.layout import STAGE_FOLDERS, TRAIN_LOG_FILE
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea and gardens"} for i in range(8)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]
 QRELS = {"test": [("q0", "d0", 1), ("q1", "d1", 1), ("q2", "d2", 1)]}
-GRID = ["--kq", "1", "--kp", "1", "--max-length", "32", "--mode", "single_dense", "--mode", "sparse_max"]
+PROMPT = str(Path(__file__).parent / "data" / "rerank_tiny.yaml")
 
-# kind -> (a glob of its folders, the view that reads it or None, a view that does not)
+# kind -> (its folder: a glob, {f16} / {res} / {sidr} / {bm25} the systems' slugs; the view that reads it, or None;
+# the command that made it)
 KINDS = {
-    "dataset": ("datasets/dataset=c", "corpus", "runs"),
-    "tokens": ("tokens/*/dataset=c/side=passage", "tokens", "corpus"),
-    "encodings": ("encodings/*/dataset=c/side=passage/k=1", "encodings", "corpus"),
-    "runs": ("runs/*/dataset=c/split=test/kq=1/kp=1/mode=single_dense", "runs", "corpus"),
-    "metrics": ("metrics/*/dataset=c/split=test/kq=1/kp=1/mode=single_dense", "metrics", "corpus"),
-    "index": ("index/*/dataset=c/kp=1", None, "corpus"),
-    "models": ("models/model=tiny-ft", "train_log", "corpus"),
-    "summaries": ("summaries/*/dataset=c/split=test", None, "corpus"),
+    "dataset": ("datasets/dataset=c", "corpus", "download"),
+    "tokens": ("tokens/*/dataset=c/side=passage", "tokens", "tokenize"),
+    "filters": ("filters/*/dataset=c/side=passage/filter=nltk", None, "tokenize"),
+    "encodings": ("encodings/system={f16}/dataset=c/side=passage/k=1", "encodings", "encode"),
+    "compressed": ("encodings/system={res}/dataset=c/side=passage/k=1", "encodings", "compress"),
+    "codebooks": ("codebooks/system={res}/dataset=c/k=1", None, "compress"),
+    "runs": ("runs/system={f16}/dataset=c/split=test/kq=1/kp=1/mode=single_dense", "runs", "score"),
+    "bm25 runs": ("runs/system={bm25}/dataset=c/split=test/kq=0/kp=0/mode=bm25", "runs", "bm25"),
+    "beta runs": ("runs/system={sidr}/dataset=c/split=test/kq=1/kp=0/mode=beta", "runs", "beta"),
+    "late runs": ("runs/system={sidr}/dataset=c/split=test/kq=1/kp=1/mode=late_sparse_max_m4", "runs", "late"),
+    "rerank runs": ("runs/*/dataset=c/split=test/kq=0/kp=0/mode=rerank", "runs", "rerank"),
+    "imported runs": ("runs/system=ext/dataset=c/split=test/kq=0/kp=0/mode=imported", "runs", "import-run"),
+    "fused runs": ("runs/*/dataset=c/split=test/kq=0/kp=0/mode=fusion", "runs", "fuse"),
+    "adaptive runs": ("runs/system={f16}/dataset=c/split=test/kq=0/kp=0/mode=adaptive_*", "runs", "budget"),
+    "metrics": ("metrics/system={f16}/dataset=c/split=test/kq=1/kp=1/mode=single_dense", "metrics", "evaluate"),
+    "features": ("features/system={f16}/dataset=c/split=test/*", "budget_features", "budget"),
+    "index": ("index/system={f16}/dataset=c/kp=1", None, "index"),
+    "bot": ("bot/*/dataset=c", "bot", "bot"),
+    "partial": ("partial/system={sidr}/dataset=c/k=1", None, "late"),
+    "summaries": ("summaries/system={f16}/dataset=c/split=test", None, "summary"),
+    "reports": ("reports/report=t", None, "report"),
+    "comparisons": ("comparisons/comparison=cmp", None, "compare"),
+    "training": ("training/set=c", "training_groups", "training-data"),
+    "models": ("models/model=tiny-ft", "train_log", "train"),
+    "reranker": ("models/model=*-rr-*", "train_log", "train-reranker"),
+    "latency": ("latency/system={f16}/kind=encode/*", "encode_latency", "latency"),
 }
-FAULTS = ("delete manifest", "truncate", "flip byte", "edit manifest")
+FAULTS = ("delete manifest", "truncate", "flip byte")
+# a manifest edited by hand: the folders of issue 22's matrix and a sharded cache (the other kinds read their
+# manifest the same way)
+EDITED = ("dataset", "tokens", "encodings", "runs", "metrics", "index", "models", "summaries", "partial")
+CASES = [(k, f) for k in KINDS for f in FAULTS] + [(k, "edit manifest") for k in EDITED]
 
 
-def invoke(*args: str) -> tuple[int, str]:
-    res = CliRunner().invoke(app, list(args))
+def invoke(*args: str, root: Path | str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, list(args), env={"DIFFRET_ROOT": str(root), "COLUMNS": "400"})
     assert "Traceback" not in res.output, res.output
     return res.exit_code, res.output
 
@@ -47,31 +76,75 @@ def invoke(*args: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("faults")
-    model = save_tiny_mlm(base / "model")
+    m = str(save_tiny_mlm(base / "model"))
     beir = write_beir(base / "c", CORPUS, QUERIES, QRELS)
-    root = str(base / "store")
-    commands = {
-        "run": ["run", "--dataset", "c", "--source", str(beir), "--model", str(model), *GRID, "--root", root],
-        "index": ["index", "-d", "c", "--model", str(model), "--kq", "1", "--kp", "1", "--type", "none", "--root",
-                  root],  # fmt: skip
-        "training": ["training-data", "-d", "c", "--split", "test", "--n-negatives", "3", "--root", root],
-        "train": ["train", "-t", "c", "--model", str(model), "--full", "--kq", "1", "--kp", "1", "--n-negatives", "3",
-                  "--batch-size", "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "2", "--q-max-len",
-                  "8", "--p-max-len", "12", "--name", "tiny-ft", "--root", root],  # fmt: skip
+    trec = base / "ext.trec"  # a run made elsewhere (diffret import-run)
+    trec.write_text("".join(f"{q['_id']} Q0 {d['_id']} {r + 1} {8 - r} ext\n" for q in QUERIES
+                            for r, d in enumerate(CORPUS)))  # fmt: skip
+    root = base / "store"
+
+    def run(*args: str) -> None:
+        code, out = invoke(*args, root=root)
+        assert code == 0, (args, out)
+
+    pipeline = ["run", "-d", "c", "--source", str(beir), "--model", m, "--kq", "1", "--kp", "1", "--max-length", "32",
+                "--mode", "single_dense", "--mode", "sparse_max", "--split", "test"]  # fmt: skip
+    run(*pipeline)
+    run("encode", "-d", "c", "--model", m, "--readout", "sidr", "--k", "1", "--max-length", "32", "--side", "query")
+    code, out = invoke("systems", "--format", "csv", root=root)
+    slugs = {r.split(",")[3] if r.split(",")[1] == "encoder" else "bm25": r.split(",")[0]
+             for r in out.splitlines()[1:]}  # fmt: skip
+    s = {"f16": slugs["diffretriever"], "sidr": slugs["sidr"], "bm25": slugs["bm25"]}
+    # the settings that made each folder (the stage commands `run` composes, for what `run` made)
+    made = {
+        "download": ["c", "--source", str(beir)],
+        "tokenize": ["-d", "c", "--model", m, "--max-length", "32"],
+        "encode": ["-d", "c", "--model", m, "--k", "1", "--max-length", "32"],
+        "compress": ["-d", "c", "--system", s["f16"], "--store", "residual:1"],
+        "score": ["-d", "c", "--system", s["f16"], "--kq", "1", "--kp", "1", "--mode", "single_dense", "--mode",
+                  "sparse_max", "--split", "test"],  # fmt: skip
+        "bm25": ["-d", "c", "--split", "test"],
+        "evaluate": [],
+        "bot": ["-d", "c", "--model", m, "--max-length", "32"],
+        "beta": ["-d", "c", "--system", s["sidr"]],
+        "late": ["-d", "c", "--system", s["sidr"], "--mode", "sparse_max", "--depth", "4", "--first-stage", s["sidr"],
+                 "--first-kq", "1", "--first-kp", "0", "--first-mode", "beta"],  # fmt: skip
+        "training-data": ["-d", "c", "--split", "test", "--n-negatives", "3"],
+        "train": ["-t", "c", "--model", m, "--full", "--kq", "1", "--kp", "1", "--n-negatives", "3", "--batch-size",
+                  "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "2", "--q-max-len", "8",
+                  "--p-max-len", "12", "--name", "tiny-ft"],  # fmt: skip
+        "train-reranker": ["-d", "c", "--split", "test", "--model", m, "--method", "logits_listwise", "--prompt",
+                           PROMPT, "--list-size", "3", "--doc-tokens", "8", "--batch-size", "1", "--grad-accum", "1",
+                           "--max-steps", "2", "--full"],  # fmt: skip
+        "index": ["-d", "c", "--system", s["f16"], "--kq", "1", "--kp", "1", "--type", "none"],
+        "budget": ["-d", "c", "--system", s["f16"], "--cross-fit", "--folds", "2", "--selector", "fixed", "--mode",
+                   "single_dense"],  # fmt: skip
+        "latency": ["--model", m, "--max-length", "32", "--lengths", "8", "--k", "1", "--search-sizes", "10",
+                    "--search-k", "1x1", "--search-queries", "2", "--topk", "5", "--repeats", "1", "--warmup", "0",
+                    "--kinds", "encode"],  # fmt: skip
+        "report": ["--name", "t", "--n-boot", "20"],
+        "import-run": [str(trec), "-d", "c", "--name", "ext"],
+        "fuse": ["-d", "c", "--run", "bm25", "--run", "ext"],
+        "compare": ["-d", "c", "--name", "cmp"],
     }
-    code, out = invoke(*commands["run"][:-2], "--split", "test", "--root", root)
+    for command in ("bot", "beta", "late", "compress", "index", "budget", "training-data", "train",
+                    "train-reranker", "import-run", "fuse"):  # fmt: skip
+        run(command, *made[command])
+    rr = next(root.glob("models/model=*-rr-*"))
+    made["rerank"] = ["-d", "c", "--model", str(rr), "--method", "logits_listwise", "--prompt", PROMPT, "--depth",
+                      "4", "--window", "3", "--step", "1", "--doc-tokens", "8"]  # fmt: skip
+    for command in ("rerank", "evaluate", "latency", "compare"):
+        run(command, *made[command])
+    run(*pipeline)  # the summary again, over every run now evaluated
+    run("report", *made["report"])
+    code, out = invoke("systems", "--format", "csv", root=root)
+    s["res"] = next(r.split(",")[0] for r in out.splitlines() if "residual1" in r)
+    code, out = invoke("verify", root=root)
     assert code == 0, out
-    for name in ("index", "training", "train"):
-        code, out = invoke(*commands[name])
-        assert code == 0, (name, out)
-    code, out = invoke("verify", "--root", root)
-    assert code == 0, out
-    repairs = {
-        "dataset": [commands["run"]], "tokens": [[*commands["run"], "--verify"]],
-        "encodings": [[*commands["run"], "--verify"]], "runs": [commands["run"]], "metrics": [commands["run"]],
-        "index": [commands["index"]], "models": [commands["train"]], "summaries": [commands["run"]],
-    }  # fmt: skip
-    return {"root": Path(root), "repairs": repairs}
+    # every kind of stage folder is in the store and in the matrix (the registry's records hold no file to damage)
+    assert {g.split("/")[0] for g, _, _ in KINDS.values()} | {"systems"} == set(STAGE_FOLDERS) == {
+        p.name for p in root.iterdir() if p.name in STAGE_FOLDERS}
+    return {"root": root, "slugs": s, "made": made, "counts": {v: count(root, v) for v in ("corpus", "runs")}}
 
 
 def damage(folder: Path, fault: str) -> None:
@@ -93,31 +166,61 @@ def damage(folder: Path, fault: str) -> None:
 
 
 def count(root: Path, view: str) -> int:
-    code, out = invoke("sql", "--root", str(root), "--format", "csv", f"select count(*) from {view}")
+    code, out = invoke("sql", "--format", "csv", f"select count(*) from {view}", root=root)
     assert code == 0, out
     return int(out.splitlines()[1])
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_damage_is_named_isolated_and_repaired(world: dict, tmp_path: Path, kind: str, fault: str) -> None:
+def outputs(folder: Path, kind: str) -> object:
+    """A folder's outputs as its manifest lists them: each file's sha256; the rows of a file that holds timings (a
+    train log, latencies); an index's rows and recall against exact search (LanceDB names its files by uuid)."""
+    m = json.loads((folder / "_manifest.json").read_text())
+    if kind == "index":
+        return m["stats"]["rows"], {k: (c["recall_10"], c["recall_100"]) for k, c in m["stats"]["check"].items()}
+    return {n: e["rows"] if kind == "latency" or n == TRAIN_LOG_FILE else e["sha256"] for n, e in m["files"].items()}
+
+
+def repair(printed: str, made: dict[str, list[str]]) -> list[str]:
+    """The command a `verify` line prints, as a user runs it: its words, then (where the line says "with the settings
+    that made it") the settings that made the folder which it does not name already."""
+    words = shlex.split(re.search(r"repair: run `diffret ([^`]*)`", printed).group(1))
+    if "with the settings that made it" not in printed:
+        return words
+    given = {w for w in words if w.startswith("-")}
+    extra, settings = [], made[words[0]]
+    i = 0
+    while i < len(settings):
+        flag = settings[i]
+        takes = flag.startswith("-") and i + 1 < len(settings) and not settings[i + 1].startswith("--")
+        if flag.startswith("-") and flag not in given:
+            extra += settings[i : i + 1 + takes]
+        elif not flag.startswith("-") and flag not in words:  # a positional argument (import-run's file)
+            extra.append(flag)
+        i += 1 + takes
+    return words + extra
+
+
+@pytest.mark.parametrize(("kind", "fault"), CASES)
+def test_damage_is_named_isolated_and_repaired_as_printed(world: dict, tmp_path: Path, kind: str, fault: str) -> None:
     root = tmp_path / "store"
     shutil.copytree(world["root"], root, symlinks=True)
-    pattern, view, other = KINDS[kind]
-    (folder,) = list(root.glob(pattern))
-    before_other = count(root, other)
+    pattern, view, maker = KINDS[kind]
+    (folder,) = list(root.glob(pattern.format(**world["slugs"])))
+    before = outputs(folder, kind)
     damage(folder, fault)
-    code, out = invoke("verify", "--root", str(root))
-    assert code == 1 and str(folder) in out and "repair: run `diffret" in out, out
-    assert count(root, other) == before_other  # every other view keeps working
+    code, out = invoke("verify", root=root)
+    lines = [line for line in out.splitlines() if str(folder) in line]
+    assert code == 1 and lines and "repair: run `diffret" in lines[0], out
+    other = "runs" if kind == "dataset" else "corpus"
+    assert count(root, other) == world["counts"][other]  # every other view keeps working
     if view is not None:  # its view fails alone, naming it (a flipped byte DuckDB may read through: --verify)
         verify = ["--verify"] if fault == "flip byte" else []
-        code, out = invoke("sql", "--root", str(root), *verify, f"select count(*) from {view}")
+        code, out = invoke("sql", *verify, f"select count(*) from {view}", root=root)
         assert code == 2 and "repair:" in out and str(folder) in out, out
-    for args in world["repairs"][kind]:
-        rel = [str(root) if a == str(world["root"]) else a for a in args]
-        code, out = invoke(*rel)
-        assert code == 0, (rel, out)
-    code, out = invoke("verify", "--root", str(root))
-    assert code == 0, out
-    assert os.path.exists(folder / "_manifest.json")
+    args = repair(lines[0], world["made"])
+    assert args[0] == maker, (lines[0], maker)  # the command that made it
+    code, out = invoke(*args, root=root)
+    assert code == 0, (args, out)
+    code, out = invoke("verify", root=root)
+    assert code == 0, (args, out)
+    assert outputs(folder, kind) == before  # as they were

@@ -149,6 +149,16 @@ def test_5_score_config_records_each_mode_s_rules() -> None:
 
 
 # ------------------------------------------------------------------------------------- evaluation ties
+def test_15_q1_p1_has_no_multi_dense_cells_unless_kept() -> None:
+    """evaluate_sweep.py L687-694: ``enable_colbert = K > 1 or K_p > 1``: at q1-p1 no multi_dense and no fusion of
+    it; diffret 0.1 scored them (``q1p1_multi="keep"``)."""
+    from retrieval.search.modes import MODE_NAMES, cell_modes
+
+    assert ScoreConfig(dataset="x").q1p1_multi == "skip"
+    assert cell_modes(MODE_NAMES, 1, 1) == ["single_dense", "sparse_max", "fusion_single_sparse_max"]
+    assert cell_modes(MODE_NAMES, 1, 2) == cell_modes(MODE_NAMES, 1, 1, "keep") == list(MODE_NAMES)
+
+
 def test_evaluation_orders_ties_within_the_cut_as_pytrec_eval_does() -> None:
     """The reference passes its top 10 (its order decides which) to pytrec_eval, which orders tied documents
     by doc_id descending: a relevant document tied with an irrelevant one ranks by id, not by the stored rank."""

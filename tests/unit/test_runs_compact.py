@@ -139,7 +139,7 @@ def _runs(root: str) -> dict[str, pa.Table]:
 
 def test_train_runs_are_cut_to_their_depth_and_equal_the_deeper_runs_prefix(tiny: dict) -> None:
     shallow, deep = _runs(tiny["root"]), _runs(tiny["deep"])
-    assert shallow.keys() == deep.keys() and len(shallow) == 2 * 2 * 2 * 5 + 2
+    assert shallow.keys() == deep.keys() and len(shallow) == 2 * (2 * 2 * 5 - 2) + 2
     modes = set()
     for stage, table in shallow.items():
         counts = pc.value_counts(table.column("query_id")).field("counts").to_pylist()

@@ -75,6 +75,26 @@ def test_a_vector_does_not_depend_on_its_batch(bert, side: str) -> None:
         np.testing.assert_allclose(enc.sparse_weights, alone.sparse_weights, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("head", "act", "side"), [("official", "elu1p", "left"), ("lm", "log1p_relu", "right")])
+@pytest.mark.parametrize("block", [1 << 12, 1 << 30])  # many blocks (a text alone, a few vocabulary columns); one
+def test_the_batch_readout_is_each_texts_own_padding_left_out(bert, head: str, act: str, side: str, block: int) -> None:
+    """Issue 44: SIDR's head is one product over the batch's real positions, in blocks of scores, max-pooled per
+    text: each text's vector is what :meth:`SidrReadout.weights` gives it alone from its own positions (to the
+    BLAS's rounding of other row and column blocks, ~1 ulp at these tiny widths; byte for byte on splade-tiny:
+    test_sidr_shared), and its padding, whatever it holds, changes nothing."""
+    bb, tok = bert
+    reader = make_reader(bb, ReadoutConfig(readout="sidr", sidr_head=head, sidr_act=act, padding_side=side))
+    texts = list(TEXTS.values())
+    with torch.inference_mode():
+        _, hidden, att = reader._forward(_ids(tok, texts), bb)
+        batch = reader.batch_weights(hidden, att, bb, block=block)
+        alone = torch.stack([reader.weights(hidden[i][att[i].bool()], bb) for i in range(len(texts))])
+        noisy = hidden.masked_fill(~att.bool()[..., None], 1e4)  # padding that would win every max
+        assert torch.equal(reader.batch_weights(noisy, att, bb, block=block), batch)
+    assert att.sum(1).unique().numel() > 1  # texts of several lengths: padding in the batch
+    torch.testing.assert_close(batch, alone, rtol=1e-6, atol=1e-6)
+
+
 def test_official_head_is_layer_norm_times_the_input_embeddings_elu1p(bert) -> None:
     bb, tok = bert
     reader = make_reader(bb, ReadoutConfig(readout="sidr"))  # official head, elu1p, top 768

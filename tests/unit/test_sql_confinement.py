@@ -119,3 +119,21 @@ def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path)
                        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert target.read_text().splitlines() == ['"query_id"', '"q1"', '"q2"']
+
+
+@pytest.mark.parametrize("sql", [" ", "-- x", "/* a comment */", ";", " ; -- x"])
+@pytest.mark.parametrize("out", [False, True])
+def test_a_query_of_nothing_is_one_line_not_a_traceback(store: ArtifactStore, tmp_path: Path, sql: str,
+                                                        out: bool) -> None:  # fmt: skip
+    """Issue 44: whitespace, a comment or ';' alone (DuckDB runs nothing and returns no result) is one error line,
+    exit 2, however the query starts ('-- x' is the query, not an option)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    args = ["sql", "--root", str(store.root), *(["--out", str(tmp_path / "x.csv")] if out else []), sql]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and res.exception is None or isinstance(res.exception, SystemExit), res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "give a SELECT" in lines[0], res.output
+    assert not (tmp_path / "x.csv").exists()

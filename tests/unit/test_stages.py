@@ -69,7 +69,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "bot": BotConfig(dataset="tiny", backbone=bb, max_length=96, **common),
         "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4,
                                **common),  # fmt: skip
-        "compress": CompressConfig(dataset="tiny", system=ref, to="int8", **common),
+        "compress": CompressConfig(dataset="tiny", system=ref, store="int8", **common),
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "beta": BetaConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
@@ -132,11 +132,11 @@ def test_every_stage_did_its_work_once(world: dict) -> None:
     for name, res in world["results"].items():
         assert res.stage == name and res.done > 0 and res.skipped == 0, (name, res)
     assert world["results"]["encode"].done == 2 * (1 + 3)  # K x shards (5 queries: 1 shard; 12 docs: 3)
-    assert world["results"]["score"].done == 2 * 2 * 2 * 5  # splits x K_q x K_p x modes
+    assert world["results"]["score"].done == 2 * (2 * 2 * 5 - 2)  # splits x K_q x K_p x modes, less q1-p1's multi
     assert world["results"]["beta"].done == 2 * 2  # splits x K_q
     assert world["results"]["late"].done == 2  # BM25's top 3 and top 5, re-scored
     # + beta, late, BM25 (test, train), reranked, imported, fused
-    assert world["results"]["evaluate"].done == 40 + 4 + 2 + 2 + 1 + 1 + 1
+    assert world["results"]["evaluate"].done == 36 + 4 + 2 + 2 + 1 + 1 + 1
 
 
 def test_the_report_puts_the_system_on_the_latency_axes(world: dict) -> None:
@@ -209,13 +209,13 @@ def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path:
     """Runs replaced (forced, other topk): their metrics are recomputed by a plain evaluate, not refused."""
     w = copy_world(world, tmp_path)
     forced = w["configs"]["score"].model_copy(update={"topk": 3, "force": True})
-    assert execute(stages()["score"], forced, log=lambda _: None).done == 40
+    assert execute(stages()["score"], forced, log=lambda _: None).done == 36
     lines: list[str] = []
     res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lines.append)
     # the encoder's runs are stale; beta's, late's, BM25's, the reranked, the imported and the fused are not
-    assert (res.done, res.skipped) == (40, 11)
-    stale = [line for line in lines if "built from other inputs" in line]  # one line for the 40, not 40 lines
-    assert len(stale) == 1 and stale[0].startswith("40 folders") and stale[0].endswith("and 37 more"), lines
+    assert (res.done, res.skipped) == (36, 11)
+    stale = [line for line in lines if "built from other inputs" in line]  # one line for the 36, not 36 lines
+    assert len(stale) == 1 and stale[0].startswith("36 folders") and stale[0].endswith("and 33 more"), lines
 
 
 def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
@@ -224,7 +224,7 @@ def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
     good = run.read_bytes()
     run.write_bytes(good[:-4] + b"oops")
     res = execute(stages()["score"], w["configs"]["score"], log=lambda _: None)
-    assert (res.done, res.skipped) == (1, 39) and run.read_bytes() == good  # deterministic: byte-identical
+    assert (res.done, res.skipped) == (1, 35) and run.read_bytes() == good  # deterministic: byte-identical
 
 
 def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: dict, tmp_path: Path, monkeypatch):
@@ -366,14 +366,14 @@ def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tm
 
     cli("download", "tiny", "--source", str(world["beir"]))
     cli("encode", "-d", "tiny", "--model", model, "--dtype", "bfloat16", "--k", "1,2", "--max-length", "96")
-    assert "20 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--kq", "1,2", "--kp", "1,2")
+    assert "18 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--kq", "1,2", "--kp", "1,2")
     indexed = cli("index", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "2", "--type", "none")
     assert "1 index(es) built" in indexed and "| 2 | 1 |" in indexed
     # a second system of the same model: --model alone is now ambiguous, and the error says what differs
     cli("encode", "-d", "tiny", "--model", model, "--k", "1", "--max-length", "96")
     res = runner.invoke(app, ["score", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "1", "--root", root])
     assert res.exit_code == 2 and "2 encoder systems match" in res.output and "--dtype" in res.output
-    assert "5 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1",
+    assert "3 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1",
                                      "--kp", "1")  # fmt: skip
     listing = cli("systems", "-f", "json")
     assert sorted(r["kind"] for r in json.loads(listing)) == ["encoder", "encoder"]
