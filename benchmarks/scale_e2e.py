@@ -209,11 +209,11 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int) -> dict:
         ("evaluate", ["evaluate", *r]),
         ("index", ["index", "-d", "c", "--model", model, "--kq", "1", "--kp", "1", *r]),
         ("report", ["report", "--out", str(base / "report"), *r]),
-        ("compress", ["compress", "-d", "c", "--model", model, "--to", "int8", *r]),
+        ("compress", ["compress", "-d", "c", "--model", model, "--store", "int8", *r]),
         ("score_int8", ["score", "-d", "c", "--model", model, "--store", "int8", "--kq", "16", "--kp", "16",
                         "--mode", "multi_dense", *r]),
         ("late", ["late", "-d", "c", "--model", model, "--first-stage", "bm25", "--kq", "16", "--kp", "16",
-                  "--mode", "multi_dense", "--m", "100", *r]),
+                  "--mode", "multi_dense", "--depth", "100", *r]),
     ]  # fmt: skip
     out = {"n": n, "collection": info, "stages": []}
     for name, args in stages:
