@@ -16,6 +16,60 @@ H_7B = 3584  # Dream-7B's hidden size
 H_HERE = 64  # the harness's model
 GPU_PASSAGES_PER_S = 150.0  # a 7B encoder on one H100 in bfloat16 at ~110 tokens a passage (stated, not measured)
 GRID_K = (1, 2, 4, 8, 16)
+GPU_TFLOPS = 400.0  # bfloat16 matrix products one H100 sustains in exact scoring (about 40% of its peak; stated)
+READ_GB_S = 2.0  # the encodings read from local NVMe per node (stated)
+CELLS, MODES, DEPTH = 25, 5, 1000  # the MS MARCO grid: 5 x 5 cells, five modes, runs of 1,000
+
+
+def projection(results: list[dict], eval_rows_per_s: float | None) -> list[str]:
+    """The MS MARCO projection per stage, from the largest measured N, each assumption named."""
+    big = results[-1]
+    n = big["n"]
+    st = {s["stage"]: s for s in big["stages"]}
+    scale = MSMARCO_PASSAGES / n
+    per_vec_here = st["encode"]["bytes"] / (n * (1 + 16))  # the harness encodes passages at K 1 and 16
+    sparse_b = max(per_vec_here - 2 * H_HERE, 0.0)  # what is not the dense float16 vector (ids, sparse top terms)
+    per_vec = 2 * H_7B + sparse_b
+    grid_vectors = MSMARCO_PASSAGES * sum(GRID_K)
+    enc_1 = MSMARCO_PASSAGES * len(GRID_K) / GPU_PASSAGES_PER_S
+    op_1 = MSMARCO_PASSAGES / GPU_PASSAGES_PER_S
+    flops = 2 * MSMARCO_QUERIES * sum(GRID_K) * MSMARCO_PASSAGES * sum(GRID_K) * H_7B
+    score_1 = flops / (GPU_TFLOPS * 1e12) + grid_vectors * per_vec / (READ_GB_S * 1e9)
+    rows = MSMARCO_QUERIES * DEPTH * CELLS * MODES
+    row_b = st["score"]["bytes"] / (big["collection"]["queries"] * DEPTH * 4 * MODES)  # 4 cells scored here
+    lines = [
+        "## MS MARCO projection", "",
+        f"From the largest run measured (N = {n:,}) to MS MARCO's {MSMARCO_PASSAGES:,} passages and "
+        f"{MSMARCO_QUERIES:,} dev queries, the grid K in {{1, 2, 4, 8, 16}} on both sides (25 cells, 5 modes), "
+        f"H = {H_7B} (Dream-7B). Assumptions, each stated, none measured here (no GPU in this session): a 7B "
+        f"encoder reads {GPU_PASSAGES_PER_S:.0f} passages/s on one H100 in bfloat16 (~110 tokens a passage with the "
+        f"prompt and K masks); exact scoring sustains {GPU_TFLOPS:.0f} TFLOP/s on one H100 and reads the "
+        f"encodings at {READ_GB_S:.0f} GB/s; CPU stages scale linearly from the measured N (their fitted exponents "
+        "above) on the same 2 cores; 8 GPUs divide the GPU stages by 8 (units are independent shards).", "",
+        "| stage | where | 1 GPU (or this CPU) | 8 GPUs | how |", "|---|---|---|---|---|",
+    ]
+    for name in ("download", "tokenize", "bm25"):
+        t = st[name]["seconds"] * scale
+        lines.append(f"| {name} | CPU | {_fmt_s(t)} | {_fmt_s(t)} | measured s/passage x {MSMARCO_PASSAGES:,} |")
+    lines.append(f"| encode, whole grid (5 passage passes) | GPU | {_fmt_s(enc_1)} | {_fmt_s(enc_1 / 8)} | "
+                 f"{MSMARCO_PASSAGES:,} x 5 / {GPU_PASSAGES_PER_S:.0f} per s |")
+    lines.append(f"| encode, one operating point (`--kq 4 --kp 16`: one passage pass) | GPU | {_fmt_s(op_1)} | "
+                 f"{_fmt_s(op_1 / 8)} | per-side budgets: the K = 4 passage pass is not made |")
+    lines.append(f"| score, whole grid | GPU | {_fmt_s(score_1)} | {_fmt_s(score_1 / 8)} | {flops:.2e} FLOPs "
+                 f"(2 x queries x sum K_q x passages x sum K_p x H) + the encodings read once per K_p pass |")
+    if eval_rows_per_s:
+        t = rows / eval_rows_per_s
+        lines.append(f"| evaluate, whole grid | CPU | {_fmt_s(t)} | {_fmt_s(t / 8)} (8 workers) | {rows:.2e} rows "
+                     f"at {eval_rows_per_s:,.0f} rows/s (benchmarks/evaluate.py) |")
+    lines += [
+        "", f"Bytes: a passage vector is {2 * H_7B:,} B of float16 at H = {H_7B} plus {sparse_b:.0f} B of "
+        f"sparse terms and ids (measured here per vector: {per_vec_here:.0f} B at H = {H_HERE}); "
+        f"{_fmt_b(MSMARCO_PASSAGES * per_vec)} per K of the corpus, {_fmt_b(grid_vectors * per_vec)} for the "
+        "grid's five passage passes (int8: about half, `diffret compress`). The runs: "
+        f"{rows:.2e} rows, about {_fmt_b(rows * row_b)} as compact run files ({row_b:.1f} B a row measured here).",
+        "",
+    ]
+    return lines
 
 
 def _fmt_s(s: float) -> str:
@@ -59,7 +113,8 @@ def figure(results: list[dict]) -> None:
     fig.savefig(FIGURE, dpi=110)
 
 
-def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, float]) -> None:
+def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, float],
+               eval_rows_per_s: float | None = None, notes: str = "") -> None:
     figure(results)
     big = results[-1]
     names = [s["stage"] for s in big["stages"]]
@@ -84,4 +139,7 @@ def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, fl
     lines += ["", "Each cell: wall time, the peak RSS of the largest process of the command (Dask workers included), "
               "files and bytes it added to the store. Exponents: least-squares slope of log(time) and log(peak RSS) "
               "against log(N).", "", "![stage costs against the corpus size](img/scale.png)", ""]  # fmt: skip
+    lines += projection(results, eval_rows_per_s)
+    if notes:
+        lines += [notes.strip(), ""]
     DOC.write_text("\n".join(lines))
