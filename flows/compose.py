@@ -83,6 +83,7 @@ class PipelineConfig(StageConfig):
                                   "(default: the preset's).")  # fmt: skip
     shard_size: int = like(EncodeConfig, "shard_size")
     workers: int = like(EncodeConfig, "workers")
+    workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu")
     dask_address: str | None = like(EncodeConfig, "dask_address")
     verify: bool = like(EncodeConfig, "verify")
     head_stats: bool = like(EncodeConfig, "head_stats")
@@ -113,6 +114,10 @@ class PipelineConfig(StageConfig):
     def _common(self) -> dict[str, Any]:
         return {"root": self.root, "force": self.force}
 
+    def _cluster(self) -> dict[str, Any]:
+        """Where the distributed stages' units run (the same for each of them)."""
+        return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu, "dask_address": self.dask_address}
+
     def corpus(self) -> str:
         return corpus_of(self.dataset)
 
@@ -129,9 +134,9 @@ class PipelineConfig(StageConfig):
     def encodes(self) -> list[EncodeConfig]:
         common = dict(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
-            batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
-            store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
+            batch_size=self.batch_size, shard_size=self.shard_size, verify=self.verify, head_stats=self.head_stats,
+            store=self.store, store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._cluster(),
+            **self._common(),
         )  # fmt: skip
         if self.corpus() == self.dataset:
             ks = sorted(set(self.kq) | set(self.kp))
@@ -145,7 +150,8 @@ class PipelineConfig(StageConfig):
         return ScoreConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
             kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
-            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._common(),
+            device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._cluster(),
+            **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
