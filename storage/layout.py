@@ -165,6 +165,14 @@ def partial_dir(system: str, dataset: str, k: int) -> str:
     return partition("partial", system=system, dataset=dataset, k=k)
 
 
+def partials_dir(system: str, dataset: str, kp: int, key: str) -> str:
+    """The partial top-k of one search pass cut into units (``block=NNNNN.parquet`` in ``TOPK_SCHEMA``, one per
+    unit: passage blocks of a score or beta pass, query slices of a late pass), named by the pass's settings
+    (``key``); merged into its run folders, then removed, when its last unit is done. ``kp`` is 0 for a pass
+    without passage encodings (beta, late)."""
+    return partition("partials", system=system, dataset=dataset, kp=kp, key=key)
+
+
 def bot_dir(tokenizer: str, dataset: str) -> str:
     """SIDR's binary bag-of-tokens index of a dataset's passages under one tokenizer (``tokens/``'s slug)."""
     return partition("bot", tokenizer=tokenizer, dataset=dataset)
@@ -200,6 +208,19 @@ RUN_SCHEMA = pa.schema(
         pa.field("doc_id", pa.string(), nullable=False),
         pa.field("rank", pa.int32(), nullable=False),  # 1-based, by score descending then doc_id
         pa.field("score", pa.float32(), nullable=False),
+    ]
+)
+
+# One unit's top-k of a search pass (partials/): per (K_q, mode) and query row of the pass, the documents it ranks
+# (global corpus positions) and their scores, best first, pads dropped. A unit's file covers a block of the passages
+# (every query) or a slice of the queries (their whole candidate lists); its metadata holds its search seconds.
+TOPK_SCHEMA = pa.schema(
+    [
+        pa.field("kq", pa.int32(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("row", pa.int32(), nullable=False),
+        pa.field("index", pa.list_(pa.int64()), nullable=False),
+        pa.field("score", pa.list_(pa.float32()), nullable=False),
     ]
 )
 
@@ -400,6 +421,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "index": ("index/*/*/*", "diffret index"),
     "bot": ("bot/*/*", "diffret bot"),
     "partial": ("partial/*/*/*", "diffret late --verify"),
+    "partials": ("partials/*/*/*/*", "diffret score"),
     "summaries": ("summaries/*/*/*", "diffret run"),
     "reports": ("reports/*", "diffret report"),
     "training": ("training/*", "diffret training-data"),
