@@ -322,6 +322,11 @@ class Stage(Declared, ABC):
     def run(self, unit: Any, ctx: Context) -> Any:
         """Do one unit. Units are picklable; with ``distributed`` they may run in another process."""
 
+    def prepare(self, config: Any, plan: Plan, ctx: Context) -> None:
+        """Work every unit needs first, done once in the planning process before the units run (late: encoding the
+        candidates no earlier run needed); default: none."""
+        return None
+
     def commit(self, unit: Any, result: Any, ctx: Context) -> None:
         """Record a finished unit (always in the process that planned; default: nothing to record)."""
         return None
@@ -390,8 +395,9 @@ def execute(
     stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None,
     units: UnitsRunner | None = None,
 ) -> StageResult:  # fmt: skip
-    """Plan a stage, run its units (``units``; default: in this process, one after another), committing each one as
-    it finishes, then finish it; the failed run's ``abort`` undoes what the plan prepared."""
+    """Plan a stage, prepare what its units share, run its units (``units``; default: in this process, one after
+    another), committing each one as it finishes, then finish it; the failed run's ``abort`` undoes what the plan
+    prepared."""
     started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
@@ -400,6 +406,7 @@ def execute(
         finally:
             ctx.log_stale()
         try:
+            stage.prepare(config, plan, ctx)
             results = (units or run_units)(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)

@@ -17,12 +17,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from retrieval.search.encodings import Encodings
+from retrieval.search.rules import ScoreRules
 from retrieval.search.runs import topk_from_table, topk_seconds
 from retrieval.search.scoring import TopK, merge_topk
 from storage import ArtifactStore, FileEntry, StoreError, config_hash
 from storage.layout import partials_dir
 
 from .base import Context
+from .readers import query_encodings
 
 
 @dataclass
@@ -145,3 +148,19 @@ class PassTracker:
     def complete(self) -> list[str]:
         """The passes with nothing pending that are not merged yet (all their units done by an earlier run)."""
         return [s for s, waiting in self.pending.items() if not waiting and s not in self.merged]
+
+
+_QUERIES: dict[tuple[str, str, str], dict[int, Encodings]] = {}  # a pass's query sets, read once per process
+
+
+def pass_queries(ctx: Context, key: str, shared: dict[str, Any], device: str,
+                 rules: ScoreRules | None = None) -> dict[int, Encodings]:  # fmt: skip
+    """A pass's query encodings by K_q (``shared``: its ``query_stages``, ``query_ids`` and ``sparse_factor``) on
+    ``device``: every unit of the pass a process runs reads them once."""
+    cache = (ctx.store.root, key, device)
+    if cache not in _QUERIES:
+        _QUERIES.clear()  # one pass's queries at a time
+        _QUERIES[cache] = {int(kq): query_encodings(ctx.store, st, shared["query_ids"], device, rules,
+                                                    float(shared["sparse_factor"]))
+                           for kq, st in shared["query_stages"].items()}  # fmt: skip
+    return _QUERIES[cache]

@@ -24,7 +24,6 @@ from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import sparse_quantised
-from retrieval.search.encodings import Encodings
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
 from retrieval.search.rules import ScoreRules
@@ -33,16 +32,8 @@ from storage import FileEntry, StoreError, config_hash
 from storage.layout import encodings_dir, run_dir
 
 from .base import GRID_K, ClusterConfig, Context, KList, ModeList, Plan, Stage, check_device, shared_settings
-from .passes import PassTracker, PassUnit, cut, merged_blocks, open_pass, unit_file, write_unit
-from .readers import (
-    corpus_size,
-    dataset_manifest,
-    encoding_manifest,
-    iter_encodings,
-    passage_ids,
-    query_encodings,
-    split_queries,
-)
+from .passes import PassTracker, PassUnit, cut, merged_blocks, open_pass, pass_queries, unit_file, write_unit
+from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, passage_ids, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
 
@@ -159,7 +150,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         shared = shared_settings(ctx, unit.plan)
         device = resolve_device(shared["device"])
         rules, factor = ScoreRules.model_validate(shared["rules"]), float(shared["sparse_factor"])
-        queries = _queries(ctx, unit.plan, shared, str(device), rules)
+        queries = pass_queries(ctx, unit.plan, shared, str(device), rules)
         p_stage = shared["passage_stage"]
         passages = iter_encodings(store, p_stage, encoding_manifest(store, p_stage), str(device), rules, factor,
                                   names=unit.shards)  # fmt: skip
@@ -205,20 +196,6 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         """A failed run keeps the units it finished (recorded in each pass's partials folder)."""
         for info in plan.details.get("_passes", {}).values():
             ctx.store.remove_plan(info["plan"])
-
-
-_QUERIES: dict[tuple[str, str, str], dict[int, Encodings]] = {}  # a pass's query sets, read once per process
-
-
-def _queries(ctx: Context, key: str, shared: dict[str, Any], device: str, rules: ScoreRules) -> dict[int, Encodings]:
-    """The query encodings of a pass on ``device`` (each unit of the pass a process runs reads them once)."""
-    cache = (ctx.store.root, key, device)
-    if cache not in _QUERIES:
-        _QUERIES.clear()  # one pass's queries at a time
-        _QUERIES[cache] = {int(kq): query_encodings(ctx.store, st, shared["query_ids"], device, rules,
-                                                    float(shared["sparse_factor"]))
-                           for kq, st in shared["query_stages"].items()}  # fmt: skip
-    return _QUERIES[cache]
 
 
 stage = Score()

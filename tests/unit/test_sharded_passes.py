@@ -19,8 +19,11 @@ from retrieval.search.runs import topk_from_table, topk_table
 from retrieval.search.scoring import RunningTopK, TopK, merge_topk
 from stages import execute, stages
 from stages.base import run_units
+from stages.beta import BetaConfig
+from stages.bot import BotConfig
 from stages.encode import EncodeConfig
 from stages.ingest import DownloadConfig
+from stages.late import LateConfig
 from stages.score import ScoreConfig
 from stages.systems import SystemRef
 
@@ -69,6 +72,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     encode = EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=64, shard_size=3, batch_size=4, root=root)
     execute(stages()["tokenize"], encode.tokenize_config(), log=lambda _: None)
     execute(stages()["encode"], encode, log=lambda _: None)
+    execute(stages()["bot"], BotConfig(dataset="tiny", backbone=bb, max_length=64, root=root), log=lambda _: None)
     return {"root": root, "ref": SystemRef(model=str(model))}
 
 
@@ -82,6 +86,14 @@ def run_digests(root: str) -> dict[str, str]:
     for path in sorted(Path(root, "runs").rglob("run.parquet")):
         out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+def f16(tiny: dict, root: str) -> str:
+    """The tiny encoder system's slug."""
+    from stages.systems import find_system
+    from storage import ArtifactStore
+
+    return find_system(ArtifactStore(root), tiny["ref"]).system
 
 
 def no_partials(root: str) -> bool:
@@ -146,3 +158,38 @@ def test_a_stopped_pass_resumes_from_its_finished_units(tiny: dict, one_pass: di
     assert seen == {"units": 8 - 3, "same": True}  # 4 units per K_p pass, the first 3 kept
     assert any("K_p=1: 20 cell(s) over 24 passages in 4 unit(s), 3 already done" in m for m in logs), logs
     assert res.done == 40 and run_digests(root) == one_pass
+
+
+def test_beta_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path) -> None:
+    digests = []
+    for unit in (1_000_000, 5):
+        root = copy_store(tiny, tmp_path / f"u{unit}")
+        cfg = BetaConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=[1, 2], topk=10,
+                         train_topk=5, self_hits="drop", unit_passages=unit)  # fmt: skip
+        logs: list[str] = []
+        assert execute(stages()["beta"], cfg, log=logs.append).done == 4
+        assert any(f"in {-(-24 // unit)} unit(s), 0 already done" in m for m in logs), logs
+        digests.append(run_digests(root))
+        assert no_partials(root)
+    assert len(digests[0]) == 4 and digests[0] == digests[1]
+
+
+def test_late_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, monkeypatch) -> None:
+    """Late re-scoring of beta's runs as one slice of queries or slices of the grain (2 here, 256 by default: the
+    re-scoring's query chunks stay the same): the same runs."""
+    monkeypatch.setattr("retrieval.search.late.QUERY_GRAIN", 2)
+    monkeypatch.setattr("stages.late.QUERY_GRAIN", 2)
+    digests = []
+    for unit, units in ((65_536, 1), (1, 3)):
+        root = copy_store(tiny, tmp_path / f"u{unit}")
+        execute(stages()["beta"], BetaConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"],
+                                             kq=[1], topk=10), log=lambda _: None)  # fmt: skip
+        cfg = LateConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=2, kp=1,
+                         mode="fusion_multi_sparse_max", depths=[3, 6], first_stage=f16(tiny, root), first_kq=1,
+                         first_mode="beta", unit_queries=unit)  # fmt: skip
+        logs: list[str] = []
+        assert execute(stages()["late"], cfg, log=logs.append).done == 4
+        assert any(f"6 queries in {units} unit(s), 0 already done" in m for m in logs), logs
+        digests.append(run_digests(root))
+        assert no_partials(root)
+    assert digests[0] == digests[1]
