@@ -20,10 +20,12 @@ from retrieval.search.scoring import RunningTopK, TopK, merge_topk
 from stages import execute, stages
 from stages.base import run_units
 from stages.beta import BetaConfig
+from stages.bm25 import BM25Config
 from stages.bot import BotConfig
 from stages.encode import EncodeConfig
 from stages.ingest import DownloadConfig
 from stages.late import LateConfig
+from stages.rerank import RerankConfig
 from stages.score import ScoreConfig
 from stages.systems import SystemRef
 
@@ -73,7 +75,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     execute(stages()["tokenize"], encode.tokenize_config(), log=lambda _: None)
     execute(stages()["encode"], encode, log=lambda _: None)
     execute(stages()["bot"], BotConfig(dataset="tiny", backbone=bb, max_length=64, root=root), log=lambda _: None)
-    return {"root": root, "ref": SystemRef(model=str(model))}
+    return {"root": root, "ref": SystemRef(model=str(model)), "model": str(model)}
 
 
 def score_config(tiny: dict, root: str, **kw: object) -> ScoreConfig:
@@ -193,3 +195,30 @@ def test_late_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, monkeypa
         digests.append(run_digests(root))
         assert no_partials(root)
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("method", ["pointwise", "logits_listwise"])
+def test_rerank_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, method: str) -> None:
+    """BM25's top 5 reranked whole, or in slices ending where the whole run's batches end (batch_cuts)."""
+    digests, units = [], []
+
+    def count(stage, plan, ctx):  # noqa: ANN001, ANN202
+        units.append(len(plan.units))
+        return run_units(stage, plan, ctx)
+
+    prompt = Path(__file__).parent / "data" / "rerank_tiny.yaml"
+    if method == "pointwise":  # the tiny listwise prompt's words, one pair per prompt
+        prompt = tmp_path / "pointwise.yaml"
+        prompt.write_text('name: tiny_pointwise\nsystem: ""\nuser: "query : {query} {document}"\nassistant: "{slot}"\n'
+                          'answers: ["x", "a"]\n')  # fmt: skip
+    for unit in (4096, 1):
+        root = copy_store(tiny, tmp_path / f"u{unit}")
+        execute(stages()["bm25"], BM25Config(root=root, dataset="tiny", splits=["test"]), log=lambda _: None)
+        cfg = RerankConfig(root=root, dataset="tiny", backbone=BackboneConfig(model=tiny["model"]), depth=5,
+                           window=3, step=1, doc_tokens=8, batch_size=2, method=method, unit_queries=unit,
+                           prompt=str(prompt))  # fmt: skip
+        assert execute(stages()["rerank"], cfg, log=lambda _: None, units=count).done == 1
+        digests.append(run_digests(root))
+        assert no_partials(root)
+    assert units[0] == 1 and units[1] >= 2, units
+    assert len(digests[0]) == 2 and digests[0] == digests[1]
