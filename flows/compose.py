@@ -157,17 +157,17 @@ class PipelineConfig(StageConfig):
     def bm25_config(self) -> BM25Config:
         return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
                           train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
-                          **self._common())  # fmt: skip
+                          **self._cluster(), **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
             dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
-            kq=self.kq, kp=self.kp, index_type=self.index, **self._common(),
+            kq=self.kq, kp=self.kp, index_type=self.index, **self._cluster(), **self._common(),
         )  # fmt: skip
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
         return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, ties=self.ties,
-                              **self._common())  # fmt: skip
+                              **self._cluster(), **self._common())  # fmt: skip
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
         return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())

@@ -222,3 +222,52 @@ def test_rerank_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, method
         assert no_partials(root)
     assert units[0] == 1 and units[1] >= 2, units
     assert len(digests[0]) == 2 and digests[0] == digests[1]
+
+
+@pytest.fixture(scope="module")
+def dask_address():
+    """Two local Dask workers (CPU), shared by the module's tests that join them with --dask-address."""
+    import distributed
+
+    from flows.cluster import local_cluster
+
+    with local_cluster(n_workers=2) as cluster, distributed.Client(cluster, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        yield cluster.scheduler_address
+
+
+def metric_digests(root: str) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(root).glob("metrics/**/per_query.parquet"))}  # fmt: skip
+
+
+def test_every_distributed_stage_runs_its_units_on_the_workers(tiny: dict, dask_address: str, tmp_path: Path) -> None:
+    """score, beta, late, bm25 (a unit per split), rerank, evaluate (a unit per run) and index (a unit per K_p) on
+    two Dask workers: the same runs and metrics as in this process, byte for byte."""
+    from flows.runner import run_stage
+    from stages.evaluate import EvaluateConfig
+    from stages.index import IndexConfig
+
+    def configs(root: str, **kw: object) -> list[tuple[str, object]]:
+        common = {"root": root, "dataset": "tiny", "splits": ["test", "train"], **kw}
+        return [
+            ("score", score_config(tiny, root, unit_passages=9, **kw)),
+            ("beta", BetaConfig(system=tiny["ref"], kq=[1], topk=10, unit_passages=12, **common)),
+            ("bm25", BM25Config(**common)),
+            ("late", LateConfig(system=tiny["ref"], kq=2, kp=1, depths=[3], first_stage="bm25", **common)),
+            ("rerank", RerankConfig(backbone=BackboneConfig(model=tiny["model"]), depth=5, window=3, step=1,
+                                    doc_tokens=8, batch_size=2, prompt=str(Path(__file__).parent / "data" /
+                                                                            "rerank_tiny.yaml"), **common)),
+            ("evaluate", EvaluateConfig(root=root, **kw)),
+            ("index", IndexConfig(root=root, dataset="tiny", system=tiny["ref"], kq=[1], kp=[1, 2], index_type="none",
+                                  **kw)),
+        ]  # fmt: skip
+
+    here, there = copy_store(tiny, tmp_path / "here"), copy_store(tiny, tmp_path / "there")
+    for (name, cfg), (_, on_dask) in zip(configs(here), configs(there, dask_address=dask_address), strict=True):
+        done = execute(stages()[name], cfg, log=lambda _: None).done
+        logs: list[str] = []
+        assert run_stage(stages()[name], on_dask, log=logs.append).done == done > 0, name
+        assert any("on 2 Dask worker(s)" in m for m in logs), (name, logs)
+    assert run_digests(here) == run_digests(there) and len(run_digests(here)) == 40 + 2 + 2 + 2 + 2
+    assert metric_digests(here) == metric_digests(there) and len(metric_digests(here)) == 48
