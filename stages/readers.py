@@ -20,6 +20,7 @@ from storage.codecs import FLOAT16, Codebook, Codec, parse_store
 from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir, repair_hint
 
 SIDES = ("query", "passage")
+READ_ROWS = 256  # an encodings shard is decoded from Parquet this many rows at a time (bounded scratch)
 
 
 def dataset_manifest(store: ArtifactStore, dataset: str) -> Manifest:
@@ -144,7 +145,9 @@ def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = 
     to score under ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
     codec = codec_for(store, stage, m)
     for name in sorted(m.files) if names is None else names:
-        yield encodings_from_table(store.read_table(stage, name), device, rules, sparse_factor, codec)
+        table = store.read_table(stage, name, batch_rows=READ_ROWS)
+        yield encodings_from_table(table, device, rules, sparse_factor, codec)
+        del table
 
 
 def passage_ids(store: ArtifactStore, stage: str) -> list[str]:
