@@ -27,6 +27,10 @@ from retrieval.devices import place_workers, visible_gpus, wants_gpu
 from stages import Context, Plan, Stage, StageConfig
 
 GPU = "GPU"  # the Dask resource a GPU unit asks for and a GPU worker offers (one per worker)
+# glibc gives a large block back to the system when it is freed (its own threshold rises to 32 MB after the first
+# free and keeps such blocks): a worker scoring shard after shard then holds one shard, not the largest it has seen.
+# glibc reads it when a process starts, so a nanny sets it before it spawns its worker (Dask's pre-spawn-environ)
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def distributed(stage: Stage, config: StageConfig) -> bool:
@@ -64,22 +68,25 @@ def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, *
     ``GPU=1``; ``dask-cuda``'s ``LocalCUDACluster`` where installed and each GPU has one worker), else
     ``n_workers`` CPU workers (None: as many as Dask starts by default). One thread per worker: a worker runs one
     unit at a time, on its own device."""
+    import dask
     import distributed
 
     _expose_packages_to_workers()
     common = {"threads_per_worker": 1, "dashboard_address": ":0", "silence_logs": logging.ERROR}
-    if not pins:
-        return distributed.LocalCluster(n_workers=n_workers, **common)
-    if len(set(pins)) == len(pins):
-        with contextlib.suppress(ImportError):
-            from dask_cuda import LocalCUDACluster
+    spawn_env = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_env}):  # read by each nanny as it is made
+        if not pins:
+            return distributed.LocalCluster(n_workers=n_workers, **common)
+        if len(set(pins)) == len(pins):
+            with contextlib.suppress(ImportError):
+                from dask_cuda import LocalCUDACluster
 
-            return LocalCUDACluster(CUDA_VISIBLE_DEVICES=pins, n_workers=len(pins), resources={GPU: 1}, **common)
-    return distributed.SpecCluster(
-        workers={f"gpu{i}-{pin}": worker_spec(pin) for i, pin in enumerate(pins)},
-        scheduler={"cls": distributed.Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
-        silence_logs=logging.ERROR, name="diffret-gpus",
-    )  # fmt: skip
+                return LocalCUDACluster(CUDA_VISIBLE_DEVICES=pins, n_workers=len(pins), resources={GPU: 1}, **common)
+        return distributed.SpecCluster(
+            workers={f"gpu{i}-{pin}": worker_spec(pin) for i, pin in enumerate(pins)},
+            scheduler={"cls": distributed.Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
+            silence_logs=logging.ERROR, name="diffret-gpus",
+        )  # fmt: skip
 
 
 def worker_spec(gpu: str) -> dict[str, Any]:
