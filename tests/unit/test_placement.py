@@ -119,7 +119,8 @@ def test_more_workers_than_gpus_is_refused_in_one_line() -> None:
     assert cluster.local_cluster_options(probe, ProbeConfig(workers=-1), gpus=FAKE_GPUS) == {"pins": FAKE_GPUS}
     # a CPU device: plain workers, no pinning
     assert cluster.local_cluster_options(probe, ProbeConfig(workers=3, device="cpu"), gpus=FAKE_GPUS) == {
-        "n_workers": 3}
+        "n_workers": 3
+    }
 
 
 def test_a_gpu_unit_never_goes_to_a_worker_without_the_resource(gpu_cluster, tmp_path) -> None:
@@ -144,3 +145,24 @@ def test_a_worker_started_outside_the_flow_keeps_its_own_device(gpu_cluster, tmp
     with pytest.raises(ValueError, match="no worker of the Dask cluster at .* offers the resource GPU") as err:
         _probe(str(tmp_path), dask_address=address, units=1)
     assert "\n" not in str(err.value)
+
+
+def test_every_distributed_stage_form_offers_the_placement_choices() -> None:
+    """The Prefect deployment form of each stage whose units may run on Dask (and of the pipeline) has the CLI's
+    choices: --workers, --workers-per-gpu and --dask-address."""
+    import importlib
+
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.runner import FLOWS
+    from stages import stages
+
+    flows = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in FLOWS.items()}
+    flows["pipeline"] = importlib.import_module("flows.pipeline").pipeline_flow
+    wanted = [name for name, stage in stages().items() if stage.distributed and name in flows]
+    assert {"encode", "score", "beta", "late", "rerank", "bm25", "evaluate", "index", "compress"} <= set(wanted)
+    for name in [*wanted, "pipeline"]:
+        schema = parameter_schema(flows[name].fn).model_dump_for_openapi()
+        config = schema["properties"]["config"]["$ref"].rsplit("/", 1)[-1]
+        fields = schema["definitions"][config]["properties"]
+        assert {"workers", "workers_per_gpu", "dask_address"} <= set(fields), (name, sorted(fields))
