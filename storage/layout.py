@@ -166,10 +166,10 @@ def partial_dir(system: str, dataset: str, k: int) -> str:
 
 
 def partials_dir(system: str, dataset: str, kp: int, key: str) -> str:
-    """The partial top-k of one search pass cut into units (``block=NNNNN.parquet`` in ``TOPK_SCHEMA``, one per
-    unit: passage blocks of a score or beta pass, query slices of a late pass), named by the pass's settings
-    (``key``); merged into its run folders, then removed, when its last unit is done. ``kp`` is 0 for a pass
-    without passage encodings (beta, late)."""
+    """The partial results of one search pass cut into units (``block=NNNNN.parquet``, one per unit: the top-k
+    (``TOPK_SCHEMA``) of a score or beta pass's passage blocks or a late pass's query slices, a rerank pass's run
+    rows), named by the pass's settings (``key``); merged into its run folders, then removed, when its last unit is
+    done. ``kp`` is 0 for a pass without passage encodings (beta, rerank)."""
     return partition("partials", system=system, dataset=dataset, kp=kp, key=key)
 
 
