@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.data.collections import DatasetReport, read_corpus
+from retrieval.data.collections import DatasetReport, DocIds, read_corpus
 from storage import ArtifactStore, Manifest
 from storage.layout import CORPUS_SCHEMA
 
@@ -47,7 +47,7 @@ def diffret(path: Path, root: Path) -> None:
     store = ArtifactStore(root)
     m = Manifest.new("datasets", {"dataset": "bench"}, {"bench": True})
     with store.stage_writer("datasets/dataset=bench", m) as w:
-        w.write_parquet("corpus.parquet", CORPUS_SCHEMA, read_corpus(path, "jsonl", DatasetReport("bench"), set()))
+        w.write_parquet("corpus.parquet", CORPUS_SCHEMA, read_corpus(path, "jsonl", DatasetReport("bench"), DocIds()))
 
 
 def main() -> None:

@@ -20,14 +20,38 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
+import click
 import typer
 from pydantic import BaseModel
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from storage.layout import DEFAULT_ROOT
 
 from .commands import config_command
-from .display import OutputFormat, console, index_checks, log, out, print_leaderboard, print_rows, progress
+from .display import (
+    OutputFormat,
+    console,
+    help_text,
+    index_checks,
+    library_output,
+    log,
+    out,
+    print_leaderboard,
+    print_rows,
+    progress,
+)
+
+
+class Command(TyperCommand):
+    """A command whose ``--help`` fits the terminal (rich's own width; 80 columns when piped): one paragraph per
+    option (:func:`flows.display.help_text`)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from rich.console import Console
+
+        formatter.write(help_text(self, ctx, Console().width))
+
 
 app = typer.Typer(
     name="diffret",
@@ -37,6 +61,15 @@ app = typer.Typer(
     help="Representative-token retrieval experiments (DiffRetriever, baselines) over an artifact store.",
 )
 Opt = typer.Option
+
+
+@app.callback()
+def _options(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the libraries' own warnings, logs and "
+                                          "progress bars (hidden otherwise: the stages show their own).")] = False,
+) -> None:  # fmt: skip
+    """Representative-token retrieval experiments (DiffRetriever, baselines) over an artifact store."""
+    library_output(verbose)
 
 Root = Annotated[str, Opt("--root", "-r", envvar="DIFFRET_ROOT", help="Store root (a folder or an fsspec URL).")]
 Format = Annotated[OutputFormat, Opt("--format", "-f", help="Output format.")]
@@ -124,7 +157,7 @@ def stage_command(stage_name: str, command: str | None = None,
 
     body.__doc__ = stage.description.split("\n\n")[0]
     name = command or stage_name
-    app.command(name, help=body.__doc__)(config_command(cls, body, name=name, extra=[PREFECT]))
+    app.command(name, help=body.__doc__, cls=Command)(config_command(cls, body, name=name, extra=[PREFECT]))
 
 
 def _print_bot(res: Any) -> None:
@@ -139,6 +172,18 @@ def _print_lines(key: str) -> Callable[[Any], None]:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     return after
+
+
+def _print_warnings(res: Any) -> None:
+    """The summaries' warnings (a system near chance), after the leaderboard."""
+    details = res if isinstance(res, dict) else res.details
+    for line in details.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def _print_shown(res: Any) -> None:
+    out.print(res.details.get("shown", ""), highlight=False, markup=False, soft_wrap=True, end="")
+    console.print(f"tables (md, csv, tex): {res.details.get('folder')}", highlight=False, soft_wrap=True)
 
 
 def _print_detail(text: str, key: str) -> Callable[[Any], None]:
@@ -176,8 +221,9 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
             with progress(transient=True) as report:
                 res = run_pipeline(config, log=log, report=report)
     for sp, rows in res["leaderboards"].items():
-        print_leaderboard(config.dataset, sp, rows)
+        print_leaderboard(config.name(), sp, rows)
         console.print(f"summary, leaderboard and heatmaps: {res['folders'][sp]}", highlight=False, soft_wrap=True)
+    _print_warnings(res)
     console.print(f"done in {time.perf_counter() - t0:,.1f} s", highlight=False)
 
 
@@ -185,10 +231,12 @@ def _register() -> None:
     """Every stage's command, generated from its config, in pipeline order (the whole experiment first)."""
     from .compose import EncodeConfig, PipelineConfig
 
-    app.command("run", help=_pipeline.__doc__)(config_command(PipelineConfig, _pipeline, name="run", extra=[PREFECT]))
+    app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
+                                                                           extra=[PREFECT]))
     stage_command("download", after=_print_lines("report"))
     stage_command("tokenize")
-    app.command("encode", help=_encode.__doc__)(config_command(EncodeConfig, _encode, name="encode", extra=[PREFECT]))
+    app.command("encode", help=_encode.__doc__, cls=Command)(config_command(EncodeConfig, _encode, name="encode",
+                                                                          extra=[PREFECT]))
     stage_command("compress")
     stage_command("index", after=lambda res: out.print(index_checks(res.details["checks"]), highlight=False,
                                                        markup=False))  # fmt: skip
@@ -197,14 +245,17 @@ def _register() -> None:
     stage_command("beta")
     stage_command("late")
     stage_command("bm25")
+    stage_command("import-run")
+    stage_command("fuse")
     stage_command("rerank")
     stage_command("training", "training-data")
     stage_command("train", after=_print_detail("model: {}", "model_dir"))
     stage_command("train-reranker", after=_print_detail("model: {} (rerank with it: diffret rerank --model <it> "
                                                         "--method <the same>)", "model_dir"))  # fmt: skip
     stage_command("evaluate")
+    stage_command("compare", after=_print_shown)
     stage_command("budget", after=_print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"))
-    stage_command("summary")
+    stage_command("summary", after=_print_warnings)
     stage_command("report", after=_print_detail("report written: {}/report.md", "folder"))
     stage_command("latency", after=_print_detail("latency rows measured: {}", "rows"))
 
@@ -212,7 +263,7 @@ def _register() -> None:
 _register()
 
 
-@app.command("export-run")
+@app.command("export-run", cls=Command)
 def export_run(
     system: Annotated[str, Opt("--system", help="A stored system (`diffret systems`).")],
     dataset: Annotated[str, Opt("--dataset", "-d", help="The dataset the run was scored on.")],
@@ -220,10 +271,12 @@ def export_run(
     split: Annotated[str, Opt(help="The run's query split.")] = "test",
     kq: Annotated[int, Opt(help="The run's K_q (0 for BM25).")] = 0,
     kp: Annotated[int, Opt(help="The run's K_p (0 for BM25).")] = 0,
-    mode: Annotated[str, Opt(help="The run's mode (bm25 for BM25).")] = "bm25", root: Root = DEFAULT_ROOT,
+    mode: Annotated[str | None, Opt(help="The run's mode (default: the one mode of BM25, an imported run, a "
+                                         "fusion).")] = None, root: Root = DEFAULT_ROOT,
 ) -> None:  # fmt: skip
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
     from retrieval.evaluation import write_trec_run
+    from stages.rerank import first_stage_mode
     from stages.runs import read_run
     from stages.systems import SystemRef, find_system
     from storage import ArtifactStore
@@ -233,16 +286,18 @@ def export_run(
         store = ArtifactStore(root)
         store.refuse_inside(output, "--output")
         slug = find_system(store, SystemRef(system=system)).system
+        mode = first_stage_mode(store, slug, mode)
         table = read_run(store, run_dir(slug, dataset, split, kq, kp, mode))
         write_trec_run(table, output, tag=f"{slug}.{mode}.kq{kq}.kp{kp}")
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
     root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,
-    verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first.")] = False,
+    verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first (by default its size and mtime "
+                                "against its manifest; a file touched since is hashed).")] = False,
     out: Annotated[str | None, Opt("--out", "-o", help="Write the result to FILE.csv or FILE.parquet.")] = None,
 ) -> None:  # fmt: skip
     """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
@@ -269,7 +324,7 @@ def sql(
     print_rows(cols, rows, fmt)
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(root: Root = DEFAULT_ROOT) -> None:
     """Check every stored file against its manifest's sha256; exit 1 naming each damaged or missing file (the
     next run of its stage redoes it)."""
@@ -285,7 +340,7 @@ def verify(root: Root = DEFAULT_ROOT) -> None:
     out.print(f"{checked:,} file(s) match their manifests", highlight=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def views(root: Root = DEFAULT_ROOT) -> None:
     """List the SQL views and their columns."""
     from storage import ArtifactStore
@@ -297,7 +352,7 @@ def views(root: Root = DEFAULT_ROOT) -> None:
             out.print(f"[bold]{name}[/]: " + ", ".join(f"{r[0]} {r[1]}" for r in rows), highlight=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def systems(root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table) -> None:
     """List the systems in the store (the registry) with every setting that made them."""
     from stages.systems import list_systems
@@ -328,21 +383,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-HELP_WIDTH = 160  # --help is laid out at least this wide: option names and their help are never cut
-
-
-def _help_width() -> None:
-    import shutil
-
-    import typer.rich_utils
-
-    if not os.environ.get("TERMINAL_WIDTH"):
-        typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((HELP_WIDTH, 24)).columns, HELP_WIDTH)
-
-
 def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the stages show their own progress
-    _help_width()
     try:
         app()
         code = 0

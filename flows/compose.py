@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from retrieval.data.sources import corpus_of
+from retrieval.data.sources import corpus_of, stored_name
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.readouts import ReadoutConfig
+from retrieval.models.released import read_released
 from retrieval.search.bm25 import BM25Settings
 from retrieval.search.rules import ScoreRules
 from stages import bm25, evaluate, index, ingest, score, summary
@@ -68,9 +69,10 @@ class PipelineConfig(StageConfig):
     readout: ReadoutConfig = like(EncodeConfig, "readout")
     max_length: int = like(EncodeConfig, "max_length")
     title_sep: str = like(EncodeConfig, "title_sep")
-    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's).")
+    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's; "
+                            "a released checkpoint's trained K_q).")  # fmt: skip
     kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
-                            "preset's).")  # fmt: skip
+                            "preset's; a released checkpoint's trained K_p).")  # fmt: skip
     modes: ModeList = like(ScoreConfig, "modes")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
     index: Literal["skip", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
@@ -97,9 +99,14 @@ class PipelineConfig(StageConfig):
     @model_validator(mode="before")
     @classmethod
     def _preset(cls, data: Any) -> Any:
-        """The preset's grid and batch, where not given explicitly."""
+        """The preset's grid and batch, where not given explicitly; a released checkpoint's trained (K_q, K_p) in
+        place of the preset's grid."""
         if isinstance(data, dict):
-            preset = PRESETS.get(data.get("preset") or "paper", {})
+            preset = dict(PRESETS.get(data.get("preset") or "paper", {}))
+            backbone = data.get("backbone")
+            model = backbone.get("model") if isinstance(backbone, dict) else getattr(backbone, "model", None)
+            if isinstance(model, str) and (ckpt := read_released(model)) is not None:
+                preset.update(kq=[ckpt.kq], kp=[ckpt.kp])
             data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()
                                                                                    if v is not None}}  # fmt: skip
         return data
@@ -118,8 +125,16 @@ class PipelineConfig(StageConfig):
         """Where the distributed stages' units run (the same for each of them)."""
         return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu, "dask_address": self.dask_address}
 
+    def name(self) -> str:
+        """The stored name of ``dataset`` (an ir_datasets id is stored under the catalog's name, or with / as -).
+
+        >>> PipelineConfig(dataset="beir/scifact/test", backbone={"model": "org/m"}).name()
+        'scifact'
+        """
+        return stored_name(self.dataset)
+
     def corpus(self) -> str:
-        return corpus_of(self.dataset)
+        return corpus_of(self.name())
 
     def downloads(self) -> list[DownloadConfig]:
         def dl(name: str, source: str | None) -> DownloadConfig:
@@ -127,7 +142,7 @@ class PipelineConfig(StageConfig):
                                   unknown_judgments=self.unknown_judgments, **self._common())  # fmt: skip
 
         out = [dl(self.dataset, self.source)]
-        if self.corpus() != self.dataset:
+        if self.corpus() != self.name():
             out.insert(0, dl(self.corpus(), self.corpus_source))
         return out
 
@@ -138,39 +153,40 @@ class PipelineConfig(StageConfig):
             store=self.store, store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._cluster(),
             **self._common(),
         )  # fmt: skip
-        if self.corpus() == self.dataset:
+        if self.corpus() == self.name():  # one pass per K_q on the queries, one per K_p on the passages
             ks = sorted(set(self.kq) | set(self.kp))
-            return [EncodeConfig(dataset=self.dataset, sides=["query", "passage"], k=ks, **common)]
-        return [
-            EncodeConfig(dataset=self.dataset, sides=["query"], k=self.kq, **common),
+            return [EncodeConfig(dataset=self.name(), sides=["query", "passage"], k=ks, kq=self.kq, kp=self.kp,
+                                 **common)]  # fmt: skip
+        return [  # the queries' dataset and the corpus's, each side at its own budgets
+            EncodeConfig(dataset=self.name(), sides=["query"], k=self.kq, **common),
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
         ]
 
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
-            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
+            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
             kq=self.kq, kp=self.kp, modes=self.modes, topk=self.topk, train_topk=self.train_topk,
             device=self.backbone.device, rules=self.rules, self_hits=self.self_hits, **self._cluster(),
             **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
-        return BM25Config(dataset=self.dataset, corpus=self.corpus(), splits=self.splits, topk=self.topk,
+        return BM25Config(dataset=self.name(), corpus=self.corpus(), splits=self.splits, topk=self.topk,
                           train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
                           **self._cluster(), **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
-            dataset=self.dataset, corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
+            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
             kq=self.kq, kp=self.kp, index_type=self.index, **self._cluster(), **self._common(),
         )  # fmt: skip
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
-        return EvaluateConfig(systems=systems, datasets=[self.dataset], splits=self.splits, ties=self.ties,
+        return EvaluateConfig(systems=systems, datasets=[self.name()], splits=self.splits, ties=self.ties,
                               **self._cluster(), **self._common())  # fmt: skip
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
-        return SummaryConfig(system=system, bm25=bm25, dataset=self.dataset, splits=self.splits, **self._common())
+        return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())
 
 
 def run_encode(

@@ -29,6 +29,31 @@ class OutputFormat(StrEnum):
     json = "json"
 
 
+QUIET_LOGGERS = ("transformers", "huggingface_hub", "peft", "accelerate", "torch", "lancedb", "bm25s", "nltk",
+                 "matplotlib", "distributed", "faiss", "urllib3", "httpx")  # fmt: skip
+
+
+def library_output(verbose: bool) -> None:
+    """The libraries' own warnings, log lines and progress bars: shown with ``-v``, else hidden (the stages report
+    their own progress and errors; a library's notice before the first result line reads as the result)."""
+    import logging
+    import os
+    import warnings
+
+    level = logging.INFO if verbose else logging.ERROR
+    os.environ["TRANSFORMERS_VERBOSITY"] = "info" if verbose else "error"  # read when transformers is imported
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0" if verbose else "1"
+    os.environ["TQDM_DISABLE"] = "0" if verbose else "1"
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    if "transformers" in sys.modules:  # already imported (a second command in one process): its own switch
+        from transformers.utils import logging as tf_logging
+
+        tf_logging.set_verbosity(level)
+        (tf_logging.enable_progress_bar if verbose else tf_logging.disable_progress_bar)()
+    warnings.simplefilter("default" if verbose else "ignore")
+
+
 def log(message: str) -> None:
     console.print(message, highlight=False, markup=False, soft_wrap=True)
 
@@ -57,6 +82,31 @@ def progress(transient: bool = False) -> Iterator[Any]:
             bar.update(tasks[label], completed=done, total=total, note=note)
 
         yield report
+
+
+def help_text(command: Any, ctx: Any, width: int) -> str:
+    """A command's ``--help`` in ``width`` columns: its usage and description, then each argument and option as one
+    paragraph (names, value, help, default) with a hanging indent, so that a command of 65 options reads in about
+    two lines each at 80 columns (rich's boxed table gives its help a third of the width: ~8 lines each)."""
+    import textwrap
+
+    width = max(40, width - 1)
+    wrap = dict(width=width, break_on_hyphens=False)
+    lines = [f"Usage: {ctx.command_path} {' '.join(command.collect_usage_pieces(ctx))}", ""]
+    for para in (command.help or "").split("\n\n"):
+        lines += [*textwrap.wrap(" ".join(para.split()), initial_indent=" ", subsequent_indent=" ", **wrap), ""]
+    params = [p for p in command.get_params(ctx) if p.get_help_record(ctx) is not None]
+    for title, group in (("Arguments", [p for p in params if p.param_type_name == "argument"]),
+                         ("Options", [p for p in params if p.param_type_name != "argument"])):  # fmt: skip
+        if group:
+            lines.append(f"{title}:")
+        for p in group:
+            names, text = p.get_help_record(ctx)
+            para = f"{names}  {' '.join(text.split())}"
+            lines += textwrap.wrap(para, initial_indent="  ", subsequent_indent="      ", **wrap)
+        if group:
+            lines.append("")
+    return "\n".join(lines)
 
 
 def wide() -> Console:

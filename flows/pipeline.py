@@ -30,6 +30,6 @@ def pipeline_flow(config: PipelineConfig) -> dict:
     res = run_pipeline(config, prefect=True, log=get_run_logger().info)
     store = ArtifactStore(config.root)
     for split in res["folders"]:
-        page = inline_figures(summary_page(store, summary_dir(res["system"], config.dataset, split)), store)
-        create_markdown_artifact(page, key=f"leaderboard-{split}", description=f"{config.dataset} {split} leaderboard")
+        page = inline_figures(summary_page(store, summary_dir(res["system"], config.name(), split)), store)
+        create_markdown_artifact(page, key=f"leaderboard-{split}", description=f"{config.name()} {split} leaderboard")
     return {k: v for k, v in res.items() if k != "markdown"}

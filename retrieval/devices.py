@@ -101,3 +101,33 @@ def gpu_name(dev: torch.device) -> str:
     listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     index = dev.index or 0
     return f"{dev} (GPU {listed[index]})" if index < len(listed) else str(dev)
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a job on ``device`` may use: a GPU's total memory; on the CPU, the memory available now (and
+    under a cgroup limit, what the limit leaves). None when it cannot be read.
+
+    >>> memory_bytes(torch.device("cpu")) > 0
+    True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        free: int | None = int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            free = None
+    try:  # cgroup v2: the container's limit, less what it uses
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            left = int(limit) - int(open("/sys/fs/cgroup/memory.current").read())
+            free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    return free

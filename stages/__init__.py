@@ -3,6 +3,7 @@ records what it wrote (see stages/base.py). ``STAGES`` maps a stage's name to it
 in this process or under Prefect through one ``run_stage``.
 
     download -> tokenize -> encode -> (compress) -> (index) -> score / bm25 -> evaluate -> summary -> report
+                                                   import-run / fuse (any runs) -> evaluate -> compare
                                                    bm25 (train split) -> training (groups) -> train
                                                    bm25 (train split) + qrels -> train-reranker -> rerank
 """
@@ -14,8 +15,9 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "rerank",
-    "training_data", "train", "train_reranker", "evaluate", "budget", "summary", "report", "latency",
+    "ingest", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "import_run", "fuse",
+    "rerank", "training_data", "train", "train_reranker", "evaluate", "compare", "budget", "summary", "report",
+    "latency",
 )  # fmt: skip
 
 

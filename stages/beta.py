@@ -17,7 +17,6 @@ from pydantic import Field
 
 from retrieval.fields import like
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.bot import beta_search, bot_blocks
 from retrieval.search.encodings import SparseFlat
 from retrieval.search.rules import ScoreRules
@@ -94,7 +93,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
         query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
-        factor = ScoreRules().sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+        factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
         ignore = config.ignore_ids()
         depth = search_depth(cells)
         shared = {"query_stages": {str(kq): q_stages[kq] for kq in sorted({c.kq for c in cells})},

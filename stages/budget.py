@@ -131,6 +131,11 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
                              f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
                              "first")  # fmt: skip
         cells = sorted(train)
+        n_learn = len(split_queries(ctx.store, config.dataset, learn))
+        if config.folds > n_learn:  # KFold would quietly use fewer
+            raise ValueError(f"--folds {config.folds} but {config.dataset}/{learn} has {n_learn} queries to learn "
+                             f"from: a fold needs at least one; give --folds {min(5, n_learn)} (at most "
+                             f"{n_learn})")  # fmt: skip
         grids = {}
         for split in config.splits:
             grids[split] = have = grid_cells(ctx, system, config.dataset, split, config.mode)

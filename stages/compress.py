@@ -69,8 +69,10 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         if spec.kind == FLOAT16:
             raise ValueError("--to float16 is the system as stored: give int8, residual:B or pq:M")
         store = ctx.store
-        record = find_system(store, config.system.model_copy(update={"where": {**config.system.where,
-                                                                                "store": FLOAT16}}))  # fmt: skip
+        ref = config.system  # by model: its float16 system (a slug names the system itself: checked below)
+        if ref.system is None:
+            ref = ref.model_copy(update={"where": {**ref.where, "store": FLOAT16}})
+        record = find_system(store, ref)
         if record.kind != "encoder" or record.flat_settings().get("store") != FLOAT16:
             raise StoreError(f"{record.system} is not a float16 encoder system; compress the float16 system it was "
                              "made from")  # fmt: skip

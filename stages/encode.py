@@ -26,6 +26,7 @@ from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
+from retrieval.models.released import read_released
 from storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
 from storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
 from storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
@@ -54,7 +55,12 @@ class EncodeConfig(StageConfig, ClusterConfig):
     dataset: str = like(TokenizeConfig, "dataset")
     sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to encode.",
                                                      json_schema_extra=cli(flag="--side"))  # fmt: skip
-    k: KList = Field(default=list(GRID_K), description="Budgets K to encode (one pass per K and side).")
+    k: KList | None = Field(default=None, description="Budgets K to encode (one pass per K and side), on each side "
+                            "that --kq / --kp does not name its own (default: a released checkpoint's trained K_q for "
+                            "queries and K_p for passages, else 1,2,4,8,16).")
+    kq: KList | None = Field(default=None, description="Query budgets K_q: the query side's passes (default: k).")
+    kp: KList | None = Field(default=None, description="Passage budgets K_p: the passage side's passes (default: k). "
+                             "`diffret run --kq 4 --kp 16` encodes the queries at 4 and the passages at 16 only.")
     backbone: BackboneConfig = Field(default_factory=default_backbone,
                                      description="The model and how it is loaded.")  # fmt: skip
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
@@ -73,9 +79,28 @@ class EncodeConfig(StageConfig, ClusterConfig):
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:
-        check_k_within(self.k, self.max_length)
+        check_k_within([k for side in self.sides for k in self.budgets(side)], self.max_length)
         check_head_stats(self.head_stats, self.readout)
         return self
+
+    def budgets(self, side: str) -> list[int]:
+        """The K values encoded on ``side``: its own (``kq`` / ``kp``) when given, else ``k``, else a released
+        checkpoint's trained budget of that side, else the paper's grid.
+
+        >>> EncodeConfig(dataset="d", backbone={"model": "org/base"}).budgets("query")
+        [1, 2, 4, 8, 16]
+        >>> EncodeConfig(dataset="d", kq=[4], kp=[16]).budgets("query")
+        [4]
+        >>> EncodeConfig(dataset="d", k=[1, 4]).budgets("passage")
+        [1, 4]
+        """
+        own = self.kq if side == "query" else self.kp
+        if own is not None:
+            return list(own)
+        if self.k is not None:
+            return list(self.k)
+        ckpt = read_released(self.backbone.adapter or self.backbone.model)
+        return [ckpt.budget(side)] if ckpt is not None else list(GRID_K)
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
@@ -229,7 +254,8 @@ class Encode(
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
         check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         cls = readout_class(config.readout.readout)
-        cls.check_k(config.k)
+        for side in config.sides:
+            cls.check_k(config.budgets(side))
         if cls.name == "diffretriever":  # a masked readout needs a mask token: refused before any work
             mask_token_id(tokenizer_of(config.backbone), resolve_family(config.backbone), config.backbone.mask_token,
                           config.backbone.model)  # fmt: skip
@@ -244,7 +270,7 @@ class Encode(
                                     "tokenize stage")  # fmt: skip
             f_stage, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
                                               t_man.config_hash)  # fmt: skip
-            for k in config.k:
+            for k in config.budgets(side):
                 stage = encodings_dir(record.system, config.dataset, side, k)
                 stats = config.head_stats and side == "query"
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)

@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import pyarrow as pa
 from pydantic import Field
 
-from retrieval.evaluation import DEFAULT_MEASURES, evaluate, qrels_from_table, run_from_table
+from retrieval.evaluation import DEFAULT_MEASURES
+from retrieval.evaluation.arrays import evaluate_tables
 from retrieval.fields import cli
 from storage import ArtifactStore, Manifest
 from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
@@ -105,13 +107,13 @@ def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevanc
     }
 
 
-_QRELS: dict[tuple[str, str, str, str], dict] = {}  # (root, dataset, split, qrels sha256) -> qrels dict
+_QRELS: dict[tuple[str, str, str, str], pa.Table] = {}  # (root, dataset, split, qrels sha256) -> the split's qrels
 
 
-def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> dict:
+def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> pa.Table:
     key = (store.root, dataset, split, sha)
     if key not in _QRELS:
-        _QRELS[key] = qrels_from_table(qrels_table(store, dataset, split))
+        _QRELS[key] = qrels_table(store, dataset, split)
     return _QRELS[key]
 
 
@@ -142,22 +144,19 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         store = ctx.store
         p = store.require_manifest(unit.config["run"]).partition
         qrels = _qrels(store, p["dataset"], p["split"], unit.config["inputs"]["qrels_sha256"])
-        if not qrels:
+        if qrels.num_rows == 0:
             raise ValueError(f"dataset {p['dataset']!r} has no qrels for split {p['split']!r}")
         measures = unit.config["measures"]
-        ranked = unit.config.get("ties", "rank") == "trec"
         stored = read_run(store, unit.config["run"])
-        if ranked:  # each query's documents in rank order, with their scores
-            run = run_from_table(stored.sort_by([("query_id", "ascending"), ("rank", "ascending")]), order="score")
-        else:
-            run = run_from_table(stored)
-        table = evaluate(qrels, run, measures, unit.config["relevance_level"], ranked=ranked)
-        pairs = list(zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True))
+        # vectorised over queries (retrieval/evaluation/arrays.py): pytrec_eval's values, bit for bit
+        table = evaluate_tables(qrels, stored, measures, unit.config["relevance_level"],
+                                ties=unit.config.get("ties", "rank"))  # fmt: skip
         means = {}
-        for name in measures:
-            vals = [v for m_, v in pairs if m_ == name]
-            means[name] = sum(vals) / len(vals) if vals else None
-        m = Manifest.new("metrics", dict(p), unit.config, stats={"queries": len(qrels), "means": means})
+        n_queries = table.num_rows // len(measures)
+        values = table.column("value").to_numpy().reshape(n_queries, len(measures)) if n_queries else None
+        for j, name in enumerate(measures):  # the mean as Python sums it, query by query
+            means[name] = sum(values[:, j].tolist()) / n_queries if n_queries else None
+        m = Manifest.new("metrics", dict(p), unit.config, stats={"queries": n_queries, "means": means})
         with store.stage_writer(unit.stage, m) as w:
             w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 

@@ -16,15 +16,16 @@ from pydantic import Field
 from retrieval.data.collections import (
     DatasetError,
     DatasetReport,
+    DocIds,
     Query,
     build_qrels,
     build_queries,
     read_corpus,
     read_queries,
 )
-from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source
+from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
 from retrieval.fields import cli
-from storage import ArtifactStore, Manifest, StageState
+from storage import ArtifactStore, Manifest, StageState, StoreError
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig
@@ -35,9 +36,20 @@ INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifa
 class DownloadConfig(StageConfig):
     """Parameters of the download flow."""
 
+    @property
+    def dataset(self) -> str:
+        """The name the collection is stored under (:func:`retrieval.data.sources.stored_name`).
+
+        >>> DownloadConfig(name="beir/scifact/test").dataset
+        'scifact'
+        """
+        return stored_name(self.name)
+
     name: str = Field(
         description="Collection: a BEIR name (scifact, nfcorpus, arguana, fiqa, trec-covid, nq, hotpotqa, quora, "
-        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, or any name with a --source.",
+        "scidocs, ...), msmarco-passage, trec-dl-2019, trec-dl-2020, an ir_datasets id (beir/scifact/test, "
+        "msmarco-passage/dev/small, lotte/science/test/search, ...; stored under the catalog's name where it is one, "
+        "else with / as -), or any name with a --source.",
         json_schema_extra=cli(positional=True),
     )
     source: str | None = Field(
@@ -89,11 +101,16 @@ def artifact_config(name: str, files: SourceFiles, unknown_judgments: str = "err
 DRIFT_HINT = "The store already holds {name!r} from another source; pass --force to replace it."
 
 
-def _doc_ids_of(store: ArtifactStore, dataset: str) -> set[str] | None:
+def _doc_ids_of(store: ArtifactStore, dataset: str) -> DocIds | None:
+    """The stored corpus's document ids (DocIds: 8 bytes an id), read a slice at a time."""
     if store.read_manifest(dataset_dir(dataset)) is None:
         return None
-    table = store.read_table(dataset_dir(dataset), "corpus.parquet", columns=["doc_id"])
-    return set(table.column("doc_id").to_pylist())
+    column = store.read_table(dataset_dir(dataset), "corpus.parquet", columns=["doc_id"]).column("doc_id")
+    ids = DocIds()
+    for start in range(0, len(column), 100_000):
+        for doc_id in column.slice(start, 100_000).to_pylist():
+            ids.add(doc_id)
+    return ids
 
 
 def materialise(
@@ -113,9 +130,9 @@ def materialise(
         report.notes.append("the stored copy failed its checksums and was rebuilt")
     manifest = Manifest.new("datasets", {"dataset": name}, config)
     with store.stage_writer(stage, manifest) as w:
-        doc_ids: set[str] | None
+        doc_ids: DocIds | None
         if files.corpus is not None:
-            doc_ids = set()
+            doc_ids = DocIds()
             w.write_parquet(
                 "corpus.parquet", CORPUS_SCHEMA, read_corpus(files.corpus, files.corpus_format, report, doc_ids)
             )
@@ -166,6 +183,8 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
     )
 
     def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
+        if config.source is None and not config.force and (stored := self._stored(config, ctx)) is not None:
+            return stored
         progress = None
         if ctx.report is not None:
             report = ctx.report
@@ -173,17 +192,43 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
             def progress(label: str, done: int, total: int | None) -> None:
                 report(f"download {label}", done, total, "bytes", "")
 
+        name = config.dataset
+        dataset_dir(name)  # a name the store cannot hold: refused before any download
         files = resolve_source(
             config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress
         )
         st = ctx.store.state(
-            dataset_dir(config.name), artifact_config(config.name, files, config.unknown_judgments), force=config.force,
-            hint=DRIFT_HINT.format(name=config.name),
+            dataset_dir(name), artifact_config(name, files, config.unknown_judgments), force=config.force,
+            hint=DRIFT_HINT.format(name=name),
         )  # fmt: skip
         if st is StageState.CURRENT:
-            lines = [f"{config.name}: already in the store with the same source; nothing to do"]
-            return Plan(skipped=1, details={"dataset": config.name, "status": "unchanged", "report": lines})
-        return Plan(units=[IngestUnit(config.name, files, st, config.unknown_judgments)])
+            lines = [f"{name}: already in the store with the same source; nothing to do"]
+            return Plan(skipped=1, details={"dataset": name, "status": "unchanged", "report": lines})
+        return Plan(units=[IngestUnit(name, files, st, config.unknown_judgments)])
+
+    def _stored(self, config: DownloadConfig, ctx: Context) -> Plan | None:
+        """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
+        the network): nothing to do when its files verify; a damaged copy is rebuilt from the source it was made
+        from (None: the official location is fetched)."""
+        stage = dataset_dir(config.dataset)
+        try:
+            m = ctx.store.read_manifest(stage, trusted=False)
+        except StoreError:
+            m = None
+        if m is None:
+            return None
+        origin = str(m.config.get("source") or "")
+        state = ctx.store.state(stage, m.config)
+        if state is StageState.CURRENT:
+            lines = [f"{config.dataset}: already in the store (from {origin}); nothing to do"]
+            return Plan(skipped=1, details={"dataset": config.dataset, "status": "unchanged", "report": lines})
+        if origin in ("", "official"):
+            return None
+        if not (Path(origin).exists() or "://" in origin):
+            raise DatasetError(f"{ctx.store.abspath(stage)}: the stored copy of {config.dataset!r} is damaged and its "
+                               f"source {origin} is gone; give it again with --source")  # fmt: skip
+        unknown = m.config.get("unknown_judgments", config.unknown_judgments)
+        return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)
 
     def run(self, unit: IngestUnit, ctx: Context) -> IngestResult:
         return materialise(ctx.store, unit.name, unit.files, state=unit.state, unknown_judgments=unit.unknown_judgments)
@@ -191,11 +236,11 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
     def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
         """What was stored (or found stored), with the rows of each table and the source (``markdown``)."""
         details = results[0].summary() if results else dict(plan.details)
-        m = ctx.store.require_manifest(dataset_dir(config.name))
+        m = ctx.store.require_manifest(dataset_dir(config.dataset))
         lines = ["| table | rows |", "|---|---:|"]
         lines += [f"| {name.removesuffix('.parquet')} | {e.rows or 0:,} |" for name, e in sorted(m.files.items())]
         details["rows"] = {name: e.rows for name, e in m.files.items()}
-        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.name)}`", "", *lines, "",
+        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.dataset)}`", "", *lines, "",
                                          f"Source: `{m.config.get('source')}`"])  # fmt: skip
         return details
 

@@ -26,7 +26,6 @@ from pydantic import Field, field_validator
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import encode_rows
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.encodings import encodings_from_table, take
 from retrieval.search.exact import SearchSettings
 from retrieval.search.late import QUERY_GRAIN, rescore
@@ -40,7 +39,7 @@ from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_sett
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import PassTracker, PassUnit, open_pass, stacked_slices, unit_file, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
-from .rerank import RerankConfig, first_stage_run
+from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
 from .systems import EncodeSettings, SystemRef, find_system, settings_of
 
@@ -64,7 +63,7 @@ class LateConfig(QueriesConfig, ClusterConfig):
     first_stage: str = like(RerankConfig, "first_stage", json_schema_extra=cli(flag="--first-stage"))
     first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=cli(flag="--first-kq"))
     first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=cli(flag="--first-kp"))
-    first_mode: str = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
+    first_mode: str | None = like(RerankConfig, "first_mode", json_schema_extra=cli(flag="--first-mode"))
     batch_size: int = like(EncodeConfig, "batch_size")
     device: str = like(BackboneConfig, "device")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "
@@ -90,6 +89,23 @@ class LateConfig(QueriesConfig, ClusterConfig):
         if v not in MODE_NAMES:
             raise ValueError(f"unknown mode {v!r}; expected one of {', '.join(MODE_NAMES)}")
         return v
+
+
+def capped_depths(depths: list[int], first_depth: int | None, log: Any = print) -> list[int]:
+    """The m's a late run can honour: each at most the first stage's depth (the documents its run keeps per query),
+    so that a run's label and ``topk`` say what was re-scored; a cap is logged.
+
+    >>> capped_depths([10, 100, 100000], 1000, log=print)
+    m 100,000 is capped at 1,000, the first stage's depth (its run keeps 1,000 documents per query)
+    [10, 100, 1000]
+    """
+    if not first_depth:
+        return depths
+    for m in depths:
+        if m > first_depth:
+            log(f"m {m:,} is capped at {first_depth:,}, the first stage's depth (its run keeps {first_depth:,} "
+                "documents per query)")  # fmt: skip
+    return sorted({min(m, int(first_depth)) for m in depths})
 
 
 class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
@@ -120,13 +136,13 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         cells = []
         for split in config.splits:
             slug, src = first[split]
-            for m in config.depths:
+            for m in capped_depths(config.depths, store.require_manifest(src).config.get("topk"), ctx.log):
                 mode = f"late_{config.mode}_m{m}"
                 cfg = {
                     "system": record.system, "dataset": config.dataset, "corpus": corpus, "split": split,
                     "kq": config.kq, "kp": config.kp, "mode": mode, "topk": m, "rescore": config.mode,
                     "first_stage": {"system": slug, "kq": config.first_kq, "kp": config.first_kp,
-                                    "mode": config.first_mode},
+                                    "mode": first_stage_mode(store, config.first_stage, config.first_mode)},
                     "ignore_identical_ids": config.ignore_ids(), "rules": config.rules.model_dump(),
                     "inputs": {"first": store.require_manifest(src).config_hash, "queries": q_man.config_hash},
                 }  # fmt: skip
@@ -138,7 +154,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             return plan
         splits = sorted({c.split for c in cells})
         query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
-        factor = config.rules.sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
         partial = partial_dir(record.system, corpus, config.kp)
         shared = {
             "dataset": config.dataset, "tokens_stage": t_stage, "query_stage": q_stage, "query_ids": query_ids,

@@ -8,18 +8,21 @@ report is rebuilt; when they do not, it is left as it is (and only copied to ``o
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from retrieval.analysis.report import Report, build_report
-from retrieval.fields import cli
+from retrieval.fields import cli, like
 from storage import Manifest, StoreError
 from storage.layout import report_dir
 from storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
+from .compare import CompareConfig
 from .systems import list_systems
+
+REPORT_FORMAT = 2  # 2: significance corrected across the tables, the section of runs against the baseline
 
 
 class ReportConfig(StageConfig):
@@ -29,9 +32,12 @@ class ReportConfig(StageConfig):
     out_dir: str | None = Field(default=None, description="Also copy the report into this folder (outside the store).",
                                 json_schema_extra=cli(flag="--out", short="-o"))  # fmt: skip
     refs: list[str] | None = Field(
-        default=None, description="Systems the tables' t-test markers compare with († first, ‡ second; default: bm25).",
+        default=None, description="Systems the tables' significance markers compare with († first, ‡ second; "
+        "default: bm25); the first is the baseline of the section 'Runs against'.",
         json_schema_extra=cli(flag="--ref"),
     )
+    test: Literal["t", "wilcoxon"] = like(CompareConfig, "test")
+    correction: Literal["holm", "bonferroni", "none"] = like(CompareConfig, "correction")
     finetuned: dict[str, str] = Field(default_factory=dict, description="BASE system slug -> fine-tuned slug.")
     n_boot: int = Field(default=1000, ge=10, description="Bootstrap resamples of the correlation CIs.")
     hidden: int = Field(default=3584, ge=1, description="Footprint projection: hidden size (Dream-7B: 3584).")
@@ -62,9 +68,12 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         if unknown:
             raise StoreError(f"unknown system {unknown[0]!r} in --ref / --finetuned; the store's systems: "
                              f"{', '.join(sorted(known)) or 'none'}")  # fmt: skip
-        cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force"})
+        # the test and correction recorded when not the defaults: a report of the defaults keeps its settings (it is
+        # rebuilt, not refused, as REPORT_FORMAT is one of its inputs)
+        plain = {k for k in ("test", "correction") if getattr(config, k) == ReportConfig.model_fields[k].default}
+        cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force", *plain})
         cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query",
-                                                        "latency/*/*/*")}  # fmt: skip
+                                                        "latency/*/*/*"), "format": REPORT_FORMAT}  # fmt: skip
         stage = report_dir(config.name)
         plan = Plan()
         if plan.needs_folder(ctx, stage, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
@@ -76,7 +85,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         c = unit.config
         with StoreSQL(ctx.store) as db:
             rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
-                               c["settings"])  # fmt: skip
+                               c["settings"], c.get("test", "t"), c.get("correction", "holm"))  # fmt: skip
         m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections]})
         with ctx.store.stage_writer(unit.stage, m) as w:
             for fname, data in sorted(rep.files.items()):

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from retrieval.data.collections import passage_text
 from retrieval.fields import cli, like
@@ -23,7 +23,7 @@ from retrieval.models.backbones import BackboneConfig, load_backbone
 from retrieval.rerank.rerankers import Reranker, RerankerName, batch_cuts, load_rerank_prompt, make_reranker
 from retrieval.rerank.training import RerankTrainSettings
 from storage import ArtifactStore, FileEntry, StoreError, config_hash
-from storage.layout import RUN_SCHEMA, dataset_dir, run_dir
+from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .passes import PassTracker, PassUnit, open_pass, read_units, unit_file, write_unit
@@ -48,8 +48,9 @@ class RerankConfig(QueriesConfig, ClusterConfig):
                           json_schema_extra=cli(flag="--kq"))  # fmt: skip
     first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).",
                           json_schema_extra=cli(flag="--kp"))  # fmt: skip
-    first_mode: str = Field(default="bm25", description="The first-stage run's mode (bm25 for BM25).",
-                            json_schema_extra=cli(flag="--mode"))  # fmt: skip
+    first_mode: str | None = Field(default=None, description="The first-stage run's mode (default: bm25 for BM25, "
+                                   "imported for an imported run, fusion for a fusion; an encoder's must be named).",
+                                   json_schema_extra=cli(flag="--mode"))  # fmt: skip
     depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
     method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
     backbone: BackboneConfig = Field(default_factory=default_backbone,
@@ -64,6 +65,14 @@ class RerankConfig(QueriesConfig, ClusterConfig):
     unit_queries: int = Field(default=4096, ge=1, description="Queries per unit (at least; a unit ends where the "
                               "whole run's batches end, so that its forward passes are the whole run's): the units run "
                               "on the workers and a killed run keeps the finished ones.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _windows_overlap(self) -> RerankConfig:
+        if self.step > self.window:  # RankGPT's windows would leave the documents between them where they were
+            raise ValueError(f"--step {self.step} is larger than --window {self.window}: the documents between two "
+                             "windows would never be reranked; give a step no larger than the window (the default: "
+                             "window 20, step 10)")  # fmt: skip
+        return self
 
     def settings(self) -> dict[str, Any]:
         """What the reranker system's slug hashes (everything that changes its numbers)."""
@@ -90,10 +99,11 @@ def reranker_slug(model: str, method: str, settings: dict[str, Any], first: dict
 
 
 def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str, kq: int, kp: int,
-                    mode: str) -> tuple[str, str]:  # fmt: skip
-    """(system, run folder) of a stored first-stage run (see :func:`first_stage_system`); a missing run is a clear
-    error naming what to run."""
+                    mode: str | None) -> tuple[str, str]:  # fmt: skip
+    """(system, run folder) of a stored first-stage run (see :func:`first_stage_system`; ``mode`` None: the
+    system's own, :func:`first_stage_mode`); a missing run is a clear error naming what to run."""
     slug = first_stage_system(store, system)
+    mode = first_stage_mode(store, system, mode)
     src = run_dir(slug, dataset, split, kq, kp, mode)
     if store.read_manifest(src) is None:
         raise StoreError(f"no first-stage run {slug} kq={kq} kp={kp} mode={mode} on {dataset}/{split} in "
@@ -101,9 +111,25 @@ def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str,
     return slug, src
 
 
+# the one mode of a system kind whose runs have no grid (kq = kp = 0)
+KIND_MODES = {"bm25": "bm25", "run": IMPORTED_MODE, "fusion": FUSION_MODE}
+
+
+def first_stage_mode(store: ArtifactStore, system: str, mode: str | None) -> str:
+    """``mode``, or when None the first-stage system's one mode (BM25, an imported run, a fusion); an encoder's
+    runs have a grid, so its mode must be named."""
+    if mode is not None:
+        return mode
+    kind = "bm25" if system == "bm25" else find_system(store, SystemRef(system=system)).kind
+    if kind not in KIND_MODES:
+        raise ValueError(f"the first stage {system!r} is an {kind} system with a grid of runs: name its run with "
+                         "--mode (and --kq, --kp)")  # fmt: skip
+    return KIND_MODES[kind]
+
+
 def first_stage_system(store: ArtifactStore, system: str) -> str:
     """The slug of a first-stage system: ``bm25`` names the store's BM25 system, anything else a system slug or
-    unique prefix of an encoder's; a reranker is refused."""
+    unique prefix (an encoder's, an imported run's, a fusion's); a reranker is refused."""
     kind = "bm25" if system == "bm25" else None
     first = find_system(store, SystemRef(system=None if kind else system), kind=kind or "encoder")
     if first.kind == "reranker":
@@ -122,7 +148,8 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         store = ctx.store
         settings = config.settings()
         first = first_stage_system(store, config.first_stage)
-        first_ref = {"system": first, "kq": config.first_kq, "kp": config.first_kp, "mode": config.first_mode}
+        first_ref = {"system": first, "kq": config.first_kq, "kp": config.first_kp,
+                     "mode": first_stage_mode(store, config.first_stage, config.first_mode)}  # fmt: skip
         slug = reranker_slug(config.backbone.model, config.method, settings, first_ref)
         corpus = config.corpus_name()
         inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,

@@ -155,3 +155,54 @@ def read_run(store: ArtifactStore, stage: str, columns: list[str] | None = None)
     return table
 
 
+
+
+@dataclass(frozen=True)
+class PickedRun:
+    """A stored run a command named (``SYSTEM[:MODE[:KQ:KP]]``): its system, cell and folder."""
+
+    label: str  # as the command named it
+    system: str
+    kq: int
+    kp: int
+    mode: str
+    stage: str
+
+    def ref(self) -> dict[str, Any]:
+        return {"system": self.system, "kq": self.kq, "kp": self.kp, "mode": self.mode}
+
+
+def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> PickedRun:
+    """The one stored run of ``dataset``/``split`` that ``ref`` names: ``SYSTEM`` (a slug, a unique prefix of one, or
+    ``bm25`` for the store's BM25 system), optionally ``:MODE`` and ``:KQ:KP``; a system with one run there needs
+    neither. None or several: a StoreError listing the runs to choose from."""
+    from storage.layout import partition
+
+    from .systems import SystemRef, find_system
+
+    parts = ref.split(":")
+    if len(parts) not in (1, 2, 4) or not parts[0]:
+        raise ValueError(f"run {ref!r}: expected SYSTEM, SYSTEM:MODE or SYSTEM:MODE:KQ:KP")
+    try:
+        kq, kp = (int(parts[2]), int(parts[3])) if len(parts) == 4 else (None, None)
+    except ValueError:
+        raise ValueError(f"run {ref!r}: KQ and KP must be integers (SYSTEM:MODE:KQ:KP)") from None
+    mode = parts[1] if len(parts) > 1 else None
+    record = find_system(store, SystemRef(), kind="bm25") if parts[0] == "bm25" else find_system(
+        store, SystemRef(system=parts[0]))  # fmt: skip
+    found = []
+    for stage in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
+        m = store.read_manifest(stage)
+        if m is None or RUN_FILE not in m.files:
+            continue
+        p = m.partition
+        if (mode is None or p["mode"] == mode) and (kq is None or (int(p["kq"]), int(p["kp"])) == (kq, kp)):
+            found.append(PickedRun(ref, record.system, int(p["kq"]), int(p["kp"]), p["mode"], stage))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise StoreError(f"no run {ref!r} ({record.system}) on {dataset}/{split} in {store.root}; run it first, or "
+                         "list the runs: diffret sql \"select distinct system, mode, kq, kp from runs\"")  # fmt: skip
+    names = ", ".join(f"{r.system}:{r.mode}:{r.kq}:{r.kp}" for r in sorted(found, key=lambda r: (r.mode, r.kq, r.kp)))
+    raise StoreError(f"run {ref!r} names {len(found)} runs on {dataset}/{split}; name one as SYSTEM:MODE:KQ:KP "
+                     f"({names[:600]})")  # fmt: skip

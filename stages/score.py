@@ -23,7 +23,6 @@ from pydantic import Field
 from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import sparse_quantised
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, modes_for
 from retrieval.search.rules import ScoreRules
@@ -97,7 +96,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
-        factor = config.rules.sparse_factor(sparse_quantised(record.readout, record.settings.get("readout")))
+        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
         tracker, passes = PassTracker(), {}
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]

@@ -15,12 +15,12 @@ from pydantic import Field
 
 from retrieval.analysis.summary import build_summary
 from retrieval.fields import cli
-from storage import ArtifactStore, Manifest
+from storage import ArtifactStore, Manifest, StoreError
 from storage.layout import summary_dir
 from storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
-from .systems import SystemRef, find_system
+from .systems import SystemRef, find_system, list_systems
 
 
 class SummaryConfig(StageConfig):
@@ -31,7 +31,9 @@ class SummaryConfig(StageConfig):
     dataset: str = Field(description="The dataset its runs were scored on.", json_schema_extra=cli(short="-d"))
     splits: list[str] = Field(default=["test"], description="The splits to summarise.",
                               json_schema_extra=cli(flag="--split"))  # fmt: skip
-    bm25: str | None = Field(default=None, description="The BM25 system to compare with (a slug or prefix), if any.")
+    bm25: str | None = Field(default="auto", description="The BM25 system to compare with (a slug or prefix); "
+                             "auto: the store's BM25 system evaluated on the dataset, if any; none: no BM25 "
+                             "row.")  # fmt: skip
 
 
 class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
@@ -43,11 +45,19 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
     )
 
     def plan(self, config: SummaryConfig, ctx: Context) -> Plan:
-        system = find_system(ctx.store, SystemRef(system=config.system)).system
-        bm25 = find_system(ctx.store, SystemRef(system=config.bm25)).system if config.bm25 else None
+        store = ctx.store
+        system = find_system(store, SystemRef(system=config.system)).system
+        bm25 = _bm25(store, config.bm25, config.dataset)
         plan = Plan(system=system, details={"bm25": bm25})
         systems = [system] + ([bm25] if bm25 else [])
-        for split in config.splits:
+        for split in config.splits:  # a summary of nothing is never written
+            if not store.stage_dirs(f"metrics/system={system}/dataset={config.dataset}/split={split}/*/*/*"):
+                have = sorted({d.split("/")[2].split("=", 1)[1] + "/" + d.split("/")[3].split("=", 1)[1]
+                               for d in store.stage_dirs(f"metrics/system={system}/*/*/*/*/*")})  # fmt: skip
+                raise StoreError(f"no metrics of {system} on {config.dataset}/{split} in {store.root}, so there is "
+                                 f"nothing to summarise (it has metrics on: {', '.join(have) or 'nothing'}); score "
+                                 f"and evaluate it first (`diffret score -d {config.dataset} --split {split}`, "
+                                 "`diffret evaluate`)")  # fmt: skip
             cfg = {
                 "system": system, "bm25": bm25, "dataset": config.dataset, "split": split,
                 "inputs": {"metrics": ctx.store.fingerprint(
@@ -64,23 +74,40 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
             s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"])
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
         board = [r.as_dict() for r in s.rows]
-        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board})
+        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board,
+                                                      "warnings": s.warnings()})  # fmt: skip
         with ctx.store.stage_writer(unit.stage, m) as w:
             for name, data in s.files().items():
                 w.write_file(name, data)
 
     def finish(self, config: SummaryConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """The leaderboard of each split (from the stored summaries) and where each summary folder is."""
-        out: dict[str, Any] = {"leaderboards": {}, "folders": {}}
+        out: dict[str, Any] = {"leaderboards": {}, "folders": {}, "warnings": []}
         pages = []
         for split in config.splits:
             stage = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
             m = ctx.store.require_manifest(stage)
             out["leaderboards"][split] = m.stats.get("leaderboard", [])
             out["folders"][split] = ctx.store.abspath(stage)
+            out["warnings"] += m.stats.get("warnings", [])
             pages.append(summary_page(ctx.store, stage))
         out["markdown"] = "\n".join(pages)
         return out
+
+
+def _bm25(store: ArtifactStore, given: str | None, dataset: str) -> str | None:
+    """The BM25 system a summary compares with: the one named, none, or (auto) the store's BM25 system evaluated on
+    ``dataset`` (several: refused, naming them), so that a summary rebuilt without the pipeline keeps its row."""
+    if given in (None, "none"):
+        return None
+    if given != "auto":
+        return find_system(store, SystemRef(system=given)).system
+    found = [r.system for r, _ in list_systems(store) if r.kind == "bm25"
+             and store.stage_dirs(f"metrics/system={r.system}/dataset={dataset}/*/*/*/*")]  # fmt: skip
+    if len(found) > 1:
+        raise StoreError(f"{len(found)} BM25 systems are evaluated on {dataset} ({', '.join(found)}): name one with "
+                         "--bm25 SLUG (or --bm25 none)")  # fmt: skip
+    return found[0] if found else None
 
 
 def summary_page(store: ArtifactStore, stage: str) -> str:

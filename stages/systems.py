@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
+from retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
 from storage import ArtifactStore, Manifest, StoreError, config_hash
 from storage.codecs import FLOAT16, parse_store, store_tag
 from storage.layout import system_dir
@@ -49,9 +50,31 @@ class EncodeSettings(BaseModel):
     @model_validator(mode="after")
     def _resolve_readout(self) -> EncodeSettings:
         if not self.readout.is_resolved:
-            self.readout = self.readout.resolved(finetuned_model(self.backbone))
+            self.readout = released_readout(self.readout, self.backbone).resolved(finetuned_model(self.backbone))
         parse_store(self.store)  # an unknown choice is refused here, naming the choices
         return self
+
+
+def released_readout(readout: ReadoutConfig, backbone: BackboneConfig) -> ReadoutConfig:
+    """A released checkpoint's own settings where the readout leaves them open: its prompt ids (``auto`` ->
+    ``checkpoint``) and its denoising steps (where ``denoise_steps`` is left at 1). Any other model: unchanged; the
+    checkpoint prompt asked of one is refused.
+
+    >>> released_readout(ReadoutConfig(), BackboneConfig(model="org/some-base")).prompt
+    'auto'
+    """
+    ckpt = read_released(backbone.adapter or backbone.model)
+    if ckpt is None:
+        if readout.prompt == CHECKPOINT_PROMPT:
+            raise ValueError(f"--prompt {CHECKPOINT_PROMPT} reads a released checkpoint's {RELEASED_CONFIG}; "
+                             f"{backbone.adapter or backbone.model} has none (give auto or a prompt variant)")
+        return readout
+    if readout.readout != "diffretriever":
+        return readout
+    update: dict[str, Any] = {"prompt": CHECKPOINT_PROMPT} if readout.prompt == "auto" else {}
+    if readout.denoise_steps == 1 and ckpt.denoise_steps > 1:
+        update["denoise_steps"] = ckpt.denoise_steps
+    return readout.model_copy(update=update)
 
 
 # what marks a fine-tuned model: diffret train's manifest in its folder, or a reference checkpoint's config
@@ -66,6 +89,8 @@ def finetuned_model(backbone: BackboneConfig) -> bool:
     >>> finetuned_model(BackboneConfig(model="org/some-base"))
     False
     """
+    if read_released(backbone.adapter or backbone.model) is not None:  # a released one, by hub id too
+        return True
     for name in (backbone.adapter, backbone.model):
         if not name:
             continue
@@ -123,6 +148,11 @@ def weights_of(b: BackboneConfig) -> dict[str, str]:
     """Content fingerprints of a local model (and adapter) folder's weights, when they are there (hub ids: none).
     Recorded in the registry, not hashed into the slug: a re-run with every artifact current needs no weights."""
     out = {}
+    if released := released_fingerprint(b.adapter or b.model):  # its adapter and settings (a hub id's snapshot too)
+        out["adapter_weights"] = released
+        if b.adapter and (fp := weights_fingerprint(b.model, b.gguf_file)):
+            out["weights"] = fp
+        return out
     if fp := weights_fingerprint(b.model, b.gguf_file):
         out["weights"] = fp
     if b.adapter and (fp := weights_fingerprint(b.adapter)):
@@ -193,7 +223,7 @@ class SystemRecord(BaseModel):
     """One registered system (the ``config`` of its registry manifest)."""
 
     system: str
-    kind: Literal["encoder", "bm25", "reranker"]
+    kind: Literal["encoder", "bm25", "reranker", "run", "fusion"]  # run: imported (diffret import-run)
     model: str | None = None  # the backbone as given (HF id or path); None for BM25
     readout: str | None = None
     multi_vector: bool = False
@@ -340,6 +370,7 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
         exact = [r for r, _ in records if r.system == ref.system]
         hits = exact or [r for r, _ in records if r.system.startswith(ref.system)]
         if len(hits) == 1:
+            _refuse_disagreement(ref, hits[0], next(st for r, st in records if r is hits[0]))
             return hits[0]
         what = "several systems start with" if hits else "no system named"
         raise StoreError(f"{what} {ref.system!r} in {store.root}; {_known(store)}")
@@ -371,6 +402,24 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
     how = f"or add the setting that tells them apart ({', '.join(flags)})" if flags else "as the settings given fit all"
     raise StoreError(f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with "
                      f"--system SLUG, {how}")  # fmt: skip
+
+
+def _refuse_disagreement(ref: SystemRef, record: SystemRecord, stats: dict[str, Any]) -> None:
+    """A slug given with ``--model`` or settings that do not describe it: refused naming both (the slug never
+    silently wins over the other selectors)."""
+    wrong = []
+    if ref.model and record.model != ref.model:
+        path = _local_path(ref.model)
+        if not (path and stats.get("model_path") == path):
+            wrong.append(f"--model {ref.model} (it was encoded from {record.model})")
+    flat = record.flat_settings()
+    for key, want in ref.where.items():
+        if flat.get(key) != want:
+            have = flat.get(key, "nothing (not a setting of this system)")
+            wrong.append(f"--{key.split('.')[-1].replace('_', '-')} {want} (it has {have})")
+    if wrong:
+        raise StoreError(f"--system {record.system} does not match {'; '.join(wrong)}: give the slug alone, or the "
+                         "model and settings alone (`diffret systems` lists both)")  # fmt: skip
 
 
 def _differing(settings: Any) -> list[str]:

@@ -29,11 +29,11 @@ import pyarrow as pa
 from pydantic import Field
 
 from retrieval.data.training import groups_from_table
-from retrieval.devices import resolve_device
+from retrieval.devices import memory_bytes, resolve_device
 from retrieval.fields import cli
-from retrieval.models.backbones import BASE_FILE, BackboneConfig, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, world
+from retrieval.models.backbones import BASE_FILE, BackboneConfig, BackboneError, load_backbone, raw_config
+from retrieval.models.readouts import ReadoutConfig, make_reader, readout_class
+from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, training_memory, world
 from retrieval.training.negatives import RetrievedNegatives
 from storage import IncompleteArtifactError, Manifest, StoreError
 from storage.layout import (
@@ -68,6 +68,9 @@ class TrainConfig(StageConfig):
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
     merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "
                         "folder, no base needed) instead of the adapter alone.")  # fmt: skip
+    memory_gb: float | None = Field(default=None, gt=0, description="Memory one training process may use (GiB): "
+                                    "a pool whose estimated peak exceeds it is refused before the model is loaded "
+                                    "(default: the GPU's memory, or the memory the CPU has available).")  # fmt: skip
     bot: str | None = Field(default=None, description="Retrieved negatives: the bag-of-tokens index's tokenizer slug "
                             "(`diffret sql 'from bot_indexes'`); default: the training corpus's one index with the "
                             "model's vocabulary.")  # fmt: skip
@@ -113,6 +116,7 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
             config = config.model_copy(update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp,
                                                                                                **given})})  # fmt: skip
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
+        check_memory(config)
         cfg = {
             "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
             "readout": config.readout.numbers(), "settings": config.settings.recorded(),
@@ -301,6 +305,32 @@ def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, s
             rows = [{k: r.get(k) for k in TRAIN_LOG_SCHEMA.names} for r in log]
             w.write_parquet(TRAIN_LOG_FILE, TRAIN_LOG_SCHEMA, [pa.Table.from_pylist(rows, TRAIN_LOG_SCHEMA)])
             w.write_file("loss.png", _loss_png(log, unit.name, ylabel))
+
+
+def check_memory(config: TrainConfig) -> None:
+    """Refuse a training step whose estimated peak (:func:`retrieval.training.loop.training_memory`, from the
+    model's config.json) exceeds ``memory_gb`` (default: the device's), before the model is loaded or a pool is
+    built; one line with the estimate by part and what lowers it."""
+    device = resolve_device(config.backbone.device)
+    try:
+        raw = raw_config(config.backbone)
+    except BackboneError:  # the load that follows names the problem
+        return
+    s = config.settings
+    bf16 = s.precision == "bfloat16" or (s.precision == "auto" and device.type == "cuda")
+    sparse = readout_class(config.readout.readout).has_sparse
+    need = training_memory(raw, s, sparse, bf16, world()[1], 4 if config.backbone.dtype == "float32" else 2)
+    have = config.memory_gb * 2**30 if config.memory_gb else memory_bytes(device)
+    if need is None or have is None or sum(need.values()) <= have:
+        return
+    gib = 2**30
+    parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in need.items() if v)
+    stated = f"--memory-gb {config.memory_gb:g}" if config.memory_gb else f"this {device.type}'s {have / gib:.1f} GiB"
+    raise ValueError(f"a training step would need about {sum(need.values()) / gib:.1f} GiB ({parts}; "
+                     f"{s.batch_size} groups of 1 + {s.n_negatives} passages a pass, a pool of {s.pool_size}), more "
+                     f"than {stated}: lower --batch-size (gradient caching keeps the pool), --n-negatives or "
+                     "--p-max-len, add --gradient-checkpointing, or state the memory there is with "
+                     "--memory-gb")  # fmt: skip
 
 
 def max_negatives(store: Any, name: str, data: Manifest) -> int:

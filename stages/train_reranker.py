@@ -56,7 +56,7 @@ class TrainRerankerConfig(StageConfig):
     first_stage: str = Field(default="bm25", description="The run giving the candidates: bm25 or a system slug.")
     first_kq: int = like(RerankConfig, "first_kq")
     first_kp: int = like(RerankConfig, "first_kp")
-    first_mode: str = like(RerankConfig, "first_mode")
+    first_mode: str | None = like(RerankConfig, "first_mode")
     backbone: BackboneConfig = like(TrainConfig, "backbone")
     settings: RerankTrainSettings = like(TrainConfig, "settings", default_factory=RerankTrainSettings)
     name: str | None = Field(default=None, description="The model's name (default: {base}-rr-{hash}).")

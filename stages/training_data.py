@@ -6,8 +6,9 @@ A set comes from a Tevatron file (``--source``: jsonl, jsonl.gz or Parquet, or a
 is reachable), or is mined from a dataset in the store: the judged queries of its train split, their
 positives from the qrels, and hard negatives from a run already in the store (BM25 by default, or any
 system by name): the top ``depth`` (30) minus the positives, ``n_negatives`` (15) sampled per query. Groups
-with fewer candidates are filled by sampling them with replacement; queries without a positive in the
-corpus, without a run or without any negative get no group. Every such case is counted in the manifest
+with fewer candidates keep the ones there are (never a duplicate: training draws a short group's negatives
+with replacement, as Tevatron does); queries without a positive in the corpus, without a run or without any
+negative get no group. A Tevatron file's repeated negatives are stored once. Every such case is counted in the manifest
 (``stats``) and printed. The view ``training_groups`` shows one row per group.
 """
 
@@ -22,7 +23,7 @@ from pydantic import Field, model_validator
 
 from retrieval.data.collections import DatasetError
 from retrieval.data.sources import corpus_of
-from retrieval.data.training import Group, groups_table, mine_groups, read_tevatron
+from retrieval.data.training import Group, drop_repeated_negatives, groups_table, mine_groups, read_tevatron
 from retrieval.fields import cli
 from storage import Manifest, StoreError
 from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
@@ -148,7 +149,7 @@ class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(
         cfg = unit.config
         if unit.run is None:
             groups: list[Group] = [g for f in _source_files(cfg["source"]) for g in read_tevatron(f)]
-            stats: dict[str, Any] = {"groups": len(groups)}
+            stats: dict[str, Any] = {"groups": len(groups), "repeated_negatives": drop_repeated_negatives(groups)}
         else:
             groups, report = self._mine(unit, ctx)
             stats = report.to_dict()
@@ -159,8 +160,17 @@ class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(
         m = Manifest.new("training", {"set": cfg["set"]}, cfg, stats=stats)
         with ctx.store.stage_writer(unit.stage, m) as w:
             w.write_parquet(GROUPS_FILE, GROUPS_SCHEMA, [groups_table(groups)])
-        counted = {k: v for k, v in stats.items() if k not in ("examples", "negatives_per_group") and v}
+        counted = {k: v for k, v in stats.items() if k not in ("examples", "negatives_per_group", "short",
+                                                              "negatives_short", "repeated_negatives") and v}
         ctx.log(f"training set {cfg['set']!r}: " + ", ".join(f"{k} {v:,}" for k, v in counted.items()))
+        if stats.get("short"):
+            held = [len(g.negatives) for g in groups if len(g.negatives) < cfg["n_negatives"]]
+            ctx.log(f"{stats['short']:,} group(s) have fewer than {cfg['n_negatives']:,} distinct negatives in the "
+                    f"run's top {cfg['depth']} (positives left out): stored as they are, {min(held)}-{max(held)} each "
+                    f"({stats['negatives_short']:,} fewer in all), no duplicates; for more, raise --depth")  # fmt: skip
+        if stats.get("repeated_negatives"):
+            ctx.log(f"{stats['repeated_negatives']:,} repeated negative(s) dropped (a passage is stored once per "
+                    "group)")  # fmt: skip
         return stats
 
     def _mine(self, unit: TrainingUnit, ctx: Context) -> tuple[list[Group], Any]:

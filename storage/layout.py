@@ -270,6 +270,10 @@ SHARD_RECORDS_DIR = "_records"  # the same as one small file per shard (object s
 METRICS_FILE = "per_query.parquet"
 
 
+IMPORTED_MODE = "imported"  # the mode of a run made elsewhere (diffret import-run; kq = kp = 0)
+FUSION_MODE = "fusion"  # the mode of a fusion of stored runs (diffret fuse; kq = kp = 0)
+
+
 def run_dir(system: str, dataset: str, split: str, kq: int, kp: int, mode: str) -> str:
     """One run folder per (system, dataset, split, K_q, K_p, mode); BM25 (no budget) uses kq = kp = 0, mode=bm25."""
     return partition("runs", system=system, dataset=dataset, split=split, kq=kq, kp=kp, mode=mode)
@@ -291,6 +295,11 @@ def summary_dir(system: str, dataset: str, split: str) -> str:
 
 def report_dir(name: str) -> str:
     return partition("reports", report=name)
+
+
+def comparison_dir(name: str) -> str:
+    """A table of runs against a baseline (``diffret compare``): comparison.md, .csv and .tex."""
+    return partition("comparisons", comparison=name)
 
 
 GROUPS_FILE = "groups.parquet"
@@ -424,12 +433,14 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "partials": ("partials/*/*/*/*", "diffret score"),
     "summaries": ("summaries/*/*/*", "diffret run"),
     "reports": ("reports/*", "diffret report"),
+    "comparisons": ("comparisons/*", "diffret compare"),
     "training": ("training/*", "diffret training-data"),
     "models": ("models/*", "diffret train"),
     "latency": ("latency/*/*/*", "diffret latency"),
     "features": ("features/*/*/*/*", "diffret budget"),
 }
-_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank"}
+_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "imported": "diffret import-run",
+                 "fusion": "diffret fuse"}
 
 
 def repair_hint(rel: str) -> str:

@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout
@@ -71,15 +72,19 @@ class DamagedView(StoreError):
 
 
 def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> list[str]:
-    """Absolute paths matching ``pattern`` that a complete manifest in their folder lists.
+    """Absolute paths matching ``pattern`` that a complete manifest in their folder lists, each checked first: its
+    size and mtime against the manifest (:meth:`ArtifactStore.check_file`, what re-run planning trusts; a file
+    touched since is hashed), or with ``verify`` its sha256.
 
     Manifests themselves (``_manifest.json``) are listed as they are; staging and lock folders never are. A local
-    folder holding matching files but no manifest (a deleted one) or an unreadable / hand-edited manifest is
-    damage: :class:`DamagedView` names it and its repair (a view would otherwise lose its rows silently).
+    folder holding matching files but no manifest (a deleted one), an unreadable / hand-edited manifest or a file
+    that fails its check is damage: :class:`DamagedView` names it and its repair (a view would otherwise lose its
+    rows silently, or read changed bytes).
     """
     matches = store.fs.glob(store.abspath(pattern))
     out: list[str] = []
     manifests: dict[str, Manifest | None] = {}
+    written: dict[str, int | None] = {}  # folder -> its manifest's mtime (files are written before it)
     for path in sorted(matches):
         rel = store.relpath(path)
         if rel.startswith((layout.STAGING_DIR + "/", layout.LOCKS_DIR + "/")):
@@ -99,8 +104,16 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> li
         m = manifests[folder]
         if m is None or name not in m.files:
             continue
-        if verify:
-            store.verify_file(folder, name, m.files[name])
+        try:
+            if verify:
+                store.verify_file(folder, name, m.files[name])
+            else:
+                if folder not in written:
+                    stat = store.file_stat(layout.manifest_path(folder))
+                    written[folder] = stat[1] if stat else None
+                store.check_file(folder, name, m.files[name], written[folder])
+        except StoreError as exc:
+            raise DamagedView(str(exc)) from None
         out.append(path)
     return out
 
@@ -273,6 +286,18 @@ class StoreSQL:
         rel = self._run(sql)
         cols = [d[0] for d in rel.description] if rel.description else []
         return cols, rel.fetchall()
+
+    def arrow(self, sql: str) -> pa.Table:
+        """A read-only query's result as an Arrow table (:meth:`query`'s checks).
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+        ...     db.arrow("select 42 as answer").to_pylist()
+        [{'answer': 42}]
+        """
+        rel = self._run(sql, relation=True)
+        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow  # DuckDB 1.x: arrow(); 2.x: to_arrow_table()
+        return fetch()
 
     def export(self, sql: str, path: str) -> int:
         """Write a read-only query's result to ``path`` (``.csv`` or ``.parquet``) atomically; its row count.

@@ -358,6 +358,34 @@ class ArtifactStore:
                                 f"{repair}")  # fmt: skip
         self._verified[key] = digest
 
+    def check_file(self, stage_dir: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
+        """The cheap check re-run planning trusts (:meth:`open_sharded`), for a reader: the file is there with its
+        recorded size, and its mtime is the one recorded (``entry.mtime_ns``) or, where none was, not later than
+        ``since_ns`` (its manifest's, written after its files). A file touched since is checked by sha256
+        (:meth:`verify_file`); :class:`ChecksumError` names what differs and the repair.
+
+        >>> import tempfile, pyarrow as pa
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     entry = store.write_shard("t", "a.parquet", pa.table({"x": [1]}))
+        ...     store.check_file("t", "a.parquet", entry)
+        ...     with open(store.abspath("t/a.parquet"), "ab") as f:
+        ...         _ = f.write(b"x")
+        ...     try:
+        ...         store.check_file("t", "a.parquet", entry)
+        ...     except ChecksumError as e:
+        ...         print("bytes, manifest says" in str(e))
+        True
+        """
+        stat = self.file_stat(f"{stage_dir}/{name}")
+        if stat is not None and stat[0] == entry.bytes:
+            recorded = entry.mtime_ns if entry.mtime_ns is not None else since_ns
+            if stat[1] is None or recorded is None:  # no mtimes to compare: the size decides
+                return
+            if stat[1] == entry.mtime_ns or (entry.mtime_ns is None and stat[1] <= recorded):
+                return
+        self.verify_file(stage_dir, name, entry)  # missing, resized or touched: the sha256 decides
+
     def verify(self, stage_dir: str) -> Manifest:
         """The stage's manifest after checking every file it lists."""
         m = self.require_manifest(stage_dir)

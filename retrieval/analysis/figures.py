@@ -27,20 +27,28 @@ def _pyplot() -> Any:
 
 
 def heatmap_png(
-    kqs: list[int], kps: list[int], grid: np.ndarray, title: str, marks: dict[str, tuple] | None = None
+    kqs: list[int], kps: list[int], grid: np.ndarray, title: str, marks: dict[str, tuple] | None = None,
+    reference: float | None = None,
 ) -> bytes:
-    """A (K_q rows, K_p columns) heatmap with the values written in; ``marks``: label -> (kq, kp) boxed."""
+    """A (K_q rows, K_p columns) heatmap with the values written in; ``marks``: label -> (kq, kp) boxed.
+    ``reference`` (BM25's value): the colour scale runs from 0 to just above the larger of it and the grid's maximum
+    and it is drawn on the colour bar, so that a grid far below it is not stretched into a pattern."""
     from matplotlib.patches import Rectangle
 
     fig, ax = _pyplot().subplots(figsize=(1.1 * len(kps) + 2.2, 0.9 * len(kqs) + 1.6), dpi=110)
-    im = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
+    finite = grid[np.isfinite(grid)]
+    scale = {}
+    if reference is not None:
+        scale = {"vmin": 0.0, "vmax": 1.05 * max([reference, *finite.tolist(), 1e-9])}  # its line below the top
+    im = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto", **scale)
     ax.set_xticks(range(len(kps)), [str(k) for k in kps])
     ax.set_yticks(range(len(kqs)), [str(k) for k in kqs])
     ax.set_xlabel("K_p (passage budget)")
     ax.set_ylabel("K_q (query budget)")
     ax.set_title(title, fontsize=10)
-    finite = grid[np.isfinite(grid)]
     mid = float(finite.mean()) if finite.size else 0.0
+    if reference is not None:  # the text colour follows the fixed scale's midpoint
+        mid = scale["vmax"] / 2
     fmt = "{:.3f}" if finite.size and float(np.abs(finite).max()) >= 0.05 else "{:.4f}"
     for i in range(len(kqs)):
         for j in range(len(kps)):
@@ -59,7 +67,10 @@ def heatmap_png(
             )
     if marks:
         ax.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0), fontsize=7, frameon=False)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    if reference is not None:
+        bar.ax.axhline(reference, color="red", lw=2)
+        bar.set_label(f"red line: BM25 {reference:.3f}", fontsize=7)
     return _png(fig)
 
 

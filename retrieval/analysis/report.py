@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from storage.layout import MEASURES
 from storage.sql import StoreSQL
 
+from ..evaluation.compare import Correction, Test, compare_runs
 from ..search.modes import MODE_NAMES
 from .correlation import feature_correlations
 from .figures import (
@@ -30,7 +32,10 @@ from .figures import (
 )
 from .footprint import footprint_projection, human_bytes
 from .tables import paper_table
-from .views import rows
+from .views import per_query, rows
+
+KIND_MODES = ("bm25", "imported", "fusion", "rerank")  # modes named by their system alone (a single run)
+COMPARE_ROWS = 30  # at most this many runs per dataset in the report's comparison (the best by NDCG@10)
 
 
 @dataclass
@@ -214,11 +219,47 @@ def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
     rep.sections.append(("Feature correlation", body))
 
 
-def section_tables(db: StoreSQL, rep: Report, refs: list[str], finetuned: dict[str, str]) -> None:
+def section_tables(db: StoreSQL, rep: Report, refs: list[str], finetuned: dict[str, str], test: Test = "t",
+                   correction: Correction = "holm") -> None:  # fmt: skip
     resolved = [_resolve_system(db, r) for r in refs]
-    t = paper_table(db, resolved, finetuned=finetuned)
+    t = paper_table(db, resolved, finetuned=finetuned, test=test, correction=correction)
     rep.files["paper_table.csv"] = _csv(t.csv_rows())
     rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
+
+
+def section_comparisons(db: StoreSQL, rep: Report, refs: list[str], test: Test = "t",
+                        correction: Correction = "holm") -> None:  # fmt: skip
+    """Per test dataset: each system's best cell per mode (view ``best_cells``: an imported run, a fusion, a
+    reranker's run too) against the first reference's, on NDCG@10 and MRR@10, the p-values corrected across the
+    table (``diffret compare`` for any other choice of runs); CSV and LaTeX beside it."""
+    if not refs:
+        return
+    ref = _resolve_system(db, refs[0])
+    measures = [m.pytrec for m in MEASURES[:2]]
+    body = []
+    for (dataset,) in db.con.execute("select distinct dataset from best_cells where split = 'test' "
+                                     "order by 1").fetchall():  # fmt: skip
+        cells = rows(db, "select system, mode, kq, kp from best_cells where split = 'test' and dataset = ? "
+                         "order by system = ? desc, ndcg_10 desc", [dataset, ref])  # fmt: skip
+        if not cells or cells[0]["system"] != ref:
+            continue
+        scores: dict[str, dict[str, dict[str, float]]] = {}
+        for c in cells[: 1 + COMPARE_ROWS]:
+            label = c["system"] + (f":{c['mode']}" if c["mode"] not in KIND_MODES else "") + (
+                f":{c['kq']}:{c['kp']}" if (c["kq"], c["kp"]) != (0, 0) else "")  # fmt: skip
+            scores[label] = {m: per_query(db, c["system"], dataset, "test", c["mode"], c["kq"], c["kp"], m)
+                             for m in measures}  # fmt: skip
+        base = next(iter(scores))
+        try:
+            comp = compare_runs(scores, base, measures, test, correction, where=f"{dataset}/test")
+        except ValueError as exc:  # a run evaluated on other queries or measures: said, not hidden
+            body.append(f"### {dataset}\n\nnot compared: {exc}\n")
+            continue
+        rep.files[f"comparison_{_safe(dataset)}.csv"] = comp.csv().encode()
+        rep.files[f"comparison_{_safe(dataset)}.tex"] = comp.latex(f"tab:{_safe(dataset)}").encode()
+        body.append(f"### {dataset}\n\n{comp.markdown()}")
+    if body:
+        rep.sections.append((f"Runs against {ref}", "\n".join(body)))
 
 
 def _resolve_system(db: StoreSQL, name: str) -> str:
@@ -554,8 +595,11 @@ def build_report(
     hidden: int = 3584,
     backbones: int = 4,
     settings: int = 2,
+    test: Test = "t",
+    correction: Correction = "holm",
 ) -> Report:
-    """Every section of the report from the views of ``db`` (markdown bodies, PNG and CSV files)."""
+    """Every section of the report from the views of ``db`` (markdown bodies, PNG and CSV files); ``test`` and
+    ``correction``: how the tables test against the references (retrieval/evaluation/compare.py)."""
     rep = Report(name)
     has_bm25 = rows(db, "select count(*) n from cells where mode = 'bm25' and split = 'test'")[0]["n"] > 0
     refs = list(refs) if refs is not None else (["bm25"] if has_bm25 else [])
@@ -563,7 +607,8 @@ def build_report(
     section_landscapes(db, rep)
     section_oracle(db, rep, finetuned or {})
     section_correlation(db, rep, n_boot)
-    section_tables(db, rep, refs, finetuned or {})
+    section_tables(db, rep, refs, finetuned or {}, test, correction)
+    section_comparisons(db, rep, refs, test, correction)
     section_footprint(db, rep, hidden, backbones, settings)
     section_compression(db, rep, hidden, backbones, settings)
     section_reranking(db, rep)

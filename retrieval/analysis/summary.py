@@ -21,6 +21,7 @@ from .figures import heatmap_png
 from .views import per_query
 
 SHORT = tuple(m.short for m in MEASURES)
+NEAR_CHANCE = 0.1  # a best cell under this share of BM25's headline measure is flagged as near chance
 
 
 @dataclass
@@ -48,12 +49,40 @@ class Summary:
     rows: list[Row] = field(default_factory=list)
     grids: dict[str, tuple[list[int], list[int], np.ndarray]] = field(default_factory=dict)  # mode -> kq, kp, ndcg
 
+    def bm25_value(self) -> float | None:
+        """BM25's mean headline measure on this split (None without a BM25 row)."""
+        return next((r.values[SHORT[0]] for r in self.rows if r.mode == "bm25"), None)
+
+    def warnings(self) -> list[str]:
+        """A line when the system scores near chance: its best cell under a tenth of BM25's headline measure (a model
+        whose representations carry little of the texts here), so that a grid of noise is not read as a landscape.
+
+        >>> s = Summary("m", "d", "test", [Row("m", "multi_dense", 1, 1, {k: 0.004 for k in SHORT}, 300),
+        ...                                Row("b", "bm25", 0, 0, {k: 0.676 for k in SHORT}, 300)])
+        >>> s.warnings()[0][:80]
+        'm scores near chance on d/test: its best NDCG@10 is 0.0040 (multi_dense), BM25 s'
+        """
+        bm25 = self.bm25_value()
+        mine = [r for r in self.rows if r.system == self.system and r.values[SHORT[0]] is not None]
+        if not bm25 or not mine:
+            return []
+        best = max(mine, key=lambda r: r.values[SHORT[0]] or 0.0)
+        value = best.values[SHORT[0]] or 0.0
+        if value >= NEAR_CHANCE * bm25:
+            return []
+        label = MEASURES[0].label
+        return [f"{self.system} scores near chance on {self.dataset}/{self.split}: its best {label} is {value:.4f} "
+                f"({best.mode}), BM25 scores {bm25:.4f}; under a tenth of BM25, its heatmaps show noise, not a "
+                "landscape (a model not trained for this readout, or too small?)"]  # fmt: skip
+
     def markdown(self, figures: dict[str, str] | None = None) -> str:
         labels = " | ".join(m.label for m in MEASURES)
         # no system column (the heading names the system, the line below the baseline): the table fits a page
         head = f"| mode | K_q | K_p | {labels} | queries | p vs BM25 |"
         sep = "|---|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|"
-        lines = [f"# {self.dataset} / {self.split}: `{self.system}`", "", head, sep]
+        lines = [f"# {self.dataset} / {self.split}: `{self.system}`", ""]
+        lines += [f"**Warning**: {w}" for w in self.warnings()] + ([""] if self.warnings() else [])
+        lines += [head, sep]
         for r in self.rows:
             vals = " | ".join("–" if r.values[m] is None else f"{r.values[m]:.4f}" for m in SHORT)
             p = "–" if r.p_vs_bm25 is None else f"{r.p_vs_bm25:.3g}"
@@ -92,7 +121,7 @@ class Summary:
             marks = {"best": (best.kq, best.kp)} if best else None
             name = f"heatmap_{mode}.png"
             title = f"{self.dataset} {self.split}: {mode} {MEASURES[0].label}"
-            out[name] = heatmap_png(kqs, kps, grid, title, marks)
+            out[name] = heatmap_png(kqs, kps, grid, title, marks, reference=self.bm25_value())
             figures[mode] = name
         out["leaderboard.csv"] = self.leaderboard_csv()
         out["summary.md"] = self.markdown(figures).encode()

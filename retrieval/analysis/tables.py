@@ -1,5 +1,5 @@
 """The paper tables (Tables 2-3): D / S / H NDCG@10 per test dataset at each system's selected budget, best per
-column, paired t-test markers against reference systems."""
+column, significance markers against reference systems (paired tests corrected across the table: compare.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from storage.sql import StoreSQL
 
-from ..evaluation import paired_ttest_values
+from ..evaluation.compare import CORRECTION_NAMES, TEST_NAMES, Correction, Test, correct, paired_test
 from .views import per_query, rows
 
 D, S, H = "multi_dense", "sparse_max", "fusion_multi_sparse_max"
@@ -31,6 +31,8 @@ class PaperTable:
     rows: dict[str, dict[tuple[str, str], TableCell]] = field(default_factory=dict)  # system -> (dataset, col)
     budgets: dict[str, tuple[int, int]] = field(default_factory=dict)
     settings: dict[str, str] = field(default_factory=dict)  # system -> "zero-shot" / "fine-tuned from <base>"
+    test: Test = "t"
+    correction: Correction = "holm"
 
     def columns(self) -> list[tuple[str, str]]:
         return [(d, c) for d in [*self.datasets, "avg"] for c in TABLE_MODES]
@@ -57,9 +59,12 @@ class PaperTable:
         marks = ", ".join(
             f"{m} p < 0.05 (two-sided) against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False)
         )
+        how = (f"{TEST_NAMES[self.test]} on per-query NDCG@10, same dataset and column; p "
+               + ("uncorrected" if self.correction == "none" else
+                  f"{CORRECTION_NAMES[self.correction]}-corrected across the table's comparisons with that system"))
+        tail = f"; {marks} ({how})." if marks else "."
         lines += ["", "NDCG@10 on test at each system's train-selected budget; D = multi_dense, S = sparse_max "
-                  "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + (f"; {marks} (paired "
-                  "t-test on per-query NDCG@10, same dataset and column)." if marks else ".")]  # fmt: skip
+                  "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + tail]  # fmt: skip
         if tag:
             lines[-1] += (" A fine-tuned system enters at its base model's selected budget (a selection on the"
                           " train split it was trained on would favour it).")  # fmt: skip
@@ -92,9 +97,12 @@ def system_budgets(db: StoreSQL) -> dict[str, tuple[int, int]]:
 
 
 def paper_table(
-    db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None
+    db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None,
+    test: Test = "t", correction: Correction = "holm",
 ) -> PaperTable:
-    """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, t-test markers.
+    """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, significance markers: a
+    paired ``test`` against each reference, its p-values corrected across the table (``correction``: Holm by
+    default, over every cell compared with that reference).
 
     ``finetuned`` (base slug -> fine-tuned slug) labels the zero-shot and fine-tuned halves and puts each
     fine-tuned system at its base's train-selected budget.
@@ -139,11 +147,13 @@ def paper_table(
             if per_ds and all(v is not None for v in per_ds):
                 row[("avg", col)] = TableCell(float(np.mean(per_ds)))
         table.rows[system] = row
-    # markers: paired t-tests against each named reference, same dataset and column
+    # markers: paired tests against each named reference, same dataset and column, corrected across the table
+    table.test, table.correction = test, correction
     for mark, ref in zip(("†", "‡"), table.refs, strict=False):
         if ref not in budgets:
             raise ValueError(f"reference system {ref!r} has no test metrics at a selected budget; systems: {systems}")
         rkq, rkp = budgets[ref]
+        tested: list[tuple[TableCell, float]] = []
         for system, row in table.rows.items():
             if system == ref:
                 continue
@@ -157,9 +167,11 @@ def paper_table(
                 b = per_query(db, ref, d, "test", ref_mode, rkq, rkp)
                 if not a or not b:
                     continue
-                t = paired_ttest_values(a, b)
-                if t.p_value < alpha:
-                    cell.markers += mark
+                common = sorted(a.keys() & b.keys())
+                tested.append((cell, paired_test([a[q] for q in common], [b[q] for q in common], test)))
+        for (cell, _), p in zip(tested, correct([p for _, p in tested], correction, alpha), strict=True):
+            if p < alpha:
+                cell.markers += mark
     for col in table.columns():
         vals = [(s, r[col].value) for s, r in table.rows.items() if col in r and r[col].value is not None]
         if vals:

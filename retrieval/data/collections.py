@@ -10,11 +10,13 @@ from __future__ import annotations
 import gzip
 import io
 import json
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
@@ -188,24 +190,80 @@ def _metadata(obj: dict[str, Any]) -> str | None:
     return json.dumps(meta, ensure_ascii=False, sort_keys=True)
 
 
-def _first_line_of(path: Path, doc_id: str, fmt: str) -> int | None:
-    """Line where ``doc_id`` first appears (used only to explain a duplicate)."""
+# --------------------------------------------------------------------------------------------- corpus
+class DocIds:
+    """A corpus's document ids in bounded memory: 8 bytes an id (its 64-bit hash; sorted once all are added), not a
+    Python set of strings (~100 bytes an id: about 1 GB at MS MARCO's 8.8M). Membership is by hash: a document id
+    the corpus lacks is taken for a member only if its hash equals a member's (about 1 in 10^7 for all of MS
+    MARCO's judgments); repeated ids are confirmed on the strings (``repeated_hashes``, then a second read).
+
+    >>> ids = DocIds.of(["d1", "d2"])
+    >>> "d1" in ids, "d3" in ids, len(ids)
+    (True, False, 2)
+    """
+
+    def __init__(self) -> None:
+        self._added = array("q")
+        self._sorted: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, ids: Iterable[str]) -> DocIds:
+        out = cls()
+        for doc_id in ids:
+            out.add(doc_id)
+        return out
+
+    def add(self, doc_id: str) -> None:
+        self._added.append(hash(doc_id))
+        self._sorted = None
+
+    def _hashes(self) -> np.ndarray:
+        if self._sorted is None:
+            self._sorted = np.sort(np.frombuffer(self._added, dtype=np.int64))
+        return self._sorted
+
+    def repeated_hashes(self) -> set[int]:
+        """Hashes added more than once: repeated ids (or, rarely, two ids of one hash)."""
+        h = self._hashes()
+        return set(h[1:][h[1:] == h[:-1]].tolist())
+
+    def __contains__(self, doc_id: object) -> bool:
+        h = self._hashes()
+        i = int(np.searchsorted(h, hash(doc_id)))
+        return i < len(h) and int(h[i]) == hash(doc_id)
+
+    def __len__(self) -> int:
+        return len(self._added)
+
+
+def _corpus_ids(path: Path, fmt: str) -> Iterator[tuple[int, str]]:
+    """(line, document id) of every document line of a corpus file."""
     for lineno, line in iter_lines(path):
         if fmt == "tsv":
-            if line.split("\t", 1)[0].strip() == doc_id:
-                return lineno
+            yield lineno, line.split("\t", 1)[0].strip()
         else:
             try:
-                if str(json.loads(line).get("_id", "")).strip() == doc_id:
-                    return lineno
+                yield lineno, str(json.loads(line).get("_id", "")).strip()
             except (json.JSONDecodeError, AttributeError):
                 continue
+
+
+def _first_repeat(path: Path, fmt: str, hashes: set[int]) -> tuple[str, int, int] | None:
+    """The first document id that a corpus file repeats among those of ``hashes``: (id, its first line, the
+    repeat's line); None when the hashes only collided."""
+    first: dict[str, int] = {}
+    for lineno, doc_id in _corpus_ids(path, fmt):
+        if hash(doc_id) in hashes:
+            if doc_id in first:
+                return doc_id, first[doc_id], lineno
+            first[doc_id] = lineno
     return None
 
 
-# --------------------------------------------------------------------------------------------- corpus
-def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: set[str]) -> Iterator[pa.RecordBatch]:
-    """Stream the corpus as record batches of ``CORPUS_SCHEMA``; fills ``doc_ids`` as it goes.
+def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: DocIds) -> Iterator[pa.RecordBatch]:
+    """Stream the corpus as record batches of ``CORPUS_SCHEMA``; fills ``doc_ids`` as it goes. A repeated document
+    id is an error (naming both lines) once the whole file is read: the batches already yielded must then be
+    discarded, as the download stage's staged writer does.
 
     ``fmt`` is ``jsonl`` (BEIR: ``_id``, ``text``, optional ``title`` and ``metadata``) or ``tsv``
     (MS MARCO ``collection.tsv``: ``id<TAB>text``).
@@ -229,9 +287,6 @@ def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: set[str]) 
             text = _text_field(path, lineno, obj, "text", required=True)
             title = _text_field(path, lineno, obj, "title", required=False)
             meta = _metadata(obj)
-        if doc_id in doc_ids:
-            first = _first_line_of(path, doc_id, fmt)
-            raise DatasetError(f"{path}:{lineno}: duplicate document id {doc_id!r} (first at line {first})")
         doc_ids.add(doc_id)
         if not text.strip():
             report.corpus_empty_text += 1
@@ -246,6 +301,10 @@ def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: set[str]) 
             yield flush()
     if report.corpus_rows == 0:
         raise DatasetError(f"{path}: no documents (the file is empty or blank)")
+    repeated = doc_ids.repeated_hashes()
+    if repeated and (found := _first_repeat(path, fmt, repeated)) is not None:
+        doc_id, first, again = found
+        raise DatasetError(f"{path}:{again}: duplicate document id {doc_id!r} (first at line {first})")
     if cols["doc_id"]:
         yield flush()
 
@@ -330,7 +389,7 @@ def read_qrels(path: Path) -> Iterator[tuple[int, str, str, int]]:
 def build_qrels(
     split_files: dict[str, Path],
     queries: dict[str, Query],
-    doc_ids: set[str] | None,
+    doc_ids: DocIds | set[str] | None,
     report: DatasetReport,
     unknown_docs: str = "error",
 ) -> tuple[pa.Table, dict[str, set[str]]]:

@@ -1,8 +1,16 @@
-"""Where a collection comes from: the catalog of official locations, mirrors, and fetching.
+"""Where a collection comes from: the catalog of official locations, ir_datasets, mirrors, and fetching.
 
-``resolve_source`` turns (dataset name, optional ``--source``) into local files plus a provenance
+``resolve_source`` turns (dataset name or ir_datasets id, optional ``--source``) into local files plus a provenance
 record (``inputs``: file -> checksum) that becomes part of the artifact's config, so that a changed
 source is detected as config drift instead of being mixed silently with what is already stored.
+
+The catalog's files (BEIR zips, MS MARCO, TREC DL) are fetched through ir_datasets (its mirrors, md5 checks and
+cache, ``IR_DATASETS_HOME``), which lists every one of them under the same URL and checksum: the stored collection is
+the one the hand-written fetch made (same files, same config). An ir_datasets id maps to the catalog's collection
+where it is one (``beir/scifact/test`` -> ``scifact``, ``msmarco-passage/dev/small`` -> ``msmarco-passage``,
+``msmarco-passage/trec-dl-2019/judged`` -> ``trec-dl-2019``: :data:`IRDS_NAMES`); any other id is read through
+ir_datasets' own API (docs, queries, qrels) into the BEIR layout and stored the same way (:func:`irds_source`).
+The hand-written fetch (:func:`download`) remains for ``--source`` URLs (mirrors) only.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .collections import DatasetError
 
@@ -317,14 +326,19 @@ def resolve_source(
 ) -> SourceFiles:
     """Local files for collection ``name``; downloads (with checksums) when the source is remote."""
     entries = catalog(beir_base_url)
+    name = IRDS_NAMES.get(name, name)
     entry = entries.get(name)
     if source is None:
         if entry is None:
+            if is_irds_id(name):
+                return irds_source(name, cache_dir)
             raise DatasetError(
-                f"unknown collection {name!r}; known: {', '.join(sorted(entries))} "
-                "(or give --source DIR_OR_URL for any collection in BEIR layout)"
+                f"unknown collection {name!r}; known: {', '.join(sorted(entries))}, or any ir_datasets id "
+                "(https://ir-datasets.com; e.g. beir/scifact/test) (or give --source DIR_OR_URL for any collection in "
+                "BEIR layout)"
             )
         return _official(entry, cache_dir / name, progress)
+    name = stored_name(name)
 
     if not _is_url(source):
         path = Path(source).expanduser()
@@ -366,9 +380,11 @@ def resolve_source(
 
 
 def _official(entry: CatalogEntry, cache: Path, progress: Progress | None) -> SourceFiles:
-    got = [download(f.url, cache / f.url.rsplit("/", 1)[-1], f.md5, progress) for f in entry.files]
-    inputs = {
-        p.name: (f"md5:{f.md5}" if f.md5 else "sha256:" + file_digest(p)) for p, f in zip(got, entry.files, strict=True)
+    got = [irds_download(f.url, cache / f.url.rsplit("/", 1)[-1]) or download(f.url, cache / f.url.rsplit("/", 1)[-1],
+                                                                              f.md5, progress) for f in entry.files]
+    inputs = {  # by the publisher's file name (ir_datasets keeps its own names in its cache)
+        f.url.rsplit("/", 1)[-1]: (f"md5:{f.md5}" if f.md5 else "sha256:" + file_digest(p))
+        for p, f in zip(got, entry.files, strict=True)
     }
     if entry.kind == "beir":
         folder = extract(got[0], cache / "extracted")
@@ -391,3 +407,164 @@ def _official(entry: CatalogEntry, cache: Path, progress: Progress | None) -> So
     files.corpus_from = entry.corpus_from
     files.inputs = inputs
     return files
+
+
+# -------------------------------------------------------------------------------------------- ir_datasets
+# ir_datasets ids of the catalog's collections: the same stored dataset (the same files, every split of it) as the name
+IRDS_NAMES: dict[str, str] = {
+    **{f"beir/{n}{sub}": n for n in BEIR_MD5 if n not in ("msmarco", "cqadupstack", "webis-touche2020")
+       for sub in ("", "/train", "/dev", "/test")},
+    "beir/webis-touche2020/v2": "webis-touche2020",  # the catalog's zip is v2's
+    "msmarco-passage/train": "msmarco-passage", "msmarco-passage/dev/small": "msmarco-passage",
+    "msmarco-passage/trec-dl-2019": "trec-dl-2019", "msmarco-passage/trec-dl-2019/judged": "trec-dl-2019",
+    "msmarco-passage/trec-dl-2020": "trec-dl-2020", "msmarco-passage/trec-dl-2020/judged": "trec-dl-2020",
+}  # fmt: skip
+IRDS_SPLITS = ("train", "dev", "test", "validation", "valid", "eval")
+
+
+def stored_name(name: str) -> str:
+    """The store's name of a collection named by catalog name or ir_datasets id: the catalog's name where the id is
+    one of its collections, else the id with ``/`` as ``-``.
+
+    >>> stored_name("beir/scifact/test"), stored_name("msmarco-passage/dev/small"), stored_name("lotte/science/test")
+    ('scifact', 'msmarco-passage', 'lotte-science-test')
+    """
+    return IRDS_NAMES.get(name) or name.replace("/", "-")
+
+
+def is_irds_id(name: str) -> bool:
+    """Whether ``name`` is registered in ir_datasets (read from its registry: no download)."""
+    try:
+        import ir_datasets
+    except ImportError:
+        return False
+    return name in ir_datasets.registry
+
+
+def _irds_url_index() -> dict[str, tuple[str, str]]:
+    """URL -> (group, key) of every file ir_datasets' downloads.json lists (its download contexts)."""
+    from ir_datasets.util import DownloadConfig
+
+    out: dict[str, tuple[str, str]] = {}
+    for group, entries in DownloadConfig.contents().items():
+        if isinstance(entries, dict):
+            for key, dlc in entries.items():
+                if isinstance(dlc, dict) and isinstance(dlc.get("url"), str):
+                    out.setdefault(dlc["url"], (group, key))
+    return out
+
+
+def irds_download(url: str, dest: Path) -> Path | None:
+    """``url`` fetched through ir_datasets (its mirrors, md5 check and cache under ``IR_DATASETS_HOME``), where its
+    downloads.json lists it; None where it does not (the caller fetches it itself). A file ir_datasets keeps no copy
+    of is copied to ``dest``."""
+    try:
+        import ir_datasets
+        from ir_datasets.util import DownloadConfig
+    except ImportError:
+        return None
+    where = _irds_url_index().get(url)
+    if where is None:
+        return None
+    group, key = where
+    dl = DownloadConfig.context(group, ir_datasets.util.home_path() / group)[key]
+    try:
+        path = Path(dl.path())
+    except Exception as exc:  # noqa: BLE001 - a network or checksum failure, as one error
+        raise DownloadError(
+            f"could not download {url} through ir_datasets: {' '.join(str(exc).split())[:300]} (offline? give --source "
+            "a local BEIR-layout folder or archive; this repository's checkouts have them in ../shared/data/<name>)"
+        ) from exc
+    if "cache_path" in DownloadConfig.contents()[group][key]:
+        return path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, dest.with_name(dest.name + ".part"))
+    os.replace(dest.with_name(dest.name + ".part"), dest)
+    return dest
+
+
+def _split_of(dataset_id: str) -> str:
+    """The split an ir_datasets id's qrels are: its last split-named component (``test`` when it has none).
+
+    >>> _split_of("lotte/science/test/search"), _split_of("msmarco-passage/dev/small"), _split_of("antique")
+    ('test', 'dev', 'test')
+    """
+    return next((p for p in reversed(dataset_id.split("/")) if p in IRDS_SPLITS), "test")
+
+
+def irds_source(dataset_id: str, cache_dir: Path) -> SourceFiles:
+    """A collection read through ir_datasets' API (``docs_iter``, ``queries_iter``, ``qrels_iter``; it downloads,
+    checks and caches what it needs) and written once as BEIR-layout files under ``cache_dir``, then read like any
+    ``--source`` folder. An id with qrels is one split (:func:`_split_of`); an id without them takes as its splits its
+    direct sub-ids that have qrels (``beir/fiqa`` -> train, dev, test). Documents keep their title where the
+    collection has one; other fields become ``metadata``."""
+    import ir_datasets
+
+    ds = ir_datasets.load(dataset_id)
+    if ds.has_qrels():
+        splits = {_split_of(dataset_id): ds}
+    else:
+        depth = dataset_id.count("/") + 1
+        subs = sorted(i for i in ir_datasets.registry if i.startswith(dataset_id + "/") and i.count("/") == depth)
+        splits = {i.rsplit("/", 1)[1]: sub for i in subs if (sub := ir_datasets.load(i)).has_qrels()}
+    if not splits:
+        raise DatasetError(f"ir_datasets {dataset_id!r} has no qrels (nor sub-datasets with qrels) to evaluate against")
+    folder = cache_dir / "ir_datasets" / dataset_id.replace("/", "--")
+    if not (folder / ".done").exists():
+        _write_irds(ds, splits, folder)
+    name = stored_name(dataset_id)
+    files = _local_source(name, folder, None)
+    files.origin = f"ir_datasets:{dataset_id}"
+    files.notes.append(f"read through ir_datasets {dataset_id!r} (splits {', '.join(sorted(splits))}); stored as "
+                       f"{name!r}: give -d {name} to the other commands")  # fmt: skip
+    return files
+
+
+def _record(item: Any, id_field: str, keep: tuple[str, ...]) -> dict[str, Any]:
+    fields = item._asdict()
+    out: dict[str, Any] = {"_id": str(fields.pop(id_field))}
+    for name in keep:
+        if name in fields:
+            value = fields.pop(name)
+            out[name] = "" if value is None else str(value)
+    meta = {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool) or v is None}
+    if meta:
+        out["metadata"] = meta
+    return out
+
+
+def _write_irds(ds: Any, splits: dict[str, Any], folder: Path) -> None:
+    import json
+
+    tmp = folder.with_name(folder.name + ".writing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "qrels").mkdir(parents=True)
+    try:
+        if ds.has_docs():
+            with open(tmp / "corpus.jsonl", "w", encoding="utf-8") as f:
+                for doc in ds.docs_iter():
+                    rec = _record(doc, "doc_id", ("title", "text"))
+                    rec.setdefault("text", doc.default_text() if hasattr(doc, "default_text") else "")
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        sources = [ds] if ds.has_queries() else list(splits.values())
+        seen: set[str] = set()
+        with open(tmp / "queries.jsonl", "w", encoding="utf-8") as f:
+            for src in sources:
+                for q in src.queries_iter():
+                    rec = _record(q, "query_id", ("text",))
+                    rec.setdefault("text", q.default_text() if hasattr(q, "default_text") else "")
+                    if rec["_id"] not in seen:
+                        seen.add(rec["_id"])
+                        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        for split, sub in splits.items():
+            with open(tmp / "qrels" / f"{split}.tsv", "w", encoding="utf-8") as f:
+                f.write("query-id\tcorpus-id\tscore\n")
+                for qrel in sub.qrels_iter():
+                    f.write(f"{qrel.query_id}\t{qrel.doc_id}\t{int(qrel.relevance)}\n")
+        (tmp / ".done").write_text("ir_datasets")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)

@@ -42,7 +42,8 @@ class MiningReport:
     no_positive: int = 0  # queries left without a positive (no group)
     no_run: int = 0  # queries the run does not rank (no group)
     no_negative: int = 0  # queries whose top ``depth`` holds only positives (no group)
-    short: int = 0  # groups with fewer than ``n_negatives`` candidates (filled by sampling with replacement)
+    short: int = 0  # groups with fewer than ``n_negatives`` distinct candidates (stored as they are, no duplicates)
+    negatives_short: int = 0  # negatives those groups lack in all
     examples: dict[str, list[str]] = field(default_factory=dict)
 
     def note(self, what: str, qid: str) -> None:
@@ -134,7 +135,8 @@ def mine_groups(
     seed: int = 0,
 ) -> tuple[list[Group], MiningReport]:
     """Groups from a ranked list: per judged query, the top ``depth`` minus its positives, ``n_negatives``
-    sampled without replacement (with replacement when fewer are left: counted as ``short``).
+    sampled without replacement; when fewer are left, all of them (never a duplicate stored as another negative:
+    counted as ``short``, and the negatives missing as ``negatives_short``).
 
     ``positives`` maps a query to its relevant doc ids; ``ranked`` a query to its run, best first;
     ``passage`` a doc id to (title, text). Sampling is seeded per query, so a group does not depend on the
@@ -144,6 +146,10 @@ def mine_groups(
     ...                           {"d1": ("", "a"), "d2": ("", "b"), "d3": ("", "c")}, depth=3, n_negatives=2)
     >>> [p["docid"] for p in groups[0].positives], sorted(p["docid"] for p in groups[0].negatives), rep.short
     (['d1'], ['d2', 'd3'], 0)
+    >>> groups, rep = mine_groups({"q": "cats"}, {"q": ["d1"]}, {"q": ["d1", "d2", "d3"]},
+    ...                           {"d1": ("", "a"), "d2": ("", "b"), "d3": ("", "c")}, depth=3, n_negatives=1000)
+    >>> len(groups[0].negatives), rep.short, rep.negatives_short
+    (2, 1, 998)
     """
     if depth <= 0 or n_negatives <= 0:
         raise ValueError(f"depth and n_negatives must be positive (got {depth}, {n_negatives})")
@@ -166,11 +172,28 @@ def mine_groups(
             continue
         if len(cands) < n_negatives:
             report.note("short", qid)
-        negs = sample_fill(random.Random(f"{seed}:{qid}"), cands, n_negatives)
+            report.negatives_short += n_negatives - len(cands)
+        negs = random.Random(f"{seed}:{qid}").sample(cands, min(n_negatives, len(cands)))
         as_passage = lambda d: {"docid": d, "title": passage[d][0], "text": passage[d][1]}  # noqa: E731
         out.append(Group(qid, queries[qid], [as_passage(d) for d in pos], [as_passage(d) for d in negs]))
     report.groups = len(out)
     return out, report
+
+
+def drop_repeated_negatives(groups: Sequence[Group]) -> int:
+    """Keep each group's first copy of a negative (a file that repeats one would train on it as two); how many were
+    dropped.
+
+    >>> g = Group("q", "cats", [], [{"docid": "a", "title": "", "text": "x"}] * 3)
+    >>> drop_repeated_negatives([g]), len(g.negatives)
+    (2, 1)
+    """
+    dropped = 0
+    for g in groups:
+        kept = list({p["docid"]: p for p in reversed(g.negatives)}.values())[::-1]
+        dropped += len(g.negatives) - len(kept)
+        g.negatives = kept
+    return dropped
 
 
 def groups_from_table(table: pa.Table) -> list[Group]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -63,6 +63,92 @@ def read_trec_run(path: PathLike) -> Run:
             raise ValueError(f"{path}:{lineno}: document {doc!r} appears twice for query {qid!r}")
         docs[doc] = score
     return run
+
+
+def run_file_format(path: PathLike, fmt: str = "auto") -> Literal["trec", "parquet"]:
+    """A run file's format: ``parquet`` by its magic bytes (or ``fmt``), else ``trec``.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".run", delete=False) as f:
+    ...     _ = f.write("q1 Q0 d1 1 2.5 tag\\n")
+    >>> run_file_format(f.name)
+    'trec'
+    """
+    if fmt in ("trec", "parquet"):
+        return fmt  # type: ignore[return-value]
+    if fmt != "auto":
+        raise ValueError(f"run file format must be auto, trec or parquet, not {fmt!r}")
+    with open(path, "rb") as f:
+        return "parquet" if f.read(4) == b"PAR1" else "trec"
+
+
+RunRow = tuple[str, str, str, float, int | None]  # (where: "file:line", query_id, doc_id, score, rank or None)
+
+
+def iter_run_file(path: PathLike, fmt: str = "auto") -> Iterator[RunRow]:
+    """The rows of a run made elsewhere, each with where it is (``file:line``, a Parquet file's ``file:row N``):
+    a TREC file (``qid Q0 docid rank score tag``) or a Parquet table with ``query_id``, ``doc_id``, ``score`` and
+    optionally ``rank``. A score that is not a finite number, a non-integer rank and a (query, document) pair given
+    twice are refused as a ValueError naming where.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".run", delete=False) as f:
+    ...     _ = f.write("q1 Q0 d1 1 2.5 tag\\nq1 Q0 d2 2 x tag\\n")
+    >>> try:
+    ...     list(iter_run_file(f.name))
+    ... except ValueError as exc:
+    ...     print(str(exc).split(": ", 1)[1])
+    score 'x' is not a number (the fifth field of qid Q0 docid rank score tag)
+    """
+    seen: dict[tuple[str, str], str] = {}
+    for where, qid, doc, score_text, rank_text in _run_records(path, run_file_format(path, fmt)):
+        try:
+            score = float(score_text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: score {score_text!r} is not a number (the fifth field of qid Q0 docid rank "
+                             "score tag)") from None  # fmt: skip
+        if not math.isfinite(score):
+            raise ValueError(f"{where}: score {score_text!r} is not a finite number")
+        rank = None
+        if rank_text is not None:
+            try:
+                rank = int(rank_text)
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: rank {rank_text!r} is not an integer") from None
+        key = (qid, doc)
+        if key in seen:
+            raise ValueError(f"{where}: document {doc!r} appears twice for query {qid!r} (first at {seen[key]}); a "
+                             "run lists each (query, document) pair once")  # fmt: skip
+        seen[key] = where
+        yield where, qid, doc, score, rank
+
+
+def _run_records(path: PathLike, fmt: str) -> Iterator[tuple[str, str, str, Any, Any]]:
+    if fmt == "trec":
+        for lineno, (qid, _q0, doc, rank, score, _tag) in _records(path, 6, "run", extra_ok=True):
+            yield f"{path}:{lineno}", qid, doc, score, rank
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
+    missing = [c for c in ("query_id", "doc_id", "score") if c not in table.schema.names]
+    if missing:
+        raise ValueError(f"{path}: a Parquet run needs columns query_id, doc_id, score (and optionally rank); it lacks "
+                         f"{missing} (it has {table.schema.names})")  # fmt: skip
+    names = ["query_id", "doc_id", "score"] + (["rank"] if "rank" in table.schema.names else [])
+    row = 0
+    for batch in table.select(names).to_batches(65536):
+        cols = [batch.column(c).to_pylist() for c in names]
+        ranks = cols[3] if len(cols) == 4 else [None] * batch.num_rows
+        for qid, doc, score, rank in zip(cols[0], cols[1], cols[2], ranks, strict=True):
+            row += 1
+            where = f"{path}:row {row}"
+            if qid is None or doc is None or not str(qid).strip() or not str(doc).strip():
+                raise ValueError(f"{where}: empty query_id or doc_id")
+            yield where, str(qid), str(doc), score, rank
 
 
 def read_trec_qrels(path: PathLike) -> Qrels:

@@ -587,10 +587,18 @@ def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
     >>> with_adapter(BackboneConfig(model="org/base")).adapter is None
     True
     """
+    from .released import ReleasedError, read_released
+
     adapter = cfg.adapter
+    try:
+        released = read_released(adapter or cfg.model)
+    except ReleasedError as exc:
+        raise BackboneError(str(exc)) from None
     if adapter is None:
         local = Path(cfg.model).expanduser()
-        if (local / ADAPTER_CONFIG).exists() and not (local / "config.json").exists():
+        if released is not None:
+            adapter = released.folder
+        elif (local / ADAPTER_CONFIG).exists() and not (local / "config.json").exists():
             adapter = cfg.model
         else:
             return cfg
@@ -602,11 +610,13 @@ def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
         base = json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     except (ValueError, KeyError, TypeError) as exc:
         raise BackboneError(f"adapter {adapter!r}: unreadable {ADAPTER_CONFIG} ({exc})") from None
+    if released is not None:  # a released checkpoint: its base as the reference resolves it (released._base)
+        base = released.base
     if cfg.adapter is None:
         extra = json.loads((folder / BASE_FILE).read_text()) if (folder / BASE_FILE).exists() else {}
         gguf = cfg.gguf_file or extra.get("gguf_file")
         return cfg.model_copy(update={"model": base, "adapter": str(folder), "gguf_file": gguf})
-    if base and not _same_model(base, cfg.model):
+    if base and not _same_model(base, cfg.model) and released is None:  # a released one's base may be any copy
         raise BackboneError(f"adapter {adapter!r} was trained on {base!r}, not on {cfg.model!r}; give --model "
                             f"{base} (or the adapter's folder alone as --model)")  # fmt: skip
     return cfg
@@ -693,6 +703,9 @@ def check_model_files(cfg: BackboneConfig) -> None:
     no weights (model.safetensors, pytorch_model.bin, a sharded index or a .gguf file); is the download complete?
     """
     cfg = with_adapter(cfg)
+    for saved in (cfg.model, cfg.adapter):
+        if saved:
+            check_saved_model(Path(saved).expanduser())
     folder = Path(cfg.model).expanduser()
     if not folder.is_dir():
         return
@@ -720,6 +733,36 @@ def check_model_files(cfg: BackboneConfig) -> None:
         )
     for path in files:
         _check_safetensors(path)
+
+
+_SAVED_STORES: dict[str, Any] = {}  # store root -> ArtifactStore: a file hashed once per process (size, mtime)
+
+
+def check_saved_model(folder: Path) -> None:
+    """Refuse a model folder diffret saved (``diffret train``, ``train-reranker``: a ``_manifest.json`` of stage
+    ``models`` in it, or in its parent for a ``passage_encoder/``) whose files do not match their manifest's sha256,
+    as an encoding's shards are checked before they are read; a :class:`storage.ChecksumError` naming the file and
+    the repair. Other folders and hub ids pass.
+
+    >>> check_saved_model(Path("org/some-hub-id"))
+    """
+    from storage import ArtifactStore
+    from storage.layout import MANIFEST_NAME
+
+    home = folder if folder.name != PASSAGE_ENCODER else folder.parent
+    if not (home / MANIFEST_NAME).is_file():  # a model from elsewhere
+        return
+    try:
+        stage = json.loads((home / MANIFEST_NAME).read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        stage = "models"  # unreadable: verify() below names it and the repair
+    if stage != "models":  # another tool's file of that name
+        return
+    # inside a store (``models/model=<name>``) the error names the stage that rebuilds it
+    root, rel = (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent,
+                                                                                                  home.name)
+    store = _SAVED_STORES.setdefault(str(root), ArtifactStore(str(root)))
+    store.verify(rel)
 
 
 def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> None:
@@ -909,7 +952,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
             hint = "Its remote code may not run on this transformers; the native loader (the default) needs none."
         raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
     if cfg.adapter:
-        model = _apply_adapter(model, cfg, raw)
+        model = _apply_adapter(model, cfg, raw, spec)
     model.to(resolve_device(cfg.device))
     bb = Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
     bb.source = cfg
@@ -929,17 +972,47 @@ def passage_encoder_dir(model: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any]) -> torch.nn.Module:
+def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any],
+                   spec: FamilySpec | None = None) -> torch.nn.Module:  # fmt: skip
     """The peft adapter ``cfg.adapter`` injected into ``model`` (in place), or merged into its weights."""
     from peft import PeftModel
 
+    folder = Path(cfg.adapter or "").expanduser()
     try:
-        peft = PeftModel.from_pretrained(model, str(Path(cfg.adapter or "").expanduser()))
+        peft = _remapped_adapter(model, folder, cfg, spec) or PeftModel.from_pretrained(model, str(folder))
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         raise _load_error(cfg, f"the adapter {cfg.adapter!r} onto it", exc,
                           "The adapter must come from this base model and family.", raw) from exc  # fmt: skip
     peft.eval()
     return peft.merge_and_unload() if cfg.merge_adapter else model
+
+
+def _remapped_adapter(model: torch.nn.Module, folder: Path, cfg: BackboneConfig, spec: FamilySpec | None) -> Any:
+    """An adapter saved on the checkpoint's own module names (a released LLaDA retriever: ``transformer.blocks``)
+    applied to the native class under its names (the weights' ``key_mapping``); None for any other adapter. Every
+    adapter tensor must land on a module: a missing or unexpected one is an error, never a silent base model."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    from .released import adapter_state, remap_adapter
+
+    mapping = spec.native.key_mapping if spec is not None and spec.native is not None else None
+    if not mapping or cfg.loader != "native":
+        return None
+    state = adapter_state(folder)
+    if not any(re.search(p, k.removeprefix("base_model.model.")) for k in state for p in mapping):
+        return None  # already on the native names (diffret train's LoRA)
+    lora = LoraConfig.from_pretrained(str(folder))
+    state, targets = remap_adapter(state, mapping, list(lora.target_modules or []))
+    lora.target_modules = set(targets)
+    lora.base_model_name_or_path = cfg.model
+    peft = get_peft_model(model, lora)
+    result = set_peft_model_state_dict(peft, state)
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    missing = [k for k in getattr(result, "missing_keys", None) or [] if ".lora_" in k]
+    if unexpected or missing:
+        raise BackboneError(f"the adapter's tensors do not map onto {type(model).__name__}: unexpected "
+                            f"{unexpected[:3]}, missing {missing[:3]}")  # fmt: skip
+    return peft
 
 
 def _version(v: str) -> tuple[int, ...]:

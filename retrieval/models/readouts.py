@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field
 
 from ..traits import Declared
 from .backbones import Backbone, BackboneError, load_backbone, passage_encoder_dir, softmax_stats
-from .prompts import PromptPieces, build_pieces, default_variant, load_prompt, special_wrapping
+from .prompts import PromptPieces, build_pieces, chat_tail, default_variant, load_prompt, special_wrapping
+from .released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released
 from .sparse import (
     excluded_ids,
     make_filter,
@@ -171,8 +172,27 @@ class Readout(Declared):
         if key not in self._pieces:
             use_chat = {"yes": True, "no": False}.get(self.cfg.chat_template, self.bb.has_chat_template)
             turn_end = self.bb.turn_end_id if use_chat else None
-            self._pieces[key] = build_pieces(self.bb.tokenizer, load_prompt(variant), side, adapt, turn_end, use_chat)
+            if variant == CHECKPOINT_PROMPT:
+                self._pieces[key] = self._checkpoint_pieces(side, turn_end)
+            else:
+                self._pieces[key] = build_pieces(self.bb.tokenizer, load_prompt(variant), side, adapt, turn_end,
+                                                 use_chat)  # fmt: skip
         return self._pieces[key]
+
+    def _checkpoint_pieces(self, side: str, turn_end: int | None) -> PromptPieces:
+        """A released checkpoint's own prompt: its stored ids around the text, its tail after the masks (the
+        reference's: quote, end of turn, EOS, ``n_tail`` of them), whatever K is encoded."""
+        source = self.bb.source
+        ckpt = read_released(source.adapter or source.model) if source is not None else None
+        if ckpt is None:
+            raise BackboneError(f"{self.bb.name}: prompt {CHECKPOINT_PROMPT!r} reads a released checkpoint's "
+                                f"{RELEASED_CONFIG}; this model has none (give --prompt auto or a variant)")
+        if ckpt.mask_token_id != self.bb.mask_id:
+            raise BackboneError(f"{ckpt.folder}: mask_token_id {ckpt.mask_token_id} is not the base model's mask "
+                                f"token ({self.bb.mask_id}): the adapter was trained on another base")  # fmt: skip
+        tail = chat_tail(self.bb.tokenizer, turn_end if turn_end is not None else self.bb.turn_end_id,
+                         self.bb.tokenizer.eos_token_id)[: ckpt.n_tail] if ckpt.n_tail else []  # fmt: skip
+        return PromptPieces(ckpt.prefix[side], ckpt.suffix[side], tuple(tail))
 
     adapts_prompt: ClassVar[bool] = False  # the prompt's number words follow K (the mask readout's)
 
@@ -741,7 +761,8 @@ class ReadoutConfig(BaseModel):
         "checkpoint (retriever_config.json)."
     )
     prompt: str = Field(
-        default="auto", description="auto (one_word at K=1, few_words at K>1), a variant, or a YAML path"
+        default="auto", description="auto (one_word at K=1, few_words at K>1; a released checkpoint's own), a "
+        "variant, a YAML path, or checkpoint (a released checkpoint's prompt ids)"
     )
     chat_template: Literal["auto", "yes", "no"] = Field(
         default="auto", description="Wrap the prompt in the model's chat template (auto: when it has one)."

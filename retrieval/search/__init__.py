@@ -12,6 +12,7 @@ from .modes import (
     base_modes_needed,
     check_modes,
     fuse_minmax,
+    fuse_runs,
     modes_for,
 )
 from .rules import ScoreRules
@@ -37,6 +38,7 @@ __all__ = [
     "doc_order",
     "encodings_from_table",
     "fuse_minmax",
+    "fuse_runs",
     "maxsim",
     "modes_for",
     "normalise",

@@ -79,6 +79,17 @@ class ScoreRules(BaseModel):
         """
         return 100.0 if (quantised and self.sparse_scale == "x100") else 1.0
 
+    def factor_for(self, readout: str | None, readout_settings: dict | None) -> float:
+        """The sparse scale for a system's stored weights, from its readout and settings: the one place the score,
+        beta and late stages and the Python API (``diffret.search``) take it from.
+
+        >>> ScoreRules().factor_for("diffretriever", {}), ScoreRules().factor_for("promptreps", {"finetuned": "no"})
+        (100.0, 1.0)
+        """
+        from retrieval.models.readouts import sparse_quantised
+
+        return self.sparse_factor(sparse_quantised(readout, readout_settings))
+
     @property
     def bf16(self) -> bool:
         return self.score_dtype == "bfloat16"

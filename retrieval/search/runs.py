@@ -145,3 +145,28 @@ def topk_seconds(table: pa.Table) -> float:
     """The search seconds a :func:`topk_table` table records (0 when none)."""
     meta = table.schema.metadata or {}
     return float(meta.get(b"seconds", b"0"))
+
+
+def ranked_run(rows: Sequence[tuple[str, str, float, int | None]], depth: int | None = None) -> pa.Table:
+    """A run (RUN_SCHEMA) from (query_id, doc_id, score, rank or None) rows made elsewhere: per query, by score
+    descending, ties by the given rank, then doc_id ascending (so a run diffret wrote comes back in its own
+    order), cut to ``depth``; queries in first-appearance order. Scores are stored as float32.
+
+    >>> t = ranked_run([("q1", "b", 0.5, 2), ("q1", "a", 0.5, 1), ("q1", "c", 0.9, 3)])
+    >>> t.column("doc_id").to_pylist(), t.column("rank").to_pylist()
+    (['c', 'a', 'b'], [1, 2, 3])
+    """
+    by_query: dict[str, list[tuple[float, float, str]]] = {}
+    for qid, doc, score, rank in rows:
+        by_query.setdefault(qid, []).append((-float(score), float("inf") if rank is None else float(rank), doc))
+    cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
+    for qid, docs in by_query.items():
+        for i, (neg, _rank, doc) in enumerate(sorted(docs)[:depth], start=1):
+            cols["query_id"].append(qid)
+            cols["doc_id"].append(doc)
+            cols["rank"].append(i)
+            cols["score"].append(-neg)
+    arrays = {"query_id": pa.array(cols["query_id"], pa.string()), "doc_id": pa.array(cols["doc_id"], pa.string()),
+              "rank": pa.array(cols["rank"], pa.int32()),
+              "score": pa.array(cols["score"], pa.float64()).cast(pa.float32())}  # fmt: skip
+    return pa.table(arrays, schema=RUN_SCHEMA)

@@ -277,6 +277,61 @@ def planned_steps(n_groups: int, s: LoopSettings, world: int = 1) -> tuple[int, 
     return per_epoch, s.max_steps or max(1, math.ceil(per_epoch * s.epochs))
 
 
+def _dims(raw: dict[str, Any]) -> dict[str, int] | None:
+    """Hidden size, feed-forward width, layers and vocabulary of a model's config.json (its names for them across
+    families: BERT / Qwen2 / Llama, OLMo-style LLaDA, GPT-2); None when they are not all there."""
+    def first(*keys: str) -> int | None:
+        return next((int(raw[k]) for k in keys if isinstance(raw.get(k), int)), None)
+
+    h = first("hidden_size", "d_model", "n_embd")
+    layers = first("num_hidden_layers", "n_layers", "n_layer")
+    vocab = first("vocab_size", "embedding_size")
+    if not (h and layers and vocab):
+        return None
+    return {"h": h, "i": first("intermediate_size", "mlp_hidden_size", "n_inner") or 4 * h, "layers": layers,
+            "vocab": vocab}  # fmt: skip
+
+
+def training_memory(raw: dict[str, Any], s: TrainSettings, sparse: bool, bf16: bool, world: int = 1,
+                    weight_bytes: int = 4) -> dict[str, int] | None:  # fmt: skip
+    """What one process's training step needs at its peak, estimated from the model's config.json before anything
+    is loaded (bytes by part; None when the config lacks the sizes): the weights (and, for full fine-tuning, their
+    gradients and AdamW's two moments), the activations of one forward pass over ``batch_size`` groups (a query and
+    1 + ``n_negatives`` passages each, at their token limits plus the K slots: per token and layer ~8 hidden-size
+    and 3 feed-forward-width values, the layer inputs alone under gradient checkpointing), the LM head's logits at
+    the K slots (with the sparse loss) and the pool's representations kept for the loss. A lower estimate: the
+    prompt's tokens, attention scores and the allocator's slack come on top.
+
+    >>> cfg = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 30522}
+    >>> s = TrainSettings(adapter="full", kq=4, kp=4, n_negatives=1000).resolved("diffretriever")
+    >>> round(sum(training_memory(cfg, s, sparse=True, bf16=False).values()) / 2**30)   # the README's model, 1000
+    43
+    >>> round(sum(training_memory(cfg, s.model_copy(update={"n_negatives": 15}), True, False).values()) / 2**30, 1)
+    0.8
+    """
+    d = _dims(raw)
+    if d is None:
+        return None
+    h, inter, layers, vocab = d["h"], d["i"], d["layers"], d["vocab"]
+    kq, kp = int(s.kq or 1), int(s.kp or 1)
+    per_group = 1 + int(s.n_negatives or 0)
+    pool = max(1, s.pool_items(world) // (1 if s.gather == "no" else world))  # this process's groups of a pool
+    chunk = min(int(s.batch_size), pool)
+    tokens = chunk * (int(s.q_max_len or 32) + kq) + chunk * per_group * (int(s.p_max_len or 156) + kp)
+    act = 2 if bf16 else 4
+    per_token = layers * h * act + (8 * h + 3 * inter) * act if s.gradient_checkpointing else \
+        layers * (8 * h + 3 * inter) * act  # fmt: skip
+    params = layers * (4 * h * h + 3 * h * inter) + vocab * h
+    slots = chunk * kq + chunk * per_group * kp
+    pool_texts = pool * (1 + per_group) * world if s.gather == "yes" else pool * (1 + per_group)
+    return {
+        "weights": params * weight_bytes + (params * 12 if s.adapter == "full" else 0),
+        "activations": tokens * per_token,
+        "head": slots * vocab * 4 * 3 if sparse and s.sparse_loss else 0,  # logits, their pooled max, gradients
+        "pool": pool_texts * ((vocab if sparse and s.sparse_loss else 0) + max(kq, kp) * h) * 4 * 2,
+    }
+
+
 def lora_targets(bb: Backbone, head: bool | None = None) -> tuple[str, ...]:
     """The module names LoRA wraps: the family's projections, and the vocabulary head when ``head`` (None: the
     family's reference default, LLaDA's: its reference targets' ``ff_out`` matches the head as well as the

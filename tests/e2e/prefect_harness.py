@@ -4,7 +4,10 @@ The server runs with PREFECT_HOME in the test's temporary folder, on a free port
 process started here is in a process group of its own and is ended by that group's id (and, for a
 worker killed on purpose, by the ids of its own child processes), never by name.
 
-A test module makes the server a fixture with ``local_prefect_server`` (tests/e2e/test_prefect_deployment.py).
+The tests share one server per session (the ``prefect_server`` fixture of tests/conftest.py: a server takes
+10-20 s to start on a fresh database); each test gets a view of it (:meth:`PrefectServer.for_test`) with a work
+pool of its own, so that its workers run only its own flow runs, and its logs in its own temporary folder.
+``local_prefect_server`` starts a server for a block.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SERVER_START_TIMEOUT_S = 120
 CLI_TIMEOUT_S = 120
 WORKER_TIMEOUT_S = 300
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+_pools = 0  # work pools made by PrefectServer.for_test in this process
 
 
 def prefect_cmd() -> list[str]:
@@ -127,6 +131,17 @@ class PrefectServer:
     env: dict[str, str]
     log: Path
     tmp: Path
+    pool: str = POOL  # the process work pool this test's deployments and workers use
+
+    def for_test(self, tmp_path: Path, pool: str | None = None) -> PrefectServer:
+        """A view of this server for one test: logs and worker folders in ``tmp_path``, its own environment copy,
+        and its own work pool (``pool``, else a new name), created here, so no other test's runs reach its
+        workers."""
+        global _pools
+        _pools += 1
+        view = PrefectServer(self.api_url, dict(self.env), self.log, tmp_path, pool or f"{POOL}-{_pools}")
+        view.cli("work-pool", "create", view.pool, "--type", "process")
+        return view
 
     @property
     def base_url(self) -> str:
@@ -178,7 +193,7 @@ class PrefectServer:
         log = self.tmp / f"{name}.log"
         with log.open("wb") as out:
             worker = subprocess.Popen(
-                [*prefect_cmd(), "worker", "start", "--pool", POOL, "--run-once"],
+                [*prefect_cmd(), "worker", "start", "--pool", self.pool, "--run-once"],
                 cwd=self.tmp,
                 env=self.env,
                 stdout=out,
@@ -191,8 +206,8 @@ class PrefectServer:
 
 @contextlib.contextmanager
 def local_prefect_server(tmp_path: Path, ui: bool = False) -> Iterator[PrefectServer]:
-    """A Prefect server of its own for one test (a fixture wraps it: ``with local_prefect_server(tmp_path) as s:
-    yield s``), serving the UI too with ``ui``; stopped, by its process group, when the block ends."""
+    """A Prefect server of its own (tests/conftest.py's session fixture wraps it), serving the UI too with ``ui``;
+    stopped, by its process group, when the block ends."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     home = tmp_path / "prefect-home"
@@ -238,16 +253,21 @@ def local_prefect_server(tmp_path: Path, ui: bool = False) -> Iterator[PrefectSe
 
 
 def deploy(server: PrefectServer, *names: str) -> str:
-    """The process work pool, and the named deployments of the repository's prefect.yaml (every one without
-    names; each costs a few seconds)."""
-    server.cli("work-pool", "create", POOL, "--type", "process")
-    which = [a for n in names for a in ("--name", n)] or ["--all"]
-    return server.cli("--no-prompt", "deploy", *which, cwd=REPO)
+    """The named deployments of the repository's prefect.yaml (every one without names; each costs a few
+    seconds) on the test's work pool: prefect.yaml's own (``diffret-process``) or, for another, ``--pool``."""
+    if server.pool == POOL:
+        which = [a for n in names for a in ("--name", n)] or ["--all"]
+        return server.cli("--no-prompt", "deploy", *which, cwd=REPO)
+    assert names, "another work pool than prefect.yaml's: name the deployments (--pool takes one at a time)"
+    return "".join(server.cli("--no-prompt", "deploy", "--name", n, "--pool", server.pool, cwd=REPO) for n in names)
 
 
 def create_zombie_automation(server: PrefectServer) -> None:
-    """The crash-recovery automation, created by the command docs/operations.md and prefect.yaml give."""
-    server.cli("automation", "create", "--from-file", str(REPO / "automations" / "zombie-flows.yaml"))
+    """The crash-recovery automation, created by the command docs/operations.md and prefect.yaml give (once per
+    server: it watches every tagged flow run)."""
+    found = server.api("POST", "/automations/filter", {})
+    if not any(a.get("name") == "diffret-crash-zombie-flows" for a in found):  # type: ignore[union-attr]
+        server.cli("automation", "create", "--from-file", str(REPO / "automations" / "zombie-flows.yaml"))
 
 
 def wait_state(server: PrefectServer, flow_run_id: str, state: str, timeout_s: float) -> float:

@@ -1,22 +1,21 @@
 """prefect.yaml end to end: a local Prefect server, `prefect deploy`, a deployment run, a process worker.
 
-Starts its own server (PREFECT_HOME in a temporary folder, a free port), creates the process work pool,
-deploys ``download`` from the repository's prefect.yaml, runs it on ../shared/data/scifact into a
-temporary store through ``prefect worker start --run-once``, and checks the run's state and the store.
-Runs the deployment a second time to check that a stored collection is left as it is (resume).
+On the session's server (PREFECT_HOME in a temporary folder, a free port; tests/conftest.py), with the
+process work pool prefect.yaml names, deploys ``download`` from the repository's prefect.yaml, runs it on
+../shared/data/scifact into a temporary store through ``prefect worker start --run-once``, and checks the run's
+state and the store. Runs the deployment a second time to check that a stored collection is left as it is (resume).
 Skips when ../shared/data/scifact is not beside the checkout. Every process it starts is in a process
-group of its own, ended by that group's id at teardown.
+group of its own, ended by that group's id.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import REPO, SHARED
-from prefect_harness import POOL, PrefectServer, deploy, local_prefect_server, run_deployment, work_off
+from prefect_harness import POOL, PrefectServer, deploy, run_deployment, work_off
 
 SCIFACT = SHARED / "data" / "scifact"
 SCIFACT_CORPUS_ROWS = 5183
@@ -32,19 +31,11 @@ def scifact() -> Path:
     return SCIFACT
 
 
-@pytest.fixture
-def prefect_server(tmp_path: Path) -> Iterator[PrefectServer]:
-    with local_prefect_server(tmp_path) as server:
-        yield server
-
-
-def test_download_deployment_runs_on_a_process_worker(
-    scifact: Path, prefect_server: PrefectServer, tmp_path: Path
-) -> None:
+def test_download_deployment_runs_on_a_process_worker(scifact: Path, prefect_session: PrefectServer, tmp_path: Path):
     # `scifact` comes first so that a missing ../shared skips before a server is started
     import pyarrow.parquet as pq
 
-    server = prefect_server
+    server = prefect_session.for_test(tmp_path, pool=POOL)  # the pool prefect.yaml names, this test's alone
     out = deploy(server)
     assert "download/download" in out, out
     encode = server.api("GET", "/deployments/name/encode/encode")  # every deployment of prefect.yaml deploys

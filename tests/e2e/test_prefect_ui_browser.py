@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from browser import PrefectUI, browser_page
 from conftest import SHARED
-from prefect_harness import deploy, local_prefect_server, work_off
+from prefect_harness import PrefectServer, deploy, work_off
 
 MINI = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
 SPLADE = SHARED / "models" / "splade-tiny-mlm"
@@ -29,14 +29,13 @@ def artifacts_of(server, flow_run_id: str) -> dict[str, dict]:  # noqa: ANN001
     return {a["key"]: a for a in found if a.get("key")}  # type: ignore[union-attr]
 
 
-def test_download_and_pipeline_from_the_custom_run_form(tmp_path: Path) -> None:
+def test_download_and_pipeline_from_the_custom_run_form(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if not (MINI / "corpus.jsonl").exists() or not (SPLADE / "model.safetensors").exists():
         pytest.skip("../shared/fixtures/reference-parity/scifact-mini or ../shared/models/splade-tiny-mlm is absent")
     shots = Path(os.environ["DIFFRET_UI_SHOTS"]) if os.environ.get("DIFFRET_UI_SHOTS") else None
     root, cache = tmp_path / "store", tmp_path / "cache"
-    with browser_page() as page, local_prefect_server(tmp_path, ui=True) as server:
-        server.env["OMP_NUM_THREADS"] = "1"
-        server.env["HF_HUB_OFFLINE"] = "1"
+    with browser_page() as page:
+        server: PrefectServer = request.getfixturevalue("prefect_server")  # after the browser check: it may skip
         deploy(server, "download", "pipeline")
         ui = PrefectUI(page, server.base_url, shots)
 
@@ -65,8 +64,9 @@ def test_download_and_pipeline_from_the_custom_run_form(tmp_path: Path) -> None:
         text = ui.text()
         assert "multi_dense" in text and "bm25" in text
 
-        # every stage's own run: named after it, its summary with the folders' rows on that run
-        runs = server.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"is_null_": False}}})
+        # every stage's own run (a subflow of this pipeline run): named after it, its summary with the folders' rows
+        runs = server.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"is_null_": False},
+                                                                      "parent_flow_run_id": {"any_": [run_id]}}})
         names = {r["name"]: r["id"] for r in runs}  # type: ignore[union-attr]
         encode = next(i for n, i in names.items() if n.startswith("encode scifact-mini splade-tiny-mlm"))
         encoded = next(a["data"] for k, a in artifacts_of(server, encode).items()

@@ -10,6 +10,7 @@ import pytest
 from conftest import SHARED
 
 from retrieval.evaluation import DEFAULT_MEASURES, evaluate, mean_metrics, read_trec_qrels, read_trec_run
+from retrieval.evaluation.arrays import evaluate_tables
 
 TREC_EVAL_TEST = SHARED / "data" / "trec_eval_test"
 
@@ -44,6 +45,17 @@ def read_cases(base: Path) -> dict[tuple[str, str], tuple[str, str]]:
     return cases
 
 
+def qrels_table(qrels: dict) -> pa.Table:
+    rows = [(q, d, g) for q, docs in qrels.items() for d, g in docs.items()]
+    return pa.table({c: [r[j] for r in rows] for j, c in enumerate(("query_id", "doc_id", "relevance"))})
+
+
+def run_table(run: dict) -> pa.Table:
+    """A run dict as a table with its raw (float64) scores; ranks in file order (``ties="score"`` reads scores)."""
+    rows = [(q, d, i, s) for q, docs in run.items() for i, (d, s) in enumerate(docs.items(), 1)]
+    return pa.table({c: [r[j] for r in rows] for j, c in enumerate(("query_id", "doc_id", "rank", "score"))})
+
+
 def read_reference(path: Path) -> dict[tuple[str, str], str]:
     """trec_eval output lines ``measure <ws> qid <ws> value`` -> {(measure, qid): value text}."""
     out = {}
@@ -76,6 +88,8 @@ def test_reproduces_trec_eval_reference(trec_eval_test: Path, expected: str, qre
     run = read_trec_run(trec_eval_test / run_name)  # raw scores: trec_eval ranks by score, not by rank column
     table = evaluate(qrels, run, REF_MEASURES, relevance_level=level)
     ours = as_dict(table)
+    # the vectorised evaluator (the evaluate stage's) on the same run as a table, by score: the same values
+    assert evaluate_tables(qrels_table(qrels), run_table(run), REF_MEASURES, level, ties="score").equals(table)
     ref = read_reference(trec_eval_test / expected)
 
     # per-query rows (present with -q)

@@ -312,29 +312,35 @@ def test_11_negative_grades(world: dict, tmp_path: Path) -> None:
     assert p.returncode == 2 and "test.tsv:3: grade -1 is negative" in error_line(p)
 
 
-SLOW = """
-import time, stages.encode as enc
+HELD = """
+import os, time, stages.encode as enc
 _encode = enc.encode_rows
-def _slow(*a, **k):
-    time.sleep(2.0)
+def _held(*a, **k):  # the first shard waits until the test lets it go (at most 5 minutes)
+    deadline = time.monotonic() + 300
+    while not os.path.exists({release!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return _encode(*a, **k)
-enc.encode_rows = _slow
+enc.encode_rows = _held
 """
 
 
 def test_11_two_encodes_of_one_folder_at_once(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
+    release = tmp_path / "release"
     args = ("encode", "-d", "c", "--model", str(world["model"]), "--k", "2", "--max-length", "64", "--shard-size", "4",
             "--root", str(root))  # fmt: skip
-    first_run = cli(*args, prelude=SLOW, background=True)
+    # the first encode holds its folders until the second has been refused, however slow the machine is
+    first_run = cli(*args, prelude=HELD.format(release=str(release)), background=True)
     try:
         deadline = time.monotonic() + 120
         while not list(root.glob("encodings/*/*/*/k=2/_manifest.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
         second = cli(*args)
         assert second.returncode == 2 and "is being written by another process" in error_line(second)
+        release.touch()
         out, _ = first_run.communicate(timeout=300)
     finally:
+        release.touch()
         if first_run.poll() is None:
             first_run.kill()
     assert first_run.returncode == 0, out

@@ -158,9 +158,19 @@ def test_train_runs_are_cut_to_their_depth_and_equal_the_deeper_runs_prefix(tiny
 
 
 def test_train_runs_feed_training_groups_and_a_deeper_request_is_refused(tiny: dict) -> None:
-    with StoreSQL(ArtifactStore(tiny["root"])) as db:
+    store = ArtifactStore(tiny["root"])
+    with StoreSQL(store) as db:
         _, rows = db.query("select query_id, negative_passages from training_groups order by 1")
-    assert [r[0] for r in rows] == ["q3", "q4"] and all(len(r[1]) == 3 for r in rows)
+        _, judged = db.query("select query_id, doc_id from qrels where split = 'train'")
+    assert [r[0] for r in rows] == ["q3", "q4"]
+    # each group: the BM25 train run's top 3 minus the positives, distinct (no duplicate fills a short group)
+    bm25 = next(s for s in store.stage_dirs("runs/*/*/*/*/*/*") if "/split=train/" in s and s.endswith("mode=bm25"))
+    run = read_run(store, bm25).to_pylist()
+    for q, negatives in rows:
+        positives = {d for qq, d in judged if qq == q}
+        top = [r["doc_id"] for r in sorted((r for r in run if r["query_id"] == q), key=lambda r: r["rank"])][:3]
+        ids = [n["docid"] for n in negatives]
+        assert len(ids) == len(set(ids)) and sorted(ids) == sorted(d for d in top if d not in positives), q
     cfg = tiny["configs"]["training"].model_copy(update={"depth": 5, "name": "deeper"})
     with pytest.raises(StoreError, match="keeps 4 documents per query, fewer than the negatives' depth 5"):
         execute(stages()["training"], cfg, log=lambda _: None)

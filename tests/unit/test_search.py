@@ -18,6 +18,7 @@ from retrieval.search import (
     doc_order,
     encodings_from_table,
     fuse_minmax,
+    fuse_runs,
     maxsim,
     run_table,
     scoring,
@@ -224,3 +225,54 @@ def test_encodings_errors() -> None:
         select(enc, ["d0", "nope"])
     with pytest.raises(ValueError, match="unknown base mode"):
         search_pass({1: enc}, [enc], ["fusion_multi_sparse_max"])
+
+
+def _fuse_loop(runs: list[TopK], depth: int, flat: str) -> TopK:
+    """Fusion as diffret 0.1 computed it, a query at a time (the vectorised fuse_runs must equal it exactly)."""
+    out_s, out_i = [], []
+    for qi in range(runs[0].scores.shape[0]):
+        acc: dict[int, float] = {}
+        for run in runs:
+            w = 1.0 / len(runs)
+            s, ix = run.scores[qi, :depth], run.index[qi, :depth]
+            keep = ix >= 0
+            s, ix = s[keep].astype(np.float64), ix[keep]
+            if not len(s):
+                continue
+            lo, hi = s.min(), s.max()
+            norm = np.ones_like(s) if flat == "one" and hi <= lo else (s - lo) / max(hi - lo, 1e-9)
+            for d, v in zip(ix.tolist(), norm.tolist(), strict=True):
+                acc[d] = acc.get(d, 0.0) + w * v
+        docs = np.fromiter(acc.keys(), np.int64, len(acc))
+        vals = np.fromiter(acc.values(), np.float64, len(acc))
+        order = np.lexsort((docs, -vals))[:depth]
+        out_s.append(vals[order])
+        out_i.append(docs[order])
+    width = max([len(x) for x in out_s] + [1])
+    scores = np.full((len(out_s), width), float("-inf"), np.float32)
+    index = np.full((len(out_s), width), -1, np.int64)
+    for qi, (s, ix) in enumerate(zip(out_s, out_i, strict=True)):
+        scores[qi, : len(s)], index[qi, : len(ix)] = s, ix
+    return TopK(scores, index)
+
+
+@pytest.mark.parametrize("flat", ["zero", "one"])
+def test_vectorised_fusion_equals_the_per_query_loop(flat: str) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        n_q, k, n_docs = int(rng.integers(1, 12)), int(rng.integers(1, 30)), int(rng.integers(1, 60))
+
+        def run(n_q: int = n_q, k: int = k, n_docs: int = n_docs) -> TopK:
+            index = np.stack([rng.permutation(max(n_docs, k))[:k] for _ in range(n_q)])
+            scores = -np.sort(-np.round(rng.normal(size=(n_q, k)), int(rng.integers(0, 2))), axis=1)  # ties
+            short = rng.random(n_q) < 0.3  # padded rows: fewer documents, or none
+            cut = rng.integers(0, k + 1, size=n_q)
+            pad = short[:, None] & (np.arange(k)[None, :] >= cut[:, None])
+            return TopK(np.where(pad, -np.inf, scores).astype(np.float32), np.where(pad, -1, index))
+
+        runs = [run() for _ in range(int(rng.integers(2, 5)))]  # two (the modes' fusions) to four runs
+        depth = int(rng.integers(1, 2 * k + 1))
+        got = fuse_minmax(*runs, depth, flat=flat) if len(runs) == 2 else fuse_runs(runs, depth, flat=flat)
+        want = _fuse_loop(runs, depth, flat)
+        assert got.index.tolist() == want.index.tolist()
+        assert got.scores.tobytes() == want.scores.tobytes()

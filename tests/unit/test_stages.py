@@ -23,9 +23,12 @@ from stages.base import Context
 from stages.beta import BetaConfig
 from stages.bm25 import BM25Config
 from stages.bot import BotConfig
+from stages.compare import CompareConfig
 from stages.compress import CompressConfig
 from stages.encode import EncodeConfig
 from stages.evaluate import EvaluateConfig
+from stages.fuse import FuseConfig
+from stages.import_run import ImportRunConfig
 from stages.index import IndexConfig
 from stages.ingest import DownloadConfig
 from stages.late import LateConfig
@@ -70,6 +73,8 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "beta": BetaConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], **common),
         "bm25": BM25Config(dataset="tiny", splits=["test", "train"], **common),
+        "import-run": ImportRunConfig(dataset="tiny", path=str(Path(beir).parent / "ext.trec"), **common),
+        "fuse": FuseConfig(dataset="tiny", runs=["bm25", "ext"], **common),
         "late": LateConfig(dataset="tiny", system=ref, kq=1, kp=2, depths=[3, 5], **common),
         "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
                                prompt=TINY_PROMPT, **common),  # fmt: skip
@@ -79,6 +84,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "train-reranker": TrainRerankerConfig(dataset="tiny", backbone=bb, name="tiny-rr", settings=RERANK_TRAIN,
                                               checkpoint_every=2, **common),  # fmt: skip
         "evaluate": EvaluateConfig(**common),
+        "compare": CompareConfig(dataset="tiny", runs=["ext", "fusion"], **common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
         "latency": LatencyConfig(backbone=bb, max_length=96, lengths=[8, 16], k=[1, 2], search_sizes=[10, 100],
@@ -92,6 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("stages")
     model = save_tiny_mlm(base / "model")
     beir = write_beir(base / "tiny", CORPUS, QUERIES, QRELS)
+    (base / "ext.trec").write_text("q0 Q0 d0 1 3.0 x\nq0 Q0 d1 2 2.0 x\nq1 Q0 d2 1 1.0 x\nq2 Q0 d4 1 1.0 x\n")
     root = str(base / "store")
     cfgs = configs(root, model, beir)
     results = {name: execute(stages()[name], cfg, log=lambda _: None) for name, cfg in cfgs.items()}
@@ -128,7 +135,8 @@ def test_every_stage_did_its_work_once(world: dict) -> None:
     assert world["results"]["score"].done == 2 * 2 * 2 * 5  # splits x K_q x K_p x modes
     assert world["results"]["beta"].done == 2 * 2  # splits x K_q
     assert world["results"]["late"].done == 2  # BM25's top 3 and top 5, re-scored
-    assert world["results"]["evaluate"].done == 40 + 4 + 2 + 2 + 1  # + beta, late, BM25 (test, train), reranked
+    # + beta, late, BM25 (test, train), reranked, imported, fused
+    assert world["results"]["evaluate"].done == 40 + 4 + 2 + 2 + 1 + 1 + 1
 
 
 def test_the_report_puts_the_system_on_the_latency_axes(world: dict) -> None:
@@ -204,7 +212,8 @@ def test_changed_inputs_make_downstream_stale_not_drifted(world: dict, tmp_path:
     assert execute(stages()["score"], forced, log=lambda _: None).done == 40
     lines: list[str] = []
     res = execute(stages()["evaluate"], w["configs"]["evaluate"], log=lines.append)
-    assert (res.done, res.skipped) == (40, 9)  # the encoder's runs are stale; beta's, late's, BM25's, the reranked
+    # the encoder's runs are stale; beta's, late's, BM25's, the reranked, the imported and the fused are not
+    assert (res.done, res.skipped) == (40, 11)
     stale = [line for line in lines if "built from other inputs" in line]  # one line for the 40, not 40 lines
     assert len(stale) == 1 and stale[0].startswith("40 folders") and stale[0].endswith("and 37 more"), lines
 

@@ -1,0 +1,271 @@
+"""The whole pipeline at growing corpus sizes, through the CLI, with every stage's cost measured (issue 41).
+
+For each N (default 10k, 100k, 1M) it writes a synthetic MS MARCO-shaped collection in BEIR layout, deterministic
+from a seed: N passages of MS MARCO's length (log-normal, mean ~56 words) drawn from a real English word
+distribution (the word counts of the corpora in ../shared/data), a fixed number of queries (default 500: the corpus
+is what grows), each 3-8 words of its one relevant passage. Then it runs, each stage its own `diffret` command on
+a small random-weight BERT masked LM built from a config (splade-tiny's tokenizer, hidden 64, 2 layers):
+download, tokenize, encode at K 1 and 16 (``--workers 2``: two local Dask workers), bm25, score (K_q, K_p in
+{1, 16}^2, every mode), evaluate, index (LanceDB at K_p = 1, checked against exact search), report, compress
+(int8, then scored), late (BM25's top 100 re-scored by multi_dense at (16, 16)).
+
+Per stage: wall seconds; the peak RSS of every process of the command (the command and its children, Dask workers
+included: sampled every 0.1 s), reported as the largest; bytes and files added to the store. Per stage over N: the
+growth exponents of time and peak memory (least squares on log-log). Results go to
+``benchmarks/results/scale_e2e.json`` (one entry per N, merged across invocations), and ``--write-docs`` renders the
+table, the exponents, the figure (docs/img/scale.png) and the MS MARCO projection into docs/scale.md.
+
+    python benchmarks/scale_e2e.py --n 10000 --n 100000 --n 1000000 [--work /tmp/scale] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+RESULTS = REPO / "benchmarks" / "results" / "scale_e2e.json"
+WORD_CORPORA = ("scifact", "nfcorpus", "fiqa", "arguana", "scidocs", "trec-covid", "quora")
+MSMARCO = {"passages": 8_841_823, "dev_queries": 6_980, "hidden": 3584, "cells": 25, "modes": 5}
+
+
+# ----------------------------------------------------------------------------------------- the collection
+def word_distribution(limit: int = 50_000) -> tuple[list[str], np.ndarray]:
+    """The ``limit`` most frequent lowercase words of the real English corpora in ../shared/data, with their
+    relative frequencies (a fixed, real distribution: Zipf-like, as text is)."""
+    counts: Counter[str] = Counter()
+    word = re.compile(r"[a-z]+(?:'[a-z]+)?")
+    for name in WORD_CORPORA:
+        path = SHARED / "data" / name / "corpus.jsonl"
+        if not path.exists():
+            continue
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                doc = json.loads(line)
+                counts.update(word.findall(f"{doc.get('title', '')} {doc.get('text', '')}".lower()))
+    if not counts:
+        raise SystemExit("no corpora found under ../shared/data: the word distribution comes from them")
+    words, n = zip(*counts.most_common(limit), strict=True)
+    p = np.array(n, dtype=np.float64)
+    return list(words), p / p.sum()
+
+
+def write_collection(folder: Path, n: int, n_queries: int, seed: int = 0) -> dict:
+    """corpus.jsonl, queries.jsonl, qrels/test.tsv in ``folder`` (BEIR layout); deterministic in (n, seed)."""
+    done = folder / "_done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    words, p = word_distribution()
+    vocab = np.array(words, dtype=object)
+    rng = np.random.default_rng(seed)
+    # MS MARCO passages: ~56 words on average, long-tailed
+    lengths = np.clip(np.round(rng.lognormal(mean=3.93, sigma=0.42, size=n)), 5, 250).astype(np.int64)
+    relevant = rng.choice(n, size=n_queries, replace=False)
+    rel_words: dict[int, list[str]] = {}
+    chunk = 100_000
+    with (folder / "corpus.jsonl").open("w", encoding="utf-8") as f:
+        for start in range(0, n, chunk):
+            ls = lengths[start : start + chunk]
+            flat = vocab[rng.choice(len(vocab), size=int(ls.sum()), p=p)]
+            offsets = np.r_[0, np.cumsum(ls)]
+            lines = []
+            for i in range(len(ls)):
+                text = flat[offsets[i] : offsets[i + 1]]
+                lines.append(json.dumps({"_id": f"p{start + i}", "title": "", "text": " ".join(text)}) + "\n")
+            f.writelines(lines)
+            for j in np.flatnonzero((relevant >= start) & (relevant < start + len(ls))):
+                d = int(relevant[j])
+                rel_words[d] = list(flat[offsets[d - start] : offsets[d - start + 1]])
+    with (folder / "queries.jsonl").open("w", encoding="utf-8") as f:
+        for qi, d in enumerate(relevant.tolist()):
+            text = rel_words[d]
+            k = int(rng.integers(3, 9))
+            picked = [text[i] for i in sorted(rng.choice(len(text), size=min(k, len(text)), replace=False))]
+            f.write(json.dumps({"_id": f"q{qi}", "text": " ".join(picked)}) + "\n")
+    (folder / "qrels").mkdir(exist_ok=True)
+    with (folder / "qrels" / "test.tsv").open("w") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        f.writelines(f"q{qi}\tp{d}\t1\n" for qi, d in enumerate(relevant.tolist()))
+    info = {"passages": n, "queries": n_queries, "mean_words": float(lengths.mean()),
+            "bytes": sum(x.stat().st_size for x in folder.rglob("*") if x.is_file())}  # fmt: skip
+    done.write_text(json.dumps(info))
+    return info
+
+
+def write_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A random-weight BertForMaskedLM from a config, with splade-tiny's WordPiece tokenizer."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tok = AutoTokenizer.from_pretrained(SHARED / "models" / "splade-tiny-mlm")
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=2 * hidden, max_position_embeddings=512)  # fmt: skip
+    BertForMaskedLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------- measuring
+def _tree_rss(pid: int, peaks: dict[int, tuple[str, int]]) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            rss = p.memory_info().rss
+            name = " ".join(p.cmdline()[1:4])[:80]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if rss > peaks.get(p.pid, ("", 0))[1]:
+            peaks[p.pid] = (name, rss)
+
+
+def store_size(root: Path) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                size += os.path.getsize(os.path.join(dirpath, n))
+                files += 1
+            except OSError:
+                pass
+    return files, size
+
+
+def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
+    """One `diffret` command, timed and watched; what it added to the store."""
+    files0, bytes0 = store_size(root)
+    env = {**os.environ, "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+           "NLTK_DATA": str(SHARED / "nltk_data")}  # the reference content filter's English tables
+    peaks: dict[int, tuple[str, int]] = {}
+    t0 = time.perf_counter()
+    with log.open("a") as out:
+        out.write(f"\n$ diffret {' '.join(args)}\n")
+        out.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO)  # fmt: skip
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                _tree_rss(proc.pid, peaks)
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        rc = proc.wait()
+        stop.set()
+        watcher.join()
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"stage {name} failed ({rc}); see {log}")
+    files1, bytes1 = store_size(root)
+    top = max(peaks.values(), key=lambda x: x[1]) if peaks else ("", 0)
+    return {"stage": name, "seconds": round(seconds, 2), "peak_rss_mb": round(top[1] / 2**20, 1),
+            "peak_process": top[0], "processes": len(peaks), "files": files1 - files0,
+            "bytes": bytes1 - bytes0}  # fmt: skip
+
+
+def pipeline(n: int, work: Path, n_queries: int, workers: int) -> dict:
+    base = work / f"n={n}"
+    coll = base / "collection"
+    info = write_collection(coll, n, n_queries)
+    model = str(write_model(work / "model"))
+    root = base / "store"
+    if root.exists():
+        shutil.rmtree(root)
+    log = base / "log.txt"
+    log.write_text("")
+    r = ["--root", str(root)]
+    enc = ["--model", model, "--max-length", "96"]
+    grid = ["--kq", "1,16", "--kp", "1,16"]
+    stages = [
+        ("download", ["download", "c", "--source", str(coll), *r]),
+        ("tokenize", ["tokenize", "-d", "c", "--model", model, "--max-length", "96", "--shard-size", "50000", *r]),
+        ("encode", ["encode", "-d", "c", *enc, "--k", "1,16", "--shard-size", "50000", "--batch-size", "64",
+                    "--workers", str(workers), *r]),
+        ("bm25", ["bm25", "-d", "c", *r]),
+        ("score", ["score", "-d", "c", "--model", model, *grid, *r]),
+        ("evaluate", ["evaluate", *r]),
+        ("index", ["index", "-d", "c", "--model", model, "--kq", "1", "--kp", "1", *r]),
+        ("report", ["report", "--out", str(base / "report"), *r]),
+        ("compress", ["compress", "-d", "c", "--model", model, "--to", "int8", *r]),
+        ("score_int8", ["score", "-d", "c", "--model", model, "--store", "int8", "--kq", "16", "--kp", "16",
+                        "--mode", "multi_dense", *r]),
+        ("late", ["late", "-d", "c", "--model", model, "--first-stage", "bm25", "--kq", "16", "--kp", "16",
+                  "--mode", "multi_dense", "--m", "100", *r]),
+    ]  # fmt: skip
+    out = {"n": n, "collection": info, "stages": []}
+    for name, args in stages:
+        res = run_stage(name, args, root, log)
+        print(f"N={n:>9,} {name:<10} {res['seconds']:9.1f} s  peak {res['peak_rss_mb']:8.1f} MB  "
+              f"+{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB", flush=True)  # fmt: skip
+        out["stages"].append(res)
+    out["store_bytes"] = store_size(root)[1]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- analysis
+def exponents(results: list[dict], key: str) -> dict[str, float]:
+    """Per stage: the slope of log(key) against log(N), least squares over the sizes measured."""
+    out = {}
+    names = [s["stage"] for s in results[0]["stages"]]
+    for name in names:
+        xs, ys = [], []
+        for r in results:
+            s = next(s for s in r["stages"] if s["stage"] == name)
+            if s[key] > 0:
+                xs.append(math.log(r["n"]))
+                ys.append(math.log(s[key]))
+        if len(xs) >= 2:
+            out[name] = float(np.polyfit(xs, ys, 1)[0])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, action="append", help="corpus sizes (repeat)")
+    ap.add_argument("--queries", type=int, default=500)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/diffret-scale")
+    ap.add_argument("--write-docs", action="store_true", help="render docs/scale.md from the results file")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for n in args.n or []:
+        stored[str(n)] = pipeline(n, work, args.queries, args.workers)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    results = [stored[k] for k in sorted(stored, key=int)]
+    if len(results) >= 2:
+        for key in ("seconds", "peak_rss_mb"):
+            print(key, {k: round(v, 2) for k, v in exponents(results, key).items()})
+    if args.write_docs:
+        from scale_docs import write_docs  # benchmarks/scale_docs.py
+
+        write_docs(results, exponents(results, "seconds"), exponents(results, "peak_rss_mb"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""diffret from Python: load a retriever, encode texts in memory, search in any mode, evaluate, open a store.
+
+The same code the stages run, in the same order: a text is tokenized as the tokenize stage does, encoded by the
+encode stage's readout, scored by the score stage's exact search with the same rules (one place,
+:meth:`retrieval.search.rules.ScoreRules.factor_for`, computes the sparse scale for both), and evaluated by the
+evaluate stage's evaluator; so a notebook's numbers are the CLI's numbers.
+
+>>> import diffret
+>>> r = diffret.load("../shared/models/splade-tiny-mlm")                         # doctest: +SKIP
+>>> q = r.encode_queries({"q1": "what do cats eat"}, k=4)                         # doctest: +SKIP
+>>> p = r.encode_passages({"d1": ("Cats", "Cats eat fish."), "d2": "Dogs bark."}, k=4)  # doctest: +SKIP
+>>> diffret.search(q, p, "multi_dense", topk=10).to_pylist()[0]["doc_id"]        # doctest: +SKIP
+'d1'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+Texts = Mapping[str, str] | Mapping[str, tuple[str, str]] | Sequence[str]
+
+
+@dataclass
+class Encoded:
+    """Texts encoded at one budget K: the rows of the store's encodings schema (``table``), and what scoring
+    them needs (the side, and the sparse scale of the system that made them)."""
+
+    table: pa.Table
+    side: str
+    k: int
+    sparse_factor: float = 1.0
+    readout: str = "diffretriever"
+
+    @property
+    def ids(self) -> list[str]:
+        return self.table.column("id").to_pylist()
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass
+class Retriever:
+    """A backbone and its readout, loaded once; encodes queries and passages in memory (:func:`load`)."""
+
+    settings: Any  # stages.systems.EncodeSettings
+    batch_size: int = 32
+    _reader: Any = field(default=None, repr=False)
+
+    @property
+    def reader(self) -> Any:
+        if self._reader is None:
+            from retrieval.models.backbones import load_backbone
+            from retrieval.models.readouts import make_reader
+
+            s = self.settings
+            self._reader = make_reader(load_backbone(s.backbone), s.readout, s.max_length)
+        return self._reader
+
+    @property
+    def sparse_factor(self) -> float:
+        """The scale the score stage applies to this retriever's stored sparse weights (the reference's rules)."""
+        from retrieval.search.rules import ScoreRules
+
+        return ScoreRules().factor_for(self.settings.readout.readout, self.settings.readout.model_dump())
+
+    def _encode(self, texts: Texts, side: str, k: int, batch_size: int | None) -> Encoded:
+        from retrieval.data.collections import passage_text
+        from retrieval.models.encoding import encode_rows, tokenize_texts
+        from stages.systems import tokenizer_of
+
+        ids, raw = _ids_and_texts(texts)
+        if side == "passage":
+            raw = [passage_text(*t, self.settings.title_sep) if isinstance(t, tuple) else t for t in raw]
+        elif any(isinstance(t, tuple) for t in raw):
+            raise ValueError("queries are texts, not (title, text) pairs")
+        type(self.reader).check_k([k])
+        tokens = tokenize_texts(tokenizer_of(self.settings.backbone), raw, self.settings.max_length)
+        table = encode_rows(self.reader, ids, tokens.column("token_ids").to_pylist(), raw, side, k,
+                            batch_size or self.batch_size)  # fmt: skip
+        return Encoded(table, side, k, self.sparse_factor, self.settings.readout.readout)
+
+    def encode_queries(self, texts: Texts, k: int = 1, batch_size: int | None = None) -> Encoded:
+        """Queries at budget ``k`` (K_q): ``{id: text}``, or a list of texts (ids "0", "1", ...)."""
+        return self._encode(texts, "query", k, batch_size)
+
+    def encode_passages(self, texts: Texts, k: int = 1, batch_size: int | None = None) -> Encoded:
+        """Passages at budget ``k`` (K_p): ``{id: text}`` or ``{id: (title, text)}`` (joined as the tokenize stage
+        joins them), or a list; passages keep their order, which breaks score ties (the earlier first)."""
+        return self._encode(texts, "passage", k, batch_size)
+
+
+def _ids_and_texts(texts: Texts) -> tuple[list[str], list[Any]]:
+    if isinstance(texts, Mapping):
+        return [str(i) for i in texts], list(texts.values())
+    if isinstance(texts, str):
+        raise TypeError("give a list of texts or a {id: text} mapping, not one string")
+    items = list(texts)
+    return [str(i) for i in range(len(items))], items
+
+
+def load(model: str, readout: str = "diffretriever", *, max_length: int | None = None, batch_size: int = 32,
+         device: str = "auto", dtype: str | None = None, **options: Any) -> Retriever:  # fmt: skip
+    """A retriever over any backbone the CLI takes (a hub id or a local folder; a released DiffRetriever
+    checkpoint included) with any readout (``diffretriever``, ``promptreps``, ``diffembed``, ``repllama``,
+    ``sidr``). ``options`` are the backbone's and the readout's settings as the CLI names them, with ``_`` for
+    ``-`` (``prompt="few_words"``, ``denoise_steps=2``, ``trust_remote_code=True``, ...).
+
+    >>> r = load("../shared/models/splade-tiny-mlm")           # doctest: +SKIP
+    >>> r.settings.readout.readout                              # doctest: +SKIP
+    'diffretriever'
+    """
+    from retrieval.models.backbones import BackboneConfig
+    from retrieval.models.readouts import ReadoutConfig
+    from stages.encode import EncodeConfig
+
+    bb_fields, ro_fields = set(BackboneConfig.model_fields), set(ReadoutConfig.model_fields)
+    unknown = sorted(set(options) - bb_fields - ro_fields)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; backbone: {sorted(bb_fields)}; readout: {sorted(ro_fields)}")
+    bb = BackboneConfig(model=model, device=device, **({"dtype": dtype} if dtype else {}),
+                        **{k: v for k, v in options.items() if k in bb_fields})  # fmt: skip
+    ro = ReadoutConfig(readout=readout, **{k: v for k, v in options.items() if k in ro_fields})
+    extra = {"max_length": max_length} if max_length is not None else {}
+    settings = EncodeConfig(dataset="api", backbone=bb, readout=ro, **extra).settings()  # the CLI's resolution
+    return Retriever(settings, batch_size)
+
+
+def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = "multi_dense", topk: int = 1000,
+           *, device: str = "cpu", rules: Any = None, fusion_depth: int = 1000,
+           self_hits: str = "keep") -> pa.Table:  # fmt: skip
+    """Exact search of ``queries`` against ``passages`` (one Encoded, or several blocks of one corpus, in order)
+    in ``mode`` (``single_dense``, ``multi_dense``, ``sparse_max``, ``fusion_single_sparse_max``,
+    ``fusion_multi_sparse_max``): the run table the score stage writes (query_id, doc_id, rank, score; ranks by
+    score, ties by doc_id), with its rules (``rules``: a ScoreRules, default the reference evaluator's)."""
+    from retrieval.search.encodings import encodings_from_table
+    from retrieval.search.exact import SearchSettings, search_pass
+    from retrieval.search.modes import MODES, all_modes, base_modes_needed
+    from retrieval.search.rules import ScoreRules
+    from retrieval.search.runs import run_table
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
+    blocks = [passages] if isinstance(passages, Encoded) else list(passages)
+    if queries.side != "query" or any(b.side != "passage" for b in blocks):
+        raise ValueError("search(queries, passages): encode_queries' output first, then encode_passages'")
+    rules = rules or ScoreRules()
+    q = encodings_from_table(queries.table, device, rules, queries.sparse_factor)
+    stream = (encodings_from_table(b.table, device, rules, b.sparse_factor) for b in blocks)
+    depth = max(topk, fusion_depth) if MODES[mode].is_fusion else topk
+    settings = SearchSettings(topk=depth, ignore_identical_ids=self_hits == "drop", rules=rules)
+    tops, doc_ids = search_pass({queries.k: q}, stream, base_modes_needed([mode]), settings)
+    runs = all_modes(tops, fusion_depth, rules)
+    return run_table(runs[(queries.k, mode)], queries.ids, doc_ids, depth=topk)
+
+
+def evaluate(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str, int]], measures: Sequence[str] | None = None,
+             relevance_level: int = 1, ties: str = "trec") -> dict[str, float]:  # fmt: skip
+    """The mean of each measure (default: NDCG@10, MRR@10, R@100, R@1000 as pytrec_eval names them) over every
+    judged query, as the evaluate stage computes it (a judged query without results scores 0; tied scores
+    ordered as the stage's default ``ties="trec"`` orders them, ``"rank"`` keeps the run's rank order).
+    :func:`evaluate_per_query` gives the per-query table."""
+    table = evaluate_per_query(run, qrels, measures, relevance_level, ties)
+    n = {}
+    sums: dict[str, float] = {}
+    for m, v in zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True):
+        sums[m] = sums.get(m, 0.0) + v
+        n[m] = n.get(m, 0) + 1
+    return {m: sums[m] / n[m] for m in sums}
+
+
+def evaluate_per_query(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str, int]],
+                       measures: Sequence[str] | None = None, relevance_level: int = 1,
+                       ties: str = "trec") -> pa.Table:  # fmt: skip
+    """Per-query metrics (query_id, measure, value) of a run table against qrels (a table with query_id, doc_id,
+    relevance, or ``{query_id: {doc_id: grade}}``)."""
+    from retrieval.evaluation import DEFAULT_MEASURES
+    from retrieval.evaluation.arrays import evaluate_tables
+
+    if isinstance(qrels, Mapping):
+        rows = [(q, d, int(g)) for q, docs in qrels.items() for d, g in docs.items()]
+        qrels = pa.table({"query_id": [r[0] for r in rows], "doc_id": [r[1] for r in rows],
+                          "relevance": pa.array([r[2] for r in rows], pa.int32())})  # fmt: skip
+    return evaluate_tables(qrels, run, list(measures or DEFAULT_MEASURES), relevance_level, ties=ties)  # type: ignore[arg-type]
+
+
+@dataclass
+class Collection:
+    """A test collection read from a folder in BEIR layout (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) by the
+    download stage's own readers."""
+
+    corpus: dict[str, tuple[str, str]]  # id -> (title, text), in file order
+    all_queries: dict[str, str]
+    qrels_table: pa.Table  # query_id, doc_id, relevance, split
+
+    def queries(self, split: str = "test") -> dict[str, str]:
+        """The queries judged in ``split``, in the order the score stage takes them (first appearance)."""
+        judged = dict.fromkeys(self.qrels(split).column("query_id").to_pylist())
+        return {q: self.all_queries[q] for q in judged if q in self.all_queries}
+
+    def qrels(self, split: str = "test") -> pa.Table:
+        import pyarrow.compute as pc
+
+        return self.qrels_table.filter(pc.equal(self.qrels_table.column("split"), split))
+
+
+def load_beir(folder: str | Path, name: str | None = None) -> Collection:
+    """A BEIR-layout folder, validated and parsed as `diffret download --source FOLDER` parses it."""
+    import tempfile
+
+    from stages import execute, stages
+    from stages.ingest import DownloadConfig
+
+    folder = Path(folder)
+    with tempfile.TemporaryDirectory() as root:
+        name = name or folder.name
+        execute(stages()["download"], DownloadConfig(name=name, source=str(folder), root=root), log=lambda _: None)
+        store = Store(root)
+        corpus, queries, qrels = (store.table(what, name) for what in ("corpus", "queries", "qrels"))
+    return Collection(
+        dict(zip(corpus.column("doc_id").to_pylist(),
+                 zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist(), strict=True),
+                 strict=True)),
+        dict(zip(queries.column("query_id").to_pylist(), queries.column("text").to_pylist(), strict=True)),
+        qrels,
+    )  # fmt: skip
+
+
+class Store:
+    """An artifact store (a folder or an fsspec URL) read from Python: its tables as Arrow (or pandas), through the
+    same verified readers and SQL views the CLI uses.
+
+    >>> s = Store("/tmp/r")                                      # doctest: +SKIP
+    >>> s.sql("select mode, kq, kp, ndcg_10 from best_cells")    # doctest: +SKIP
+    """
+
+    def __init__(self, root: str | Path):
+        from storage import ArtifactStore
+
+        self.root = str(root)
+        self.store = ArtifactStore(self.root)
+
+    def sql(self, query: str) -> pa.Table:
+        """A read-only DuckDB query over the store's views (``diffret views`` lists them) as an Arrow table."""
+        from storage.sql import StoreSQL
+
+        with StoreSQL(self.store) as db:
+            return db.arrow(query)
+
+    def table(self, what: str, dataset: str) -> pa.Table:
+        """A dataset's ``corpus``, ``queries`` or ``qrels`` table (verified against its manifest)."""
+        from storage.layout import dataset_dir
+
+        return self.store.read_table(dataset_dir(dataset), f"{what}.parquet")
+
+    def runs(self, where: str = "true") -> pa.Table:
+        """Every stored run row matching a SQL condition on the ``runs`` view (system, dataset, split, kq, kp,
+        mode, query_id, doc_id, rank, score)."""
+        return self.sql(f"select * from runs where {where}")
+
+    def metrics(self, where: str = "true") -> pa.Table:
+        """Per-query metrics rows matching a SQL condition on the ``metrics`` view."""
+        return self.sql(f"select * from metrics where {where}")
+
+    def cells(self, where: str = "true") -> pa.Table:
+        """Mean metrics per (system, dataset, split, K_q, K_p, mode): the ``cells`` view."""
+        return self.sql(f"select * from cells where {where}")

@@ -1,0 +1,129 @@
+"""The fuse stage (``diffret fuse``): stored runs of any systems fused into a system of its own.
+
+    runs/system=<name>-<hash>/dataset=<d>/split=<s>/kq=0/kp=0/mode=fusion/run.parquet
+
+Per query, each run's top ``depth`` is min-max normalised and the weighted sum over their union is ranked
+(missing = 0; ``retrieval.search.modes.fuse_runs``, the rule the fusion modes of one system use, PromptReps' and the
+reference's). The inputs are named like compare's (``SYSTEM[:MODE[:KQ:KP]]``: BM25, an imported run, an encoder's
+cell, another fusion); the slug hashes them with the weights and depth, so another mix is another system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from retrieval.fields import cli
+from retrieval.search.modes import fuse_runs
+from retrieval.search.runs import run_table
+from retrieval.search.scoring import NEG, TopK
+from storage import config_hash
+from storage.layout import FUSION_MODE, run_dir
+
+from .base import Context, Plan, Stage
+from .readers import dataset_manifest
+from .runs import Cell, QueriesConfig, pick_run, read_run, write_run
+from .systems import SystemRecord, register, slug_base
+
+
+class FuseConfig(QueriesConfig):
+    """Parameters of the fuse flow."""
+
+    runs: list[str] = Field(description="The runs to fuse (two or more): SYSTEM[:MODE[:KQ:KP]] as compare takes them.",
+                            json_schema_extra=cli(flag="--run"))  # fmt: skip
+    splits: list[str] = Field(default=["test"], description="Query splits to fuse.",
+                              json_schema_extra=cli(flag="--split"))  # fmt: skip
+    weights: list[float] | None = Field(default=None, description="A weight per run (default: equal, summing to 1).",
+                                       json_schema_extra=cli(flag="--weight"))  # fmt: skip
+    depth: int = Field(default=1000, ge=1, description="Top documents of each run normalised, and documents kept.")
+    name: str = Field(default="fusion", description="The fused system's name (its slug adds a hash of the inputs).")
+
+    @model_validator(mode="after")
+    def _two_or_more(self) -> FuseConfig:
+        if len(self.runs) < 2:
+            raise ValueError(f"fusion takes two or more runs (--run twice or more), got {len(self.runs)}")
+        if self.weights is not None and len(self.weights) != len(self.runs):
+            raise ValueError(f"{len(self.weights)} weights for {len(self.runs)} runs: give one --weight per --run")
+        return self
+
+    def weight_list(self) -> list[float]:
+        return list(self.weights) if self.weights is not None else [1.0 / len(self.runs)] * len(self.runs)
+
+
+@dataclass
+class FuseUnit:
+    cells: list[Cell]
+    inputs: dict[str, list[str]]  # split -> the input run folders, in order
+    weights: list[float]
+    depth: int
+    record: dict[str, Any]
+
+
+class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
+    """Fuse stored runs of any systems (min-max normalised, weighted) into a system of its own."""
+
+    next_step = ("evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run "
+                 "{system}`.")  # fmt: skip
+
+    def plan(self, config: FuseConfig, ctx: Context) -> Plan:
+        store, corpus = ctx.store, config.corpus_name()
+        picked = {s: [pick_run(store, r, config.dataset, s) for r in config.runs] for s in config.splits}
+        refs = [p.ref() for p in picked[config.splits[0]]]
+        for s, ps in picked.items():
+            if [p.ref() for p in ps] != refs:
+                raise ValueError(f"the runs name other cells on split {s!r} than on {config.splits[0]!r}: name each as "
+                                 "SYSTEM:MODE:KQ:KP")  # fmt: skip
+        settings = {"runs": refs, "weights": config.weight_list(), "depth": config.depth, "norm": "minmax"}
+        slug = f"{slug_base(config.name)}-{config_hash(settings)[:10]}"
+        record = SystemRecord(system=slug, kind="fusion", settings=settings)
+        register(store, record, write=False)
+        plan = Plan(system=slug)
+        cells, inputs = [], {}
+        for split, ps in picked.items():
+            cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
+                   "mode": FUSION_MODE, "topk": config.depth, "fusion": settings,
+                   "inputs": {"runs": [store.require_manifest(p.stage).config_hash for p in ps],
+                              "queries": dataset_manifest(store, config.dataset).config_hash}}  # fmt: skip
+            stage = run_dir(slug, config.dataset, split, 0, 0, FUSION_MODE)
+            if plan.needs(ctx, stage, cfg, config.force):
+                cells.append(Cell(split, 0, 0, FUSION_MODE, stage, cfg))
+                inputs[split] = [p.stage for p in ps]
+        if cells:
+            plan.units.append(FuseUnit(cells, inputs, config.weight_list(), config.depth, record.model_dump()))
+        plan.count = len(cells)
+        return plan
+
+    def run(self, unit: FuseUnit, ctx: Context) -> int:
+        store = ctx.store
+        register(store, SystemRecord.model_validate(unit.record))
+        for cell in unit.cells:
+            tables = [read_run(store, stage) for stage in unit.inputs[cell.split]]
+            qids = list(dict.fromkeys(q for t in tables for q in t.column("query_id").to_pylist()))
+            docs = list(dict.fromkeys(d for t in tables for d in t.column("doc_id").to_pylist()))
+            fused = fuse_runs([_topk(t, qids, docs) for t in tables], unit.depth, unit.weights)
+            table = run_table(fused, qids, docs, depth=unit.depth)
+            write_run(store, cell, table, {"queries": len(qids), "rows": table.num_rows})
+        return len(unit.cells)
+
+
+def _topk(table: Any, qids: list[str], docs: list[str]) -> TopK:
+    """A run table as a TopK over a shared document index (rows in rank order; queries without results padded)."""
+    q_row = {q: i for i, q in enumerate(qids)}
+    d_idx = {d: i for i, d in enumerate(docs)}
+    t = table.sort_by([("query_id", "ascending"), ("rank", "ascending")])
+    per: dict[int, list[tuple[float, int]]] = {}
+    for q, d, s in zip(*(t.column(c).to_pylist() for c in ("query_id", "doc_id", "score")), strict=True):
+        per.setdefault(q_row[q], []).append((s, d_idx[d]))
+    width = max([len(v) for v in per.values()] + [1])
+    scores = np.full((len(qids), width), NEG, np.float32)
+    index = np.full((len(qids), width), -1, np.int64)
+    for row, items in per.items():
+        scores[row, : len(items)] = [s for s, _ in items]
+        index[row, : len(items)] = [i for _, i in items]
+    return TopK(scores, index)
+
+
+stage = Fuse()
