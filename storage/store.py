@@ -782,10 +782,10 @@ class ArtifactStore:
         folder = self.abspath(layout.LOCKS_DIR)
         path = os.path.join(folder, layout.lock_name(stage_dir) + ".lock")
         while True:
-            os.makedirs(folder, exist_ok=True)
             try:
+                os.makedirs(folder, exist_ok=True)
                 fh = open(path, "a")  # noqa: SIM115 - held across the yield
-            except FileNotFoundError:  # the folder was removed in between: again
+            except (FileNotFoundError, FileExistsError):  # the folder was removed (or made and removed) in between
                 continue
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -835,7 +835,11 @@ class ArtifactStore:
             return 0
         prefix = layout.lock_name(stage_dir) + "."
         n = 0
-        for entry in os.listdir(folder):
+        try:
+            entries = os.listdir(folder)
+        except FileNotFoundError:  # another writer's cleanup removed it, empty, since the check
+            return 0
+        for entry in entries:
             if entry.startswith(prefix):
                 shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
                 n += 1
@@ -924,7 +928,13 @@ class StageWriter:
         if store.is_local:
             store.clear_stale_staging(stage_dir)
             self.work_dir = store.abspath(f"{layout.STAGING_DIR}/{layout.lock_name(stage_dir)}.{self._token}")
-            os.makedirs(self.work_dir)
+            for attempt in range(20):  # writers of other folders (units on Dask workers) share _staging/
+                try:
+                    os.makedirs(self.work_dir)
+                    break
+                except FileNotFoundError:  # one's cleanup removed _staging/, empty, between our two mkdirs
+                    if attempt == 19:
+                        raise
         else:
             self.work_dir = tempfile.mkdtemp(prefix="diffret-stage-")
             # the old manifest goes first, so the old files are never mistaken for the new ones
