@@ -84,9 +84,10 @@ class PipelineConfig(StageConfig):
     batch_size: int | None = like(EncodeConfig, "batch_size", default=None, description="Texts per forward pass "
                                   "(default: the preset's).")  # fmt: skip
     shard_size: int = like(EncodeConfig, "shard_size")
-    workers: int = like(EncodeConfig, "workers")
-    workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu")
-    dask_address: str | None = like(EncodeConfig, "dask_address")
+    workers: int = like(EncodeConfig, "workers", description="Local Dask workers of the distributed stages: 0 none, "
+                        "N (a GPU each on a GPU), -1 one per GPU.")  # fmt: skip
+    workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu", description="Local workers a GPU may hold.")
+    dask_address: str | None = like(EncodeConfig, "dask_address", description="Join a Dask cluster instead.")
     verify: bool = like(EncodeConfig, "verify")
     head_stats: bool = like(EncodeConfig, "head_stats")
     store: str = like(EncodeConfig, "store")
