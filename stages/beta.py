@@ -26,7 +26,7 @@ from storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
 from storage.layout import bot_dir, encodings_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, Plan, Stage, shared_settings
-from .passes import PassTracker, PassUnit, merged_blocks, open_pass, pass_queries, unit_file, write_unit
+from .passes import PassTracker, PassUnit, close_passes, merged_blocks, open_pass, pass_queries, unit_file, write_unit
 from .readers import bot_index, encoding_manifest, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .score import ScoreConfig
@@ -170,7 +170,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
 
     def abort(self, config: BetaConfig, plan: Plan, ctx: Context) -> None:
         if "_pass" in plan.details:
-            ctx.store.remove_plan(plan.details["_pass"]["plan"])
+            close_passes(ctx, [plan.details["_pass"]["stage"]], [plan.details["_pass"]["plan"]])
 
 
 _BAGS: dict[tuple[str, str], SparseFlat] = {}

@@ -37,7 +37,7 @@ from storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
-from .passes import PassTracker, PassUnit, open_pass, stacked_slices, unit_file, write_unit
+from .passes import PassTracker, PassUnit, close_passes, open_pass, stacked_slices, unit_file, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
@@ -311,7 +311,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         info = plan.details.get("_pass")
         if info is not None:
             remove_empty_sharded(ctx.store, [info["partial"]])
-            ctx.store.remove_plan(info["plan"])
+            close_passes(ctx, [info["stage"]], [info["plan"]])
 
 
 _CORPUS: dict[tuple[str, str], list[str]] = {}

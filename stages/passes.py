@@ -21,7 +21,7 @@ from retrieval.search.encodings import Encodings
 from retrieval.search.rules import ScoreRules
 from retrieval.search.runs import topk_from_table, topk_seconds
 from retrieval.search.scoring import TopK, merge_topk
-from storage import ArtifactStore, FileEntry, StoreError, config_hash
+from storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from storage.layout import partials_dir
 
 from .base import Context
@@ -83,6 +83,15 @@ def open_pass(ctx: Context, system: str, dataset: str, kp: int, config: dict[str
     part = {"system": system, "dataset": dataset, "kp": str(kp), "key": key}
     m, done = ctx.store.open_sharded(stage, "partials", part, config)
     return stage, m.config_hash, done
+
+
+def close_passes(ctx: Context, stages: list[str], plan_keys: list[str]) -> None:
+    """A failed run's passes: their partials folders kept where a unit finished (the next run resumes from them),
+    removed where none did (nothing is left of a run refused before its first unit); their shared settings
+    removed."""
+    remove_empty_sharded(ctx.store, stages)
+    for key in plan_keys:
+        ctx.store.remove_plan(key)
 
 
 def _remove_unheld(store: ArtifactStore, stage: str) -> None:

@@ -26,7 +26,7 @@ from storage import ArtifactStore, FileEntry, StoreError, config_hash
 from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
-from .passes import PassTracker, PassUnit, open_pass, read_units, unit_file, write_unit
+from .passes import PassTracker, PassUnit, close_passes, open_pass, read_units, unit_file, write_unit
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
@@ -243,8 +243,8 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         return {k: v for k, v in plan.details.items() if not k.startswith("_")}
 
     def abort(self, config: RerankConfig, plan: Plan, ctx: Context) -> None:
-        for info in plan.details.get("_passes", {}).values():
-            ctx.store.remove_plan(info["plan"])
+        passes = plan.details.get("_passes", {})
+        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
 
 
 def _candidates(first: pa.Table, depth: int) -> list[int]:

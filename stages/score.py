@@ -31,7 +31,17 @@ from storage import FileEntry, StoreError, config_hash
 from storage.layout import encodings_dir, run_dir
 
 from .base import GRID_K, ClusterConfig, Context, KList, ModeList, Plan, Stage, check_device, shared_settings
-from .passes import PassTracker, PassUnit, cut, merged_blocks, open_pass, pass_queries, unit_file, write_unit
+from .passes import (
+    PassTracker,
+    PassUnit,
+    close_passes,
+    cut,
+    merged_blocks,
+    open_pass,
+    pass_queries,
+    unit_file,
+    write_unit,
+)
 from .readers import corpus_size, dataset_manifest, encoding_manifest, iter_encodings, passage_ids, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
@@ -193,8 +203,8 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
 
     def abort(self, config: ScoreConfig, plan: Plan, ctx: Context) -> None:
         """A failed run keeps the units it finished (recorded in each pass's partials folder)."""
-        for info in plan.details.get("_passes", {}).values():
-            ctx.store.remove_plan(info["plan"])
+        passes = plan.details.get("_passes", {})
+        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
 
 
 stage = Score()
