@@ -200,8 +200,7 @@ def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
 
     config = _config(EncodeConfig, data)
     with _errors(), progress() as report:
-        distributed = bool(config.workers or config.dask_address)
-        res = run_encode(config, prefect=use_prefect(prefect) or distributed, log=log, report=report)
+        res = run_encode(config, prefect=use_prefect(prefect), log=log, report=report)
     console.print(res.line(), highlight=False, soft_wrap=True)
 
 
@@ -225,7 +224,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
     t0 = time.perf_counter()
     config = _config(PipelineConfig, data)
     with _errors():
-        if use_prefect(prefect) or config.workers or config.dask_address:
+        if use_prefect(prefect):
             from .pipeline import pipeline_flow
 
             with prefect_api():

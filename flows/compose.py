@@ -88,8 +88,10 @@ class PipelineConfig(StageConfig):
     batch_size: int | None = like(EncodeConfig, "batch_size", default=None, description="Texts per forward pass "
                                   "(default: the preset's).")  # fmt: skip
     shard_size: int = like(EncodeConfig, "shard_size")
-    workers: int = like(EncodeConfig, "workers")
-    dask_address: str | None = like(EncodeConfig, "dask_address")
+    workers: int = like(EncodeConfig, "workers", description="Local Dask workers of the distributed stages: 0 none, "
+                        "N (a GPU each on a GPU), -1 one per GPU.")  # fmt: skip
+    workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu", description="Local workers a GPU may hold.")
+    dask_address: str | None = like(EncodeConfig, "dask_address", description="Join a Dask cluster instead.")
     verify: bool = like(EncodeConfig, "verify")
     head_stats: bool = like(EncodeConfig, "head_stats")
     store: str = like(EncodeConfig, "store")
@@ -124,6 +126,10 @@ class PipelineConfig(StageConfig):
     def _common(self) -> dict[str, Any]:
         return {"root": self.root, "force": self.force}
 
+    def _cluster(self) -> dict[str, Any]:
+        """Where the distributed stages' units run (the same for each of them)."""
+        return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu, "dask_address": self.dask_address}
+
     def name(self) -> str:
         """The stored name of ``dataset`` (an ir_datasets id is stored under the catalog's name, or with / as -).
 
@@ -148,9 +154,9 @@ class PipelineConfig(StageConfig):
     def encodes(self) -> list[EncodeConfig]:
         common = dict(
             backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
-            batch_size=self.batch_size, shard_size=self.shard_size, workers=self.workers,
-            dask_address=self.dask_address, verify=self.verify, head_stats=self.head_stats, store=self.store,
-            store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._common(),
+            batch_size=self.batch_size, shard_size=self.shard_size, verify=self.verify, head_stats=self.head_stats,
+            store=self.store, store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._cluster(),
+            **self._common(),
         )  # fmt: skip
         if self.corpus() == self.name():  # one pass per K_q on the queries, one per K_p on the passages
             ks = sorted(set(self.kq) | set(self.kp))
@@ -166,23 +172,24 @@ class PipelineConfig(StageConfig):
             dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
             kq=self.kq, kp=self.kp, modes=self.modes, q1p1_multi=self.q1p1_multi, topk=self.topk,
             train_topk=self.train_topk, device=self.backbone.device, rules=self.rules, self_hits=self.self_hits,
+            **self._cluster(),
             **self._common(),
         )  # fmt: skip
 
     def bm25_config(self) -> BM25Config:
         return BM25Config(dataset=self.name(), corpus=self.corpus(), splits=self.splits, topk=self.topk,
                           train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
-                          **self._common())  # fmt: skip
+                          **self._cluster(), **self._common())  # fmt: skip
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
             dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
-            kq=self.kq, kp=self.kp, index_type=self.index, **self._common(),
+            kq=self.kq, kp=self.kp, index_type=self.index, **self._cluster(), **self._common(),
         )  # fmt: skip
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
         return EvaluateConfig(systems=systems, datasets=[self.name()], splits=self.splits, ties=self.ties,
-                              **self._common())  # fmt: skip
+                              **self._cluster(), **self._common())  # fmt: skip
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
         return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())

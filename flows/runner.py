@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from stages import Context, Stage, StageConfig, StageResult, execute
@@ -95,12 +93,22 @@ def run_stage(
     log: Callable[[str], None] = print,
     report: Callable[[str, int, int | None, str], None] | None = None,
 ) -> StageResult:
-    """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress) or as its Prefect flow."""
+    """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress; its units on Dask when the
+    config asks for workers or a scheduler, :func:`flows.cluster.run_units`) or as its Prefect flow."""
     if prefect:
         module, name = flow_ref(stage.name)
         flow_fn = getattr(importlib.import_module(module), name)
         with prefect_api():
             return StageResult.model_validate(flow_fn(config))
+    from .cluster import distributed
+
+    if distributed(stage, config):
+        from .cluster import run_units
+
+        def on_dask(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
+            return run_units(stage, config, plan, ctx) if plan.units else []
+
+        return execute(stage, config, log=log, report=report, units=on_dask)
     return execute(stage, config, log=log, report=report)
 
 
@@ -191,7 +199,9 @@ def unit_parameters(stage: Stage, root: str, unit: Any) -> dict[str, Any]:
 
 def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) -> list[Any]:
     """One Prefect task per unit, named after it, on the config's task runner (Dask workers, or this process),
-    under this stage's flow run; each committed here (one writer) as it completes, progress on this run."""
+    under this stage's flow run; each committed here (one writer) as it completes, progress on this run. On Dask a
+    unit that computes on a GPU asks for the worker resource ``GPU`` (flows/cluster.py)."""
+    import dask
     from prefect.futures import as_completed
 
     from tasks.units import run_unit_task
@@ -200,12 +210,14 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
     advance = ctx.progress(stage.label(plan), total, plan.work_unit)
     tags = ["diffret", stage.name, *stage.task_tags]
     results = []
-    with _task_runner(config) as runner:
+    with _task_runner(stage, config) as runner:
+        resources = _resources(stage, config, runner)
         futures = {}
         for unit in plan.units:
             task = run_unit_task.with_options(name=f"{stage.name} unit", task_run_name=f"{stage.name} "
                                               f"{stage.unit_name(unit)}", tags=tags)  # fmt: skip
-            futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
+            with dask.annotate(**({"resources": resources} if resources else {})):
+                futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
         for fut in as_completed(list(futures)):
             unit = futures[fut]
             results.append(fut.result())
@@ -214,35 +226,35 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
     return results
 
 
-def _task_runner(config: StageConfig) -> Any:
-    """Dask when the config asks for workers or names a scheduler; else one unit at a time in this process
-    (threads would only contend for the same model and device)."""
-    workers, address = getattr(config, "workers", 0), getattr(config, "dask_address", None)
-    if workers or address:
+def _task_runner(stage: Stage, config: StageConfig) -> Any:
+    """Dask when the config asks for workers or names a scheduler (a local cluster placed one worker per GPU:
+    ``flows.cluster.local_cluster``); else one unit at a time in this process (threads would only contend for the
+    same model and device)."""
+    from .cluster import _expose_packages_to_workers, distributed, local_cluster, local_cluster_options
+
+    if distributed(stage, config):
         from prefect_dask import DaskTaskRunner
 
         _expose_packages_to_workers()
+        address = getattr(config, "dask_address", None)
         if address:
             return DaskTaskRunner(address=address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1})
+        return DaskTaskRunner(cluster_class=local_cluster, cluster_kwargs=local_cluster_options(stage, config))
     from prefect.task_runners import ThreadPoolTaskRunner
 
     return ThreadPoolTaskRunner(max_workers=1)
 
 
-def _expose_packages_to_workers() -> None:
-    """Put this checkout on PYTHONPATH for the Dask worker processes we start.
+def _resources(stage: Stage, config: StageConfig, runner: Any) -> dict[str, int] | None:
+    """The Dask resources of each unit task (None off Dask): a local cluster's GPU workers, or a joined cluster's
+    (refused in one line when a GPU stage finds none there)."""
+    from .cluster import check_workers, cluster_gpus, distributed, local_cluster_options, unit_resources
 
-    A Dask worker puts its scratch folder, which holds a ``storage/`` spill folder, first on
-    ``sys.path``; with an editable install (a meta-path finder, consulted after the path) that
-    folder would shadow our ``storage`` package as an empty namespace. A path entry for the checkout
-    wins over that (a regular package found anywhere on the path beats a namespace portion).
-    """
-    import storage
-
-    top = str(Path(storage.__file__).resolve().parents[1])
-    if top not in sys.path:
-        sys.path.append(top)  # spawned worker processes start from a copy of this sys.path
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if top not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([top, *parts])
+    if not distributed(stage, config):
+        return None
+    address = getattr(config, "dask_address", None)
+    if not address:
+        return {"GPU": 1} if local_cluster_options(stage, config).get("pins") else None
+    resources = unit_resources(stage, config, gpus=cluster_gpus(runner.client))
+    check_workers(runner.client, resources, address)
+    return resources

@@ -1,7 +1,9 @@
-"""Where tensors go: one device resolver for encoding, scoring and training."""
+"""Where tensors go: one device resolver for encoding, scoring and training, and which GPU each worker of a
+cluster is given (one per GPU: :func:`place_workers`)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -34,6 +36,71 @@ def resolve_device(device: str = "auto") -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
     return dev
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as the machine names them: the entries of ``CUDA_VISIBLE_DEVICES`` when it is
+    set (indices or UUIDs), else ``0 .. n-1``; none without a usable CUDA.
+
+    >>> isinstance(visible_gpus(), list)
+    True
+    """
+    if not torch.cuda.is_available():
+        return []
+    n = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(n)]
+    return [x.strip() for x in listed.split(",") if x.strip()][:n]
+
+
+def wants_gpu(device: str, gpus: list[str]) -> bool:
+    """Whether a unit set to ``device`` computes on a GPU when ``gpus`` are visible (``auto`` takes one if any).
+
+    >>> wants_gpu("auto", ["0"]), wants_gpu("auto", []), wants_gpu("cuda:1", []), wants_gpu("cpu", ["0"])
+    (True, False, True, False)
+    """
+    return device.startswith("cuda") or (device == "auto" and bool(gpus))
+
+
+def place_workers(workers: int, gpus: list[str], per_gpu: int = 1) -> list[str]:
+    """The GPU each of a local cluster's workers is pinned to (its ``CUDA_VISIBLE_DEVICES``), in worker order:
+    one worker per GPU, ``workers`` of them (``-1``: one per GPU). More workers than GPUs is refused in one line
+    naming both, unless ``per_gpu`` lets a GPU hold that many workers (they share its memory).
+
+    >>> place_workers(-1, ["0", "1", "2", "3"])
+    ['0', '1', '2', '3']
+    >>> place_workers(3, ["0", "1"], per_gpu=2)
+    ['0', '1', '0']
+    >>> try:
+    ...     place_workers(8, ["0", "1", "2", "3"])
+    ... except ValueError as exc:
+    ...     print(str(exc)[:63])
+    --workers 8 is more than the 4 GPU(s) visible here (0, 1, 2, 3)
+    """
+    if not gpus:
+        raise ValueError("no GPU is visible here (CUDA_VISIBLE_DEVICES, torch.cuda); use --device cpu")
+    n = len(gpus) if workers < 0 else workers
+    if n > len(gpus) * per_gpu:
+        need = math.ceil(n / len(gpus))
+        raise ValueError(f"--workers {n} is more than the {len(gpus)} GPU(s) visible here ({', '.join(gpus)}): each "
+                         f"worker gets a GPU of its own; use --workers {len(gpus) * per_gpu} or fewer, or "
+                         f"--workers-per-gpu {need} to put {need} workers on each GPU")  # fmt: skip
+    return [gpus[i % len(gpus)] for i in range(n)]
+
+
+def gpu_name(dev: torch.device) -> str:
+    """A device as the machine names it: ``cuda:0`` of a worker pinned to GPU 3 (``CUDA_VISIBLE_DEVICES=3``) is
+    ``cuda:0 (GPU 3)``; the CPU is ``cpu``.
+
+    >>> gpu_name(torch.device("cpu"))
+    'cpu'
+    """
+    if dev.type != "cuda":
+        return str(dev)
+    listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    index = dev.index or 0
+    return f"{dev} (GPU {listed[index]})" if index < len(listed) else str(dev)
 
 
 def memory_bytes(device: torch.device) -> int | None:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from retrieval.devices import resolve_device
 from retrieval.fields import cli
 from retrieval.search.modes import MODE_NAMES, check_modes
 from retrieval.traits import Declared
@@ -66,6 +67,41 @@ class StageConfig(BaseModel):
     )
 
 
+class ClusterConfig(BaseModel):
+    """Where a distributed stage's units run: in this process, on a local Dask cluster, or on one joined by address
+    (flows/cluster.py). Runs do not depend on it."""
+
+    workers: int = Field(default=0, ge=-1, description="Local Dask workers for the units: 0 runs them in this "
+                         "process; N starts N, each on a GPU of its own when the device is a GPU (more workers than "
+                         "GPUs is refused unless --workers-per-gpu); -1 one per visible GPU (on a CPU: Dask's "
+                         "default count).")  # fmt: skip
+    workers_per_gpu: int = Field(default=1, ge=1, description="Local workers one GPU may hold (they share its "
+                                 "memory): allows --workers up to this many times the GPUs.")  # fmt: skip
+    dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786) "
+                                     "instead; its GPU workers are started one per GPU with --resources GPU=1 "
+                                     "(docs/operations.md).")  # fmt: skip
+
+
+def check_device(device: str, config: Any) -> None:
+    """Refuse, before any work, a device this machine lacks; a joined cluster's workers check their own (the
+    planning process may have no GPU)."""
+    if not getattr(config, "dask_address", None):
+        resolve_device(device)
+
+
+_SHARED: dict[str, dict[str, Any]] = {}  # a stage run's shared settings by key, read once per process
+
+
+def shared_settings(ctx: Context, key: str) -> dict[str, Any]:
+    """A stage run's shared settings (``ArtifactStore.put_plan``), read from the store the first time a process
+    needs them, not once per unit."""
+    if key not in _SHARED:
+        if len(_SHARED) > 16:
+            _SHARED.clear()
+        _SHARED[key] = ctx.store.read_plan(key)
+    return _SHARED[key]
+
+
 def _ignore(_n: int) -> None:
     pass
 
@@ -82,6 +118,7 @@ class Context:
     advance: Callable[[int], None] = _ignore
     note: str = ""
     held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # released when the stage ends
+    plan: Plan | None = None  # the stage's plan, in the planning process (``commit`` may read its details)
     stale: list[str] = field(default_factory=list)  # folders built from other inputs, rebuilt (logged once, planned)
 
     def hold(self, stage_dir: str) -> None:
@@ -291,6 +328,11 @@ class Stage(Declared, ABC):
     def run(self, unit: Any, ctx: Context) -> Any:
         """Do one unit. Units are picklable; with ``distributed`` they may run in another process."""
 
+    def prepare(self, config: Any, plan: Plan, ctx: Context) -> None:
+        """Work every unit needs first, done once in the planning process before the units run (late: encoding the
+        candidates no earlier run needed); default: none."""
+        return None
+
     def commit(self, unit: Any, result: Any, ctx: Context) -> None:
         """Record a finished unit (always in the process that planned; default: nothing to record)."""
         return None
@@ -331,6 +373,14 @@ class Stage(Declared, ABC):
         out += [details[k] for k in ("stage", "folder", "model_dir") if isinstance(details.get(k), str)]
         return list(dict.fromkeys(out))
 
+    def device_of(self, config: Any) -> str:
+        """The device its units compute on, as the config asks for it (``auto``, ``cuda``, ``cpu``): the config's
+        ``device``, else its backbone's; ``cpu`` for a stage without one (units that may run on any worker)."""
+        device = getattr(config, "device", None)
+        if device is None and getattr(config, "backbone", None) is not None:
+            device = getattr(config.backbone, "device", None)
+        return str(device or "cpu")
+
     def work_of(self, unit: Any) -> int:
         """Progress units of one unit (``Plan.work`` is their sum when set)."""
         return 1
@@ -351,16 +401,18 @@ def execute(
     stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None,
     units: UnitsRunner | None = None,
 ) -> StageResult:  # fmt: skip
-    """Plan a stage, run its units (``units``; default: in this process, one after another), committing each one as
-    it finishes, then finish it; the failed run's ``abort`` undoes what the plan prepared."""
+    """Plan a stage, prepare what its units share, run its units (``units``; default: in this process, one after
+    another), committing each one as it finishes, then finish it; the failed run's ``abort`` undoes what the plan
+    prepared."""
     started = time.monotonic()
     ctx = Context(ArtifactStore(config.root), log, report)
     with ctx.held:
         try:
-            plan = stage.plan(config, ctx)
+            plan = ctx.plan = stage.plan(config, ctx)
         finally:
             ctx.log_stale()
         try:
+            stage.prepare(config, plan, ctx)
             results = (units or run_units)(stage, plan, ctx)
         except BaseException:
             stage.abort(config, plan, ctx)

@@ -10,27 +10,30 @@ K-mask sparse vectors and PromptReps' all search it the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import Field
 
+from retrieval.fields import like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.search.bot import beta_search, bot_blocks
 from retrieval.search.encodings import SparseFlat
 from retrieval.search.rules import ScoreRules
+from retrieval.search.runs import topk_table
 from retrieval.search.scoring import TopK
-from storage import IncompleteArtifactError, StoreError
+from storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
 from storage.layout import bot_dir, encodings_dir, run_dir
 
-from .base import Context, KList, Plan, Stage
-from .readers import bot_index, budgets, encoding_manifest, query_encodings, split_queries
+from .base import ClusterConfig, Context, KList, Plan, Stage, shared_settings
+from .passes import PassTracker, PassUnit, close_passes, merged_blocks, open_pass, pass_queries, unit_file, write_unit
+from .readers import bot_index, budgets, encoding_manifest, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
+from .score import ScoreConfig
 from .systems import SystemRecord, SystemRef, find_system, tokenizer_of, vocab_hash
 
 
-class BetaConfig(RetrievalConfig):
+class BetaConfig(RetrievalConfig, ClusterConfig):
     """Parameters of the beta flow."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The query encoder: a stored system with "
@@ -39,19 +42,10 @@ class BetaConfig(RetrievalConfig):
                              "are stored).")  # fmt: skip
     bot: str | None = Field(default=None, description="The bag-of-tokens index's tokenizer slug (`diffret sql "
                             "'from bot_indexes'`); default: the one the system's queries were tokenized with.")
+    unit_passages: int = like(ScoreConfig, "unit_passages")
 
 
-@dataclass
-class BetaUnit:
-    cells: list[Cell]
-    query_stages: dict[int, str]
-    bot_stage: str
-    query_ids: list[str]
-    split_rows: dict[str, list[int]]
-    sparse_factor: float
-
-
-class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written"):
+class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written", distributed=True):
     """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -96,7 +90,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
         _check_tokenizer(record, b_man.config)
         inputs = {"queries": q_hashes, "bot": b_man.config_hash}
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
-        plan = Plan(system=record.system)
+        plan = Plan(system=record.system, work=0, work_unit="passages")
         cells = []
         for split in config.splits:
             for kq in config.kq:
@@ -106,35 +100,103 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written")
                 stage = run_dir(record.system, config.dataset, split, kq, 0, "beta")
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, kq, 0, "beta", stage, cfg))
-        if cells:
-            query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
-            row = {q: i for i, q in enumerate(query_ids)}
-            split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
-            factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
-            plan.units.append(BetaUnit(cells, {kq: q_stages[kq] for kq in {c.kq for c in cells}}, b_stage, query_ids,
-                                       split_rows, factor))  # fmt: skip
         plan.count = len(cells)
         plan.details["inputs"] = inputs
+        if not cells:
+            return plan
+        query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
+        row = {q: i for i, q in enumerate(query_ids)}
+        split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
+        factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
+        ignore = config.ignore_ids()
+        depth = search_depth(cells)
+        shared = {"query_stages": {str(kq): q_stages[kq] for kq in sorted({c.kq for c in cells})},
+                  "query_ids": query_ids, "bot_stage": b_stage, "topk": depth + (1 if ignore else 0),
+                  "sparse_factor": factor}  # fmt: skip
+        pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
+            {"ids": query_ids}), "unit_passages": config.unit_passages, "inputs": inputs}  # fmt: skip
+        stage, chash, done = open_pass(ctx, record.system, config.dataset, 0, pass_cfg)
+        key = store.put_plan(shared)
+        n_passages = b_man.total_rows()
+        waiting = []
+        blocks = [(a, min(a + config.unit_passages, n_passages)) for a in range(0, n_passages, config.unit_passages)]
+        for i, (a, b) in enumerate(blocks):
+            if unit_file(i) not in done:
+                plan.units.append(PassUnit(key, stage, unit_file(i), chash, a, b, label=f"passages {a:,}-{b - 1:,}"))
+                plan.work += b - a
+                waiting.append(unit_file(i))
+        tracker = PassTracker()
+        tracker.expect(stage, waiting)
+        plan.details.update(_tracker=tracker, _pass={"stage": stage, "plan": key, "cells": cells, "depth": depth,
+                                                     "ignore": ignore, "query_ids": query_ids, "split_rows": split_rows,
+                                                     "passages": n_passages, "bot_stage": b_stage})  # fmt: skip
+        ctx.log(f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "
+                f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {len(blocks) - len(waiting)} "
+                "already done")  # fmt: skip
         return plan
 
-    def run(self, unit: BetaUnit, ctx: Context) -> int:
+    def unit_name(self, unit: PassUnit) -> str:
+        return unit.label
+
+    def work_of(self, unit: PassUnit) -> int:
+        return unit.end - unit.start
+
+    def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
+        """Every K_q's queries against a block of the bags: its top-k (corpus positions) to the pass's partials."""
         store = ctx.store
-        depth = search_depth(unit.cells)
-        ignore = bool(unit.cells[0].config["ignore_identical_ids"])
-        man = store.require_manifest(unit.bot_stage)
-        doc_ids, bags = bot_index(store, unit.bot_stage)
-        for kq, st in unit.query_stages.items():
-            enc = query_encodings(store, st, unit.query_ids, "cpu", None, unit.sparse_factor)
+        shared = shared_settings(ctx, unit.plan)
+        bags = _bags(ctx, shared["bot_stage"]).rows(unit.start, unit.end)
+        tops, seconds = {}, 0.0
+        for kq, enc in pass_queries(ctx, unit.plan, shared, "cpu").items():
             q = SparseFlat.from_lists(enc.sparse_ids, enc.sparse_weights)
             start = time.perf_counter()
-            top = beta_search(q, bot_blocks(bags), depth + (1 if ignore else 0))
-            top = drop_self_hits(top, unit.query_ids, doc_ids, depth) if ignore else top
-            seconds = time.perf_counter() - start
-            cells = [c for c in unit.cells if c.kq == kq]
-            write_runs(store, cells, {(kq, "beta"): top}, unit.query_ids, doc_ids, unit.split_rows, seconds)
-        ctx.log(f"beta search: {len(unit.query_ids):,} queries over {len(doc_ids):,} passages' bags of tokens "
-                f"({man.partition.get('tokenizer')})")  # fmt: skip
-        return len(unit.cells)
+            top = beta_search(q, bot_blocks(bags), int(shared["topk"]))
+            seconds += time.perf_counter() - start
+            top.index[top.index >= 0] += unit.start
+            tops[(kq, "beta")] = top
+        return write_unit(store, unit, topk_table(tops, seconds=seconds))
+
+    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
+        assert ctx.plan is not None
+        if ctx.plan.details["_tracker"].done(ctx, unit, result):
+            self._merge(ctx)
+
+    def _merge(self, ctx: Context) -> None:
+        """The pass's blocks merged (the top k of their top k), self hits dropped where asked, the runs written."""
+        assert ctx.plan is not None
+        info, store = ctx.plan.details["_pass"], ctx.store
+        tops, seconds = merged_blocks(store, info["stage"], info["depth"] + (1 if info["ignore"] else 0),
+                                      info["passages"])  # fmt: skip
+        doc_ids, _ = bot_index(store, info["bot_stage"])
+        for (kq, mode), top in tops.items():
+            if info["ignore"]:
+                top = drop_self_hits(top, info["query_ids"], doc_ids, info["depth"])
+            cells = [c for c in info["cells"] if c.kq == kq]
+            write_runs(store, cells, {(kq, mode): top}, info["query_ids"], doc_ids, info["split_rows"], seconds)
+        store.remove_stage(info["stage"])
+        store.remove_plan(info["plan"])
+        ctx.plan.details["_tracker"].merged.add(info["stage"])
+
+    def finish(self, config: BetaConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        if "_tracker" in plan.details and plan.details["_tracker"].complete():
+            self._merge(ctx)
+        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
+
+    def abort(self, config: BetaConfig, plan: Plan, ctx: Context) -> None:
+        if "_pass" in plan.details:
+            close_passes(ctx, [plan.details["_pass"]["stage"]], [plan.details["_pass"]["plan"]])
+
+
+_BAGS: dict[tuple[str, str], SparseFlat] = {}
+
+
+def _bags(ctx: Context, stage: str) -> SparseFlat:
+    """A bag-of-tokens index, read once per process (the units of a pass each take a block of it)."""
+    key = (ctx.store.root, stage)
+    if key not in _BAGS:
+        _BAGS.clear()
+        _BAGS[key] = bot_index(ctx.store, stage)[1]
+    return _BAGS[key]
 
 
 def _check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:

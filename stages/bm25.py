@@ -13,13 +13,13 @@ from pydantic import Field
 from retrieval.search.bm25 import BM25Settings, bm25_search
 from storage.layout import run_dir
 
-from .base import Context, Plan, Stage
+from .base import ClusterConfig, Context, Plan, Stage
 from .readers import dataset_manifest, side_texts, split_queries
-from .runs import Cell, RetrievalConfig, search_depth, write_runs
+from .runs import Cell, RetrievalConfig, write_runs
 from .systems import SystemRecord, bm25_slug, register
 
 
-class BM25Config(RetrievalConfig):
+class BM25Config(RetrievalConfig, ClusterConfig):
     """Parameters of the BM25 flow."""
 
     bm25: BM25Settings = Field(default_factory=BM25Settings, description="BM25's parameters.")
@@ -27,11 +27,16 @@ class BM25Config(RetrievalConfig):
 
 @dataclass
 class BM25Unit:
-    cells: list[Cell]  # their configs name the dataset, corpus, BM25 settings, depth (per split) and the self-hit rule
+    """One split's run: its cell (whose config names the dataset, corpus, BM25 settings, depth and self-hit rule),
+    searched as deep as the deepest split the config asks for (each split's run is a prefix of that search, whichever
+    splits a run has to do)."""
+
+    cells: list[Cell]
     split_ids: dict[str, list[str]]
+    depth: int
 
 
-class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written"):
+class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written", distributed=True):
     """BM25 baseline runs (bm25s, Lucene k1=0.9 b=0.4)."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -62,10 +67,13 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written")
             stage = run_dir(system, config.dataset, split, 0, 0, "bm25")
             if plan.needs(ctx, stage, cfg, config.force):
                 todo.append(Cell(split, 0, 0, "bm25", stage, cfg))
-        if todo:
-            plan.units.append(BM25Unit(todo, split_ids))
+        depth = max(config.depth(s) for s in config.splits)  # every split's search the same, whichever are to do
+        plan.units = [BM25Unit([cell], {cell.split: split_ids[cell.split]}, depth) for cell in todo]
         plan.count = len(todo)
         return plan
+
+    def unit_name(self, unit: BM25Unit) -> str:
+        return f"split={unit.cells[0].split}"
 
     def run(self, unit: BM25Unit, ctx: Context) -> int:
         cfg = unit.cells[0].config  # the same search for every split
@@ -75,9 +83,8 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written")
         query_ids = list(dict.fromkeys(q for cell in unit.cells for q in unit.split_ids[cell.split]))
         ctx.log(f"BM25 over {len(doc_ids):,} passages for {len(query_ids):,} queries")
         settings = BM25Settings.model_validate(cfg["bm25"])
-        depth = search_depth(unit.cells)  # the deepest split's; each cell's run is cut to its own depth
         clock: dict[str, float] = {}
-        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], depth, settings, query_ids, doc_ids,
+        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], unit.depth, settings, query_ids, doc_ids,
                           cfg["ignore_identical_ids"], clock)  # fmt: skip
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}

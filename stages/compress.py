@@ -24,14 +24,14 @@ from storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty
 from storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
 from storage.layout import codebook_dir, encodings_dir
 
-from .base import Context, Plan, Stage, StageConfig
+from .base import ClusterConfig, Context, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
 from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
 from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
 
 
-class CompressConfig(StageConfig):
+class CompressConfig(StageConfig, ClusterConfig):
     """Parameters of the compress flow."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.",

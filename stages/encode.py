@@ -22,7 +22,6 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
 from retrieval.models.encoding import encode_rows
@@ -32,7 +31,7 @@ from storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash,
 from storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
 from storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
-from .base import GRID_K, Context, KList, Plan, Stage, StageConfig
+from .base import GRID_K, ClusterConfig, Context, KList, Plan, Stage, StageConfig, check_device, shared_settings
 from .codebooks import DEFAULT_SAMPLE, codebook_config, compressed_config, ensure_codebook, make_codec
 from .readers import read_codebook, tokens_manifest
 from .systems import (
@@ -50,7 +49,7 @@ from .systems import (
 from .tokenize import TokenizeConfig, default_backbone
 
 
-class EncodeConfig(StageConfig):
+class EncodeConfig(StageConfig, ClusterConfig):
     """Parameters of the encode flow."""
 
     dataset: str = like(TokenizeConfig, "dataset")
@@ -70,8 +69,6 @@ class EncodeConfig(StageConfig):
     title_sep: str = like(TokenizeConfig, "title_sep")
     batch_size: int = Field(default=32, ge=1, description="Texts per forward pass.")
     shard_size: int = like(TokenizeConfig, "shard_size")
-    workers: int = Field(default=0, ge=0, description="Local Dask workers (0: run shards in this process).")
-    dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786).")
     verify: bool = like(TokenizeConfig, "verify")
     head_stats: bool = Field(default=False, description="Also store the LM head's entropy and max probability at "
                              "each query slot (the adaptive budgets' features; mask readout; passages unchanged).")
@@ -192,19 +189,6 @@ class EncodeUnit:
     codebook: str | None = None  # its codebook folder, when the choice is trained
 
 
-_PLANS: dict[str, dict[str, Any]] = {}  # shared settings by key, read once per process (the key is their hash)
-
-
-def _shared(ctx: Context, key: str) -> dict[str, Any]:
-    """A run's shared settings (``ArtifactStore.put_plan``), read from the store the first time a process needs
-    them, not once per shard."""
-    if key not in _PLANS:
-        if len(_PLANS) > 16:
-            _PLANS.clear()
-        _PLANS[key] = ctx.store.read_plan(key)
-    return _PLANS[key]
-
-
 _READERS: dict[str, Readout] = {}
 _LOAD_LOCK = threading.Lock()
 
@@ -265,8 +249,9 @@ class Encode(
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
         "Encode a stored dataset's queries and passages for every K of the budget grid (dense multi-vectors + "
         "sparse vocabulary weights) with a DiffRetriever mask readout or a baseline (promptreps, diffembed, "
-        "repllama). Sharded and resumable: re-running skips shards whose manifest entry verifies. Set workers "
-        "(local Dask cluster) or dask_address (existing cluster, one worker per GPU) to scale out."
+        "repllama). Sharded and resumable: re-running skips shards whose manifest entry verifies. Set workers (a "
+        "local Dask cluster, a worker per GPU; -1: one per visible GPU) or dask_address (an existing cluster, one "
+        "worker per GPU started with --resources GPU=1) to scale out."
     )
     example = {
         "dataset": "scifact",
@@ -282,7 +267,7 @@ class Encode(
     )
 
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
-        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
+        check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         cls = readout_class(config.readout.readout)
         for side in config.sides:
             cls.check_k(config.budgets(side))
@@ -372,7 +357,7 @@ class Encode(
         return f"{unit.side} K={unit.k} {unit.shard.removesuffix('.parquet')}"
 
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
-        shared = _shared(ctx, unit.plan)
+        shared = shared_settings(ctx, unit.plan)
         table = encode_shard(ctx, EncodeSettings.model_validate(shared["settings"]), shared["batch_size"],
                              unit.tokens_stage, unit.shard, unit.filter_stage, unit.side, unit.k, unit.head_stats,
                              ctx.advance)  # fmt: skip
@@ -388,7 +373,7 @@ class Encode(
 
     @staticmethod
     def _record(unit: EncodeUnit, ctx: Context) -> tuple[SystemRecord, dict[str, str]]:
-        shared = _shared(ctx, unit.plan)
+        shared = shared_settings(ctx, unit.plan)
         return encoder_record(EncodeSettings.model_validate(shared["settings"])), shared["weights"]
 
     def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:

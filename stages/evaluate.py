@@ -24,7 +24,7 @@ from retrieval.fields import cli
 from storage import ArtifactStore, Manifest
 from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
 
-from .base import Context, Folder, Plan, Stage, StageConfig
+from .base import ClusterConfig, Context, Folder, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table
 from .runs import read_run
 
@@ -36,7 +36,7 @@ def default_relevance_level(dataset: str) -> int:
     return 2 if dataset.startswith(GRADED_DATASETS) else 1
 
 
-class EvaluateConfig(StageConfig):
+class EvaluateConfig(StageConfig, ClusterConfig):
     """Parameters of the evaluate flow."""
 
     systems: list[str] | None = Field(default=None, description="Systems to evaluate (default: every run).",
@@ -117,7 +117,7 @@ def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> pa.Table
     return _QRELS[key]
 
 
-class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated"):
+class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated", distributed=True):
     """Per-query metrics (pytrec_eval) for the runs in the store."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)

@@ -1,5 +1,9 @@
 """The index stage: a passage encoding -> a LanceDB multivector table (+ optional ANN index), checked against
-exact search on every build.
+exact search on every build. One unit per K_p (on the workers with ``workers`` / ``dask_address``).
+
+Memory is bounded by a shard, whatever the corpus: the encodings are streamed into LanceDB shard by shard (one
+shard's vectors in memory at once), LanceDB trains its one index build on a sample of them, and the recall check
+streams them again through exact search (``--block-mb`` as score's).
 
 Store layout: ``index/system=<slug>/dataset=<corpus>/kp=<K_p>/`` is a LanceDB database folder (table
 ``docs``) with a ``_manifest.json`` listing every Lance file with its sha256, and in ``stats`` the
@@ -25,7 +29,7 @@ from retrieval.search.rules import ScoreRules
 from storage import ArtifactStore, FileEntry, Manifest
 from storage.layout import encodings_dir, index_dir
 
-from .base import Context, Folder, KList, Plan, Stage
+from .base import ClusterConfig, Context, Folder, KList, Plan, Stage
 from .readers import budgets, corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries
 from .runs import QueriesConfig
 from .systems import SystemRef, find_system
@@ -34,7 +38,7 @@ from .systems import SystemRef, find_system
 LANCE_RULES = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean")
 
 
-class IndexConfig(QueriesConfig):
+class IndexConfig(QueriesConfig, ClusterConfig):
     """Parameters of the index flow (the dataset's queries check the index against exact search)."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose passages to index.")
@@ -103,7 +107,7 @@ def check_against_exact(
     return out
 
 
-class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="built"):
+class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="built", distributed=True):
     """LanceDB multivector index per K_p, with recall against exact search."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -165,6 +169,8 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         hidden = int(first[1][0].shape[1])
         m = Manifest.new("index", {"system": system, "dataset": corpus, "kp": str(kp)}, c)
         index_type, overfetch = c["index_type"], c["overfetch"]
+        ctx.log(f"index K_p={kp}: streaming {p_man.total_rows():,} passages into LanceDB one shard at a time "
+                f"({len(p_man.files)} shard(s); memory: one shard), then one {index_type} build")  # fmt: skip
         with store.stage_writer(unit.stage, m) as w:
             rows = lance.build_table(w.work_dir, itertools.chain([first], batches), hidden)
             info = lance.create_index(w.work_dir, index_type) if index_type != "none" else None

@@ -6,14 +6,16 @@
 The first stage is any stored run (a beta run over the bag of tokens, BM25, an encoder's). Only the passages in
 some query's top m are scored: from the system's full encodings when they are stored, else from its partial
 folder, where the passages no earlier late run needed are encoded now (one new part per run), so a larger m,
-another split or another mode encodes only what is missing. Each run's manifest counts the passages it needed,
-the ones encoded by this run, and the corpus.
+another split or another mode encodes only what is missing (once, in the planning process: ``prepare``). The
+re-scoring is cut into slices of queries (``unit_queries``, at multiples of ``retrieval.search.late.QUERY_GRAIN`` so
+that each is scored in the same chunks as all queries at once) that run on the workers; each writes its queries' rows
+to the pass's ``partials/`` folder, and the planning process writes the runs when the last one is in. Each run's
+manifest counts the passages it needed, the ones encoded by this run, and the corpus.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,21 +23,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, field_validator
 
-from retrieval.devices import resolve_device
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig
 from retrieval.models.encoding import encode_rows
 from retrieval.search.encodings import encodings_from_table, take
 from retrieval.search.exact import SearchSettings
-from retrieval.search.late import rescore
+from retrieval.search.late import QUERY_GRAIN, rescore
 from retrieval.search.modes import MODE_NAMES, modes_for
 from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import doc_order, run_table
-from storage import StoreError, remove_empty_sharded
+from retrieval.search.runs import doc_order, run_table, topk_table
+from storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
-from .base import Context, Plan, Stage
+from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
+from .passes import PassTracker, PassUnit, close_passes, open_pass, stacked_slices, unit_file, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
@@ -44,7 +46,7 @@ from .systems import EncodeSettings, SystemRef, find_system, settings_of
 PART = "part={:05d}.parquet"
 
 
-class LateConfig(QueriesConfig):
+class LateConfig(QueriesConfig, ClusterConfig):
     """Parameters of the late flow."""
 
     splits: list[str] = like(RetrievalConfig, "splits")
@@ -71,6 +73,9 @@ class LateConfig(QueriesConfig):
     device: str = like(BackboneConfig, "device")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "
                               "reference evaluator's).")  # fmt: skip
+    unit_queries: int = Field(default=65_536, ge=1, description="Queries per unit of the re-scoring (rounded up to "
+                              "a multiple of 256): the units run on the workers and a killed run keeps the finished "
+                              "ones; the runs are the same whatever the cut.")  # fmt: skip
 
     def ignore_ids(self) -> bool:
         """Whether a document whose id is the query's is dropped (``self_hits="drop"``)."""
@@ -108,27 +113,7 @@ def capped_depths(depths: list[int], first_depth: int | None, log: Any = print) 
     return sorted({min(m, int(first_depth)) for m in depths})
 
 
-@dataclass
-class LateUnit:
-    cells: list[Cell]
-    first_runs: dict[str, str]  # split -> first-stage run folder
-    system: str
-    settings: dict[str, Any]  # the re-scoring system's EncodeSettings
-    q_stage: str
-    full_stage: str | None  # the system's complete passage encodings, when stored
-    partial_stage: str
-    tokens_stage: str
-    partial_config: dict[str, Any]
-    dataset: str
-    corpus: str
-    batch_size: int
-    sparse_factor: float
-    splits: list[str]  # the runs' splits and depth: what the partial folder must hold (cells or not)
-    depth: int
-    verify: bool = False
-
-
-class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written"):
+class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
     """Late-parametric re-scoring: a first stage's top m per query, re-scored by a system's mode; only the passages
     some query needs are encoded."""
 
@@ -148,7 +133,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: LateConfig, ctx: Context) -> Plan:
-        resolve_device(config.device)
+        check_device(config.device, config)
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         if config.mode not in modes_for([config.mode], record.has_sparse):
@@ -165,7 +150,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
         full_ok = f_man is not None and f_man.total_rows() == corpus_size(store, corpus)
         first = {s: first_stage_run(store, config.dataset, s, config.first_stage, config.first_kq, config.first_kp,
                                     config.first_mode) for s in config.splits}  # fmt: skip
-        plan = Plan(system=record.system)
+        plan = Plan(system=record.system, work=0, work_unit="queries")
         cells = []
         for split in config.splits:
             slug, src = first[split]
@@ -182,113 +167,220 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written")
                 stage = run_dir(record.system, config.dataset, split, config.kq, config.kp, mode)
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
+        plan.count = len(cells)
         partial = partial_dir(record.system, corpus, config.kp)
         partial_cfg = encodings_config(settings, tokens, t_man.config_hash, config.kp)
-        damage = None if cells or full_ok else store.shard_damage(partial, partial_cfg, config.verify)
-        if damage:  # every run is current, but the passages they needed are not: encoded again
-            ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
-        if cells or damage:
-            factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
-            splits = sorted({c.split for c in cells}) if cells else list(config.splits)
-            depth = max(int(c.config["topk"]) for c in cells) if cells else max(config.depths)
-            plan.units.append(LateUnit(
-                cells, {s: first[s][1] for s in splits}, record.system, settings.model_dump(), q_stage,
-                full if full_ok else None, partial, t_stage, partial_cfg, config.dataset, corpus, config.batch_size,
-                factor, splits, depth, config.verify,
-            ))  # fmt: skip
-        plan.count = len(cells)
+        if not cells:
+            damage = None if full_ok else store.shard_damage(partial, partial_cfg, config.verify)
+            if damage:  # every run is current, but the passages they needed are not: encoded again
+                ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
+                capped = [capped_depths(config.depths, store.require_manifest(first[s][1]).config.get("topk"),
+                                        lambda _: None) for s in config.splits]  # fmt: skip
+                plan.details["_repair"] = {
+                    "partial": partial, "tokens_stage": t_stage, "system": record.system, "corpus": corpus,
+                    "settings": settings.model_dump(), "batch_size": config.batch_size, "partial_config": partial_cfg,
+                    "verify": True, "first_runs": {s: first[s][1] for s in config.splits},
+                    "depth": max(d for c in capped for d in c),
+                }  # fmt: skip
+            return plan
+        splits = sorted({c.split for c in cells})
+        query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
+        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
+        shared = {
+            "dataset": config.dataset, "tokens_stage": t_stage, "query_stage": q_stage, "query_ids": query_ids,
+            "first_runs": {s: first[s][1] for s in splits}, "passages": full if full_ok else partial,
+            "rescore": config.mode, "kq": config.kq, "depths": sorted({int(c.config["topk"]) for c in cells}),
+            "rules": config.rules.model_dump(mode="json"), "ignore": config.ignore_ids(), "sparse_factor": factor,
+        }  # fmt: skip
+        pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
+            {"ids": query_ids}), "unit_queries": config.unit_queries,
+            "inputs": {"queries": q_man.config_hash, "tokens": t_man.config_hash,
+                       "first": {s: store.require_manifest(first[s][1]).config_hash for s in splits}}}  # fmt: skip
+        stage, chash, done = open_pass(ctx, record.system, config.dataset, config.kp, pass_cfg)
+        key = store.put_plan(shared)
+        grain = -(-config.unit_queries // QUERY_GRAIN) * QUERY_GRAIN
+        slices = [(a, min(a + grain, len(query_ids))) for a in range(0, len(query_ids), grain)]
+        waiting = []
+        for i, (a, b) in enumerate(slices):
+            if unit_file(i) not in done:
+                plan.units.append(PassUnit(key, stage, unit_file(i), chash, a, b, label=f"queries {a:,}-{b - 1:,}"))
+                plan.work += b - a
+                waiting.append(unit_file(i))
+        tracker = PassTracker()
+        tracker.expect(stage, waiting)
+        plan.details.update(_tracker=tracker, _pass={
+            "stage": stage, "plan": key, "cells": cells, "query_ids": query_ids, "full": full_ok,
+            "partial": partial, "tokens_stage": t_stage, "system": record.system, "corpus": corpus,
+            "settings": settings.model_dump(), "batch_size": config.batch_size,
+            "partial_config": partial_cfg, "verify": config.verify,
+        })  # fmt: skip
+        ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(slices)} unit(s), "
+                f"{len(slices) - len(waiting)} already done")  # fmt: skip
         return plan
 
-    def run(self, unit: LateUnit, ctx: Context) -> dict[str, int]:
+    def prepare(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
+        """The candidates' encodings, once for every unit: from the system's full encodings when stored, else from
+        its partial folder after encoding what it lacks (one new part)."""
+        repair = plan.details.get("_repair")
+        if repair is not None:  # only the partial folder: its damaged parts dropped, their passages encoded again
+            corpus_ids = _corpus_ids(ctx.store, repair["tokens_stage"])
+            position = {d: i for i, d in enumerate(corpus_ids)}
+            first = {s: _top(read_run(ctx.store, src), repair["depth"], position)
+                     for s, src in repair["first_runs"].items()}  # fmt: skip
+            needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
+                                              + [np.zeros(0, np.int64)]))  # fmt: skip
+            encoded, _ = self._encode_missing(repair, ctx, needed, corpus_ids)
+            ctx.log(f"{ctx.store.abspath(repair['partial'])}: {encoded:,} passage(s) encoded again")
+        info = plan.details.get("_pass")
+        if info is None:
+            return
         store = ctx.store
-        t_man = store.require_manifest(unit.tokens_stage)
-        corpus_ids: list[str] = []
-        for name in sorted(t_man.files):
-            corpus_ids.extend(store.read_table(unit.tokens_stage, name, columns=["id"]).column("id").to_pylist())
+        corpus_ids = _corpus_ids(store, info["tokens_stage"])
         position = {d: i for i, d in enumerate(corpus_ids)}
-        query_ids = list(dict.fromkeys(q for s in unit.splits for q in split_queries(store, unit.dataset, s)))
-        first: dict[str, dict[str, np.ndarray]] = {s: _top(read_run(store, unit.first_runs[s]), unit.depth, position)
-                                                   for s in unit.splits}  # fmt: skip
-        needed = np.unique(np.concatenate([v for s in unit.splits for v in first[s].values()]
-                                          + [np.zeros(0, np.int64)]))  # fmt: skip
-        table, encoded, encode_seconds = self._passages(unit, ctx, needed, corpus_ids)
-        if not unit.cells:  # only the partial folder was repaired
-            ctx.log(f"{ctx.store.abspath(unit.partial_stage)}: {encoded:,} passage(s) encoded again")
-            return {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids)}
-        settings = SearchSettings(rules=ScoreRules.model_validate(unit.cells[0].config["rules"]),
-                                  ignore_identical_ids=bool(unit.cells[0].config["ignore_identical_ids"]))
-        passages = encodings_from_table(table, "cpu", settings.rules, unit.sparse_factor)
+        shared = store.read_plan(info["plan"])
+        first = _first_tops(store, shared, position)
+        needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)]))
+        encoded, seconds = 0, 0.0
+        if not info["full"]:
+            encoded, seconds = self._encode_missing(info, ctx, needed, corpus_ids)
+        info["first"], info["corpus_ids"] = first, corpus_ids
+        info["stats"] = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
+                         "encode_seconds": round(seconds, 4)}  # fmt: skip
+        ctx.log(f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
+                f"{encoded:,} encoded now")  # fmt: skip
+
+    def _encode_missing(self, info: dict[str, Any], ctx: Context, needed: np.ndarray,
+                        corpus_ids: list[str]) -> tuple[int, float]:  # fmt: skip
+        """Encode the ``needed`` passages (global positions) the partial folder lacks, as one new part; how many, and
+        the seconds that took (the model's loading excluded)."""
+        store, stage = ctx.store, info["partial"]
+        ctx.hold(stage)
+        part = {"system": info["system"], "dataset": info["corpus"], "k": str(info["partial_config"]["k"])}
+        man, done = store.open_sharded(stage, "partial", part, info["partial_config"], verify=info.get("verify", False))
+        held: set[str] = set()
+        for name in sorted(done):
+            held.update(store.read_table(stage, name, columns=["id"]).column("id").to_pylist())
+        missing = [corpus_ids[i] for i in needed.tolist() if corpus_ids[i] not in held]
+        if not missing:
+            return 0, 0.0
+        rows = []
+        t_man = store.require_manifest(info["tokens_stage"])
+        miss = pa.array(missing, pa.string())
+        for name in sorted(t_man.files):
+            t = store.read_table(info["tokens_stage"], name, columns=["id", "token_ids", "text"])
+            rows.append(t.filter(pc.is_in(t.column("id"), value_set=miss)))
+        todo = pa.concat_tables(rows)
+        reader = reader_for(EncodeSettings.model_validate(info["settings"]))
+        start = time.perf_counter()
+        advance = ctx.progress("late: encoding the candidates", len(missing), "docs")
+        new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
+                          todo.column("text").to_pylist(), "passage", int(info["partial_config"]["k"]),
+                          info["batch_size"], advance)  # fmt: skip
+        seconds = time.perf_counter() - start
+        name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)  # a dropped part's
+        # name (damaged, its passages encoded again) or the next free number
+        store.record_shard(stage, name, store.write_shard(stage, name, new), man.config_hash)
+        store.compact_shards(stage)
+        return len(missing), seconds
+
+    def unit_name(self, unit: PassUnit) -> str:
+        return unit.label
+
+    def work_of(self, unit: PassUnit) -> int:
+        return unit.end - unit.start
+
+    def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
+        """A slice of the queries: each one's first-stage top m re-scored, for every m, to the pass's partials."""
+        store = ctx.store
+        shared = shared_settings(ctx, unit.plan)
+        corpus_ids = _corpus_ids(store, shared["tokens_stage"])
+        position = {d: i for i, d in enumerate(corpus_ids)}
+        first = _first_tops(store, shared, position)
+        query_ids = shared["query_ids"][unit.start : unit.end]
+        depth = max(shared["depths"])
+        cands = [_first_top(first, q, depth) for q in query_ids]
+        needed = np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))
+        table = _encodings_of(store, shared["passages"], pa.array([corpus_ids[i] for i in needed.tolist()]))
+        rules = ScoreRules.model_validate(shared["rules"])
+        settings = SearchSettings(rules=rules, ignore_identical_ids=bool(shared["ignore"]))
+        passages = encodings_from_table(table, "cpu", rules, float(shared["sparse_factor"]))
         p_index = np.array([position[d] for d in passages.ids], np.int64)
         order = np.argsort(p_index, kind="stable")
         passages, p_index = take(passages, order), p_index[order]
-        queries = query_encodings(store, unit.q_stage, query_ids, "cpu", settings.rules, unit.sparse_factor)
+        queries = query_encodings(store, shared["query_stage"], query_ids, "cpu", rules, float(shared["sparse_factor"]))
+        mode, kq = shared["rescore"], int(shared["kq"])
+        tops, start = {}, time.perf_counter()
+        for m in shared["depths"]:
+            top = rescore(queries, [c[:m] for c in cands], passages, p_index, [mode], kq, settings, width=m)[mode]
+            tops[(kq, f"late_{mode}_m{m}")] = top
+        return write_unit(store, unit, topk_table(tops, unit.start, time.perf_counter() - start))
+
+    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
+        assert ctx.plan is not None
+        if ctx.plan.details["_tracker"].done(ctx, unit, result):
+            self._merge(ctx)
+
+    def _merge(self, ctx: Context) -> None:
+        """The slices' rows in place, one run per cell (its split's queries, cut at its m); the partials removed."""
+        assert ctx.plan is not None
+        info, store = ctx.plan.details["_pass"], ctx.store
+        query_ids, corpus_ids, first = info["query_ids"], info["corpus_ids"], info["first"]
+        tops, seconds = stacked_slices(store, info["stage"], len(query_ids))
         lex = doc_order(corpus_ids)
-        rescore_mode = unit.cells[0].config["rescore"]
-        stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
-                 "encode_seconds": round(encode_seconds, 4)}  # fmt: skip
-        for m in sorted({int(c.config["topk"]) for c in unit.cells}):
-            cands = [_first_top(first, q, m) for q in query_ids]
-            start = time.perf_counter()
-            top = rescore(queries, cands, passages, p_index, [rescore_mode], unit.cells[0].kq, settings)[rescore_mode]
-            m_cells = [c for c in unit.cells if int(c.config["topk"]) == m]
-            timing = search_stats(time.perf_counter() - start, len(query_ids), len(m_cells))
-            row = {q: i for i, q in enumerate(query_ids)}
-            for cell in m_cells:
-                rows = [row[q] for q in split_queries(store, unit.dataset, cell.split)]
-                t = run_table(top, query_ids, corpus_ids, rows, lex, depth=m)
-                needed_m = int(len(np.unique(np.concatenate([cands[i] for i in rows] + [np.zeros(0, np.int64)]))))
-                write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **stats, "needed_m": needed_m,
-                                           **timing})  # fmt: skip
-        ctx.log(f"late re-scoring ({rescore_mode}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
-                f"{encoded:,} encoded now")  # fmt: skip
-        return stats
+        row = {q: i for i, q in enumerate(query_ids)}
+        for cell in info["cells"]:
+            m = int(cell.config["topk"])
+            rows = [row[q] for q in split_queries(store, str(cell.config["dataset"]), cell.split)]
+            t = run_table(tops[(cell.kq, cell.mode)], query_ids, corpus_ids, rows, lex, depth=m)
+            cands = [_first_top(first, query_ids[i], m) for i in rows]
+            needed_m = int(len(np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))))
+            m_cells = sum(1 for c in info["cells"] if c.config["topk"] == cell.config["topk"])
+            write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info["stats"],
+                                       "needed_m": needed_m, **search_stats(seconds, len(query_ids), m_cells)})
+        store.remove_stage(info["stage"])
+        store.remove_plan(info["plan"])
+        ctx.plan.details["_tracker"].merged.add(info["stage"])
 
-    def _passages(self, unit: LateUnit, ctx: Context, needed: np.ndarray,
-                  corpus_ids: list[str]) -> tuple[pa.Table, int, float]:  # fmt: skip
-        """The encodings of the ``needed`` passages (global positions): from the full folder, or the partial one
-        after encoding what it lacks (one new part); how many were encoded now, and the seconds that took (the
-        model's loading excluded)."""
-        store = ctx.store
-        want = pa.array([corpus_ids[i] for i in needed.tolist()], pa.string())
-        if unit.full_stage is not None:  # only the needed rows of each shard are kept (a corpus's vectors are large)
-            m = store.require_manifest(unit.full_stage)
-            parts = [_rows(store.read_table(unit.full_stage, n), want) for n in sorted(m.files)]
-            return _rows(pa.concat_tables(parts), want), 0, 0.0
-        stage = unit.partial_stage
-        ctx.hold(stage)
-        part = {"system": unit.system, "dataset": unit.corpus, "k": str(unit.partial_config["k"])}
-        man, done = store.open_sharded(stage, "partial", part, unit.partial_config, verify=unit.verify)
-        store.drop_shards(stage, set(man.files) - done)  # damaged parts: what they held is encoded again below
-        have = [store.read_table(stage, n) for n in sorted(done)]
-        held = set(pc.unique(pa.concat_arrays([t.column("id").combine_chunks() for t in have])).to_pylist()) \
-            if have else set()  # fmt: skip
-        missing = [d for d in want.to_pylist() if d not in held]
-        if missing:
-            rows = []
-            t_man = store.require_manifest(unit.tokens_stage)
-            miss = pa.array(missing, pa.string())
-            for name in sorted(t_man.files):
-                t = store.read_table(unit.tokens_stage, name, columns=["id", "token_ids", "text"])
-                rows.append(t.filter(pc.is_in(t.column("id"), value_set=miss)))
-            todo = pa.concat_tables(rows)
-            reader = reader_for(EncodeSettings.model_validate(unit.settings))
-            start = time.perf_counter()
-            new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
-                              todo.column("text").to_pylist(), "passage", int(unit.partial_config["k"]),
-                              unit.batch_size, ctx.advance)  # fmt: skip
-            seconds = time.perf_counter() - start
-            name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)
-            entry = store.write_shard(stage, name, new)
-            store.record_shard(stage, name, entry, man.config_hash)
-            store.compact_shards(stage)
-            have.append(new)
-            return _rows(pa.concat_tables(have), want), len(missing), seconds
-        return _rows(pa.concat_tables(have), want), 0, 0.0
-
+    def finish(self, config: LateConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        if "_tracker" in plan.details and plan.details["_tracker"].complete():
+            self._merge(ctx)
+        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
 
     def abort(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the parts it finished; a partial folder it opened and never filled is removed."""
-        remove_empty_sharded(ctx.store, [u.partial_stage for u in plan.units])
+        """A failed run keeps the parts and units it finished; a partial folder it opened and never filled is
+        removed."""
+        info = plan.details.get("_pass")
+        if info is not None:
+            remove_empty_sharded(ctx.store, [info["partial"]])
+            close_passes(ctx, [info["stage"]], [info["plan"]])
+
+
+_CORPUS: dict[tuple[str, str], list[str]] = {}
+
+
+def _corpus_ids(store: ArtifactStore, tokens_stage: str) -> list[str]:
+    """A corpus's passage ids in order (its tokens folder's), read once per process."""
+    key = (store.root, tokens_stage)
+    if key not in _CORPUS:
+        _CORPUS.clear()
+        t_man = store.require_manifest(tokens_stage)
+        ids: list[str] = []
+        for name in sorted(t_man.files):
+            ids.extend(store.read_table(tokens_stage, name, columns=["id"]).column("id").to_pylist())
+        _CORPUS[key] = ids
+    return _CORPUS[key]
+
+
+def _first_tops(store: ArtifactStore, shared: dict[str, Any], position: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Each split's first-stage top (the deepest m) per query, as corpus positions in rank order."""
+    depth = max(shared["depths"])
+    return {s: _top(read_run(store, src), depth, position) for s, src in shared["first_runs"].items()}
+
+
+def _encodings_of(store: ArtifactStore, stage: str, ids: pa.Array) -> pa.Table:
+    """The encodings of ``ids`` (each once) from a folder of shards or parts; only those rows are kept."""
+    m = store.require_manifest(stage)
+    return _rows(pa.concat_tables([_rows(store.read_table(stage, n), ids) for n in sorted(m.files)]), ids)
 
 
 def _rows(table: pa.Table, ids: pa.Array) -> pa.Table:

@@ -20,6 +20,7 @@ from storage.codecs import FLOAT16, Codebook, Codec, parse_store
 from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")
+READ_ROWS = 256  # an encodings shard is decoded from Parquet this many rows at a time (bounded scratch)
 
 
 def dataset_manifest(store: ArtifactStore, dataset: str) -> Manifest:
@@ -224,12 +225,23 @@ def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | Non
 
 
 def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
-                   sparse_factor: float = 1.0) -> Iterator[Encodings]:  # fmt: skip
-    """The shards of an encoding folder in order, each verified against the manifest, ready to score under
-    ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
+                   sparse_factor: float = 1.0, names: list[str] | None = None) -> Iterator[Encodings]:  # fmt: skip
+    """The shards of an encoding folder in order (``names``: only those), each verified against the manifest, ready
+    to score under ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
     codec = codec_for(store, stage, m)
+    for name in sorted(m.files) if names is None else names:
+        table = store.read_table(stage, name, batch_rows=READ_ROWS)
+        yield encodings_from_table(table, device, rules, sparse_factor, codec)
+        del table
+
+
+def passage_ids(store: ArtifactStore, stage: str) -> list[str]:
+    """The ids of an encoding folder's texts in stream order (the ``id`` column of its shards, in order)."""
+    m = encoding_manifest(store, stage)
+    out: list[str] = []
     for name in sorted(m.files):
-        yield encodings_from_table(store.read_table(stage, name), device, rules, sparse_factor, codec)
+        out.extend(store.read_table(stage, name, columns=["id"]).column("id").to_pylist())
+    return out
 
 
 def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,

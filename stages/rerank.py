@@ -10,22 +10,24 @@ kq = kp = 0). Documents below the depth are dropped (a run of the depth's length
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
-from retrieval.devices import resolve_device
+from retrieval.data.collections import passage_text
 from retrieval.fields import cli, like
 from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.rerank.rerankers import Reranker, RerankerName, load_rerank_prompt, make_reranker
+from retrieval.rerank.rerankers import Reranker, RerankerName, batch_cuts, load_rerank_prompt, make_reranker
 from retrieval.rerank.training import RerankTrainSettings
-from storage import ArtifactStore, StoreError, config_hash
-from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, run_dir
+from storage import ArtifactStore, FileEntry, StoreError, config_hash
+from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
-from .base import Context, Plan, Stage
-from .readers import dataset_manifest, side_texts, split_queries
+from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
+from .passes import PassTracker, PassUnit, close_passes, open_pass, read_units, unit_file, write_unit
+from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
 from .tokenize import default_backbone
@@ -33,7 +35,7 @@ from .tokenize import default_backbone
 RERANK_MODE = "rerank"
 
 
-class RerankConfig(QueriesConfig):
+class RerankConfig(QueriesConfig, ClusterConfig):
     """Parameters of the rerank flow."""
 
     dataset: str = like(QueriesConfig, "dataset", default="scifact")
@@ -60,6 +62,9 @@ class RerankConfig(QueriesConfig):
     step: int = Field(default=10, ge=1, description="Window step (RankGPT's sliding window).")
     steps: int = Field(default=4, ge=1, description="Denoising steps of permutation_sampling.")
     batch_size: int = Field(default=8, ge=1, description="Prompts per forward pass (pairs or windows).")
+    unit_queries: int = Field(default=4096, ge=1, description="Queries per unit (at least; a unit ends where the "
+                              "whole run's batches end, so that its forward passes are the whole run's): the units run "
+                              "on the workers and a killed run keeps the finished ones.")  # fmt: skip
 
     @model_validator(mode="after")
     def _windows_overlap(self) -> RerankConfig:
@@ -132,15 +137,8 @@ def first_stage_system(store: ArtifactStore, system: str) -> str:
     return first.system
 
 
-@dataclass
-class RerankUnit:
-    cells: list[Cell]
-    first_stages: dict[str, str]  # split -> the first-stage run folder
-    config: dict[str, Any]  # RerankConfig as a dict
-    record: dict[str, Any]  # the reranker's SystemRecord, registered once the model and its prompts are checked
-
-
-class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True):
+class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True,
+             distributed=True, task_tags=("gpu",)):  # fmt: skip
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -160,7 +158,7 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
     next_step = "evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: RerankConfig, ctx: Context) -> Plan:
-        resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
+        check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         store = ctx.store
         settings = config.settings()
         first = first_stage_system(store, config.first_stage)
@@ -170,8 +168,10 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         corpus = config.corpus_name()
         inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
                   "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip
-        plan = Plan(system=slug, work_unit="queries")
-        todo, firsts = [], {}
+        plan = Plan(system=slug, work=0, work_unit="queries")
+        record = SystemRecord(system=slug, kind="reranker", model=config.backbone.model, readout=config.method,
+                              settings={**settings, "first_stage": first_ref})  # fmt: skip
+        tracker, passes = PassTracker(), {}
         for split in config.splits:
             _, src = first_stage_run(store, config.dataset, split, config.first_stage, config.first_kq,
                                      config.first_kp, config.first_mode)  # fmt: skip
@@ -180,36 +180,141 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
                    "mode": RERANK_MODE, "topk": config.depth, "first_stage": {**first_ref, "run": m.config_hash},
                    "settings": settings, "inputs": inputs}  # fmt: skip
             stage = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
-            if plan.needs(ctx, stage, cfg, config.force):
-                todo.append(Cell(split, 0, 0, RERANK_MODE, stage, cfg))
-                firsts[split] = src
-        record = SystemRecord(system=slug, kind="reranker", model=config.backbone.model, readout=config.method,
-                              settings={**settings, "first_stage": first_ref})  # fmt: skip
-        if todo:
-            plan.units.append(RerankUnit(todo, firsts, config.model_dump(), record.model_dump()))
-            plan.work = sum(len(split_queries(store, config.dataset, c.split)) for c in todo)
-        plan.count = len(todo)
+            if not plan.needs(ctx, stage, cfg, config.force):
+                continue
+            cell = Cell(split, 0, 0, RERANK_MODE, stage, cfg)
+            sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
+            cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
+            shared = {"config": config.model_dump(mode="json"), "first": src, "record": record.model_dump(mode="json")}
+            p_stage, chash, done = open_pass(ctx, slug, config.dataset, 0, {**cfg, "unit_queries": config.unit_queries})
+            key = store.put_plan(shared)
+            waiting = []
+            for i, (a, b) in enumerate(_slices(len(sizes), config.unit_queries, cuts)):
+                if unit_file(i) not in done:
+                    plan.units.append(PassUnit(key, p_stage, unit_file(i), chash, a, b,
+                                               label=f"{split} queries {a:,}-{b - 1:,}"))  # fmt: skip
+                    plan.work += b - a
+                    waiting.append(unit_file(i))
+            tracker.expect(p_stage, waiting)
+            passes[p_stage] = {"cell": cell, "plan": key}
+        plan.count = len(passes)
+        if passes:
+            register(store, record, write=False)  # refuses a slug registered with other settings, before any work
+        plan.details.update(_tracker=tracker, _passes=passes)
         return plan
 
-    def run(self, unit: RerankUnit, ctx: Context) -> int:
-        cfg = RerankConfig.model_validate(unit.config)
+    def unit_name(self, unit: PassUnit) -> str:
+        return unit.label
+
+    def work_of(self, unit: PassUnit) -> int:
+        return unit.end - unit.start
+
+    def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
+        """A slice of a split's queries reranked (in the first stage's query order): its run rows to the partials."""
         store = ctx.store
-        doc_ids, doc_texts, _ = side_texts(store, cfg.corpus_name(), "passage")
-        text_of = dict(zip(doc_ids, doc_texts, strict=True))
-        q_ids, q_texts, _ = side_texts(store, cfg.dataset, "query")
-        query_text = dict(zip(q_ids, q_texts, strict=True))
-        reranker = make_reranker(
+        shared = shared_settings(ctx, unit.plan)
+        cfg = RerankConfig.model_validate(shared["config"])
+        first = read_run(store, shared["first"])
+        qids = list(dict.fromkeys(first.column("query_id").to_pylist()))[unit.start : unit.end]
+        first = first.filter(pc.is_in(first.column("query_id"), value_set=pa.array(qids, pa.string())))
+        top = first.filter(pc.less_equal(first.column("rank"), cfg.depth))
+        text_of = _texts(store, cfg.corpus_name(), "passage", pc.unique(top.column("doc_id")))
+        query_text = _texts(store, cfg.dataset, "query", pa.array(qids, pa.string()))
+        reranker = _reranker(cfg)  # (single-token answers and the context are checked here: a refusal writes nothing)
+        register(store, SystemRecord.model_validate(shared["record"]))
+        invalid = reranker.stats.invalid_without_constraint
+        table, stats = rerank_run(reranker, first, query_text, text_of, cfg.depth, ctx.advance)
+        stats["invalid_without_constraint"] -= invalid  # this unit's (the reranker is kept across units)
+        meta = {b"stats": json.dumps(stats).encode()}
+        return write_unit(store, unit, table.replace_schema_metadata(meta))
+
+    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
+        assert ctx.plan is not None
+        if ctx.plan.details["_tracker"].done(ctx, unit, result):
+            self._merge(unit.stage, ctx)
+
+    def _merge(self, stage: str, ctx: Context) -> None:
+        """A split's slices in order: its reranked run, with their stats summed; the partials removed."""
+        assert ctx.plan is not None
+        info, store = ctx.plan.details["_passes"][stage], ctx.store
+        tables, stats = [], {"queries": 0, "rows": 0, "forward_passes": 0, "invalid_without_constraint": 0}
+        for _, table in read_units(store, stage):
+            for k, v in json.loads((table.schema.metadata or {}).get(b"stats", b"{}")).items():
+                stats[k] = stats.get(k, 0) + v
+            tables.append(table.replace_schema_metadata(None))
+        table = pa.concat_tables(tables) if tables else RUN_SCHEMA.empty_table()
+        cell = info["cell"]
+        ctx.log(f"reranked {cell.config['dataset']}/{cell.split}: {stats['queries']:,} queries, "
+                f"{stats['forward_passes']:,} forward passes")  # fmt: skip
+        write_run(store, cell, table, stats)
+        store.remove_stage(stage)
+        store.remove_plan(info["plan"])
+        ctx.plan.details["_tracker"].merged.add(stage)
+
+    def finish(self, config: RerankConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        for stage in plan.details["_tracker"].complete():
+            self._merge(stage, ctx)
+        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
+
+    def abort(self, config: RerankConfig, plan: Plan, ctx: Context) -> None:
+        passes = plan.details.get("_passes", {})
+        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
+
+
+def _candidates(first: pa.Table, depth: int) -> list[int]:
+    """Each query's candidates (at most ``depth``), queries in the order they first appear in the run."""
+    counts: dict[str, int] = {}
+    for q in first.column("query_id").to_pylist():
+        counts[q] = counts.get(q, 0) + 1
+    return [min(n, depth) for n in counts.values()]
+
+
+def _slices(n: int, size: int, cuts: set[int]) -> list[tuple[int, int]]:
+    """Consecutive slices of ``n`` queries, each at least ``size`` long, ending at one of ``cuts`` (or the end).
+
+    >>> _slices(10, 3, {2, 4, 6, 9})
+    [(0, 4), (4, 9), (9, 10)]
+    """
+    out, a = [], 0
+    for c in sorted(x for x in cuts if 0 < x < n):
+        if c - a >= size:
+            out.append((a, c))
+            a = c
+    if a < n:
+        out.append((a, n))
+    return out
+
+
+def _texts(store: ArtifactStore, dataset: str, side: str, ids: pa.Array) -> dict[str, str]:
+    """The texts of ``ids`` of one side (passages as ``passage_text``), without holding the others."""
+    stage = dataset_dir(dataset)
+    if side == "passage":
+        t = store.read_table(stage, "corpus.parquet", columns=["doc_id", "title", "text"])
+        t = t.filter(pc.is_in(t.column("doc_id"), value_set=ids))
+        return {d: passage_text(ti, tx) for d, ti, tx in zip(t.column("doc_id").to_pylist(), t.column("title")
+                                                            .to_pylist(), t.column("text").to_pylist(), strict=True)}
+    t = store.read_table(stage, "queries.parquet", columns=["query_id", "text"])
+    t = t.filter(pc.is_in(t.column("query_id"), value_set=ids))
+    out: dict[str, str] = {}
+    for q, tx in zip(t.column("query_id").to_pylist(), t.column("text").to_pylist(), strict=True):
+        out.setdefault(q, tx)
+    return out
+
+
+_RERANKERS: dict[str, Reranker] = {}
+
+
+def _reranker(cfg: RerankConfig) -> Reranker:
+    """One loaded reranker per process and settings (a worker keeps it across units)."""
+    key = cfg.model_dump_json(include={"method", "backbone", "prompt", "doc_tokens", "window", "step", "steps",
+                                       "batch_size"})  # fmt: skip
+    if key not in _RERANKERS:
+        _RERANKERS.clear()  # one model at a time
+        _RERANKERS[key] = make_reranker(
             cfg.method, load_backbone(cfg.backbone), prompt=cfg.prompt, doc_tokens=cfg.doc_tokens, window=cfg.window,
             step=cfg.step, batch_size=cfg.batch_size, steps=cfg.steps,
-        )  # fmt: skip  (single-token answers and the context are checked here: a refusal writes nothing)
-        register(store, SystemRecord.model_validate(unit.record))
-        for cell in unit.cells:
-            table, stats = rerank_run(reranker, read_run(store, unit.first_stages[cell.split]), query_text, text_of,
-                                      cfg.depth, ctx.advance)  # fmt: skip
-            ctx.log(f"reranked {cfg.dataset}/{cell.split}: {stats['queries']:,} queries, {stats['forward_passes']:,} "
-                    f"forward passes")  # fmt: skip
-            write_run(store, cell, table, stats)
-        return len(unit.cells)
+        )  # fmt: skip
+    return _RERANKERS[key]
 
 
 def rerank_run(reranker: Reranker, first: pa.Table, query_text: dict[str, str], doc_text: dict[str, str],

@@ -1,18 +1,22 @@
 """The score stage: stored encodings -> one run folder per (split, K_q, K_p, mode).
 
     runs/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=<K_p>/mode=<m>/run.parquet
+    partials/system=<slug>/dataset=<d>/kp=<K_p>/key=<pass>/block=NNNNN.parquet     (while a pass runs)
 
-A unit is one pass over a K_p passage encoding: shard by shard, every requested K_q and base mode is
-scored against it (``retrieval.search.search_pass``) and the fusions are built from those runs. A cell
-whose manifest has the same config and whose file verifies is done; a pass whose cells are all done is
-not planned (no encoding is read).
+A pass over a K_p passage encoding scores every requested K_q and base mode against it, shard by shard
+(``retrieval.search.search_pass``). It is cut into units of contiguous shards (``unit_passages``), which run in this
+process or on Dask workers (each on its own device); each unit writes its partial top-k (per K_q and base mode, at
+the pass's search depth) to the pass's ``partials/`` folder, recorded as it completes, so a killed pass keeps its
+finished units. When the last one is in, the planning process merges them (the top k of the top k's: ties go to the
+earlier passage, as in one pass), builds the fusions and writes the runs, byte for byte one pass's, then removes
+the partials. A cell whose manifest has the same config and whose file verifies is done; a pass whose cells are
+all done is not planned (no encoding is read).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -22,23 +26,38 @@ from retrieval.models.backbones import BackboneConfig
 from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from retrieval.search.rules import ScoreRules
+from retrieval.search.runs import topk_table
+from storage import FileEntry, StoreError, config_hash
 from storage.layout import encodings_dir, run_dir
 
-from .base import Context, KList, ModeList, Plan, Stage
+from .base import ClusterConfig, Context, KList, ModeList, Plan, Stage, check_device, shared_settings
+from .passes import (
+    PassTracker,
+    PassUnit,
+    close_passes,
+    cut,
+    merged_blocks,
+    open_pass,
+    pass_queries,
+    unit_file,
+    write_unit,
+)
 from .readers import (
     budgets,
     corpus_size,
     dataset_manifest,
     encoding_manifest,
     iter_encodings,
-    query_encodings,
+    passage_ids,
     split_queries,
 )
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .systems import SystemRef, find_system
 
+DEFAULT_UNIT_PASSAGES = 1_000_000
 
-class ScoreConfig(RetrievalConfig):
+
+class ScoreConfig(RetrievalConfig, ClusterConfig):
     """Parameters of the score flow."""
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose encodings to score.")
@@ -57,31 +76,21 @@ class ScoreConfig(RetrievalConfig):
                             "queries and passages are cut so that they fit; results do not depend on it.")
     rules: ScoreRules = Field(default_factory=ScoreRules, description="How each mode scores (default: the "
                               "reference evaluator's).")  # fmt: skip
+    unit_passages: int = Field(default=DEFAULT_UNIT_PASSAGES, ge=1, description="Passages per unit of a K_p pass "
+                               "(whole shards, at least one): the units run on the workers and a killed run keeps the "
+                               "finished ones; the runs are the same whatever the cut.")  # fmt: skip
 
 
-@dataclass
-class ScorePass:
-    """One pass over the K_p passage encoding for the cells still to score."""
-
-    kp: int
-    cells: list[Cell]
-    query_stages: dict[int, str]
-    passage_stage: str
-    query_ids: list[str]  # every requested split's queries, once
-    split_rows: dict[str, list[int]]  # split -> rows of query_ids
-    settings: SearchSettings
-    fusion_depth: int
-    device: str
-    sparse_factor: float = 1.0  # ScoreRules.sparse_factor for this system's sparse weights
-
-
-class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored"):
+class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored", distributed=True,
+            task_tags=("gpu",)):  # fmt: skip
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
         "Exact search (chunked, CPU or GPU) for every (K_q, K_p, mode) cell over stored encodings: one run folder "
-        "per cell under runs/. One pass over each K_p's passages scores every K_q and mode. config.system names "
-        "the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: {setting: value}}`."
+        "per cell under runs/. One pass over each K_p's passages scores every K_q and mode, cut into units of "
+        "unit_passages that run on Dask workers with workers (-1: one per GPU) or dask_address, and resume after a "
+        "kill. config.system names the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: "
+        "{setting: value}}`."
     )
     example = {
         "dataset": "scifact",
@@ -90,12 +99,14 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         "kp": [1, 2, 4, 8, 16],
         "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
         "device": "auto",
+        "workers": 0,
+        "dask_address": None,
     }  # the deployment's parameters, besides root
 
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: ScoreConfig, ctx: Context) -> Plan:
-        resolve_device(config.device)  # a device this machine lacks: refused before any work
+        check_device(config.device, config)  # a device this machine lacks: refused before any work
         store = ctx.store
         record = find_system(store, config.system)
         # a representation without sparse vectors is scored in the dense modes only
@@ -111,7 +122,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         p_stages = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
         q_man = {kq: encoding_manifest(store, s) for kq, s in q_stages.items()}
         p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_stages.items()}
-        plan = Plan(system=record.system, work_unit="passes")
+        plan = Plan(system=record.system, work=0, work_unit="passages")
         todo: list[Cell] = []
         for kp in config.kp:
             for split in config.splits:
@@ -133,36 +144,105 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
-        settings = SearchSettings(topk=config.topk, ignore_identical_ids=ignore,
-                                  block_bytes=int(config.block_mb * (1 << 20)), rules=config.rules)
-        device = str(resolve_device(config.device))
         factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
+        tracker, passes = PassTracker(), {}
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]
-            stages = {kq: q_stages[kq] for kq in sorted({c.kq for c in cells})}
-            deep = replace(settings, topk=search_depth(cells))  # each cell's run is a prefix, cut to its depth
-            plan.units.append(
-                ScorePass(kp, cells, stages, p_stages[kp], query_ids, split_rows, deep, config.fusion_depth, device,
-                          factor)  # fmt: skip
-            )
+            kqs = sorted({c.kq for c in cells})
+            shared = {
+                "query_stages": {str(kq): q_stages[kq] for kq in kqs}, "query_ids": query_ids,
+                "modes": base_modes_needed({c.mode for c in cells}), "passage_stage": p_stages[kp],
+                "topk": search_depth(cells),  # each cell's run is a prefix, cut to its depth
+                "ignore": ignore, "block_bytes": int(config.block_mb * (1 << 20)),
+                "rules": config.rules.model_dump(mode="json"), "sparse_factor": factor, "device": config.device,
+            }  # fmt: skip
+            pass_cfg = {**{k: v for k, v in shared.items() if k not in ("query_ids", "block_bytes")},
+                        "query_ids": config_hash({"ids": query_ids}), "unit_passages": config.unit_passages,
+                        "inputs": {"query_encodings": {str(kq): q_man[kq].config_hash for kq in kqs},
+                                   "passage_encodings": p_man[kp].config_hash}}  # fmt: skip
+            stage, chash, done = open_pass(ctx, record.system, config.dataset, kp, pass_cfg)
+            key = store.put_plan(shared)
+            shards = sorted(p_man[kp].files)
+            sizes = [int(p_man[kp].files[n].rows or 0) for n in shards]
+            blocks = cut(sizes, config.unit_passages)
+            waiting = []
+            for i, (a, b) in enumerate(blocks):
+                name, start = unit_file(i), sum(sizes[:a])
+                if name in done:
+                    continue
+                end = start + sum(sizes[a:b])
+                plan.units.append(PassUnit(key, stage, name, chash, start, end, shards[a:b],
+                                           f"K_p={kp} passages {start:,}-{end - 1:,}"))  # fmt: skip
+                plan.work += end - start
+                waiting.append(name)
+            tracker.expect(stage, waiting)
+            passes[stage] = {"cells": cells, "plan": key, "passages": n_passages, "query_ids": query_ids,
+                             "split_rows": split_rows, "topk": shared["topk"], "fusion_depth": config.fusion_depth,
+                             "rules": config.rules, "passage_stage": p_stages[kp]}  # fmt: skip
+            ctx.log(f"K_p={kp}: {len(cells)} cell(s) over {n_passages:,} passages in {len(blocks)} unit(s), "
+                    f"{len(blocks) - len(waiting)} already done")  # fmt: skip
+        plan.details.update(_tracker=tracker, _passes=passes)
         return plan
 
-    def run(self, unit: ScorePass, ctx: Context) -> int:
+    def unit_name(self, unit: PassUnit) -> str:
+        return unit.label
+
+    def work_of(self, unit: PassUnit) -> int:
+        return unit.end - unit.start
+
+    def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
+        """One block of a pass's passages against every query set and base mode: its top-k, written to the pass's
+        partials folder (indices: corpus positions)."""
         store = ctx.store
-        rules, factor = unit.settings.rules, unit.sparse_factor
-        queries = {kq: query_encodings(store, st, unit.query_ids, unit.device, rules, factor)
-                   for kq, st in unit.query_stages.items()}  # fmt: skip
-        p_man = encoding_manifest(store, unit.passage_stage)
-        passages = iter_encodings(store, unit.passage_stage, p_man, unit.device, rules, factor)
-        n = p_man.total_rows()
-        ctx.log(f"scoring K_p={unit.kp}: {len(unit.cells)} cell(s) over {n:,} passages on {unit.device}")
-        base = base_modes_needed({c.mode for c in unit.cells})
+        shared = shared_settings(ctx, unit.plan)
+        device = resolve_device(shared["device"])
+        rules, factor = ScoreRules.model_validate(shared["rules"]), float(shared["sparse_factor"])
+        queries = pass_queries(ctx, unit.plan, shared, str(device), rules)
+        p_stage = shared["passage_stage"]
+        passages = iter_encodings(store, p_stage, encoding_manifest(store, p_stage), str(device), rules, factor,
+                                  names=unit.shards)  # fmt: skip
+        settings = SearchSettings(topk=int(shared["topk"]), ignore_identical_ids=bool(shared["ignore"]),
+                                  block_bytes=int(shared["block_bytes"]), rules=rules)  # fmt: skip
         start = time.perf_counter()  # reading the passage shards included: it streams them
-        tops, doc_ids = search_pass(queries, passages, base, unit.settings)
-        runs = all_modes(tops, unit.fusion_depth, rules)
+        tops, doc_ids = search_pass(queries, passages, shared["modes"], settings)
         seconds = time.perf_counter() - start
-        write_runs(store, unit.cells, runs, unit.query_ids, doc_ids, unit.split_rows, seconds)
-        return len(unit.cells)
+        if len(doc_ids) != unit.end - unit.start:
+            raise StoreError(f"{store.abspath(p_stage)}: {len(doc_ids):,} passages in {', '.join(unit.shards)}, "
+                             f"planned {unit.end - unit.start:,} (re-encoded while scoring?); run the score again")
+        for top in tops.values():
+            top.index[top.index >= 0] += unit.start
+        return write_unit(store, unit, topk_table(tops, seconds=seconds))
+
+    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
+        assert ctx.plan is not None
+        if ctx.plan.details["_tracker"].done(ctx, unit, result):
+            self._merge(unit.stage, ctx)
+
+    def _merge(self, stage: str, ctx: Context) -> None:
+        """A complete pass: its units' top-k merged, the fusions built, the runs written; its partials removed."""
+        assert ctx.plan is not None
+        info = ctx.plan.details["_passes"][stage]
+        store = ctx.store
+        start = time.perf_counter()
+        tops, seconds = merged_blocks(store, stage, info["topk"], info["passages"])
+        runs = all_modes(tops, info["fusion_depth"], info["rules"])
+        doc_ids = passage_ids(store, info["passage_stage"])
+        write_runs(store, info["cells"], runs, info["query_ids"], doc_ids, info["split_rows"],
+                   seconds + time.perf_counter() - start)  # fmt: skip
+        store.remove_stage(stage)
+        store.remove_plan(info["plan"])
+        ctx.plan.details["_tracker"].merged.add(stage)
+
+    def finish(self, config: ScoreConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """Merge the passes whose units were all done before this run (a run killed after its last unit)."""
+        for stage in plan.details["_tracker"].complete():
+            self._merge(stage, ctx)
+        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
+
+    def abort(self, config: ScoreConfig, plan: Plan, ctx: Context) -> None:
+        """A failed run keeps the units it finished (recorded in each pass's partials folder)."""
+        passes = plan.details.get("_passes", {})
+        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
 
 
 stage = Score()

@@ -354,10 +354,16 @@ def compress_table(table: pa.Table, codec: Codec) -> pa.Table:
 def vectors_of(table: pa.Table, codec: Codec | None = None) -> np.ndarray:
     """The vectors of an encodings table, one row per vector in text order ([sum n_reps, H] float32): the
     ``dense`` column as stored, or the ``codes`` column decoded with ``codec``."""
-    if "dense" in table.column_names:
-        inner = table.column("dense").combine_chunks().flatten()
-        hidden = inner.type.list_size
-        return inner.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, hidden)
+    if "dense" in table.column_names:  # chunk by chunk into one float32 array: no combined copy of the column
+        column = table.column("dense")
+        hidden = column.type.value_type.list_size
+        chunks = [chunk.flatten().flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
+        out = np.empty((sum(len(c) for c in chunks) // hidden, hidden), np.float32)
+        at = 0
+        for chunk in chunks:
+            out[at : at + len(chunk) // hidden] = chunk.reshape(-1, hidden)
+            at += len(chunk) // hidden
+        return out
     if codec is None:
         raise CodebookError("these encodings are compressed (a codes column): read them with their codec")
     inner = table.column("codes").combine_chunks().flatten()
@@ -368,4 +374,3 @@ def vectors_of(table: pa.Table, codec: Codec | None = None) -> np.ndarray:
     buf = inner.buffers()[1]
     raw = np.frombuffer(buf, np.uint8)[inner.offset * size : (inner.offset + len(inner)) * size]
     return decode(raw.reshape(len(inner), size), codec.spec, codec.codebook, codec.dim)
-

@@ -166,6 +166,14 @@ def partial_dir(system: str, dataset: str, k: int) -> str:
     return partition("partial", system=system, dataset=dataset, k=k)
 
 
+def partials_dir(system: str, dataset: str, kp: int, key: str) -> str:
+    """The partial results of one search pass cut into units (``block=NNNNN.parquet``, one per unit: the top-k
+    (``TOPK_SCHEMA``) of a score or beta pass's passage blocks or a late pass's query slices, a rerank pass's run
+    rows), named by the pass's settings (``key``); merged into its run folders, then removed, when its last unit is
+    done. ``kp`` is 0 for a pass without passage encodings (beta, rerank)."""
+    return partition("partials", system=system, dataset=dataset, kp=kp, key=key)
+
+
 def bot_dir(tokenizer: str, dataset: str) -> str:
     """SIDR's binary bag-of-tokens index of a dataset's passages under one tokenizer (``tokens/``'s slug)."""
     return partition("bot", tokenizer=tokenizer, dataset=dataset)
@@ -201,6 +209,19 @@ RUN_SCHEMA = pa.schema(
         pa.field("doc_id", pa.string(), nullable=False),
         pa.field("rank", pa.int32(), nullable=False),  # 1-based, by score descending then doc_id
         pa.field("score", pa.float32(), nullable=False),
+    ]
+)
+
+# One unit's top-k of a search pass (partials/): per (K_q, mode) and query row of the pass, the documents it ranks
+# (global corpus positions) and their scores, best first, pads dropped. A unit's file covers a block of the passages
+# (every query) or a slice of the queries (their whole candidate lists); its metadata holds its search seconds.
+TOPK_SCHEMA = pa.schema(
+    [
+        pa.field("kq", pa.int32(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("row", pa.int32(), nullable=False),
+        pa.field("index", pa.list_(pa.int64()), nullable=False),
+        pa.field("score", pa.list_(pa.float32()), nullable=False),
     ]
 )
 
@@ -411,6 +432,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "index": ("index/*/*/*", "diffret index"),
     "bot": ("bot/*/*", "diffret bot"),
     "partial": ("partial/*/*/*", "diffret late --verify"),
+    "partials": ("partials/*/*/*/*", "diffret score"),
     "summaries": ("summaries/*/*/*", "diffret summary"),
     "reports": ("reports/*", "diffret report"),
     "comparisons": ("comparisons/*", "diffret compare"),

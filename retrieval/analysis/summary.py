@@ -98,7 +98,7 @@ class Summary:
             "```sql",
             f"select mode, kq, kp, {', '.join(SHORT)} from best_cells "
             f"where system = '{self.system}' and dataset = '{self.dataset}' and split = '{self.split}'",
-            f"order by {SHORT[0]} desc",
+            f"order by {SHORT[0]} desc, mode",
             "```",
         ]
         for mode, name in (figures or {}).items():
@@ -138,7 +138,7 @@ def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str
         return Row(sys_, r[0], r[1], r[2], dict(zip(SHORT, r[3 : 3 + len(SHORT)], strict=True)), r[-1])
 
     best = db.con.execute(
-        f"select {cols} from best_cells where {where} order by {SHORT[0]} desc", [system, dataset, split]
+        f"select {cols} from best_cells where {where} order by {SHORT[0]} desc, mode", [system, dataset, split]
     )
     rows = [row(system, r) for r in best.fetchall()]
     if bm25:

@@ -409,6 +409,29 @@ RerankerName = Literal["pointwise", "logits_listwise", "permutation_sampling", "
 assert set(RerankerName.__args__) == set(RERANKERS)  # the config's choices are the registry's
 
 
+def batch_cuts(method: str, sizes: Sequence[int], batch_size: int, window: int = 20, step: int = 10) -> list[int]:
+    """Where a list of queries (``sizes``: each one's candidates) can be cut so that every part is batched exactly as
+    the whole list is (each forward pass sees the same rows, so the parts give the whole list's scores bit for bit):
+    the positions ``0 < i < len(sizes)`` where each batch of the whole starts anew. Pointwise batches pairs across
+    queries; the listwise methods batch the live queries of each window step.
+
+    >>> batch_cuts("pointwise", [3, 3, 2, 4, 4], batch_size=4)   # pairs before: 3, 6, 8, 12
+    [3, 4]
+    >>> batch_cuts("logits_listwise", [5, 5, 5, 5], batch_size=2, window=3, step=1)
+    [2]
+    """
+    n = len(sizes)
+    if method == "pointwise":
+        before = np.cumsum(sizes)[:-1] if n else np.zeros(0, np.int64)
+        return [i + 1 for i, b in enumerate(before.tolist()) if b % batch_size == 0]
+    windows = np.array([len(window_starts(s, window, step)) for s in sizes], np.int64)
+    ok = np.ones(max(n - 1, 0), bool)
+    for w in range(int(windows.max()) if n else 0):
+        live_before = np.cumsum(windows > w)[:-1]  # the queries before each cut that take part in window step w
+        ok &= live_before % batch_size == 0
+    return [i + 1 for i in np.flatnonzero(ok).tolist()]
+
+
 def make_reranker(name: str, backbone: Backbone, **kw: Any) -> Reranker:
     """A registered reranker by name.
 

@@ -142,11 +142,15 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", ru
     if rules.bf16:  # the released evaluator: norm and division in bfloat16
         b = vecs.to(torch.bfloat16)
         vecs = (b / torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp(min=1e-12)).float()
-    else:
-        vecs = normalise(vecs)
-    multi = torch.zeros(n, kmax, hidden)
+    else:  # in place (the same arithmetic as normalise): a shard's vectors are decoded with one float32 copy
+        vecs.div_(vecs.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
     mask = torch.arange(kmax)[None, :] < torch.from_numpy(n_reps)[:, None]
-    multi[mask] = vecs
+    if n and bool((n_reps == kmax).all()):  # every text has K vectors (no slot cut): a view, no second copy
+        multi = vecs.view(n, kmax, hidden)
+    else:
+        multi = torch.zeros(n, kmax, hidden)
+        multi[mask] = vecs
+    del vecs
     single = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
     if rules.single_renorm:
         single = normalise(single)

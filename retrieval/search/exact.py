@@ -81,13 +81,14 @@ def search_pass(
     for block in passages:
         offset = len(doc_ids)
         doc_ids.extend(block.ids)
-        if not len(block):
-            continue
-        plan = plan_blocks(st.block_bytes, len(block), n_queries, kq_max, st.topk, set(modes), len(ctx.vocab), device)
-        ctx.tile_elems = plan.tile_elems
-        for start in range(0, len(block), plan.passages):
-            p = block.rows(start, min(start + plan.passages, len(block)))
-            _score_block(queries, p, offset + start, modes, plan, ctx, prepared, qpos, tops, device)
+        if len(block):
+            plan = plan_blocks(st.block_bytes, len(block), n_queries, kq_max, st.topk, set(modes), len(ctx.vocab),
+                               device)  # fmt: skip
+            ctx.tile_elems = plan.tile_elems
+            for start in range(0, len(block), plan.passages):
+                _score_block(queries, block.rows(start, min(start + plan.passages, len(block))), offset + start, modes,
+                             plan, ctx, prepared, qpos, tops, device)  # fmt: skip
+        del block  # before the stream reads the next one: one passage block in memory at a time
     return {key: tops.pop(key).result() for key in list(tops)}, doc_ids  # each state freed once decoded
 
 

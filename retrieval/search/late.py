@@ -17,15 +17,29 @@ from .modes import all_modes, base_modes_needed
 from .scoring import NEG, TopK
 
 CHUNK_ENTRIES = 4_000_000  # (query, candidate) scores held at once
+QUERY_GRAIN = 256  # the most queries scored together; query slices are cut at its multiples
+
+
+def chunk_queries(width: int) -> int:
+    """Queries scored together when each has up to ``width`` candidates: a power of two up to ``QUERY_GRAIN``, so
+    that query slices cut at multiples of ``QUERY_GRAIN`` are scored in the same chunks as all queries at once.
+
+    >>> chunk_queries(10), chunk_queries(150), chunk_queries(1000)
+    (256, 128, 4)
+    """
+    fit = max(1, min(QUERY_GRAIN, CHUNK_ENTRIES // max(1, width * width)))
+    return 1 << (fit.bit_length() - 1)
 
 
 def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Encodings, passage_index: np.ndarray,
-            modes: Sequence[str], kq: int = 1, settings: SearchSettings | None = None) -> dict[str, TopK]:  # fmt: skip
+            modes: Sequence[str], kq: int = 1, settings: SearchSettings | None = None,
+            width: int | None = None) -> dict[str, TopK]:  # fmt: skip
     """Each query's ``candidates`` (global passage indices) ranked in every mode of ``modes`` (fusions over the
     candidates' scores); the TopK indices are global.
 
     ``passages``: the encodings of every candidate (at least), row j being global passage ``passage_index[j]``
-    (ascending).
+    (ascending). ``width``: the most candidates a query may have (default: the most any of these has); give the
+    same to every slice of a query set and the slices are scored exactly as the whole set (:func:`chunk_queries`).
 
     >>> import torch
     >>> def enc(ids, vecs):
@@ -40,10 +54,10 @@ def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Enco
     """
     st = settings or SearchSettings()
     base = base_modes_needed(modes)
-    width = max([len(c) for c in candidates] + [1])
+    width = max([len(c) for c in candidates] + [1]) if width is None else width
     out = {m: (np.full((len(queries), width), NEG, np.float32), np.full((len(queries), width), -1, np.int64))
            for m in base}  # fmt: skip
-    step = max(1, min(256, CHUNK_ENTRIES // (width * width)))
+    step = chunk_queries(width)
     for a in range(0, len(queries), step):
         b = min(a + step, len(queries))
         union = np.unique(np.concatenate([np.asarray(c, np.int64) for c in candidates[a:b]] + [np.zeros(0, np.int64)]))

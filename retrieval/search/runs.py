@@ -1,4 +1,5 @@
-"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id, and its file bytes."""
+"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id, and its file bytes; a
+unit's partial top-k as a table (storage.layout.TOPK_SCHEMA) and back."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA
+from storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA, TOPK_SCHEMA
 
-from .scoring import TopK
+from .scoring import NEG, TopK
 
 
 def doc_order(doc_ids: Sequence[str]) -> np.ndarray:
@@ -87,6 +88,63 @@ def run_file_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, **RUN_PARQUET_OPTIONS)  # type: ignore[arg-type]
     return buf.getvalue()
+
+
+def topk_table(tops: dict[tuple[int, str], TopK], first_row: int = 0, seconds: float | None = None) -> pa.Table:
+    """Top-k results keyed by (K_q, mode) as one table (``TOPK_SCHEMA``): a row per key and query (query rows from
+    ``first_row``), its documents best first, pads dropped; ``seconds`` (the search's) in its metadata.
+
+    >>> top = TopK(np.array([[0.9, 0.5], [0.7, -np.inf]], np.float32), np.array([[4, 2], [3, -1]]))
+    >>> t = topk_table({(1, "single_dense"): top})
+    >>> t.column("index").to_pylist(), t.column("row").to_pylist()
+    ([[4, 2], [3]], [0, 1])
+    >>> back = topk_from_table(t)[(1, "single_dense")]
+    >>> back.index.tolist() == top.index.tolist() and back.scores.tolist() == top.scores.tolist()
+    True
+    """
+    parts = []
+    for (kq, mode), top in tops.items():
+        ok = top.index >= 0  # the documents of a row come first, pads after them
+        lengths = ok.sum(1).astype(np.int64)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        n = len(lengths)
+        parts.append(pa.table({
+            "kq": pa.array(np.full(n, kq, np.int32)), "mode": pa.array([mode] * n, pa.string()),
+            "row": pa.array(np.arange(first_row, first_row + n, dtype=np.int32)),
+            "index": pa.ListArray.from_arrays(offsets, pa.array(top.index[ok], pa.int64())),
+            "score": pa.ListArray.from_arrays(offsets, pa.array(top.scores[ok], pa.float32())),
+        }, schema=TOPK_SCHEMA))  # fmt: skip
+    table = pa.concat_tables(parts) if parts else TOPK_SCHEMA.empty_table()
+    return table.replace_schema_metadata({"seconds": repr(seconds)} if seconds is not None else None)
+
+
+def topk_from_table(table: pa.Table, rows: int | None = None, first_row: int = 0) -> dict[tuple[int, str], TopK]:
+    """The (K_q, mode) -> TopK of a :func:`topk_table` table: ``rows`` query rows from ``first_row`` (default: the
+    rows it holds), each as wide as its longest list, -inf / -1 padded."""
+    out: dict[tuple[int, str], TopK] = {}
+    kqs, modes = table.column("kq").to_numpy(), np.asarray(table.column("mode").to_pylist(), dtype=object)
+    for kq, mode in dict.fromkeys(zip(kqs.tolist(), modes.tolist(), strict=True)):
+        part = table.filter(pa.array((kqs == kq) & (modes == mode)))
+        row = part.column("row").to_numpy() - first_row
+        index, score = part.column("index").combine_chunks(), part.column("score").combine_chunks()
+        lengths = np.diff(index.offsets.to_numpy())
+        n = int(row.max()) + 1 if rows is None and len(row) else (rows or 0)
+        width = int(lengths.max()) if len(lengths) else 0
+        scores = np.full((n, width), NEG, np.float32)
+        idx = np.full((n, width), -1, np.int64)
+        filled = np.arange(width)[None, :] < lengths[:, None]  # row-major: each row's documents, then pads
+        sub_i = np.full((len(row), width), -1, np.int64)
+        sub_s = np.full((len(row), width), NEG, np.float32)
+        sub_i[filled], sub_s[filled] = index.flatten().to_numpy(), score.flatten().to_numpy()
+        idx[row], scores[row] = sub_i, sub_s
+        out[(int(kq), str(mode))] = TopK(scores, idx)
+    return out
+
+
+def topk_seconds(table: pa.Table) -> float:
+    """The search seconds a :func:`topk_table` table records (0 when none)."""
+    meta = table.schema.metadata or {}
+    return float(meta.get(b"seconds", b"0"))
 
 
 def ranked_run(rows: Sequence[tuple[str, str, float, int | None]], depth: int | None = None) -> pa.Table:

@@ -5,6 +5,7 @@ memory of all three by one byte budget."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +167,45 @@ class RunningTopK:
             scores[a : a + step][ok] = s[ok]
             index[a : a + step][ok] = ix[ok]
         return TopK(scores, index)
+
+
+def merge_topk(parts: Sequence[TopK], k: int, columns: int | None = None) -> TopK:
+    """The top ``k`` per row over the documents of several :class:`TopK` of the same rows (each over other documents,
+    indices global), ranked exactly as :class:`RunningTopK` ranks one pass over all of them: by score, ties by the
+    lower document index. So the top k of the top k's of contiguous passage blocks is the top k of the whole stream.
+
+    ``columns``: the documents the parts cover together (the result is ``min(k, columns)`` wide, as one pass's
+    result; default: as wide as the parts allow). Pads (index -1) are left out; rows are merged a few at a time.
+
+    >>> a = TopK(np.array([[0.9, 0.5]], np.float32), np.array([[1, 0]]))      # documents 0, 1
+    >>> b = TopK(np.array([[0.9, -np.inf]], np.float32), np.array([[2, -1]]))  # documents 2, 3 (3 is a pad)
+    >>> m = merge_topk([b, a], k=3, columns=4)
+    >>> m.index.tolist(), m.scores.tolist()   # 0.9 of document 1 before 0.9 of document 2
+    ([[1, 2, 0]], [[0.8999999761581421, 0.8999999761581421, 0.5]])
+    """
+    if not parts:
+        raise ValueError("no top-k to merge")
+    n = parts[0].scores.shape[0]
+    if any(p.scores.shape[0] != n for p in parts):
+        raise ValueError(f"top-k of different row counts: {[p.scores.shape[0] for p in parts]}")
+    total = sum(p.scores.shape[1] for p in parts)
+    width = min(k, total if columns is None else columns)
+    scores = np.full((n, width), NEG, np.float32)
+    index = np.full((n, width), -1, np.int64)
+    if width == 0 or total == 0:
+        return TopK(scores, index)
+    step = max(1, RESULT_BYTES // (32 * total))
+    for a in range(0, n, step):
+        s = torch.from_numpy(np.concatenate([p.scores[a : a + step] for p in parts], 1))
+        ix = torch.from_numpy(np.concatenate([p.index[a : a + step] for p in parts], 1))
+        keys = score_keys(s, ix.clamp_min(0))
+        keys[(ix < 0) | ~torch.isfinite(s)] = PAD_KEY
+        keys = torch.topk(keys, min(width, keys.shape[1]), dim=1).values  # sorted, descending
+        got_s, got_i = (x.numpy() for x in key_parts(keys))
+        ok = np.isfinite(got_s)
+        block_s, block_i = scores[a : a + step, : keys.shape[1]], index[a : a + step, : keys.shape[1]]
+        block_s[ok], block_i[ok] = got_s[ok], got_i[ok]
+    return TopK(scores, index)
 
 
 def _block_keys(scores: torch.Tensor, offset: int, k: int) -> torch.Tensor:

@@ -432,3 +432,29 @@ def test_cleanup_of_a_stopping_run_skips_a_folder_being_written(tmp_path) -> Non
     with store.lock("t/side=q/_manifest"):  # held by a recording unit
         assert remove_empty_sharded(store, ["t/side=q", "t/side=p"]) == ["t/side=p"]
     assert store.exists("t/side=q") and not store.exists("t/side=p")
+
+
+def test_writers_of_other_folders_share_staging_at_once(tmp_path) -> None:
+    """Units on several workers write their own folders at once: one writer's cleanup removing an empty
+    ``_staging/`` never fails another's start (it did, now and then, between os.makedirs' two mkdirs)."""
+    import threading
+
+    store = ArtifactStore(str(tmp_path))
+    table = pa.table({"x": [1]})
+    errors: list[str] = []
+
+    def write(i: int) -> None:
+        for j in range(40):
+            try:
+                stage = partition("things", i=i, j=j)
+                with store.stage_writer(stage, Manifest.new("things", {"i": str(i), "j": str(j)}, {})) as w:
+                    w.write_parquet("t.parquet", table.schema, [table])
+            except Exception as e:  # noqa: BLE001 - every failure is collected, then shown
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(list(tmp_path.glob("things/*/*/_manifest.json"))) == 320

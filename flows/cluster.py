@@ -1,0 +1,200 @@
+"""Where a stage's units run on Dask: a local cluster placed one worker per GPU, or a cluster joined by address.
+
+A local cluster for a GPU device has one worker per visible GPU (``--workers -1``) or ``--workers N`` of them,
+each pinned to its own GPU through its environment (``CUDA_VISIBLE_DEVICES``, set by its nanny before the worker
+process starts, so ``cuda`` / ``auto`` there mean that GPU) and offering the Dask resource ``GPU=1``; more
+workers than GPUs is refused unless ``--workers-per-gpu`` allows it. Where ``dask-cuda`` is installed its
+``LocalCUDACluster`` starts those workers. A unit that computes on a GPU asks for the resource, so only a worker
+with a GPU takes it; the other units (tokenize, bm25, evaluate, CPU scoring) run on any worker. A cluster joined
+by ``--dask-address`` is used as it is: its GPU workers are started one per GPU with ``--resources GPU=1``
+(docs/operations.md), and a GPU stage refuses, in one line, a cluster that has none.
+
+Both ways of running a stage use it: :func:`run_units` (in this process, no Prefect) and the Prefect flow's
+``DaskTaskRunner`` (``flows.runner``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from retrieval.devices import place_workers, visible_gpus, wants_gpu
+from stages import Context, Plan, Stage, StageConfig
+
+GPU = "GPU"  # the Dask resource a GPU unit asks for and a GPU worker offers (one per worker)
+# glibc gives a large block back to the system when it is freed (its own threshold rises to 32 MB after the first
+# free and keeps such blocks): a worker scoring shard after shard then holds one shard, not the largest it has seen.
+# glibc reads it when a process starts, so a nanny sets it before it spawns its worker (Dask's pre-spawn-environ)
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def distributed(stage: Stage, config: StageConfig) -> bool:
+    """Whether ``config`` asks for ``stage``'s units to run on Dask (local workers or a scheduler's address)."""
+    return stage.distributed and bool(getattr(config, "workers", 0) or getattr(config, "dask_address", None))
+
+
+def unit_device(stage: Stage, config: StageConfig) -> str:
+    """The device ``stage``'s units compute on, as the config asks for it (``cpu`` for a stage without one)."""
+    return stage.device_of(config)
+
+
+def unit_resources(stage: Stage, config: StageConfig, gpus: list[str] | None = None) -> dict[str, int] | None:
+    """The Dask resources each of ``stage``'s units asks for: ``{"GPU": 1}`` when it computes on a GPU (``cuda``,
+    or ``auto`` where this machine or the joined cluster has one), else none (it may run on any worker)."""
+    device = unit_device(stage, config)
+    seen = visible_gpus() if gpus is None else gpus
+    return {GPU: 1} if wants_gpu(device, seen) else None
+
+
+def local_cluster_options(stage: Stage, config: StageConfig, gpus: list[str] | None = None) -> dict[str, Any]:
+    """What :func:`local_cluster` is started with for ``config``: the GPU each worker is pinned to (``pins``), or
+    the number of CPU workers (``n_workers``, None: Dask's default). ValueError (one line) for more workers than
+    GPUs, or a GPU device where none is visible."""
+    workers = int(getattr(config, "workers", 0))
+    per_gpu = int(getattr(config, "workers_per_gpu", 1))
+    gpus = visible_gpus() if gpus is None else gpus
+    if wants_gpu(unit_device(stage, config), gpus):
+        return {"pins": place_workers(workers, gpus, per_gpu)}
+    return {"n_workers": None if workers < 0 else workers}
+
+
+def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, **_: Any) -> Any:
+    """A local Dask cluster: one worker per entry of ``pins`` pinned to that GPU (``CUDA_VISIBLE_DEVICES``, resource
+    ``GPU=1``; ``dask-cuda``'s ``LocalCUDACluster`` where installed and each GPU has one worker), else
+    ``n_workers`` CPU workers (None: as many as Dask starts by default). One thread per worker: a worker runs one
+    unit at a time, on its own device."""
+    import dask
+    import distributed
+
+    _expose_packages_to_workers()
+    common = {"threads_per_worker": 1, "dashboard_address": ":0", "silence_logs": logging.ERROR}
+    spawn_env = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_env}):  # read by each nanny as it is made
+        if not pins:
+            return distributed.LocalCluster(n_workers=n_workers, **common)
+        if len(set(pins)) == len(pins):
+            with contextlib.suppress(ImportError):
+                from dask_cuda import LocalCUDACluster
+
+                return LocalCUDACluster(CUDA_VISIBLE_DEVICES=pins, n_workers=len(pins), resources={GPU: 1}, **common)
+        return distributed.SpecCluster(
+            workers={f"gpu{i}-{pin}": worker_spec(pin) for i, pin in enumerate(pins)},
+            scheduler={"cls": distributed.Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
+            silence_logs=logging.ERROR, name="diffret-gpus",
+        )  # fmt: skip
+
+
+def worker_spec(gpu: str) -> dict[str, Any]:
+    """A nanny-started worker pinned to ``gpu``: its process sees that GPU alone (as ``cuda:0``), offers one ``GPU``.
+
+    >>> worker_spec("3")["options"]["env"]  # doctest: +NORMALIZE_WHITESPACE
+    {'CUDA_VISIBLE_DEVICES': '3', 'CUDA_DEVICE_ORDER': 'PCI_BUS_ID'}
+    """
+    import distributed
+
+    env = {"CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    return {"cls": distributed.Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": env,
+                                                  "resources": {GPU: 1}, "silence_logs": logging.ERROR}}  # fmt: skip
+
+
+def check_workers(client: Any, resources: dict[str, int] | None, where: str) -> None:
+    """Refuse, in one line, a cluster none of whose workers can take units that ask for ``resources`` (they would
+    wait forever)."""
+    if not resources:
+        return
+    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
+    if not any(all(w.get("resources", {}).get(k, 0) >= v for k, v in resources.items()) for w in workers):
+        raise ValueError(f"no worker of the Dask cluster at {where} offers the resource {GPU} that GPU units ask for "
+                         f"({len(workers)} worker(s)); start one worker per GPU with `CUDA_VISIBLE_DEVICES=<i> dask "
+                         f"worker <scheduler> --nthreads 1 --resources {GPU}=1` (docs/operations.md), or use "
+                         "--device cpu")  # fmt: skip
+
+
+@contextlib.contextmanager
+def open_client(stage: Stage, config: StageConfig) -> Iterator[tuple[Any, dict[str, int] | None]]:
+    """A Dask client for ``config`` (a local cluster started for it, or the one at its address) and the resources each
+    of ``stage``'s units asks for there; the local cluster is closed when the block ends."""
+    import distributed
+
+    address = getattr(config, "dask_address", None)
+    with contextlib.ExitStack() as stack:
+        if address:
+            _expose_packages_to_workers()
+            client = stack.enter_context(distributed.Client(address, set_as_default=False))
+            resources = unit_resources(stage, config, gpus=cluster_gpus(client))
+            check_workers(client, resources, address)
+        else:
+            options = local_cluster_options(stage, config)
+            cluster = stack.enter_context(local_cluster(**options))
+            client = stack.enter_context(distributed.Client(cluster, set_as_default=False))
+            resources = {GPU: 1} if options.get("pins") else None
+        yield client, resources
+
+
+def cluster_gpus(client: Any) -> list[str]:
+    """The GPU workers of a joined cluster (their names): ``auto`` units ask for a GPU when there is one."""
+    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
+    return [str(w.get("name")) for w in workers if w.get("resources", {}).get(GPU, 0) >= 1]
+
+
+def run_unit(stage: Stage, root: str, unit: Any) -> Any:
+    """Run one unit of a stage wherever Dask put it (the planning process commits its result)."""
+    from storage import ArtifactStore
+
+    return stage.run(unit, Context(ArtifactStore(root)))
+
+
+def run_units(stage: Stage, config: StageConfig, plan: Plan, ctx: Context) -> list[Any]:
+    """Run a plan's units on Dask without Prefect (``--workers`` / ``--dask-address``), committing each in this
+    process as it completes (progress by the stage's work); their results, in completion order."""
+    import distributed
+
+    total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
+    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
+    results = []
+    with open_client(stage, config) as (client, resources):
+        ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) on {_describe(client)}")
+        futures = {}
+        for unit in plan.units:
+            fut = client.submit(run_unit, stage, config.root, unit, resources=resources, pure=False,
+                                key=f"{stage.name} {stage.unit_name(unit)}-{len(futures)}")  # fmt: skip
+            futures[fut] = unit
+        try:
+            for fut in distributed.as_completed(list(futures), loop=client.loop):
+                unit = futures[fut]
+                results.append(fut.result())
+                stage.commit(unit, results[-1], ctx)
+                advance(stage.work_of(unit))
+        except BaseException:
+            client.cancel(list(futures))
+            raise
+    return results
+
+
+def _describe(client: Any) -> str:
+    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
+    gpus = sum(1 for w in workers if w.get("resources", {}).get(GPU, 0) >= 1)
+    return f"{len(workers)} Dask worker(s) ({gpus} with a GPU)"
+
+
+def _expose_packages_to_workers() -> None:
+    """Put this checkout on PYTHONPATH for the Dask worker processes we start.
+
+    A Dask worker puts its scratch folder, which holds a ``storage/`` spill folder, first on
+    ``sys.path``; with an editable install (a meta-path finder, consulted after the path) that
+    folder would shadow our ``storage`` package as an empty namespace. A path entry for the checkout
+    wins over that (a regular package found anywhere on the path beats a namespace portion).
+    """
+    import storage
+
+    top = str(Path(storage.__file__).resolve().parents[1])
+    if top not in sys.path:
+        sys.path.append(top)  # spawned worker processes start from a copy of this sys.path
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if top not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([top, *parts])

@@ -1,0 +1,175 @@
+"""A search pass cut into units: each unit's partial top-k is a file of the pass's ``partials/`` folder, recorded as
+it completes (a killed pass keeps its finished units); when the last one is in, the planning process merges them
+into the pass's runs and removes the folder.
+
+A score or beta pass is cut into contiguous blocks of passages (every query against a block: the runs are the top
+k of the blocks' top k, :func:`retrieval.search.scoring.merge_topk`); a late pass into slices of queries (each
+slice's rows are its queries' runs). The folder is named by the pass's settings, so a pass planned with other
+settings never reads another's units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from retrieval.search.encodings import Encodings
+from retrieval.search.rules import ScoreRules
+from retrieval.search.runs import topk_from_table, topk_seconds
+from retrieval.search.scoring import TopK, merge_topk
+from storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
+from storage.layout import partials_dir
+
+from .base import Context
+from .readers import query_encodings
+
+
+@dataclass
+class PassUnit:
+    """One unit of a cut pass: passages ``start:end`` (their shards ``shards``, when read from an encoding folder) or
+    query rows ``start:end``. What every unit of the pass shares is stored once and named by ``plan``."""
+
+    plan: str  # key of the pass's shared settings (ArtifactStore.put_plan)
+    stage: str  # the pass's partials folder
+    name: str  # this unit's file there
+    config_hash: str  # of that folder's manifest: the unit is recorded against it
+    start: int
+    end: int
+    shards: list[str] = field(default_factory=list)
+    label: str = ""  # how a person reads it: "K_p=16 passages 0-99,999"
+
+
+def unit_file(i: int) -> str:
+    """A unit's file in its partials folder.
+
+    >>> unit_file(3)
+    'block=00003.parquet'
+    """
+    return f"block={i:05d}.parquet"
+
+
+def cut(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Contiguous runs ``[a, b)`` of the items whose ``sizes`` add up to at most ``limit`` (at least one item each).
+
+    >>> cut([40, 40, 40, 10], 80), cut([100, 5], 50), cut([], 10)
+    ([(0, 2), (2, 4)], [(0, 1), (1, 2)], [])
+    """
+    out, a, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > a and total + n > limit:
+            out.append((a, i))
+            a, total = i, 0
+        total += n
+    if a < len(sizes):
+        out.append((a, len(sizes)))
+    return out
+
+
+def open_pass(ctx: Context, system: str, dataset: str, kp: int, config: dict[str, Any]) -> tuple[str, str, set[str]]:
+    """The partials folder of a pass with these settings (held by this run; units a killed run finished are kept),
+    its manifest's config hash, and the unit files already done. The folders of passes over the same cells planned
+    with other settings (a killed run's, left behind) are removed, unless another run holds them."""
+    key = config_hash(config)[:16]
+    stage = partials_dir(system, dataset, kp, key)
+    parent = stage.rsplit("/", 1)[0]
+    for other in ctx.store.list_partitions(parent, "key"):
+        if other != key:
+            _remove_unheld(ctx.store, f"{parent}/key={other}")
+    ctx.hold(stage)
+    part = {"system": system, "dataset": dataset, "kp": str(kp), "key": key}
+    m, done = ctx.store.open_sharded(stage, "partials", part, config)
+    return stage, m.config_hash, done
+
+
+def close_passes(ctx: Context, stages: list[str], plan_keys: list[str]) -> None:
+    """A failed run's passes: their partials folders kept where a unit finished (the next run resumes from them),
+    removed where none did (nothing is left of a run refused before its first unit); their shared settings
+    removed."""
+    remove_empty_sharded(ctx.store, stages)
+    for key in plan_keys:
+        ctx.store.remove_plan(key)
+
+
+def _remove_unheld(store: ArtifactStore, stage: str) -> None:
+    with contextlib.suppress(StoreError), store.lock(stage + "/_run"):
+        store.remove_stage(stage)
+
+
+def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table) -> FileEntry:
+    """Write one unit's partial top-k (a :func:`retrieval.search.runs.topk_table`) atomically; recorded by the
+    planning process (:meth:`PassTracker.done`)."""
+    return store.write_shard(unit.stage, unit.name, table)
+
+
+def read_units(store: ArtifactStore, stage: str) -> Iterator[tuple[str, pa.Table]]:
+    """The unit files of a complete pass, in order, each verified against its record."""
+    store.compact_shards(stage)
+    m = store.require_manifest(stage)
+    for name in sorted(m.files):
+        yield name, store.read_table(stage, name)
+
+
+def merged_blocks(store: ArtifactStore, stage: str, k: int, columns: int) -> tuple[dict[tuple[int, str], TopK], float]:
+    """The (K_q, mode) -> TopK of a pass cut into passage blocks: the top ``k`` of the blocks' top k (ties: the earlier
+    passage), ``columns`` passages in all; and the blocks' search seconds, summed. Two blocks' top k in memory at once.
+    """
+    out: dict[tuple[int, str], TopK] = {}
+    seconds = 0.0
+    for _, table in read_units(store, stage):
+        seconds += topk_seconds(table)
+        for key, top in topk_from_table(table).items():
+            out[key] = top if key not in out else merge_topk([out[key], top], k)
+    return {key: merge_topk([top], k, columns) for key, top in out.items()}, seconds
+
+
+def stacked_slices(store: ArtifactStore, stage: str, rows: int) -> tuple[dict[tuple[int, str], TopK], float]:
+    """The (K_q, mode) -> TopK of a pass cut into query slices: each slice's rows in place, ``rows`` queries in all;
+    and the slices' search seconds, summed."""
+    tables, seconds = [], 0.0
+    for _, table in read_units(store, stage):
+        seconds += topk_seconds(table)
+        tables.append(table)
+    return topk_from_table(pa.concat_tables(tables), rows=rows), seconds
+
+
+@dataclass
+class PassTracker:
+    """The planning process's view of its cut passes: which units each still waits for, and what to do when the last
+    one is in (``merge(stage)``, in this process)."""
+
+    pending: dict[str, set[str]] = field(default_factory=dict)  # partials folder -> unit files not yet done
+    merged: set[str] = field(default_factory=set)
+
+    def expect(self, stage: str, names: list[str]) -> None:
+        self.pending[stage] = set(names)
+
+    def done(self, ctx: Context, unit: PassUnit, entry: FileEntry) -> bool:
+        """Record a finished unit; True when its pass is now complete (and not yet merged)."""
+        ctx.store.record_shard(unit.stage, unit.name, entry, unit.config_hash)
+        waiting = self.pending.setdefault(unit.stage, set())
+        waiting.discard(unit.name)
+        return not waiting and unit.stage not in self.merged
+
+    def complete(self) -> list[str]:
+        """The passes with nothing pending that are not merged yet (all their units done by an earlier run)."""
+        return [s for s, waiting in self.pending.items() if not waiting and s not in self.merged]
+
+
+_QUERIES: dict[tuple[str, str, str], dict[int, Encodings]] = {}  # a pass's query sets, read once per process
+
+
+def pass_queries(ctx: Context, key: str, shared: dict[str, Any], device: str,
+                 rules: ScoreRules | None = None) -> dict[int, Encodings]:  # fmt: skip
+    """A pass's query encodings by K_q (``shared``: its ``query_stages``, ``query_ids`` and ``sparse_factor``) on
+    ``device``: every unit of the pass a process runs reads them once."""
+    cache = (ctx.store.root, key, device)
+    if cache not in _QUERIES:
+        _QUERIES.clear()  # one pass's queries at a time
+        _QUERIES[cache] = {int(kq): query_encodings(ctx.store, st, shared["query_ids"], device, rules,
+                                                    float(shared["sparse_factor"]))
+                           for kq, st in shared["query_stages"].items()}  # fmt: skip
+    return _QUERIES[cache]

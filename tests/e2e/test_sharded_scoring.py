@@ -1,0 +1,139 @@
+"""Scoring cut into units on Dask workers (issue 40): the runs of every mode, the fusions included, are byte-identical
+(sha256) to one in-process pass, on SciFact with splade-tiny and on scifact-mini with the tiny Dream checkpoint; a
+score killed with SIGKILL half way resumes with its finished units kept (mtime unchanged) and the same runs.
+
+SciFact is cut to its first 100 test queries, the passages they judge and the first 1,000 others (encoding all of
+it takes minutes here)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cli_harness import DIFFRET, ENV, run
+from conftest import SHARED, write_beir
+
+from flows.runner import run_stage
+from stages import execute, stages
+from stages.base import run_units
+from stages.readers import corpus_size
+from stages.score import ScoreConfig
+from stages.systems import SystemRef
+from storage import ArtifactStore
+
+pytestmark = pytest.mark.e2e
+
+SPLADE = SHARED / "models" / "splade-tiny-mlm"
+DREAM = SHARED / "models" / "tiny-dream-random"
+SCIFACT = SHARED / "data" / "scifact"
+MINI = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
+
+
+def scifact_cut(dest: Path) -> Path:
+    """SciFact's first 100 test queries, the passages they judge and the first 1,000 others (BEIR layout)."""
+    qrels = [line.split("\t") for line in (SCIFACT / "qrels" / "test.tsv").read_text().splitlines()[1:]]
+    qids = list(dict.fromkeys(q for q, _, _ in qrels))[:100]
+    judged = [(q, d, int(r)) for q, d, r in qrels if q in qids]
+    docs = {d for _, d, _ in judged}
+    corpus = [json.loads(line) for line in (SCIFACT / "corpus.jsonl").read_text().splitlines()]
+    keep = [c for i, c in enumerate(corpus) if i < 1000 or c["_id"] in docs]
+    queries = [json.loads(line) for line in (SCIFACT / "queries.jsonl").read_text().splitlines()]
+    return write_beir(dest, keep, [q for q in queries if q["_id"] in qids], {"test": judged})
+
+
+def encoded(root: Path, name: str, source: Path, model: Path, shard_size: int) -> str:
+    """A store at ``root`` holding ``name`` encoded by ``model`` at K 1, 2; the system's slug."""
+    run("download", name, "--source", str(source), "--root", str(root))
+    run("encode", "-d", name, "--model", str(model), "--k", "1,2", "--max-length", "64", "--shard-size",
+        str(shard_size), "--root", str(root))  # fmt: skip
+    return json.loads(run("systems", "--root", str(root), "--format", "json").stdout)[0]["system"]
+
+
+def run_digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.glob("runs/**/run.parquet"))}  # fmt: skip
+
+
+def config(root: Path, dataset: str, system: str, **kw: object) -> ScoreConfig:
+    return ScoreConfig(root=str(root), dataset=dataset, system=SystemRef(system=system), kq=[1, 2], kp=[1, 2], **kw)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str, str]]:
+    for need in (SPLADE / "model.safetensors", DREAM / "model.safetensors", SCIFACT / "corpus.jsonl", MINI):
+        if not need.exists():
+            pytest.skip(f"{need} is absent")
+    base = tmp_path_factory.mktemp("sharded")
+    splade = encoded(base / "splade", "scifact", scifact_cut(base / "scifact"), SPLADE, 100)
+    dream = encoded(base / "dream", "mini", MINI, DREAM, 10)
+    return {"splade": (base / "splade", "scifact", splade), "dream": (base / "dream", "mini", dream)}
+
+
+@pytest.mark.parametrize("which, unit", [("splade", 250), ("dream", 10)])
+def test_two_workers_give_one_pass_runs_byte_for_byte(stores, which: str, unit: int, tmp_path: Path) -> None:
+    root, dataset, system = stores[which]
+    one = tmp_path / "one"
+    shutil.copytree(root, one)
+    assert execute(stages()["score"], config(one, dataset, system), log=lambda _: None).done == 20
+    sharded = tmp_path / "sharded"
+    shutil.copytree(root, sharded)
+    logs: list[str] = []
+    res = run_stage(stages()["score"], config(sharded, dataset, system, workers=2, unit_passages=unit),
+                    log=logs.append)  # fmt: skip
+    assert res.done == 20 and any("on 2 Dask worker(s) (0 with a GPU)" in m for m in logs), logs
+    digests = run_digests(one)
+    assert len(digests) == 20 and {p.split("mode=")[1].split("/")[0] for p in digests} == {
+        "single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max"}
+    assert run_digests(sharded) == digests
+    assert not list(sharded.glob("partials/**/*.parquet"))
+
+
+def recorded_units(root: Path) -> list[Path]:
+    """The unit files a run recorded (its partials folders' ``_shards.jsonl`` lines)."""
+    out = []
+    for log in root.glob("partials/*/*/*/*/_shards.jsonl"):
+        for line in log.read_text().splitlines():
+            if line.strip():
+                out.append(log.parent / json.loads(line)["name"])
+    return out
+
+
+def test_score_killed_half_way_resumes_with_its_finished_units(stores, tmp_path: Path) -> None:
+    root, dataset, system = stores["splade"]
+    one = tmp_path / "one"
+    shutil.copytree(root, one)
+    execute(stages()["score"], config(one, dataset, system), log=lambda _: None)
+    killed = tmp_path / "killed"
+    shutil.copytree(root, killed)
+    args = ["score", "-d", dataset, "--system", system, "--kq", "1,2", "--kp", "1,2", "--unit-passages", "100",
+            "--root", str(killed)]  # fmt: skip
+    proc = subprocess.Popen([*DIFFRET, *args], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while len(recorded_units(killed)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = {p: p.stat().st_mtime_ns for p in recorded_units(killed)}
+    total = 2 * -(-corpus_size(ArtifactStore(str(killed)), dataset) // 100)  # two K_p passes, units of one shard
+    assert 3 <= len(kept) < total, (len(kept), proc.stderr.read().decode()[-2000:] if proc.stderr else "")
+    assert not list(killed.glob("runs/**/run.parquet"))
+
+    seen: dict[str, object] = {}
+
+    def check_then_run(stage, plan, ctx):  # noqa: ANN001, ANN202
+        seen["units"] = len(plan.units)
+        seen["kept"] = {p: p.stat().st_mtime_ns for p in kept} == kept  # untouched by the resume's plan
+        return run_units(stage, plan, ctx)
+
+    res = execute(stages()["score"], config(killed, dataset, system, unit_passages=100), log=lambda _: None,
+                  units=check_then_run)  # fmt: skip
+    assert seen == {"units": total - len(kept), "kept": True}
+    assert res.done == 20 and run_digests(killed) == run_digests(one)
