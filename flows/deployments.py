@@ -1,6 +1,6 @@
 """The Prefect deployments users deploy (``prefect.yaml``), generated from the stage registry: a deployment per
 stage (its command's name; its description and default parameters from the stage class's ``deployment`` and
-``example``; its flow from flows/stages.py or the stage's own flow module) and the pipeline's.
+``example``; its flow from flows/stage_flows.py or the stage's own flow module) and the pipeline's.
 
 ``diffret deployments`` prints the file, ``diffret deployments --write`` rewrites ``prefect.yaml`` in the
 current folder; tests/unit/test_commands.py checks that the file in the repository is what this module writes.
@@ -144,7 +144,7 @@ def render() -> str:
     """The whole ``prefect.yaml``.
 
     >>> text = render()
-    >>> "entrypoint: flows/stages.py:score_flow" in text and "- name: training-data" in text
+    >>> "entrypoint: flows/stage_flows.py:score_flow" in text and "- name: training-data" in text
     True
     """
     body = "\n\n".join(_deployment(d["name"], d["entrypoint"], d["description"], d["example"]) for d in deployments())

@@ -1,5 +1,5 @@
 """The encode flow: tokenize a dataset's sides once, then encode every (side, K, shard) of the grid (its own module:
-the other stages' flows are generated in flows/stages.py).
+the other stages' flows are generated in flows/stage_flows.py).
 
 Shards already done with the same config are skipped, so a re-run resumes a killed one. Runs in-process,
 on a local Dask cluster (``workers``), or on an existing one (``dask_address``; one worker per GPU).

@@ -1,7 +1,7 @@
 """One way to run any stage: :func:`run_stage`, in this process or as a Prefect flow run.
 
 In this process it is ``stages.execute``, and Prefect is not imported (that takes about a second). Under
-Prefect, each stage has a flow (generated in ``flows/stages.py``) whose body is :func:`run_in_flow`: the same plan,
+Prefect, each stage has a flow (generated in ``flows/stage_flows.py``) whose body is :func:`run_in_flow`: the same plan,
 units run in the flow (or, for a distributed stage, as Prefect tasks on a thread, a local Dask cluster or an
 existing one), commits in the flow process, a progress artifact and a markdown summary.
 Both return one :class:`stages.StageResult`.
@@ -22,7 +22,7 @@ from storage import ArtifactStore
 from tasks.keys import artifact_key
 
 # stages whose flow does more than run the stage: (module, function); every other stage's flow is generated in
-# flows/stages.py from the registry
+# flows/stage_flows.py from the registry
 CUSTOM: dict[str, tuple[str, str]] = {
     "encode": ("flows.encode", "encode_flow"),  # tokenizes first
     "bot": ("flows.bot", "bot_flow"),  # tokenizes first
@@ -39,7 +39,7 @@ def flow_ref(stage: str) -> tuple[str, str]:
     """(module, function) of a stage's Prefect flow (the flow is named after the stage's command)."""
     from stages import stages
 
-    return CUSTOM.get(stage) or ("flows.stages", flow_name(stages()[stage].command))
+    return CUSTOM.get(stage) or ("flows.stage_flows", flow_name(stages()[stage].command))
 
 
 def flows() -> dict[str, tuple[str, str]]:

@@ -1,6 +1,6 @@
 """The pipeline's stages, importable without Prefect: each plans its units from the store, runs them, and
 records what it wrote (see stages/base.py). :func:`stages` maps a stage's name to it; the CLI command, the
-Prefect flow and the deployment of every stage follow from it (flows/commands.py, flows/stages.py,
+Prefect flow and the deployment of every stage follow from it (flows/commands.py, flows/stage_flows.py,
 flows/deployments.py), so adding a stage is writing its module and registering it (docs/ARCHITECTURE.md).
 
     download -> tokenize -> encode -> (compress) -> (index) -> score / bm25 -> evaluate -> summary -> report

@@ -26,7 +26,17 @@ from storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
 from storage.layout import bot_dir, encodings_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, Plan, Stage, shared_settings
-from .passes import PassTracker, PassUnit, close_passes, merged_blocks, open_pass, pass_queries, unit_file, write_unit
+from .passes import (
+    PassTracker,
+    PassUnit,
+    close_passes,
+    merged_blocks,
+    open_pass,
+    pass_queries,
+    remove_pass,
+    unit_file,
+    write_unit,
+)
 from .readers import bot_index, budgets, encoding_manifest, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .score import ScoreConfig
@@ -173,7 +183,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
                 top = drop_self_hits(top, info["query_ids"], doc_ids, info["depth"])
             cells = [c for c in info["cells"] if c.kq == kq]
             write_runs(store, cells, {(kq, mode): top}, info["query_ids"], doc_ids, info["split_rows"], seconds)
-        store.remove_stage(info["stage"])
+        remove_pass(store, info["stage"])
         store.remove_plan(info["plan"])
         ctx.plan.details["_tracker"].merged.add(info["stage"])
 

@@ -11,6 +11,7 @@ settings never reads another's units.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,9 +90,28 @@ def close_passes(ctx: Context, stages: list[str], plan_keys: list[str]) -> None:
     """A failed run's passes: their partials folders kept where a unit finished (the next run resumes from them),
     removed where none did (nothing is left of a run refused before its first unit); their shared settings
     removed."""
-    remove_empty_sharded(ctx.store, stages)
+    for stage in remove_empty_sharded(ctx.store, stages):
+        prune_partials(ctx.store, stage)
     for key in plan_keys:
         ctx.store.remove_plan(key)
+
+
+def remove_pass(store: ArtifactStore, stage: str) -> None:
+    """A merged pass's partials folder removed, and the folders above it that it leaves empty (up to
+    ``partials/``): a finished run leaves nothing there."""
+    store.remove_stage(stage)
+    prune_partials(store, stage)
+
+
+def prune_partials(store: ArtifactStore, stage: str) -> None:
+    """The empty folders above a removed pass folder, up to and including ``partials/`` (local stores; a folder
+    another pass still uses is not empty and stays)."""
+    if not store.is_local:
+        return
+    parts = stage.split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        with contextlib.suppress(OSError):  # not empty (another pass), or already gone
+            os.rmdir(store.abspath("/".join(parts[:depth])))
 
 
 def _remove_unheld(store: ArtifactStore, stage: str) -> None:

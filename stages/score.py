@@ -39,6 +39,7 @@ from .passes import (
     merged_blocks,
     open_pass,
     pass_queries,
+    remove_pass,
     unit_file,
     write_unit,
 )
@@ -229,7 +230,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         doc_ids = passage_ids(store, info["passage_stage"])
         write_runs(store, info["cells"], runs, info["query_ids"], doc_ids, info["split_rows"],
                    seconds + time.perf_counter() - start)  # fmt: skip
-        store.remove_stage(stage)
+        remove_pass(store, stage)
         store.remove_plan(info["plan"])
         ctx.plan.details["_tracker"].merged.add(stage)
 

@@ -240,7 +240,7 @@ def section_comparisons(db: StoreSQL, rep: Report, refs: list[str], test: Test =
     for (dataset,) in db.con.execute("select distinct dataset from best_cells where split = 'test' "
                                      "order by 1").fetchall():  # fmt: skip
         cells = rows(db, "select system, mode, kq, kp from best_cells where split = 'test' and dataset = ? "
-                         "order by system = ? desc, ndcg_10 desc", [dataset, ref])  # fmt: skip
+                         "order by system = ? desc, ndcg_10 desc, system, mode, kq, kp", [dataset, ref])  # fmt: skip
         if not cells or cells[0]["system"] != ref:
             continue
         scores: dict[str, dict[str, dict[str, float]]] = {}

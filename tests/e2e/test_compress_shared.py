@@ -62,7 +62,7 @@ def test_the_report_measures_each_choice_against_float16(stores: dict[str, Path]
     for kp in (1, 4):  # Dream's tiny width: the codes are a fraction of float16's
         assert by["int8", kp] < 0.7 * by["float16", kp] and by["residual:2", kp] < 0.35 * by["float16", kp]
     effect = sql(a, "select store, count(*) n, max(abs(ndcg_10_change)) worst from compression_effect group by 1")
-    assert {r["store"]: r["n"] for r in effect} == {"int8": 20, "residual:2": 20}
+    assert {r["store"]: r["n"] for r in effect} == {"int8": 18, "residual:2": 18}  # q1-p1: no multi_dense
     out = tmp_path / "report"
     run("report", "--root", str(a), "--name", "compress-e2e", "--n-boot", "20", "--out", str(out))
     md = (out / "report.md").read_text()

@@ -55,16 +55,16 @@ stages.register("toypkg.toy")
 from typer.testing import CliRunner
 from flows.cli import app
 from flows.deployments import render
-import flows.stages
+import flows.stage_flows
 from prefect.utilities.callables import parameter_schema
 runner = CliRunner()
 first = runner.invoke(app, ["toy", "--name", "you", "--times", "3", "--root", sys.argv[2]])
 again = runner.invoke(app, ["toy", "--name", "you", "--times", "3", "--root", sys.argv[2]])
-schema = parameter_schema(flows.stages.toy_flow).model_dump()
+schema = parameter_schema(flows.stage_flows.toy_flow).model_dump()
 print(json.dumps({
     "help": runner.invoke(app, ["toy", "--help"]).output,
     "first": [first.exit_code, first.output], "again": [again.exit_code, again.output],
-    "flow": flows.stages.toy_flow.name, "form": sorted(schema["definitions"]["ToyConfig"]["properties"]),
+    "flow": flows.stage_flows.toy_flow.name, "form": sorted(schema["definitions"]["ToyConfig"]["properties"]),
     "yaml": render(),
 }))
 '''
@@ -91,7 +91,7 @@ def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_pat
     assert got["again"][0] == 0 and "0 greeting(s) written, 1 already done" in got["again"][1], got["again"]
     assert (tmp_path / "store" / "toys" / "name=you" / "greeting.txt").read_text() == "hello hello hello "
     assert got["flow"] == "toy" and {"name", "times", "root", "force"} <= set(got["form"])
-    assert "- name: toy\n" in got["yaml"] and "entrypoint: flows/stages.py:toy_flow" in got["yaml"]
+    assert "- name: toy\n" in got["yaml"] and "entrypoint: flows/stage_flows.py:toy_flow" in got["yaml"]
     assert "      name: world\n" in got["yaml"] and "Write a greeting into the store." in got["yaml"]
     assert _sources() == before  # no file of the stage registry, the flows or the deployments was touched
 

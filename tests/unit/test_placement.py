@@ -154,10 +154,10 @@ def test_every_distributed_stage_form_offers_the_placement_choices() -> None:
 
     from prefect.utilities.callables import parameter_schema
 
-    from flows.runner import FLOWS
+    from flows.runner import flows as flow_refs
     from stages import stages
 
-    flows = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in FLOWS.items()}
+    flows = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in flow_refs().items()}
     flows["pipeline"] = importlib.import_module("flows.pipeline").pipeline_flow
     wanted = [name for name, stage in stages().items() if stage.distributed and name in flows]
     assert {"encode", "score", "beta", "late", "rerank", "bm25", "evaluate", "index", "compress"} <= set(wanted)

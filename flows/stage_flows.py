@@ -5,7 +5,7 @@ signature, so the Prefect UI's run form shows the config's fields. A stage whose
 (``encode`` tokenizes first, ``report`` publishes its sections) keeps a module of its own, named in
 :data:`flows.runner.CUSTOM`.
 
-Deployments point here: ``entrypoint: flows/stages.py:score_flow`` (flows/deployments.py writes them).
+Deployments point here: ``entrypoint: flows/stage_flows.py:score_flow`` (flows/deployments.py writes them).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Any
 
 from prefect import flow
 
+from flows.runner import CUSTOM, flow_name, run_in_flow, run_name  # absolute: Prefect loads this file by path
 from stages import Stage, stages
-
-from .runner import CUSTOM, flow_name, run_in_flow, run_name
 
 __all__: list[str] = []
 
