@@ -278,9 +278,10 @@ def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, se
     fp = rows(
         db,
         "select stage, count(distinct folder) folders, count(*) files, sum(bytes)::BIGINT bytes "
-        "from artifact_files where stage <> 'reports' group by stage order by bytes desc",
+        "from artifact_files where stage <> 'reports' group by stage order by bytes desc, stage",
     )
-    detail = rows(db, "select * from footprint where stage <> 'reports' order by bytes desc")
+    detail = rows(db, "select * from footprint where stage <> 'reports' "
+                  "order by bytes desc, stage, system, dataset, side, k")  # ties in a fixed order
     for r in detail:
         r["bytes"] = int(r["bytes"] or 0)
         r["rows"] = None if r["rows"] is None else int(r["rows"])

@@ -73,14 +73,14 @@ class PrefectUI:
 
     def custom_run(self, deployment_id: str, config: dict, shot: str | None = None) -> str:
         """Deployment page -> Run -> Custom run, ``config`` entered as JSON, Submit; the new flow run's id. A
-        submission the server refuses is tried once more from a fresh form (a slow machine can submit before the
+        submission the server refuses is tried twice more from a fresh form (a slow machine can submit before the
         editor's text reached the form), then fails with the server's answer."""
         answer: dict = {}
-        for _ in range(2):
+        for _ in range(3):
             answer = self._submit(deployment_id, config, shot)
             if "id" in answer:
                 return answer["id"]
-        raise AssertionError(f"the server refused the Custom run twice: {answer}")
+        raise AssertionError(f"the server refused the Custom run three times: {answer}")
 
     def _submit(self, deployment_id: str, config: dict, shot: str | None) -> dict:
         p = self.page
@@ -99,7 +99,7 @@ class PrefectUI:
         deadline = time.monotonic() + TIMEOUT_MS / 1000
         while not _same_json(editor.inner_text(), config) and time.monotonic() < deadline:
             p.wait_for_timeout(100)
-        p.wait_for_timeout(500)  # the form takes the editor's text a moment later
+        p.wait_for_timeout(1500)  # the form takes the editor's text a moment later (seconds on a loaded machine)
         with p.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as resp:
             p.get_by_role("button", name="Submit").click()
         body = resp.value.json()

@@ -158,7 +158,7 @@ def test_a_stopped_pass_resumes_from_its_finished_units(tiny: dict, one_pass: di
     logs: list[str] = []
     res = execute(stages()["score"], config, log=logs.append, units=check_then_run)
     assert seen == {"units": 8 - 3, "same": True}  # 4 units per K_p pass, the first 3 kept
-    assert any("K_p=1: 20 cell(s) over 24 passages in 4 unit(s), 3 already done" in m for m in logs), logs
+    assert any("K_p=1: 16 cell(s) over 24 passages in 4 unit(s), 3 already done" in m for m in logs), logs
     assert res.done == 36 and run_digests(root) == one_pass
 
 
