@@ -195,6 +195,21 @@ class PipelineConfig(StageConfig):
         return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())
 
 
+def _tokenize_then(stage: Any, flow_module: str, flow_name: str, config: Any, prefect: bool,
+                   log: Callable[[str], None], report: Callable | None) -> StageResult:  # fmt: skip
+    """Tokenize what ``config`` needs where its tokens are missing, then run ``stage``: through Prefect (the
+    stage's own flow, which does the same) or in this process."""
+    if prefect:
+        from importlib import import_module
+
+        with prefect_api():
+            return StageResult.model_validate(getattr(import_module(flow_module), flow_name)(config))
+    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
+    if tok.done:
+        log(f"tokenize: {tok.line()}")
+    return run_stage(stage, config, log=log, report=report)
+
+
 def run_encode(
     config: EncodeConfig,
     *,
@@ -203,15 +218,7 @@ def run_encode(
     report: Callable | None = None,
 ) -> StageResult:
     """Tokenize what is missing, then encode: through Prefect (one flow run) or in this process."""
-    if prefect:
-        from .encode import encode_flow
-
-        with prefect_api():
-            return StageResult.model_validate(encode_flow(config))
-    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
-    if tok.done:
-        log(f"tokenize: {tok.line()}")
-    return run_stage(encode_stage.stage, config, log=log, report=report)
+    return _tokenize_then(encode_stage.stage, "flows.encode", "encode_flow", config, prefect, log, report)
 
 
 def run_bot(
@@ -222,15 +229,7 @@ def run_bot(
     report: Callable | None = None,
 ) -> StageResult:
     """Tokenize the passages where their tokens are missing, then build the bag of tokens (as ``run_encode``)."""
-    if prefect:
-        from .bot import bot_flow
-
-        with prefect_api():
-            return StageResult.model_validate(bot_flow(config))
-    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
-    if tok.done:
-        log(f"tokenize: {tok.line()}")
-    return run_stage(bot_stage.stage, config, log=log, report=report)
+    return _tokenize_then(bot_stage.stage, "flows.bot", "bot_flow", config, prefect, log, report)
 
 
 def run_pipeline(

@@ -31,9 +31,9 @@ from .passes import (
     PassUnit,
     close_passes,
     merged_blocks,
+    merged_pass,
     open_pass,
     pass_queries,
-    remove_pass,
     unit_file,
     write_unit,
 )
@@ -183,9 +183,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
                 top = drop_self_hits(top, info["query_ids"], doc_ids, info["depth"])
             cells = [c for c in info["cells"] if c.kq == kq]
             write_runs(store, cells, {(kq, mode): top}, info["query_ids"], doc_ids, info["split_rows"], seconds)
-        remove_pass(store, info["stage"])
-        store.remove_plan(info["plan"])
-        ctx.plan.details["_tracker"].merged.add(info["stage"])
+        merged_pass(ctx, info["stage"], info["plan"])
 
     def finish(self, config: BetaConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         if "_tracker" in plan.details and plan.details["_tracker"].complete():

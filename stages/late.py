@@ -37,7 +37,7 @@ from storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
-from .passes import PassTracker, PassUnit, close_passes, open_pass, remove_pass, stacked_slices, unit_file, write_unit
+from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, stacked_slices, unit_file, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
@@ -337,9 +337,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             m_cells = sum(1 for c in info["cells"] if c.config["topk"] == cell.config["topk"])
             write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info["stats"],
                                        "needed_m": needed_m, **search_stats(seconds, len(query_ids), m_cells)})
-        remove_pass(store, info["stage"])
-        store.remove_plan(info["plan"])
-        ctx.plan.details["_tracker"].merged.add(info["stage"])
+        merged_pass(ctx, info["stage"], info["plan"])
 
     def finish(self, config: LateConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         if "_tracker" in plan.details and plan.details["_tracker"].complete():

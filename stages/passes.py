@@ -96,11 +96,15 @@ def close_passes(ctx: Context, stages: list[str], plan_keys: list[str]) -> None:
         ctx.store.remove_plan(key)
 
 
-def remove_pass(store: ArtifactStore, stage: str) -> None:
-    """A merged pass's partials folder removed, and the folders above it that it leaves empty (up to
-    ``partials/``): a finished run leaves nothing there."""
-    store.remove_stage(stage)
-    prune_partials(store, stage)
+def merged_pass(ctx: Context, stage: str, plan_key: str) -> None:
+    """A pass whose runs are written: its partials folder removed with the folders above it that it leaves empty
+    (up to ``partials/``: a finished run leaves nothing there), its shared settings removed, and the run's tracker
+    told."""
+    ctx.store.remove_stage(stage)
+    prune_partials(ctx.store, stage)
+    ctx.store.remove_plan(plan_key)
+    assert ctx.plan is not None
+    ctx.plan.details["_tracker"].merged.add(stage)
 
 
 def prune_partials(store: ArtifactStore, stage: str) -> None:

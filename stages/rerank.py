@@ -26,7 +26,7 @@ from storage import ArtifactStore, FileEntry, StoreError, config_hash
 from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
-from .passes import PassTracker, PassUnit, close_passes, open_pass, read_units, remove_pass, unit_file, write_unit
+from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, read_units, unit_file, write_unit
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
@@ -247,9 +247,7 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         ctx.log(f"reranked {cell.config['dataset']}/{cell.split}: {stats['queries']:,} queries, "
                 f"{stats['forward_passes']:,} forward passes")  # fmt: skip
         write_run(store, cell, table, stats)
-        remove_pass(store, stage)
-        store.remove_plan(info["plan"])
-        ctx.plan.details["_tracker"].merged.add(stage)
+        merged_pass(ctx, stage, info["plan"])
 
     def finish(self, config: RerankConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         for stage in plan.details["_tracker"].complete():

@@ -37,9 +37,9 @@ from .passes import (
     close_passes,
     cut,
     merged_blocks,
+    merged_pass,
     open_pass,
     pass_queries,
-    remove_pass,
     unit_file,
     write_unit,
 )
@@ -230,9 +230,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         doc_ids = passage_ids(store, info["passage_stage"])
         write_runs(store, info["cells"], runs, info["query_ids"], doc_ids, info["split_rows"],
                    seconds + time.perf_counter() - start)  # fmt: skip
-        remove_pass(store, stage)
-        store.remove_plan(info["plan"])
-        ctx.plan.details["_tracker"].merged.add(stage)
+        merged_pass(ctx, stage, info["plan"])
 
     def finish(self, config: ScoreConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Merge the passes whose units were all done before this run (a run killed after its last unit)."""
