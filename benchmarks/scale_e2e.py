@@ -45,7 +45,9 @@ FIXES = """## Found and fixed on the way
   Python lists): it now reads the corpus a Parquet batch at a time and cuts it into the shards still to do
   (`ArtifactStore.iter_batches`, `readers.cut_ranges`), so its memory is a shard's.
 - **Evaluate built Python dicts per run** (pytrec_eval): per-query measures now come from Arrow tables, vectorised
-  over queries, bit-identical to pytrec_eval (`retrieval/evaluation/arrays.py`, `benchmarks/evaluate.py`).
+  over queries, bit-identical to pytrec_eval (`retrieval/evaluation/arrays.py`). `benchmarks/evaluate.py`, 7M rows
+  (7,000 queries x 1,000), idle machine: 21.5 s -> 3.9 s with trec ties (the stage default, 5.5x), 26.1 s ->
+  2.9 s with rank ties (8.9x), peak Python memory 1.1 GB -> 0.4 GB; short of the 10x asked.
 - **Fusion was a loop over queries**: vectorised over queries with the same results (`fuse_runs`).
 - **Download kept every id to find duplicates** (~1 GB at MS MARCO): 64-bit hashes of the ids instead (8 B an id).
 - **`run --kq 4 --kp 16` encoded the corpus at K = 4 too**: encode takes K per side, one pass each.
