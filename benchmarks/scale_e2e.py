@@ -41,9 +41,11 @@ RESULTS = REPO / "benchmarks" / "results" / "scale_e2e.json"
 WORD_CORPORA = ("scifact", "nfcorpus", "fiqa", "arguana", "scidocs", "trec-covid", "quora")
 FIXES = """## Found and fixed on the way
 
-- **Tokenize held the whole side in memory** (its peak 563 MB at 10k, 1,180 MB at 100k passages: the corpus as
-  Python lists): it now reads the corpus a Parquet batch at a time and cuts it into the shards still to do
-  (`ArtifactStore.iter_batches`, `readers.cut_ranges`), so its memory is a shard's.
+- **Tokenize held the whole side in memory** (every text of the corpus as Python lists: several GB at MS MARCO):
+  it now reads the corpus a Parquet batch at a time and cuts it into the shards still to do
+  (`ArtifactStore.iter_batches`, `readers.cut_ranges`), so its memory is a shard's. The harness's shards hold
+  50,000 texts, so at 10k the one shard is the whole corpus and at 100k a shard is five times larger: tokenize's and
+  encode's peaks double between the two sizes and then stay (bounded by `--shard-size`, not by N).
 - **Evaluate built Python dicts per run** (pytrec_eval): per-query measures now come from Arrow tables, vectorised
   over queries, bit-identical to pytrec_eval (`retrieval/evaluation/arrays.py`). `benchmarks/evaluate.py`, 7M rows
   (7,000 queries x 1,000), idle machine: 21.5 s -> 3.9 s with trec ties (the stage default, 5.5x), 26.1 s ->
