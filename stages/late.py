@@ -225,8 +225,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         if repair is not None:  # only the partial folder: its damaged parts dropped, their passages encoded again
             corpus_ids = _corpus_ids(ctx.store, repair["tokens_stage"])
             position = {d: i for i, d in enumerate(corpus_ids)}
-            first = {s: _top(read_run(ctx.store, src), repair["depth"], position)
-                     for s, src in repair["first_runs"].items()}  # fmt: skip
+            first = _first_tops(ctx.store, {"depths": [repair["depth"]], "first_runs": repair["first_runs"]}, position)
             needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
                                               + [np.zeros(0, np.int64)]))  # fmt: skip
             encoded, _ = self._encode_missing(repair, ctx, needed, corpus_ids)
