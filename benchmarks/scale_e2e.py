@@ -138,7 +138,7 @@ def write_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0) 
 
 
 # ----------------------------------------------------------------------------------------- measuring
-def _tree_rss(pid: int, peaks: dict[int, tuple[str, int]]) -> None:
+def _tree_rss(pid: int, peaks: dict[int, tuple[str, int]], cpu: dict[int, float] | None = None) -> None:
     import psutil
 
     try:
@@ -149,6 +149,9 @@ def _tree_rss(pid: int, peaks: dict[int, tuple[str, int]]) -> None:
         try:
             rss = p.memory_info().rss
             name = " ".join(p.cmdline()[1:4])[:80]
+            if cpu is not None:
+                t = p.cpu_times()
+                cpu[p.pid] = t.user + t.system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if rss > peaks.get(p.pid, ("", 0))[1]:
@@ -167,12 +170,21 @@ def store_size(root: Path) -> tuple[int, int]:
     return files, size
 
 
+_children_cpu = [0.0]  # RUSAGE_CHILDREN so far (it accumulates over the commands this process waited for)
+
+
 def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
     """One `diffret` command, timed and watched; what it added to the store."""
     files0, bytes0 = store_size(root)
-    env = {**os.environ, "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
-           "NLTK_DATA": str(SHARED / "nltk_data")}  # the reference content filter's English tables
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": "",
+        "HF_HUB_OFFLINE": "1",
+        "COLUMNS": "200",
+        "NLTK_DATA": str(SHARED / "nltk_data"),
+    }  # the reference content filter's English tables
     peaks: dict[int, tuple[str, int]] = {}
+    cpu: dict[int, float] = {}  # CPU seconds per process, last sample: the work, apart from waiting for the cores
     t0 = time.perf_counter()
     with log.open("a") as out:
         out.write(f"\n$ diffret {' '.join(args)}\n")
@@ -183,7 +195,7 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
 
         def watch() -> None:
             while not stop.is_set():
-                _tree_rss(proc.pid, peaks)
+                _tree_rss(proc.pid, peaks, cpu)
                 time.sleep(0.1)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -192,25 +204,38 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
         stop.set()
         watcher.join()
     seconds = time.perf_counter() - t0
+    import resource
+
+    # the CPU seconds of the command and every process it waited for (Dask workers included), at its exit; the
+    # sampled per-process sum is the floor where a child was not waited for
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = max(own.ru_utime + own.ru_stime - _children_cpu[0], sum(cpu.values()))
+    _children_cpu[0] = own.ru_utime + own.ru_stime
     if rc != 0:
         raise SystemExit(f"stage {name} failed ({rc}); see {log}")
     files1, bytes1 = store_size(root)
     top = max(peaks.values(), key=lambda x: x[1]) if peaks else ("", 0)
-    return {"stage": name, "seconds": round(seconds, 2), "peak_rss_mb": round(top[1] / 2**20, 1),
+    return {"stage": name, "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
+            "peak_rss_mb": round(top[1] / 2**20, 1),
             "peak_process": top[0], "processes": len(peaks), "files": files1 - files0,
             "bytes": bytes1 - bytes0}  # fmt: skip
 
 
-def pipeline(n: int, work: Path, n_queries: int, workers: int) -> dict:
+def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = False) -> dict:
+    """Every stage at corpus size ``n``. With ``resume``, the stages already measured (``stages.json`` beside the
+    store) are kept and the run goes on from the first one missing (each command resumes its own work)."""
     base = work / f"n={n}"
     coll = base / "collection"
     info = write_collection(coll, n, n_queries)
     model = str(write_model(work / "model"))
     root = base / "store"
-    if root.exists():
+    progress = base / "stages.json"
+    done = json.loads(progress.read_text()) if resume and progress.exists() else []
+    if root.exists() and not resume:
         shutil.rmtree(root)
     log = base / "log.txt"
-    log.write_text("")
+    if not resume:
+        log.write_text("")
     r = ["--root", str(root)]
     enc = ["--model", model, "--max-length", "96"]
     grid = ["--kq", "1,16", "--kp", "1,16"]
@@ -231,11 +256,17 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int) -> dict:
                   "--mode", "multi_dense", "--depth", "100", *r]),
     ]  # fmt: skip
     out = {"n": n, "collection": info, "stages": []}
+    measured = {s["stage"]: s for s in done}
     for name, args in stages:
+        if name in measured:
+            out["stages"].append(measured[name])
+            continue
         res = run_stage(name, args, root, log)
-        print(f"N={n:>9,} {name:<10} {res['seconds']:9.1f} s  peak {res['peak_rss_mb']:8.1f} MB  "
-              f"+{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB", flush=True)  # fmt: skip
+        print(f"N={n:>9,} {name:<10} {res['seconds']:9.1f} s  cpu {res['cpu_seconds']:9.1f} s  "
+              f"peak {res['peak_rss_mb']:8.1f} MB  +{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB",
+              flush=True)  # fmt: skip
         out["stages"].append(res)
+        progress.write_text(json.dumps(out["stages"], indent=1))
     out["store_bytes"] = store_size(root)[1]
     return out
 
@@ -263,6 +294,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/diffret-scale")
+    ap.add_argument("--resume", action="store_true", help="keep the stages already measured at each N, go on")
     ap.add_argument("--write-docs", action="store_true", help="render docs/scale.md from the results file")
     ap.add_argument("--eval-rows-per-s", type=float, help="evaluate's measured rate (benchmarks/evaluate.py)")
     args = ap.parse_args()
@@ -270,7 +302,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for n in args.n or []:
-        stored[str(n)] = pipeline(n, work, args.queries, args.workers)
+        stored[str(n)] = pipeline(n, work, args.queries, args.workers, args.resume)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     results = [stored[k] for k in sorted(stored, key=int)]
@@ -280,8 +312,9 @@ def main() -> None:
     if args.write_docs:
         from scale_docs import write_docs  # benchmarks/scale_docs.py
 
-        write_docs(results, exponents(results, "seconds"), exponents(results, "peak_rss_mb"), args.eval_rows_per_s,
-                   FIXES)
+        write_docs(
+            results, exponents(results, "seconds"), exponents(results, "peak_rss_mb"), args.eval_rows_per_s, FIXES
+        )
 
 
 if __name__ == "__main__":
