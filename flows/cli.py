@@ -80,6 +80,13 @@ PREFECT = inspect.Parameter(
 )  # fmt: skip
 
 
+DRY_RUN = inspect.Parameter(
+    "dry_run", inspect.Parameter.KEYWORD_ONLY, default=False,
+    annotation=Annotated[bool, Opt("--dry-run", help="Print the stages this run would make, each with its settings "
+                                   "(validated), and exit: nothing downloaded, loaded or written.")],
+)  # fmt: skip
+
+
 def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {escape(_one_line(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
@@ -216,13 +223,18 @@ def _bot(data: dict[str, Any], prefect: bool | None = None) -> None:
     _print_bot(res)
 
 
-def _pipeline(data: dict[str, Any], prefect: bool | None = None) -> None:
+def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool = False) -> None:
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
-    from .compose import PipelineConfig, run_pipeline
+    from .compose import PipelineConfig, pipeline_plan, run_pipeline
     from .runner import prefect_api, use_prefect
 
     t0 = time.perf_counter()
     config = _config(PipelineConfig, data)
+    if dry_run:
+        with _errors():
+            for stage, settings in pipeline_plan(config):
+                out.print(f"{stage}: {settings}", highlight=False, markup=False, soft_wrap=True)
+        return
     with _errors():
         if use_prefect(prefect):
             from .pipeline import pipeline_flow
@@ -264,7 +276,7 @@ def _register() -> None:
     from .compose import BotConfig, EncodeConfig, PipelineConfig
 
     app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
-                                                                           extra=[PREFECT]))
+                                                                           extra=[PREFECT, DRY_RUN]))
     printers = _printers()
     for name, st in stages().items():
         if name == "encode":  # tokenizes first, and can run on Dask

@@ -232,6 +232,30 @@ def run_bot(
     return _tokenize_then(bot_stage.stage, "flows.bot", "bot_flow", config, prefect, log, report)
 
 
+def pipeline_plan(config: PipelineConfig) -> list[tuple[str, str]]:
+    """The stages ``run_pipeline`` makes for ``config``, in order, each with the settings that differ from the
+    stage's defaults (every stage config built and validated; nothing read, loaded or written). The encoder's
+    system is named ``<encoder>`` until it exists."""
+    import json
+
+    def brief(cfg: Any) -> str:
+        drop = set(config._common()) | {"cluster", "workers", "scheduler"}
+        data = {k: v for k, v in cfg.model_dump(mode="json", exclude_defaults=True).items() if k not in drop}
+        return json.dumps(data, sort_keys=True, separators=(", ", ": "))
+
+    plan = [(f"download {d.name}", brief(d)) for d in config.downloads()]
+    plan += [(f"encode {e.dataset} {'+'.join(e.sides)}", brief(e)) for e in config.encodes()]
+    system = "<encoder>"
+    if config.index != "skip":
+        plan.append(("index", brief(config.index_config(system))))
+    plan.append(("score", brief(config.score(system))))
+    if config.bm25:
+        plan.append(("bm25", brief(config.bm25_config())))
+    plan.append(("evaluate", brief(config.evaluate([system] + (["<bm25>"] if config.bm25 else [])))))
+    plan.append(("summary", brief(config.summary(system, "<bm25>" if config.bm25 else None))))
+    return plan
+
+
 def run_pipeline(
     config: PipelineConfig,
     *,

@@ -60,7 +60,7 @@ def test_remote_without_trust_is_refused_before_any_hf_call(tmp_path, config, fa
 @pytest.mark.parametrize("config", [DREAM, LLADA])
 def test_remote_outside_its_transformers_range_is_refused(tmp_path, config, no_hf_calls):
     if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("this transformers runs the remote code (tests/e2e/test_remote_vs_native.py compares it)")
+        pytest.skip("this transformers runs the remote code (tests/parity/test_backbone_loading.py compares it)")
     cfg = BackboneConfig(model=folder(tmp_path, config), loader="remote", trust_remote_code=True)
     with pytest.raises(BackboneError) as exc:
         load_backbone(cfg)

@@ -1,6 +1,7 @@
-"""Issue 22: what a new user and 47 bad inputs found, one test per finding (1-11), each through the CLI exactly as
-a user types it: exit code 2 (1 for `diffret verify` finding damage), one line naming the cause and the repair,
-and the store's files and SQL counts unchanged apart from finished units. Finding 12's small ones at the end.
+"""Refusals and repairs through the CLI, typed exactly as a user types them: a load that would degrade, outputs
+aimed into the store, damaged manifests and shards, ambiguous model paths, first runs offline, failed stages and
+settings that cannot work. Each ends in exit code 2 (1 for `diffret verify` finding damage) with one line naming
+the cause and the repair, and the store's files and SQL counts unchanged apart from finished units.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def first(root: Path, pattern: str) -> Path:
 
 # -------------------------------------------------------------------------------------------- 1. silent garbage
 @pytest.mark.parametrize("case", ["no tokenizer files", "vocabulary of another model", "mask token not in it"])
-def test_1_a_load_that_degrades_is_refused_before_any_work(world: dict, tmp_path: Path, case: str) -> None:
+def test_a_load_that_degrades_is_refused_before_any_work(world: dict, tmp_path: Path, case: str) -> None:
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)
     extra: list[str] = []
@@ -93,7 +94,7 @@ def test_1_a_load_that_degrades_is_refused_before_any_work(world: dict, tmp_path
 
 
 # -------------------------------------------------------------------------------- 2. outputs outside the store
-def test_2_results_never_land_inside_the_store(world: dict, tmp_path: Path) -> None:
+def test_results_never_land_inside_the_store(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     run = first(root, "runs/*/*/*/*/*/mode=single_dense/run.parquet")
     system = run.parts[-7].removeprefix("system=")
@@ -110,7 +111,7 @@ def test_2_results_never_land_inside_the_store(world: dict, tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------------------- 3. repairs that work
-def test_3_an_unreadable_manifest_is_damage_the_next_run_rebuilds(world: dict, tmp_path: Path) -> None:
+def test_an_unreadable_manifest_is_damage_the_next_run_rebuilds(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     manifest = first(root, "encodings/*/*/side=passage/k=1/_manifest.json")
     manifest.write_text("{not json")
@@ -124,7 +125,7 @@ def test_3_an_unreadable_manifest_is_damage_the_next_run_rebuilds(world: dict, t
 
 
 @pytest.mark.parametrize("field", ["sha256", "rows"])
-def test_3_a_hand_edited_file_list_is_repaired_by_the_stage_itself(world: dict, tmp_path: Path, field: str) -> None:
+def test_a_hand_edited_file_list_is_repaired_by_the_stage_itself(world: dict, tmp_path: Path, field: str) -> None:
     root = copy(world, tmp_path)
     path = first(root, "encodings/*/*/side=passage/k=1/_manifest.json")
     m = json.loads(path.read_text())
@@ -141,7 +142,7 @@ def test_3_a_hand_edited_file_list_is_repaired_by_the_stage_itself(world: dict, 
     ok(cli("verify", "--root", str(root)))
 
 
-def test_3_a_checksum_failure_names_the_command_that_repairs_it(world: dict, tmp_path: Path) -> None:
+def test_a_checksum_failure_names_the_command_that_repairs_it(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     shard = first(root, "encodings/*/*/side=passage/k=1/shard=*.parquet")
     data = bytearray(shard.read_bytes())
@@ -158,7 +159,7 @@ def test_3_a_checksum_failure_names_the_command_that_repairs_it(world: dict, tmp
 
 
 # ------------------------------------------------------------------------------ 4. one damaged view fails alone
-def test_4_a_corrupt_shard_fails_its_view_alone(world: dict, tmp_path: Path) -> None:
+def test_a_corrupt_shard_fails_its_view_alone(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     shard = first(root, "encodings/*/*/side=passage/k=1/shard=*.parquet")
     shard.write_bytes(shard.read_bytes()[:200])
@@ -171,7 +172,7 @@ def test_4_a_corrupt_shard_fails_its_view_alone(world: dict, tmp_path: Path) -> 
 
 
 # -------------------------------------------------------------------------------- 5. one folder, one system
-def test_5_however_a_model_path_is_typed_it_is_one_system(world: dict, tmp_path: Path) -> None:
+def test_however_a_model_path_is_typed_it_is_one_system(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     model = world["model"]
     link = tmp_path / "linked-model"
@@ -185,7 +186,7 @@ def test_5_however_a_model_path_is_typed_it_is_one_system(world: dict, tmp_path:
     ok(cli("score", "-d", "c", "--model", str(link), "--kq", "1", "--kp", "1", "--root", str(root)))
 
 
-def test_5_an_ambiguous_lookup_lists_the_candidates_and_what_tells_them_apart(world: dict, tmp_path: Path) -> None:
+def test_an_ambiguous_lookup_lists_the_candidates_and_what_tells_them_apart(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     ok(cli("encode", "-d", "c", "--model", str(world["model"]), *ENCODE, "--sparse-topk", "64", "--root", str(root)))
     p = cli("score", "-d", "c", "--model", str(world["model"]), "--kq", "1", "--kp", "1", "--root", str(root))
@@ -195,7 +196,7 @@ def test_5_an_ambiguous_lookup_lists_the_candidates_and_what_tells_them_apart(wo
 
 
 # ------------------------------------------------------------------------------- 6. one line, not a traceback
-def test_6_each_of_these_is_one_line(world: dict, tmp_path: Path) -> None:
+def test_each_of_these_is_one_line(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     a_file = tmp_path / "file"
     a_file.write_text("x")
@@ -222,7 +223,7 @@ def test_6_each_of_these_is_one_line(world: dict, tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- 7. a deleted manifest is damage
-def test_7_a_folder_without_its_manifest_is_named_and_rebuilt(world: dict, tmp_path: Path) -> None:
+def test_a_folder_without_its_manifest_is_named_and_rebuilt(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     (root / "datasets" / "dataset=c" / "_manifest.json").unlink()
     p = cli("verify", "--root", str(root))
@@ -236,7 +237,7 @@ def test_7_a_folder_without_its_manifest_is_named_and_rebuilt(world: dict, tmp_p
 
 
 # ------------------------------------------------------------------------------------------- 8. report state
-def test_8_report_settings_and_slugs(world: dict, tmp_path: Path) -> None:
+def test_report_settings_and_slugs(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     p = cli("report", "--root", str(root), "--finetuned", "nope=also-nope")
     assert p.returncode == 2 and "unknown system 'nope'" in error_line(p)
@@ -248,7 +249,7 @@ def test_8_report_settings_and_slugs(world: dict, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ 9. first run
-def test_9_offline_first_run_says_what_to_do(tmp_path: Path) -> None:
+def test_offline_first_run_says_what_to_do(tmp_path: Path) -> None:
     p = cli("download", "scifact", "--root", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"))
     if p.returncode == 0:
         pytest.skip("this machine reached the BEIR download (online)")
@@ -270,7 +271,7 @@ enc.reader_for = _boom
 """
 
 
-def test_10_a_failed_stage_leaves_only_its_finished_units(world: dict, tmp_path: Path) -> None:
+def test_a_failed_stage_leaves_only_its_finished_units(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     model = tmp_path / "other"
     save_tiny_mlm(model, seed=3)
@@ -284,12 +285,12 @@ def test_10_a_failed_stage_leaves_only_its_finished_units(world: dict, tmp_path:
     assert not (root / "_locks").exists() and not (root / "_staging").exists()
 
 
-def test_10_a_clean_run_leaves_no_lock_files(world: dict) -> None:
+def test_a_clean_run_leaves_no_lock_files(world: dict) -> None:
     assert not (world["root"] / "_locks").exists() and not (world["root"] / "_staging").exists()
 
 
 # ---------------------------------------------------------------------------------- 11. refused with a word
-def test_11_k_far_beyond_max_length(world: dict, tmp_path: Path) -> None:
+def test_k_far_beyond_max_length(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     before = files_of(root)
     p = cli("encode", "-d", "c", "--model", str(world["model"]), "--k", "64", "--max-length", "16", "--root", str(root))
@@ -297,7 +298,7 @@ def test_11_k_far_beyond_max_length(world: dict, tmp_path: Path) -> None:
     assert files_of(root) == before  # refused before tokenizing
 
 
-def test_11_more_negatives_than_stored(world: dict, tmp_path: Path) -> None:
+def test_more_negatives_than_stored(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     ok(cli("bm25", "-d", "c", "--split", "test", "--root", str(root)))
     ok(cli("training-data", "-d", "c", "--split", "test", "--n-negatives", "3", "--root", str(root)))
@@ -306,7 +307,7 @@ def test_11_more_negatives_than_stored(world: dict, tmp_path: Path) -> None:
     assert p.returncode == 2 and "stores at most 3 per group" in error_line(p)
 
 
-def test_11_negative_grades(world: dict, tmp_path: Path) -> None:
+def test_negative_grades(world: dict, tmp_path: Path) -> None:
     beir = write_beir(tmp_path / "neg", CORPUS, QUERIES, {"test": [("q0", "d0", 1), ("q1", "d1", -1)]})
     p = cli("download", "neg", "--source", str(beir), "--root", str(tmp_path / "store"))
     assert p.returncode == 2 and "test.tsv:3: grade -1 is negative" in error_line(p)
@@ -324,7 +325,7 @@ enc.encode_rows = _held
 """
 
 
-def test_11_two_encodes_of_one_folder_at_once(world: dict, tmp_path: Path) -> None:
+def test_two_encodes_of_one_folder_at_once(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     release = tmp_path / "release"
     args = ("encode", "-d", "c", "--model", str(world["model"]), "--k", "2", "--max-length", "64", "--shard-size", "4",
@@ -350,7 +351,7 @@ def test_11_two_encodes_of_one_folder_at_once(world: dict, tmp_path: Path) -> No
 
 
 # ------------------------------------------------------------------------------------------------- 12. small
-def test_12_small_things(world: dict, tmp_path: Path) -> None:
+def test_small_things(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     p = cli("verify", "--root", str(root))
     assert p.returncode == 0 and "match their manifests" in p.stdout  # a result: on stdout

@@ -70,7 +70,7 @@ def test_native_loading_gives_the_reference_code_paths_vectors(released, family,
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TF4, str(REPO)]), "HF_HUB_OFFLINE": "1",
            "NLTK_DATA": str(NLTK_DATA)}  # fmt: skip
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "released_reference.py"), str(released[family]),
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "parity" / "released_reference.py"), str(released[family]),
                         str(tmp_path / "texts.json"), str(tmp_path / "ref.npz")],
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]

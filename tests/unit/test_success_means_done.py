@@ -1,6 +1,7 @@
-"""Issue 45, "nothing silent, part two": commands that exited 0 doing something other than what was asked, one test
-per item (1-7), through the CLI in this process (typer's runner): exit 2 with one error line naming the cause and
-the repair, nothing written, or the correct result.
+"""Exit 0 means the command did what was asked: each way a command once exited 0 doing something else (selectors
+that disagree, a damaged stored model, duplicated negatives, mislabelled or empty outputs, SQL over a changed file,
+a stored collection by name offline, misleading output), through the CLI in this process (typer's runner): exit 2
+with one error line naming the cause and the repair, nothing written, or the correct result.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def copy(world: dict, tmp_path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- 1. selectors that disagree
-def test_1_a_slug_and_selectors_that_do_not_describe_it_are_refused_naming_both(world: dict) -> None:
+def test_a_slug_and_selectors_that_do_not_describe_it_are_refused_naming_both(world: dict) -> None:
     root, slug = world["root"], world["system"]
     before = files_of(root)
     for extra, named in ((["--store", "pq:16"], "--store pq:16"), (["--dtype", "bfloat16"], "--dtype bfloat16"),
@@ -113,7 +114,7 @@ def test_1_a_slug_and_selectors_that_do_not_describe_it_are_refused_naming_both(
 
 
 # ------------------------------------------------------------------------------- 2. a damaged stored model
-def test_2_a_stored_model_failing_its_manifest_is_refused_before_it_is_loaded(world: dict, tmp_path: Path) -> None:
+def test_a_stored_model_failing_its_manifest_is_refused_before_it_is_loaded(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     folder = root / "models" / "model=tiny-rr"
     weights = folder / "adapter_model.safetensors"
@@ -127,7 +128,7 @@ def test_2_a_stored_model_failing_its_manifest_is_refused_before_it_is_loaded(wo
 
 
 # ---------------------------------------------------------------------- 3. duplicated negatives, a pool too big
-def test_3_negatives_are_distinct_and_a_pool_that_cannot_fit_is_refused(world: dict, tmp_path: Path) -> None:
+def test_negatives_are_distinct_and_a_pool_that_cannot_fit_is_refused(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     r = ["--root", str(root)]
     out = ok("training-data", "-d", "c", "--depth", "10", "--n-negatives", "1000", *r)
@@ -147,7 +148,7 @@ def test_3_negatives_are_distinct_and_a_pool_that_cannot_fit_is_refused(world: d
 
 
 # ------------------------------------------------------------------------- 4. labels that say what was done
-def test_4_late_m_beyond_the_first_stage_depth_is_capped_and_recorded_as_such(world: dict, tmp_path: Path) -> None:
+def test_late_m_beyond_the_first_stage_depth_is_capped_and_recorded_as_such(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     out = ok("late", "-d", "c", "--system", world["system"], "--mode", "single_dense", "--depth", "5,100000",
              "--root", str(root))  # fmt: skip
@@ -159,7 +160,7 @@ def test_4_late_m_beyond_the_first_stage_depth_is_capped_and_recorded_as_such(wo
     assert m["config"]["topk"] == 1000
 
 
-def test_4_a_summary_of_nothing_is_refused_and_writes_nothing(world: dict) -> None:
+def test_a_summary_of_nothing_is_refused_and_writes_nothing(world: dict) -> None:
     root = world["root"]
     before = files_of(root)
     line = refused("summary", "-d", "nosuch", "--root", str(root))
@@ -169,7 +170,7 @@ def test_4_a_summary_of_nothing_is_refused_and_writes_nothing(world: dict) -> No
     assert files_of(root) == before
 
 
-def test_4_a_summary_rebuilt_without_its_manifest_keeps_bm25_and_p_values(world: dict, tmp_path: Path) -> None:
+def test_a_summary_rebuilt_without_its_manifest_keeps_bm25_and_p_values(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     ok("summary", "-d", "c", "--bm25", world["bm25"], "--root", str(root))
     (folder,) = root.glob("summaries/*/dataset=c/split=test")
@@ -183,7 +184,7 @@ def test_4_a_summary_rebuilt_without_its_manifest_keeps_bm25_and_p_values(world:
         r["p_vs_bm25"] is not None for r in board if r["mode"] != "bm25")
 
 
-def test_4_settings_that_make_a_stage_nonsense_are_refused(world: dict) -> None:
+def test_settings_that_make_a_stage_nonsense_are_refused(world: dict) -> None:
     root = world["root"]
     before = files_of(root)
     line = refused("rerank", "-d", "c", "--model", str(world["model"]), *RERANK, "--window", "5", "--step", "10",
@@ -195,7 +196,7 @@ def test_4_settings_that_make_a_stage_nonsense_are_refused(world: dict) -> None:
 
 
 # ------------------------------------------------------------------------------ 5. SQL over a damaged file
-def test_5_sql_checks_size_and_mtime_before_a_view_reads_a_file(world: dict, tmp_path: Path) -> None:
+def test_sql_checks_size_and_mtime_before_a_view_reads_a_file(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     query = "select count(*), sum(len(dense)) from encodings"
     assert sql(root, query)
@@ -207,7 +208,7 @@ def test_5_sql_checks_size_and_mtime_before_a_view_reads_a_file(world: dict, tmp
 
 
 # --------------------------------------------------------------------------- 6. a stored collection by name
-def test_6_a_downloaded_collection_is_used_by_name_offline(world: dict, tmp_path: Path, monkeypatch) -> None:
+def test_a_downloaded_collection_is_used_by_name_offline(world: dict, tmp_path: Path, monkeypatch) -> None:
     import retrieval.data.sources as sources
 
     def offline(url: str, *a: object, **k: object) -> None:
@@ -247,7 +248,7 @@ def dead_mlm(folder: Path) -> Path:
 
 
 # -------------------------------------------------------------------- 7. what the output says and where
-def test_7_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
+def test_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
     import numpy as np
 
     import retrieval.analysis.figures as figures
@@ -265,7 +266,7 @@ def test_7_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> Non
     assert without.axes[0].images[0].get_clim() == (0.0017, 0.0033)  # a grid alone keeps its own range
 
 
-def test_7_help_fits_80_columns_and_library_noise_needs_v() -> None:
+def test_help_fits_80_columns_and_library_noise_needs_v() -> None:
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--help"], capture_output=True, text=True, env=env,
                        cwd=REPO, timeout=120)  # fmt: skip

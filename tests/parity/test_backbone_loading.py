@@ -30,7 +30,7 @@ def test_remote_code_agrees_with_native_loading():
     if not TF4:
         pytest.skip("DIFFRET_TRANSFORMERS4 (a transformers 4.57 install, as .ci/run makes) is not set")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([TF4, str(REPO)])}
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "remote_vs_native.py"), str(SHARED)],
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "parity" / "remote_vs_native.py"), str(SHARED)],
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])

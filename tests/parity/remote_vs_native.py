@@ -1,7 +1,7 @@
 """Run under transformers 4.x (where the checkpoints' own code runs): encode the same texts through the native and
 the remote loader and print, per family, the smallest dense cosine and whether the sparse term sets agree.
 
-    PYTHONPATH=<transformers 4.57 install>:<repo> python tests/e2e/remote_vs_native.py <shared>
+    PYTHONPATH=<transformers 4.57 install>:<repo> python tests/parity/remote_vs_native.py <shared>
 
 Batch size 1: LLaDA's original remote code ignores the attention mask, so padded batches would differ.
 """

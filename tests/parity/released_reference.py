@@ -1,6 +1,6 @@
 """Run under transformers 4.x: a released-layout checkpoint encoded the reference's way, for diffret's to compare.
 
-    PYTHONPATH=<transformers 4.57 install>:<repo> python tests/e2e/released_reference.py FOLDER TEXTS.json OUT.npz
+    PYTHONPATH=<transformers 4.57 install>:<repo> python tests/parity/released_reference.py FOLDER TEXTS.json OUT.npz
 
 With ``DIFFRET_REFERENCE_SRC`` (a checkout of ielab/diffretriever's ``src/``), the reference's own code runs:
 ``TrainableDiffusionRetriever.load(FOLDER)`` (its released-adapter path: the base from the family's hub id, here
