@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout
+from .files import FILE_MODE
 from .manifest import Manifest, StoreError
-from .store import FILE_MODE, ArtifactStore
+from .store import ArtifactStore
 
 _HEADER = re.compile(r"^--\s*(view|files):\s*(.+?)\s*$")
 

@@ -57,11 +57,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 # Modules that share a session fixture too costly to build twice: one group, so one worker runs them all (the
-# Prefect server of `prefect_session`).
+# Prefect server of `prefect_session`, the store of `stage_world`).
 SHARED_GROUPS = {
     "tests/e2e/test_fault_trials.py": "prefect-server",
     "tests/e2e/test_prefect_deployment.py": "prefect-server",
     "tests/e2e/test_prefect_ui_browser.py": "prefect-server",
+    "tests/unit/test_budget_stage.py": "stage-world",
+    "tests/unit/test_stages_rerun.py": "stage-world",
+    "tests/unit/test_stages_resume.py": "stage-world",
+    "tests/unit/test_stages_systems.py": "stage-world",
+    "tests/unit/test_stages_training.py": "stage-world",
 }
 
 
@@ -134,6 +139,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def stage_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every stage run once on a tiny store (tests/stage_world.py), built once per session for the modules of the
+    ``stage-world`` group (``SHARED_GROUPS``); a test that changes the store changes a copy
+    (``stage_world.copy_world``)."""
+    from stage_world import build_world
+
+    return build_world(tmp_path_factory.mktemp("stages"))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_stages import copy_world, world  # noqa: F401  (the module-scoped world fixture)
+from stage_world import copy_world
 
 from retrieval.analysis.views import rows
 from stages import execute, stages
@@ -22,11 +22,17 @@ from storage.layout import run_dir
 from storage.sql import StoreSQL
 
 
+@pytest.fixture
+def world(stage_world: dict) -> dict:
+    """The stage test world (``stage_world``, tests/conftest.py), built once for the modules that share it."""
+    return stage_world
+
+
 def budget(root: str, model: Path, **kw) -> BudgetConfig:
     return BudgetConfig(root=root, dataset="tiny", system=SystemRef(model=str(model)), **{"folds": 2, **kw})
 
 
-def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path: Path) -> None:
     w = copy_world(world, tmp_path)
     res = execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
     assert res.done == 2 + 4  # features of train and test, a run per selector
@@ -64,7 +70,7 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     assert "Adaptive budgets" in dict(rep.sections)
 
 
-def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: dict, tmp_path: Path) -> None:
     w = copy_world(world, tmp_path)
     first = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)
     cfg = budget(w["root"], w["model"], selectors=["rule", "fixed"], features="first_pass", over="kq")
@@ -85,7 +91,7 @@ def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: d
     assert stats["cost"]["passage_indexes"] == 1 and stats["cost"]["first_pass_searches"] == 1
 
 
-def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Path) -> None:
     """Each query's budget from selectors learned on the other folds of its own split (scifact-mini has no train
     split): runs of their own (_cf), the report's baseline the cross-fitted fixed selector."""
     w = copy_world(world, tmp_path)
@@ -107,7 +113,7 @@ def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Pa
         budget(w["root"], w["model"], cross_fit=True, over="kq")
 
 
-def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="never evaluated on the split it learned from"):
         budget(str(tmp_path), Path("m"), splits=["test", "train"])
     w = copy_world(world, tmp_path)
@@ -117,7 +123,7 @@ def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: di
         execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
 
 
-def test_head_stats_stored_at_encode_become_features(world: dict, tmp_path: Path) -> None:  # noqa: F811
+def test_head_stats_stored_at_encode_become_features(world: dict, tmp_path: Path) -> None:
     """`encode --head-stats` on the query side: its folders record it and hold the head's entropy and max
     probability per slot (a folder without it keeps its config: turning it on is config drift until --force); the
     passages are not touched; the features then add mean / min / max of both per K_q, and the runs are new."""

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_beir
-from test_stages import CORPUS, QRELS, QUERIES, configs
+from stage_world import CORPUS, QRELS, QUERIES, configs
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 

@@ -314,7 +314,7 @@ def test_a_stale_folder_is_replaced_records_included(tmp_path):
 
 
 def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeypatch):
-    import storage.store
+    import storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
 
     store = ArtifactStore(tmp_path)
     _fill(store, _names(3))
@@ -324,7 +324,7 @@ def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeyp
         raise AssertionError("planning read a shard's contents")
 
     with monkeypatch.context() as mp:
-        mp.setattr(storage.store, "sha256_file", no_hashing)
+        mp.setattr(storage.integrity, "sha256_file", no_hashing)
         _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
     assert done == set(_names(3))
     first, second, third = (tmp_path / SHARDED / n for n in _names(3))
@@ -349,7 +349,7 @@ def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeyp
 
 
 def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_path, monkeypatch):
-    import storage.store
+    import storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
 
     store = ArtifactStore(tmp_path)
     _fill(store, _names(2))
@@ -358,8 +358,8 @@ def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_pat
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # a copied store: same bytes, new mtime
     hashed = []
-    real = storage.store.sha256_file
-    monkeypatch.setattr(storage.store, "sha256_file", lambda p, fs=None: hashed.append(p) or real(p, fs))
+    real = storage.integrity.sha256_file
+    monkeypatch.setattr(storage.integrity, "sha256_file", lambda p, fs=None: hashed.append(p) or real(p, fs))
     _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
     assert done == set(_names(2)) and len(hashed) == 1
     _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)  # compacts the new mtime

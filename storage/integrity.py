@@ -1,0 +1,313 @@
+"""Verification and repair: files checked against their manifest entries (size, mtime, sha256), a stage
+folder's state for a config (the one drift policy of every stage), the whole store verified, and the repair each
+problem names. Mixed into :class:`storage.store.ArtifactStore`."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from . import layout
+from .files import _info_stat, sha256_file
+from .manifest import (
+    ChecksumError,
+    ConfigDriftError,
+    FileEntry,
+    Manifest,
+    StoreError,
+    config_hash,
+    diff_configs,
+    is_input_field,
+)
+
+
+class StageState(enum.StrEnum):
+    """What a stage folder holds for a config (see :meth:`ArtifactStore.state`)."""
+
+    ABSENT = "absent"  # nothing complete there: build it
+    CURRENT = "current"  # the same config and every listed file verifies: nothing to do
+    STALE = "stale"  # built from other inputs (or replaced with --force): rebuild it
+    DAMAGED = "damaged"  # the same config, but a listed file is missing or fails its checksum: rebuild it
+
+
+DRIFT_HINT = "Pass --force to replace it, or use another store root."
+
+
+class IntegrityMixin:
+    """:class:`storage.store.ArtifactStore`'s checks and repair hints (its ``fs``, ``is_local``, paths and manifest
+    reads)."""
+
+    def repair_hint(self, rel: str) -> str:
+        """How to rebuild the stage folder holding ``rel``: the command that made it
+        (:func:`storage.layout.repair_hint`), told by what the store holds where the path alone does not say it:
+        which command made a compressed system's folders, whether a model is a reranker, a summary's BM25 system.
+        Reads what it can and never raises (it names the repair inside another error).
+
+        >>> import tempfile
+        >>> from storage import ArtifactStore
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test")
+        'repair: run `diffret summary` again with the settings that made it'
+        """
+        facts: dict[str, Any] = {}
+        parts = rel.lstrip("/").split("/")
+        keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        try:
+            if parts[0] in ("encodings", "codebooks") and "system" in keys:
+                facts = self._compressed_facts(keys)
+            elif parts[0] == "models" and len(parts) > 1:
+                facts = {"task": self._model_task("/".join(parts[:2]))}
+            elif parts[0] == "summaries" and len(parts) > 3:
+                facts = {"bm25": self._summary_bm25("/".join(parts[:4]))}
+        except Exception:  # noqa: BLE001  (a hint never hides the error it is part of)
+            facts = {}
+        return layout.repair_hint(rel, facts)
+
+    def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(config, stats) of a folder's manifest as written, or None (missing, unreadable): no checks, no hints."""
+        try:
+            with self.fs.open(self.abspath(layout.manifest_path(stage_dir)), "rb") as f:
+                data = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return (data.get("config") or {}), (data.get("stats") or {})
+
+    def _compressed_facts(self, keys: dict[str, str]) -> dict[str, Any]:
+        record = self._raw_config(layout.system_dir(keys["system"]))
+        if record is None:
+            return {}
+        settings, stats = record[0].get("settings") or {}, record[1]
+        spec = settings.get("store", "float16")
+        if spec == "float16":
+            return {}
+        f16 = stats.get("float16_system")
+        side = keys.get("side", "passage")
+        source = f"encodings/system={f16}/dataset={keys.get('dataset')}/side={side}/k={keys.get('k')}"
+        stored = f16 is not None and self.exists(layout.manifest_path(source))
+        return {"compressed": {"store": spec, "seed": settings.get("store_seed", 0),
+                               "float16_system": f16 if stored else None}}  # fmt: skip
+
+    def _model_task(self, stage_dir: str) -> str:
+        """A stored model's task: its manifest's (``reranker`` for train-reranker's), else its train log's."""
+        found = self._raw_config(stage_dir)
+        if found is not None and found[0].get("task"):
+            return str(found[0]["task"])
+        with self.fs.open(self.abspath(f"{stage_dir}/{layout.TRAIN_LOG_FILE}"), "rb") as f:
+            meta = pq.read_schema(f).metadata or {}
+        return meta.get(layout.MODEL_TASK_KEY, b"encoder").decode()
+
+    def _summary_bm25(self, stage_dir: str) -> str | None:
+        """A summary's BM25 system: its manifest's, else its leaderboard's BM25 row (None: it has none; unreadable
+        both: FileNotFoundError)."""
+        found = self._raw_config(stage_dir)
+        if found is not None:
+            return found[0].get("bm25")
+        rows = self.read_bytes(f"{stage_dir}/leaderboard.csv").decode().splitlines()
+        return next((r.split(",")[0] for r in rows[1:] if r.split(",")[1:2] == ["bm25"]), None)
+
+    def file_stat(self, rel: str) -> tuple[int, int | None] | None:
+        """(size, mtime in ns) of a file, ``None`` when it is missing (mtime ``None`` where the filesystem
+        gives none we can read).
+
+        >>> import tempfile
+        >>> from storage import ArtifactStore
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     store.write_bytes("a/b.bin", b"abc")
+        ...     store.file_stat("a/b.bin")[0], store.file_stat("a/missing")
+        (3, None)
+        """
+        path = self.abspath(rel)
+        if self.is_local:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return None
+            return st.st_size, st.st_mtime_ns
+        try:
+            return _info_stat(self.fs.info(path))
+        except FileNotFoundError:
+            return None
+
+    def _listing(self, stage_dir: str) -> dict[str, tuple[int, int | None]]:
+        """Name -> (size, mtime ns) of the files directly in a folder: one listing, not one call per file."""
+        path = self.abspath(stage_dir)
+        out: dict[str, tuple[int, int | None]] = {}
+        if self.is_local:
+            try:
+                with os.scandir(path) as it:
+                    for e in it:
+                        if e.is_file():
+                            st = e.stat()
+                            out[e.name] = (st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                pass
+            return out
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            if e.get("type") == "file":
+                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = _info_stat(e)
+        return out
+
+    def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
+        """Check one file's size and sha256 against its entry (``cached``: skip a file this store already
+        hashed with the same size and mtime); :class:`ChecksumError` names what differs."""
+        path = self.abspath(f"{stage_dir}/{name}")
+        stat = self.file_stat(f"{stage_dir}/{name}")
+        repair = self.repair_hint(stage_dir)
+        if stat is None:
+            raise ChecksumError(f"{path}: listed in the manifest but missing; {repair}")
+        size = stat[0]
+        key = (path, size, stat[1] or 0)
+        if cached and stat[1] is not None and self._verified.get(key) == entry.sha256:
+            return
+        if size != entry.bytes:
+            raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}; {repair}")
+        digest, _ = sha256_file(path, self.fs)
+        if digest != entry.sha256:
+            raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…); "
+                                f"{repair}")  # fmt: skip
+        self._verified[key] = digest
+
+    def check_file(self, stage_dir: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
+        """The cheap check re-run planning trusts (:meth:`open_sharded`), for a reader: the file is there with its
+        recorded size, and its mtime is the one recorded (``entry.mtime_ns``) or, where none was, not later than
+        ``since_ns`` (its manifest's, written after its files). A file touched since is checked by sha256
+        (:meth:`verify_file`); :class:`ChecksumError` names what differs and the repair.
+
+        >>> import tempfile, pyarrow as pa
+        >>> from storage import ArtifactStore
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     store = ArtifactStore(root)
+        ...     entry = store.write_shard("t", "a.parquet", pa.table({"x": [1]}))
+        ...     store.check_file("t", "a.parquet", entry)
+        ...     with open(store.abspath("t/a.parquet"), "ab") as f:
+        ...         _ = f.write(b"x")
+        ...     try:
+        ...         store.check_file("t", "a.parquet", entry)
+        ...     except ChecksumError as e:
+        ...         print("bytes, manifest says" in str(e))
+        True
+        """
+        stat = self.file_stat(f"{stage_dir}/{name}")
+        if stat is not None and stat[0] == entry.bytes:
+            recorded = entry.mtime_ns if entry.mtime_ns is not None else since_ns
+            if stat[1] is None or recorded is None:  # no mtimes to compare: the size decides
+                return
+            if stat[1] == entry.mtime_ns or (entry.mtime_ns is None and stat[1] <= recorded):
+                return
+        self.verify_file(stage_dir, name, entry)  # missing, resized or touched: the sha256 decides
+
+    def verify(self, stage_dir: str) -> Manifest:
+        """The stage's manifest after checking every file it lists."""
+        m = self.require_manifest(stage_dir)
+        for name, entry in m.files.items():
+            self.verify_file(stage_dir, name, entry)
+        return m
+
+    def require_root(self) -> None:
+        """Refuse a root that does not exist (a reader of a mistyped --root would otherwise see an empty store)."""
+        if not self.fs.exists(self.base):
+            raise StoreError(f"no store at {self.root}: check --root (stages create it when they first write)")
+
+    def verify_all(self) -> tuple[int, list[str]]:
+        """Check every file of every stage folder against its manifest (full sha256, no cache): the number
+        of files checked and one line per problem (a changed or missing file, a manifest edited by hand).
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> from storage import ArtifactStore
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     ArtifactStore(root).verify_all()
+        (0, [])
+        """
+        self.require_root()
+        base = self.abspath("")
+        checked, problems = 0, []
+        for path in sorted(self.fs.glob(self.abspath(f"**/{layout.MANIFEST_NAME}"))):
+            rel = path[len(base) :].lstrip("/")
+            folder = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            if folder.startswith((layout.STAGING_DIR, layout.LOCKS_DIR)):
+                continue
+            try:
+                m = self.read_manifest(folder, trusted=False)
+            except StoreError as exc:
+                problems.append(str(exc))
+                continue
+            if m is None:
+                continue
+            if what := m.edited():
+                problems.append(f"{self.abspath(folder)}: manifest edited by hand ({what}); "
+                                f"{self.repair_hint(folder)}")  # fmt: skip
+            files = dict(m.files)
+            for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
+                if isinstance(rec, StoreError):
+                    problems.append(str(rec))
+                elif rec.config_hash == m.config_hash:
+                    files[rec.name] = rec.file
+            for name, entry in sorted(files.items()):
+                checked += 1
+                try:
+                    self.verify_file(folder, name, entry, cached=False)
+                except ChecksumError as exc:
+                    problems.append(str(exc))
+        problems += self.orphan_folders()
+        return checked, problems
+
+    def orphan_folders(self) -> list[str]:
+        """Stage folders holding files but no manifest (a deleted one): damage, since SQL and the stages would
+        silently leave their files out. One problem line each, with the repair."""
+        out = []
+        base = self.abspath("")
+        for glob, _ in layout.STAGE_FOLDERS.values():
+            for path in sorted(self.fs.glob(self.abspath(glob))):
+                if not self.fs.isdir(path):
+                    continue
+                rel = path[len(base) :].lstrip("/")
+                if self.fs.exists(self.abspath(layout.manifest_path(rel))):
+                    continue
+                files = [p for p in self.fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_"))]
+                if files:
+                    out.append(f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
+                               f"{self.repair_hint(rel)}")  # fmt: skip
+        return out
+
+    def state(
+        self, stage_dir: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
+    ) -> StageState:
+        """The one drift policy of every stage: the state of ``stage_dir`` for ``config``.
+
+        A folder built from different settings raises :class:`ConfigDriftError` naming the fields, unless
+        ``force`` (then it is ``STALE``: the caller replaces it). Different ``inputs`` alone (upstream
+        fingerprints, see :data:`storage.manifest.INPUTS_KEY`) make it ``STALE``. ``verify=False`` skips the
+        checksums (sharded folders verify shard by shard).
+        """
+        try:
+            m = self.read_manifest(stage_dir, trusted=False)
+        except StoreError:  # unreadable: nothing in the folder is trusted, it is rebuilt
+            return StageState.DAMAGED
+        if m is None:
+            return StageState.ABSENT
+        stored = config_hash(m.config)  # the config itself, not the hash recorded beside it
+        if stored != config_hash(config):
+            settings = [d for d in diff_configs(m.config, config) if not is_input_field(d[0])]
+            if settings and not force:
+                raise ConfigDriftError(self.abspath(stage_dir), settings, hint or DRIFT_HINT)
+            return StageState.STALE
+        if m.edited():  # a manifest edited by hand: nothing in the folder is trusted
+            return StageState.DAMAGED
+        if verify:
+            try:
+                for name, entry in m.files.items():
+                    self.verify_file(stage_dir, name, entry)
+            except ChecksumError:
+                return StageState.DAMAGED
+        return StageState.CURRENT

@@ -1,0 +1,199 @@
+"""Writers of a stage folder: the per-folder lock (local stores) and whole folders built in ``_staging/`` and
+renamed into place in one step (:class:`StageWriter`), so a killed run leaves nothing under the stage's glob that
+DuckDB or a reader would pick up. Mixed into :class:`storage.store.ArtifactStore`."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import layout
+from .files import PARQUET_COMPRESSION, ROW_GROUP_ROWS, _fsync_dir, sha256_file
+from .manifest import FileEntry, Manifest, StoreError
+
+if TYPE_CHECKING:
+    from .store import ArtifactStore
+
+
+class StagingMixin:
+    """:class:`storage.store.ArtifactStore`'s locks and staged stage folders (its ``fs``, ``is_local`` and paths)."""
+
+    # ------------------------------------------------------------------------------------ locks
+    @contextlib.contextmanager
+    def lock(self, stage_dir: str) -> Iterator[None]:
+        """Exclusive lock for one stage folder (local stores; released by the OS if the process dies). The lock
+        file is removed on release (the holder unlinks it before unlocking; a process that opened the old file
+        finds it gone and takes a new one), so a finished run leaves no lock files.
+
+        On object stores there is no lock: the flow assigns each partition to one task.
+        """
+        if not self.is_local:
+            yield
+            return
+        folder = self.abspath(layout.LOCKS_DIR)
+        path = os.path.join(folder, layout.lock_name(stage_dir) + ".lock")
+        while True:
+            try:
+                os.makedirs(folder, exist_ok=True)
+                fh = open(path, "a")  # noqa: SIM115 - held across the yield
+            except (FileNotFoundError, FileExistsError):  # the folder was removed (or made and removed) in between
+                continue
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.close()
+                raise StoreError(
+                    f"{self.abspath(stage_dir)} is being written by another process; wait for it to finish"
+                ) from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fh.close()  # its holder removed the file before we locked it: lock the current one
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when no other lock is held
+
+    # --------------------------------------------------------------------------- staged stages
+    @contextlib.contextmanager
+    def stage_writer(self, stage_dir: str, manifest: Manifest) -> Iterator[StageWriter]:
+        """Build a whole stage folder; it replaces ``stage_dir`` only when the block finishes cleanly.
+
+        Holds the stage lock for the whole build and clears what an earlier killed run left behind.
+        """
+        with self.lock(stage_dir):
+            writer = StageWriter(self, stage_dir, manifest)
+            try:
+                yield writer
+                writer._commit()
+            finally:
+                writer._cleanup()
+
+    def clear_stale_staging(self, stage_dir: str) -> int:
+        """Remove staging folders of ``stage_dir`` left by killed runs (call with the lock held)."""
+        if not self.is_local:
+            return 0
+        folder = self.abspath(layout.STAGING_DIR)
+        if not os.path.isdir(folder):
+            return 0
+        prefix = layout.lock_name(stage_dir) + "."
+        n = 0
+        try:
+            entries = os.listdir(folder)
+        except FileNotFoundError:  # another writer's cleanup removed it, empty, since the check
+            return 0
+        for entry in entries:
+            if entry.startswith(prefix):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+                n += 1
+        return n
+
+    def remove_stage(self, stage_dir: str) -> None:
+        path = self.abspath(stage_dir)
+        if self.fs.exists(path):
+            # manifest first: from this instant nothing in the folder is accepted
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.abspath(layout.manifest_path(stage_dir)))
+            self.fs.rm(path, recursive=True)
+
+
+class StageWriter:
+    """Writes the files of one stage folder; see ``ArtifactStore.stage_writer``."""
+
+    def __init__(self, store: ArtifactStore, stage_dir: str, manifest: Manifest):
+        self.store = store
+        self.stage_dir = stage_dir
+        self.manifest = manifest
+        self._token = uuid.uuid4().hex[:12]
+        if store.is_local:
+            store.clear_stale_staging(stage_dir)
+            self.work_dir = store.abspath(f"{layout.STAGING_DIR}/{layout.lock_name(stage_dir)}.{self._token}")
+            for attempt in range(20):  # writers of other folders (units on Dask workers) share _staging/
+                try:
+                    os.makedirs(self.work_dir)
+                    break
+                except FileNotFoundError:  # one's cleanup removed _staging/, empty, between our two mkdirs
+                    if attempt == 19:
+                        raise
+        else:
+            self.work_dir = tempfile.mkdtemp(prefix="diffret-stage-")
+            # the old manifest goes first, so the old files are never mistaken for the new ones
+            store.remove_stage(stage_dir)
+        self._done = False
+
+    def write_parquet(self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch | pa.Table]) -> FileEntry:
+        """Stream record batches into ``name`` (zstd Parquet) and record it in the manifest."""
+        path = os.path.join(self.work_dir, name)
+        rows = 0
+        with pq.ParquetWriter(path, schema, compression=PARQUET_COMPRESSION) as w:
+            for b in batches:
+                if isinstance(b, pa.RecordBatch):
+                    b = pa.Table.from_batches([b])
+                if b.schema != schema:
+                    b = b.cast(schema)
+                w.write_table(b, row_group_size=ROW_GROUP_ROWS)
+                rows += b.num_rows
+        digest, size = sha256_file(path)
+        entry = FileEntry(sha256=digest, bytes=size, rows=rows)
+        self.manifest.files[name] = entry
+        if not self.store.is_local:
+            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+        return entry
+
+    def write_file(self, name: str, data: bytes) -> FileEntry:
+        """A non-Parquet file of the stage (a figure, a markdown summary), recorded in the manifest."""
+        path = os.path.join(self.work_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        entry = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        self.manifest.files[name] = entry
+        if not self.store.is_local:
+            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+        return entry
+
+    def _commit(self) -> None:
+        store = self.store
+        if store.is_local:
+            with open(os.path.join(self.work_dir, layout.MANIFEST_NAME), "w") as f:
+                f.write(self.manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            final = store.abspath(self.stage_dir)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            old = None
+            if os.path.exists(final):
+                old = f"{self.work_dir}.old"
+                os.rename(final, old)
+            os.rename(self.work_dir, final)
+            _fsync_dir(os.path.dirname(final))
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            store.write_manifest(self.stage_dir, self.manifest)
+        self._done = True
+
+    def _cleanup(self) -> None:
+        if os.path.isdir(self.work_dir):
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self.store.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.store.abspath(layout.STAGING_DIR))  # only when no other build is staged
