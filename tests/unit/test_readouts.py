@@ -615,11 +615,12 @@ def test_tokenize_records_full_length_and_cuts_without_a_warning(capfd) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones, arch, monkeypatch):
-    from retrieval.models import backbones as bb_module
+    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = backbones[arch]
     assert bb.projection() is not None  # BERT's transform + decoder, ModernBERT's, an lm_head
     monkeypatch.setattr(bb_module, "VOCAB_BLOCK_BYTES", 1)  # blocks of 32 ids: several
+    assert type(bb).read_head.__globals__ is vars(bb_module)  # the patched global is the one read_head reads
     h = torch.randn(5, 3, bb.hidden_size, generator=torch.Generator().manual_seed(1))
     full = bb.logits(h).float()
     cols = torch.tensor([len(tok) - 1, 3, 70, 0, 3])  # unsorted, repeated, across blocks
@@ -633,7 +634,7 @@ def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones,
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softmaxs(backbones, arch, monkeypatch):
-    from retrieval.models import backbones as bb_module
+    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = backbones[arch]
     h = 4 * torch.randn(4, 2, bb.hidden_size, generator=torch.Generator().manual_seed(2))
@@ -679,7 +680,7 @@ def test_head_stats_are_the_softmax_at_each_mask_and_change_no_other_column(back
 
 
 def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(backbones, monkeypatch):
-    from retrieval.models import backbones as bb_module
+    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = tiny_backbone("llama", __import__("pathlib").Path("/nonexistent"), seed=3)
     with torch.no_grad():  # ids 5 and 70 (another block) are the only non-zero rows, equal: argmax keeps 5

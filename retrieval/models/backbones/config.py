@@ -1,0 +1,57 @@
+"""Which model to load and how (:class:`BackboneConfig`), and the canonical name of a local model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from .families import Family
+
+
+class BackboneConfig(BaseModel):
+    """Which model to load and how."""
+
+    model: str = Field(description="HF hub id or local folder.")
+    family: Family = Field(default="auto", description="auto (read from the model's config.json) | mlm | dream | "
+                           "llada | causal")  # fmt: skip
+    loader: Literal["native", "remote"] = Field(
+        default="native", description="Dream / LLaDA: native (transformers' Qwen2 / Llama classes, no remote code) "
+        "or remote (the checkpoint's own code; needs --trust-remote-code and transformers 4.46-4.57)."
+    )
+    gguf_file: str | None = Field(default=None, description="GGUF file name inside the model folder.")
+    trust_remote_code: bool = Field(default=False, description="Allow the model's own code (loader remote).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="float32 | bfloat16 | "
+                                                             "float16")  # fmt: skip
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    attn_implementation: str | None = Field(default=None, description="eager | sdpa | flash_attention_2")
+    mask_token: str | None = Field(default=None, description="Override the mask token (string).")
+    turn_end: str | None = Field(default=None, description="Override the end-of-turn token (string).")
+    adapter: str | None = Field(default=None, description="A peft LoRA adapter folder (diffret train) applied to "
+                                "--model; refused when it was trained on another base model.")  # fmt: skip
+    merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
+                                "float rounding differs).")  # fmt: skip
+
+    @field_validator("model", "adapter")
+    @classmethod
+    def _canonical_path(cls, v: str | None) -> str | None:
+        """A local folder by its canonical path (absolute, symlinks resolved), however it was typed: the same
+        folder is one system. Hub ids stay as they are."""
+        return canonical_model(v) if v else v
+
+
+def canonical_model(model: str) -> str:
+    """``model`` as an absolute path with symlinks resolved when it names an existing local folder or file, else
+    unchanged (a hub id).
+
+    >>> canonical_model("org/name-on-the-hub")
+    'org/name-on-the-hub'
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     canonical_model(os.path.join(d, ".", "")) == os.path.realpath(d)
+    True
+    """
+    path = Path(model).expanduser()
+    return os.path.realpath(path) if path.exists() else model

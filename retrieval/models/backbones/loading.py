@@ -1,0 +1,200 @@
+"""Loading a backbone: the config read without running model code, the family resolved and checked against the
+loader (remote code only when allowed and on the transformers it runs on), the tokenizer and weights checked, the
+model loaded (natively or through its own code) with its adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...devices import resolve_device
+from .adapters import _apply_adapter, with_adapter
+from .backbone import Backbone
+from .config import BackboneConfig
+from .errors import BackboneError, _load_error
+from .families import FAMILIES, FamilySpec, detect_family
+from .files import _check_tokenizer_files, check_model_files
+
+
+def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
+    """The path or hub id to load, and the gguf_file argument; clear errors for missing files."""
+    cfg = with_adapter(cfg)
+    local = Path(cfg.model).expanduser()
+    if not local.exists() and cfg.model.startswith((".", "/", "~")):
+        raise BackboneError(f"model path {cfg.model!r} does not exist")
+    ref = str(local) if local.exists() else cfg.model
+    extra: dict[str, Any] = {}
+    if cfg.gguf_file:
+        if local.exists() and not (local / cfg.gguf_file).exists():
+            found = sorted(p.name for p in local.glob("*.gguf"))
+            raise BackboneError(f"GGUF file {cfg.gguf_file!r} not found in {local}; files there: {found or 'none'}")
+        extra["gguf_file"] = cfg.gguf_file
+    return ref, extra
+
+
+def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> None:
+    """:func:`check_model_files`, failing as a load error that names the model, its architecture and the
+    transformers version (as every other load failure does)."""
+    try:
+        check_model_files(cfg)
+    except BackboneError as exc:
+        if raw is None:
+            with contextlib.suppress(BackboneError):
+                raw = raw_config(cfg)
+        hint = "Check the folder; download or save the model again."
+        raise _load_error(cfg, "its weights", exc, hint, raw) from exc
+
+
+def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
+    """The model's config.json as a dict: read without running any of the model's own code."""
+    from transformers import PretrainedConfig
+
+    ref, extra = _model_ref(cfg)
+    try:
+        raw = PretrainedConfig.get_config_dict(ref, **extra)[0]
+        if not raw:
+            raise BackboneError("no config.json")
+        return raw
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        raise _load_error(cfg, "its config", exc, "Check the hub id or the folder (it needs a config.json).") from exc
+
+
+def resolve_family(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> FamilySpec:
+    """The family of ``cfg`` (detected from config.json when ``auto``), with the loader checked against it."""
+    try:
+        family = cfg.family if cfg.family != "auto" else detect_family(raw if raw is not None else raw_config(cfg))
+    except BackboneError as exc:
+        raise BackboneError(f"{cfg.model}: {exc}") if cfg.model not in str(exc) else exc from None
+    spec = FAMILIES[family]
+    if cfg.loader == "remote":
+        if spec.native is None:
+            raise BackboneError(f"{cfg.model}: the {family} family has no remote code of its own; use loader native")
+        if not cfg.trust_remote_code:
+            raise BackboneError(
+                f"{cfg.model}: loader remote runs the checkpoint's own model code; allow it with --trust-remote-code "
+                "(or use the native loader, the default, which needs none)"
+            )
+        import transformers
+
+        lo, hi = spec.remote_transformers or ("0", "999")
+        if not (_version(lo) <= _version(transformers.__version__) < _version(hi)):
+            raise BackboneError(
+                f"{cfg.model}: the {family} remote code runs on transformers >={lo},<{hi}; this is transformers "
+                f"{transformers.__version__}. Use the native loader (the default), or install "
+                f"'transformers>={lo},<{hi}'"
+            )
+    return spec
+
+
+def load_tokenizer(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dict[str, Any] | None = None) -> Any:
+    """The tokenizer of ``cfg``: the native class for Dream / LLaDA unless loader is remote."""
+    import transformers
+
+    if spec is None:
+        raw = raw_config(cfg)
+        spec = resolve_family(cfg, raw)
+    ref, extra = _model_ref(cfg)
+    try:
+        _check_tokenizer_files(cfg)
+        if spec.native is not None and cfg.loader == "native":
+            cls = getattr(transformers, spec.native.tokenizer_class, None) or transformers.AutoTokenizer
+            tok = cls.from_pretrained(ref, **extra)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        hint = "Check the hub id or folder and its tokenizer files."
+        raise _load_error(cfg, "its tokenizer", exc, hint, raw) from exc
+    check_tokenizer(cfg, tok, spec, raw if raw is not None else raw_config(cfg))
+    return tok
+
+
+def check_tokenizer(cfg: BackboneConfig, tok: Any, spec: FamilySpec, raw: dict[str, Any]) -> None:
+    """Refuse a tokenizer that would degrade silently (:class:`BackboneError` naming what is wrong): a vocabulary
+    that does not match the model's embedding matrix (more ids than rows, or fewer than half of them), a named
+    special token that is not in its vocabulary, a ``mask_token`` / ``turn_end`` override that is not either.
+
+    >>> class Tok:  # a stand-in: 10 tokens, every string unknown
+    ...     unk_token, unk_token_id = "[UNK]", 0
+    ...     def __len__(self): return 10
+    ...     def convert_tokens_to_ids(self, token): return 0
+    >>> try:
+    ...     check_tokenizer(BackboneConfig(model="m", mask_token="<m>"), Tok(), FAMILIES["mlm"], {"vocab_size": 10})
+    ... except BackboneError as exc:
+    ...     print(exc)
+    m: mask token '<m>' (--mask-token) is not in its tokenizer's vocabulary
+    """
+    name = cfg.model
+    rows = raw.get("vocab_size") or raw.get("embedding_size") or (raw.get("text_config") or {}).get("vocab_size")
+    size = len(tok)
+    if rows and (size > int(rows) or size < int(rows) // 2):
+        raise BackboneError(
+            f"{name}: its tokenizer has {size:,} tokens but the model's embedding has {int(rows):,} rows: not this "
+            "model's tokenizer (or its files are incomplete); give the folder the tokenizer it was trained with"
+        )
+    unk = getattr(tok, "unk_token_id", None)
+
+    def missing(token: str) -> bool:
+        tid = tok.convert_tokens_to_ids(token)
+        return tid is None or (tid == unk and token != getattr(tok, "unk_token", None))
+
+    for attr in ("bos_token", "eos_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        token = getattr(tok, attr, None)
+        if token and missing(str(token)):
+            raise BackboneError(f"{name}: its {attr} {str(token)!r} is not in its tokenizer's vocabulary (a broken "
+                                "tokenizer_config.json or special_tokens_map.json?)")  # fmt: skip
+    for token, flag in ((cfg.mask_token, "--mask-token"), (cfg.turn_end, "--turn-end")):
+        if token and missing(token):
+            raise BackboneError(f"{name}: {flag.removeprefix('--').replace('-', ' ')} {token!r} ({flag}) is not in "
+                                "its tokenizer's vocabulary")  # fmt: skip
+
+
+def load_backbone(cfg: BackboneConfig) -> Backbone:
+    """Load tokenizer and model (HF hub id or local path; GGUF through ``gguf_file``).
+
+    Every failure is a :class:`BackboneError` naming the model, its architecture, the transformers version
+    and what to do; a remote-code family is refused before any of its code runs unless allowed.
+    """
+    import transformers
+
+    cfg = with_adapter(cfg)
+    ref, extra = _model_ref(cfg)
+    raw = raw_config(cfg)
+    spec = resolve_family(cfg, raw)
+    tokenizer = load_tokenizer(cfg, spec, raw)
+    check_weights(cfg, raw)
+    dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
+    kwargs: dict[str, Any] = {dtype_kw: getattr(torch, cfg.dtype), **extra}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        if spec.native is not None and cfg.loader == "native":
+            native = spec.native
+            cls = getattr(transformers, native.model_class)
+            if native.key_mapping:
+                kwargs["key_mapping"] = native.key_mapping
+            model, info = cls.from_pretrained(ref, config=native.config(raw), output_loading_info=True, **kwargs)
+            wrong = {k: sorted(v)[:4] for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
+            if wrong:
+                raise BackboneError(f"its weights do not map onto {native.model_class}: {wrong}")
+        else:
+            auto = getattr(transformers, spec.auto_class)
+            model = auto.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        hint = "Check the family (--family), the dtype and the loader."
+        if cfg.loader == "remote":
+            hint = "Its remote code may not run on this transformers; the native loader (the default) needs none."
+        raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
+    if cfg.adapter:
+        model = _apply_adapter(model, cfg, raw, spec)
+    model.to(resolve_device(cfg.device))
+    bb = Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
+    bb.source = cfg
+    return bb
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
