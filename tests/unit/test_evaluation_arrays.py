@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
-from retrieval.evaluation import evaluate, qrels_from_table, run_from_table
+from retrieval.evaluation import arrays, evaluate, qrels_from_table, run_from_table
 from retrieval.evaluation.arrays import evaluate_tables, supported
 
 MEASURES = ["ndcg_cut_10", "mrr_10", "recall_100", "recall_1000", "ndcg_cut_3", "P_5", "map", "recip_rank", "ndcg",
@@ -84,3 +85,79 @@ def test_bad_runs_are_refused_as_run_from_table_refuses() -> None:
     # by score, repeated ranks are no matter: tied scores by doc_id descending, "b" before "a"
     value = evaluate_tables(qrels, run(["a", "b"], [1, 1]), ["ndcg_cut_10"], ties="score").column("value")[0].as_py()
     assert value == pytest.approx(1 / np.log2(3))
+
+
+def reordered(run: pa.Table, seed: int, repeats: bool) -> pa.Table:
+    """The run with ranks that disagree with its scores (a random order; ``repeats``: some ranks given twice)."""
+    rng = np.random.default_rng(seed)
+    q = np.array(run.column("query_id").to_pylist())
+    rank = np.zeros(len(q), np.int32)
+    for qid in np.unique(q):
+        at = np.flatnonzero(q == qid)
+        rank[at] = rng.permutation(len(at)) + 1
+    if repeats:
+        rank = np.where(rng.random(len(rank)) < 0.2, np.maximum(rank - 1, 1), rank)
+    return run.set_column(run.schema.get_field_index("rank"), "rank", pa.array(rank))
+
+
+@pytest.mark.parametrize("ties", ["rank", "trec", "score"])
+def test_ranks_that_disagree_with_scores(ties: str) -> None:
+    for seed in range(15):
+        qrels, run = random_case(100 + seed)
+        run = reordered(run, seed, repeats=ties != "rank")
+        want = reference(qrels, run, 1, ties)
+        assert evaluate_tables(qrels, run, MEASURES, 1, ties=ties).equals(want), (seed, ties)
+        shuffled = run.take(pa.array(np.random.default_rng(seed).permutation(len(run))))
+        if ties == "trec":  # repeated ranks keep the table's order: the reference reads the shuffled table
+            want = reference(qrels, shuffled, 1, ties)
+        assert evaluate_tables(qrels, shuffled, MEASURES, 1, ties=ties).equals(want), (seed, ties)
+
+
+@pytest.mark.parametrize("ties", ["rank", "trec", "score"])
+def test_stored_order_chunks_and_uneven_queries(ties: str) -> None:
+    """The table as stored (grouped by query, in rank order: no sort), in several chunks, and queries of very
+    unequal lengths (one long query among many short ones)."""
+    for seed in range(10):
+        qrels, run = random_case(200 + seed)
+        chunked = pa.Table.from_batches(run.to_batches(max_chunksize=37))
+        assert evaluate_tables(qrels, chunked, MEASURES, 2, ties=ties).equals(reference(qrels, run, 2, ties))
+        distinct = run.set_column(3, "score", pc.cast(pc.subtract(1000, run.column("rank")), pa.float32()))
+        assert evaluate_tables(qrels, distinct, MEASURES, 1, ties=ties).equals(reference(qrels, distinct, 1, ties))
+    rng = np.random.default_rng(7)
+    n = 3000
+    docs = [f"doc-{i:05d}-with-a-longer-id" for i in range(n)]
+    scores = np.round(rng.normal(size=n), 1)  # ties
+    ranks = np.empty(n, np.int32)
+    ranks[np.lexsort((np.arange(n), -scores))] = np.arange(1, n + 1)
+    run = pa.table({"query_id": ["long"] * n + [f"s{i}" for i in range(300)], "doc_id": docs + [docs[1]] * 300,
+                    "rank": pa.array(np.r_[ranks, np.ones(300, np.int32)]),
+                    "score": pa.array(np.r_[scores, np.zeros(300)], pa.float32())})  # fmt: skip
+    run = run.take(pa.array(rng.permutation(len(run))))
+    qrels = pa.table({"query_id": ["long"] * 40 + ["s1", "s2"], "relevance": pa.array([1, 2] * 21, pa.int32()),
+                      "doc_id": [docs[i] for i in rng.choice(n, 40, replace=False)] + [docs[0], "absent"]})  # fmt: skip
+    assert evaluate_tables(qrels, run, MEASURES, 1, ties=ties).equals(reference(qrels, run, 1, ties))
+
+
+def test_string_hashes() -> None:
+    """Equal ids hash equal whatever their chunk, slice or string type; these distinct ids hash apart."""
+    ids = ["", "a", "a\x00", "\x00", "abcdefgh", "abcdefgh\x00", "abcdefghi", "é", "e", "ABCDEFGHIJKLMNOPQ",
+           "ABCDEFGHIJKLMNOPR", "msmarco_passage_00_123456789", "msmarco_passage_00_123456788",
+           "12345678" * 5]  # fmt: skip
+    h = arrays._hash_strings(pa.chunked_array([ids]))
+    assert len(set(h.tolist())) == len(ids)
+    for column in (pa.chunked_array([ids[:5], ids[5:]]), pa.chunked_array([pa.array(ids * 2).slice(len(ids))]),
+                   pa.chunked_array([pa.array(ids, pa.large_string())]), pa.chunked_array([ids], pa.large_binary()),
+                   pa.chunked_array([pa.array(ids, pa.string_view())])):  # fmt: skip
+        assert arrays._hash_strings(column).tolist() == h.tolist()
+    assert np.array_equal(arrays._hash_strings(pa.chunked_array([ids * 3]), block=5), np.tile(h, 3))
+
+
+def test_hash_collisions_only_cost_a_string_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every id hashing alike: the repeat check compares the strings, which raise only on a real repeat."""
+    monkeypatch.setattr(arrays, "_hash_strings", lambda column: np.zeros(len(column), np.uint64))
+    qrels, run = random_case(5)
+    assert evaluate_tables(qrels, run, MEASURES, 1, ties="trec").equals(reference(qrels, run, 1, "trec"))
+    twice = pa.table({"query_id": ["q", "q", "r"], "doc_id": ["b", "a", "b"], "rank": [1, 2, 1], "score": [1.0] * 3})
+    evaluate_tables(qrels, twice, ["ndcg_cut_10"])
+    with pytest.raises(ValueError, match="document 'b' appears twice for query 'q'"):
+        evaluate_tables(qrels, twice.set_column(1, "doc_id", pa.array(["b", "b", "b"])), ["ndcg_cut_10"])
