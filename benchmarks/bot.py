@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.models.encoding import tokenize_texts  # noqa: E402
-from retrieval.models.sparse import excluded_ids  # noqa: E402
-from retrieval.search.bm25 import BM25Settings, _tokenize  # noqa: E402
-from retrieval.search.bot import bag_of_tokens  # noqa: E402
+from diffret.retrieval.models.encoding import tokenize_texts  # noqa: E402
+from diffret.retrieval.models.sparse import excluded_ids  # noqa: E402
+from diffret.retrieval.search.bm25 import BM25Settings, _tokenize  # noqa: E402
+from diffret.retrieval.search.bot import bag_of_tokens  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MSMARCO_PASSAGES, MSMARCO_TOKENS = 8_841_823, 75

@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.search.encodings import encodings_from_table  # noqa: E402
-from retrieval.search.exact import SearchSettings, search_pass  # noqa: E402
-from stages.codebooks import codebook_sample  # noqa: E402
-from storage.codecs import Codec, compress_table, parse_store, train_codebook, vectors_of  # noqa: E402
-from storage.layout import encodings_schema  # noqa: E402
+from diffret.retrieval.search.encodings import encodings_from_table  # noqa: E402
+from diffret.retrieval.search.exact import SearchSettings, search_pass  # noqa: E402
+from diffret.stages.codebooks import codebook_sample  # noqa: E402
+from diffret.storage.codecs import Codec, compress_table, parse_store, train_codebook, vectors_of  # noqa: E402
+from diffret.storage.layout import encodings_schema  # noqa: E402
 
 
 def clustered(n: int, k: int, h: int, centres: int, seed: int) -> np.ndarray:

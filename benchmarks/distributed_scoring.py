@@ -32,13 +32,13 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flows.cluster import WORKER_ENV, local_cluster  # noqa: E402
-from flows.runner import run_stage  # noqa: E402
-from stages import stages  # noqa: E402
-from stages.score import ScoreConfig  # noqa: E402
-from stages.systems import SystemRecord, SystemRef, register  # noqa: E402
-from storage import ArtifactStore, Manifest  # noqa: E402
-from storage.layout import (  # noqa: E402
+from diffret.flows.cluster import WORKER_ENV, local_cluster  # noqa: E402
+from diffret.flows.runner import run_stage  # noqa: E402
+from diffret.stages import stages  # noqa: E402
+from diffret.stages.score import ScoreConfig  # noqa: E402
+from diffret.stages.systems import SystemRecord, SystemRef, register  # noqa: E402
+from diffret.storage import ArtifactStore, Manifest  # noqa: E402
+from diffret.storage.layout import (  # noqa: E402
     DATASET_TABLES,
     dataset_dir,
     encodings_dir,
@@ -134,8 +134,8 @@ def _warm() -> float:
 
     import pyarrow.parquet as pq
 
-    from retrieval.search.encodings import encodings_from_table
-    from retrieval.search.exact import SearchSettings, search_pass
+    from diffret.retrieval.search.encodings import encodings_from_table
+    from diffret.retrieval.search.exact import SearchSettings, search_pass
 
     rng = np.random.default_rng(1)
     pool = rng.standard_normal((64, 8), dtype=np.float32)
@@ -177,8 +177,8 @@ def shard_peak(root: str, kp: int) -> float:
     process, after :func:`_warm`."""
     code = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
             "import distributed_scoring as ds, compress\n"
-            "from storage import ArtifactStore\n"
-            "from stages.readers import encoding_manifest, iter_encodings\n"
+            "from diffret.storage import ArtifactStore\n"
+            "from diffret.stages.readers import encoding_manifest, iter_encodings\n"
             f"ds._warm(); store = ArtifactStore({root!r})\n"
             f"stage = ds.encodings_dir(ds.SYSTEM, 'synth', 'passage', {kp})\n"
             "m = encoding_manifest(store, stage)\n"

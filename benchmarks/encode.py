@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from retrieval.models.backbones import BackboneConfig, bidirectional_mask, load_backbone
-from retrieval.models.encoding import encode_rows
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from stages.readers import passage_text
+from diffret.retrieval.models.backbones import BackboneConfig, bidirectional_mask, load_backbone
+from diffret.retrieval.models.encoding import encode_rows
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.stages.readers import passage_text
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ import tracemalloc
 import numpy as np
 import pyarrow as pa
 
-from retrieval.evaluation import DEFAULT_MEASURES, evaluate, qrels_from_table, run_from_table
-from retrieval.evaluation.arrays import evaluate_tables
+from diffret.retrieval.evaluation import DEFAULT_MEASURES, evaluate, qrels_from_table, run_from_table
+from diffret.retrieval.evaluation.arrays import evaluate_tables
 
 
 def synthetic(n_queries: int, depth: int, seed: int = 0) -> tuple[pa.Table, pa.Table]:

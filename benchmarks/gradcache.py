@@ -33,9 +33,9 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from train import scifact_groups
 
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.readouts import ReadoutConfig, make_reader
-    from retrieval.training.loop import Trainer, TrainSettings
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.training.loop import Trainer, TrainSettings
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.data.collections import DatasetReport, DocIds, read_corpus
-from storage import ArtifactStore, Manifest
-from storage.layout import CORPUS_SCHEMA
+from diffret.retrieval.data.collections import DatasetReport, DocIds, read_corpus
+from diffret.storage import ArtifactStore, Manifest
+from diffret.storage.layout import CORPUS_SCHEMA
 
 
 def make_corpus(path: Path, n: int, seed: int = 0) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.rerank.rerankers import make_reranker
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.rerank.rerankers import make_reranker
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

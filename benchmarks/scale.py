@@ -36,9 +36,9 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import ArtifactStore, FileEntry
-from storage.layout import SHARD_LOG
-from storage.store import PARQUET_COMPRESSION
+from diffret.storage import ArtifactStore, FileEntry
+from diffret.storage.layout import SHARD_LOG
+from diffret.storage.store import PARQUET_COMPRESSION
 
 STAGE = "encodings/system=bench/dataset=msmarco/side=passage/k=16"
 PART = {"system": "bench", "dataset": "msmarco", "side": "passage", "k": "16"}

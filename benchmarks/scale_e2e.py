@@ -193,7 +193,8 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
     with log.open("a") as out:
         out.write(f"\n$ diffret {' '.join(args)}\n")
         out.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "diffret.flows.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT,
                                 env=env, cwd=REPO)  # fmt: skip
         stop = threading.Event()
 
@@ -233,7 +234,7 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
     info = write_collection(coll, n, n_queries)
     model = str(write_model(work / "model"))
     root = base / "store"
-    progress = base / "stages.json"
+    progress = base / "diffret.stages.json"
     done = json.loads(progress.read_text()) if resume and progress.exists() else []
     if root.exists() and not resume:
         shutil.rmtree(root)

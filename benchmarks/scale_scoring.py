@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.search import Encodings, SearchSettings, search_pass  # noqa: E402
-from retrieval.search.encodings import SparseFlat  # noqa: E402
-from retrieval.search.scoring import NEG, RunningTopK, TopK, Workspace, maxsim  # noqa: E402
+from diffret.retrieval.search import Encodings, SearchSettings, search_pass  # noqa: E402
+from diffret.retrieval.search.encodings import SparseFlat  # noqa: E402
+from diffret.retrieval.search.scoring import NEG, RunningTopK, TopK, Workspace, maxsim  # noqa: E402
 
 VOCAB = 150_000
 

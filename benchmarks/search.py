@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.search import Encodings, SearchSettings, search_pass  # noqa: E402
+from diffret.retrieval.search import Encodings, SearchSettings, search_pass  # noqa: E402
 
 
 def synthetic(n: int, k: int, h: int, seed: int) -> np.ndarray:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrieval.search import lance as li
+from diffret.retrieval.search import lance as li
 
 
 class Corpus:

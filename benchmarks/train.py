@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from retrieval.data.training import Group
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Trainer, TrainSettings
-from retrieval.training.objective import contrastive_loss, sparse_vectors
+from diffret.retrieval.data.training import Group
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.training.loop import Trainer, TrainSettings
+from diffret.retrieval.training.objective import contrastive_loss, sparse_vectors
 
 REPO = Path(__file__).resolve().parents[1]
 SCIFACT = REPO.parent / "shared" / "data" / "scifact"

@@ -55,8 +55,8 @@ class Retriever:
     @property
     def reader(self) -> Any:
         if self._reader is None:
-            from retrieval.models.backbones import load_backbone
-            from retrieval.models.readouts import make_reader
+            from diffret.retrieval.models.backbones import load_backbone
+            from diffret.retrieval.models.readouts import make_reader
 
             s = self.settings
             self._reader = make_reader(load_backbone(s.backbone), s.readout, s.max_length)
@@ -65,14 +65,14 @@ class Retriever:
     @property
     def sparse_factor(self) -> float:
         """The scale the score stage applies to this retriever's stored sparse weights (the reference's rules)."""
-        from retrieval.search.rules import ScoreRules
+        from diffret.retrieval.search.rules import ScoreRules
 
         return ScoreRules().factor_for(self.settings.readout.readout, self.settings.readout.model_dump())
 
     def _encode(self, texts: Texts, side: str, k: int, batch_size: int | None) -> Encoded:
-        from retrieval.data.collections import passage_text
-        from retrieval.models.encoding import encode_rows, tokenize_texts
-        from stages.systems import tokenizer_of
+        from diffret.retrieval.data.collections import passage_text
+        from diffret.retrieval.models.encoding import encode_rows, tokenize_texts
+        from diffret.stages.systems import tokenizer_of
 
         ids, raw = _ids_and_texts(texts)
         if side == "passage":
@@ -115,9 +115,9 @@ def load(model: str, readout: str = "diffretriever", *, max_length: int | None =
     >>> r.settings.readout.readout                              # doctest: +SKIP
     'diffretriever'
     """
-    from retrieval.models.backbones import BackboneConfig
-    from retrieval.models.readouts import ReadoutConfig
-    from stages.encode import EncodeConfig
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.retrieval.models.readouts import ReadoutConfig
+    from diffret.stages.encode import EncodeConfig
 
     bb_fields, ro_fields = set(BackboneConfig.model_fields), set(ReadoutConfig.model_fields)
     unknown = sorted(set(options) - bb_fields - ro_fields)
@@ -138,11 +138,11 @@ def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = 
     in ``mode`` (``single_dense``, ``multi_dense``, ``sparse_max``, ``fusion_single_sparse_max``,
     ``fusion_multi_sparse_max``): the run table the score stage writes (query_id, doc_id, rank, score; ranks by
     score, ties by doc_id), with its rules (``rules``: a ScoreRules, default the reference evaluator's)."""
-    from retrieval.search.encodings import encodings_from_table
-    from retrieval.search.exact import SearchSettings, search_pass
-    from retrieval.search.modes import MODES, all_modes, base_modes_needed
-    from retrieval.search.rules import ScoreRules
-    from retrieval.search.runs import run_table
+    from diffret.retrieval.search.encodings import encodings_from_table
+    from diffret.retrieval.search.exact import SearchSettings, search_pass
+    from diffret.retrieval.search.modes import MODES, all_modes, base_modes_needed
+    from diffret.retrieval.search.rules import ScoreRules
+    from diffret.retrieval.search.runs import run_table
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
@@ -179,8 +179,8 @@ def evaluate_per_query(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str
                        ties: str = "trec") -> pa.Table:  # fmt: skip
     """Per-query metrics (query_id, measure, value) of a run table against qrels (a table with query_id, doc_id,
     relevance, or ``{query_id: {doc_id: grade}}``)."""
-    from retrieval.evaluation import DEFAULT_MEASURES
-    from retrieval.evaluation.arrays import evaluate_tables
+    from diffret.retrieval.evaluation import DEFAULT_MEASURES
+    from diffret.retrieval.evaluation.arrays import evaluate_tables
 
     if isinstance(qrels, Mapping):
         rows = [(q, d, int(g)) for q, docs in qrels.items() for d, g in docs.items()]
@@ -213,8 +213,8 @@ def load_beir(folder: str | Path, name: str | None = None) -> Collection:
     """A BEIR-layout folder, validated and parsed as `diffret download --source FOLDER` parses it."""
     import tempfile
 
-    from stages import execute, stages
-    from stages.ingest import DownloadConfig
+    from diffret.stages import execute, stages
+    from diffret.stages.ingest import DownloadConfig
 
     folder = Path(folder)
     with tempfile.TemporaryDirectory() as root:
@@ -240,21 +240,21 @@ class Store:
     """
 
     def __init__(self, root: str | Path):
-        from storage import ArtifactStore
+        from diffret.storage import ArtifactStore
 
         self.root = str(root)
         self.store = ArtifactStore(self.root)
 
     def sql(self, query: str) -> pa.Table:
         """A read-only DuckDB query over the store's views (``diffret views`` lists them) as an Arrow table."""
-        from storage.sql import StoreSQL
+        from diffret.storage.sql import StoreSQL
 
         with StoreSQL(self.store) as db:
             return db.arrow(query)
 
     def table(self, what: str, dataset: str) -> pa.Table:
         """A dataset's ``corpus``, ``queries`` or ``qrels`` table (verified against its manifest)."""
-        from storage.layout import dataset_dir
+        from diffret.storage.layout import dataset_dir
 
         return self.store.read_table(dataset_dir(dataset), f"{what}.parquet")
 

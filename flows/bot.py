@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from stages import tokenize as tokenize_stage
-from stages.bot import BotConfig, stage
+from diffret.stages import tokenize as tokenize_stage
+from diffret.stages.bot import BotConfig, stage
 
 from .runner import run_in_flow, run_name
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from storage.layout import DEFAULT_ROOT
+from diffret.storage.layout import DEFAULT_ROOT
 
 from .commands import config_command
 from .display import (
@@ -110,9 +110,9 @@ _FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT
 
 
 def _known_errors() -> tuple[type[Exception], ...]:
-    from retrieval.data.collections import DatasetError
-    from retrieval.models.backbones import BackboneError
-    from storage import StoreError
+    from diffret.retrieval.data.collections import DatasetError
+    from diffret.retrieval.models.backbones import BackboneError
+    from diffret.storage import StoreError
 
     return (DatasetError, StoreError, BackboneError, ValueError)
 
@@ -138,7 +138,7 @@ def _config(cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
     """Run a stage with ``config`` (Prefect or in-process), print its result line, return it."""
-    from stages import stages
+    from diffret.stages import stages
 
     from .runner import run_stage, use_prefect
 
@@ -152,7 +152,7 @@ def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
 def stage_command(stage_name: str, command: str | None = None,
                   after: Callable[[Any], None] | None = None) -> None:  # fmt: skip
     """Register ``diffret <command>``: the stage's config as options, then the stage, then ``after(result)``."""
-    from stages import stages
+    from diffret.stages import stages
 
     stage = stages()[stage_name]
     cls = stage.config
@@ -271,7 +271,7 @@ def _printers() -> dict[str, Callable[[Any], None]]:
 def _register() -> None:
     """Every stage's command, generated from its config, in pipeline order (the whole experiment first); a stage
     registered with ``stages.register`` or the ``diffret.stages`` entry points gets its command the same way."""
-    from stages import stages
+    from diffret.stages import stages
 
     from .compose import BotConfig, EncodeConfig, PipelineConfig
 
@@ -304,12 +304,12 @@ def export_run(
                                          "fusion).")] = None, root: Root = DEFAULT_ROOT,
 ) -> None:  # fmt: skip
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
-    from retrieval.evaluation import write_trec_run
-    from stages.rerank import first_stage_mode
-    from stages.runs import read_run
-    from stages.systems import SystemRef, find_system
-    from storage import ArtifactStore
-    from storage.layout import run_dir
+    from diffret.retrieval.evaluation import write_trec_run
+    from diffret.stages.rerank import first_stage_mode
+    from diffret.stages.runs import read_run
+    from diffret.stages.systems import SystemRef, find_system
+    from diffret.storage import ArtifactStore
+    from diffret.storage.layout import run_dir
 
     with _errors():
         store = ArtifactStore(root)
@@ -336,8 +336,8 @@ def sql(
     store root are refused."""
     import duckdb
 
-    from storage import ArtifactStore
-    from storage.sql import StoreSQL
+    from diffret.storage import ArtifactStore
+    from diffret.storage.sql import StoreSQL
 
     with _errors():
         try:
@@ -358,7 +358,7 @@ def sql(
 def verify(root: Root = DEFAULT_ROOT) -> None:
     """Check every stored file against its manifest's sha256; exit 1 naming each damaged or missing file (the
     next run of its stage redoes it)."""
-    from storage import ArtifactStore
+    from diffret.storage import ArtifactStore
 
     with _errors():
         checked, problems = ArtifactStore(root).verify_all()
@@ -373,8 +373,8 @@ def verify(root: Root = DEFAULT_ROOT) -> None:
 @app.command(cls=Command)
 def views(root: Root = DEFAULT_ROOT) -> None:
     """List the SQL views and their columns."""
-    from storage import ArtifactStore
-    from storage.sql import StoreSQL
+    from diffret.storage import ArtifactStore
+    from diffret.storage.sql import StoreSQL
 
     with _errors(), StoreSQL(ArtifactStore(root)) as db:
         for name in db.views:
@@ -385,8 +385,8 @@ def views(root: Root = DEFAULT_ROOT) -> None:
 @app.command(cls=Command)
 def systems(root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table) -> None:
     """List the systems in the store (the registry) with every setting that made them."""
-    from stages.systems import list_systems
-    from storage import ArtifactStore
+    from diffret.stages.systems import list_systems
+    from diffret.storage import ArtifactStore
 
     with _errors():
         recs = list_systems(ArtifactStore(root))

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from retrieval.devices import place_workers, visible_gpus, wants_gpu
-from stages import Context, Plan, Stage, StageConfig
+from diffret.retrieval.devices import place_workers, visible_gpus, wants_gpu
+from diffret.stages import Context, Plan, Stage, StageConfig
 
 GPU = "GPU"  # the Dask resource a GPU unit asks for and a GPU worker offers (one per worker)
 # glibc gives a large block back to the system when it is freed (its own threshold rises to 32 MB after the first
@@ -144,7 +144,7 @@ def cluster_gpus(client: Any) -> list[str]:
 
 def run_unit(stage: Stage, root: str, unit: Any) -> Any:
     """Run one unit of a stage wherever Dask put it (the planning process commits its result)."""
-    from storage import ArtifactStore
+    from diffret.storage import ArtifactStore
 
     return stage.run(unit, Context(ArtifactStore(root)))
 
@@ -190,8 +190,7 @@ def _expose_packages_to_workers() -> None:
     folder would shadow our ``storage`` package as an empty namespace. A path entry for the checkout
     wins over that (a regular package found anywhere on the path beats a namespace portion).
     """
-    import storage
-
+    from diffret import storage
     top = str(Path(storage.__file__).resolve().parents[1])
     if top not in sys.path:
         sys.path.append(top)  # spawned worker processes start from a copy of this sys.path

@@ -34,9 +34,9 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import ReadoutConfig
-from stages.systems import EncodeSettings, SystemRef, numeric_settings
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.readouts import ReadoutConfig
+from diffret.stages.systems import EncodeSettings, SystemRef, numeric_settings
 
 
 @dataclass

@@ -16,27 +16,27 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from retrieval.data.sources import corpus_of, stored_name
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import ReadoutConfig
-from retrieval.models.released import read_released
-from retrieval.search.bm25 import BM25Settings
-from retrieval.search.rules import ScoreRules
-from stages import bm25, evaluate, index, ingest, score, summary
-from stages import bot as bot_stage
-from stages import encode as encode_stage
-from stages import tokenize as tokenize_stage
-from stages.base import GRID_K, KList, ModeList, StageConfig, StageResult
-from stages.bm25 import BM25Config
-from stages.bot import BotConfig
-from stages.encode import EncodeConfig, check_head_stats, check_k_within
-from stages.evaluate import EvaluateConfig
-from stages.index import IndexConfig
-from stages.ingest import DownloadConfig
-from stages.score import ScoreConfig
-from stages.summary import SummaryConfig
-from stages.systems import SystemRef
+from diffret.retrieval.data.sources import corpus_of, stored_name
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.readouts import ReadoutConfig
+from diffret.retrieval.models.released import read_released
+from diffret.retrieval.search.bm25 import BM25Settings
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.stages import bm25, evaluate, index, ingest, score, summary
+from diffret.stages import bot as bot_stage
+from diffret.stages import encode as encode_stage
+from diffret.stages import tokenize as tokenize_stage
+from diffret.stages.base import GRID_K, KList, ModeList, StageConfig, StageResult
+from diffret.stages.bm25 import BM25Config
+from diffret.stages.bot import BotConfig
+from diffret.stages.encode import EncodeConfig, check_head_stats, check_k_within
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.index import IndexConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.score import ScoreConfig
+from diffret.stages.summary import SummaryConfig
+from diffret.stages.systems import SystemRef
 
 from .runner import prefect_api, run_stage
 
@@ -218,7 +218,7 @@ def run_encode(
     report: Callable | None = None,
 ) -> StageResult:
     """Tokenize what is missing, then encode: through Prefect (one flow run) or in this process."""
-    return _tokenize_then(encode_stage.stage, "flows.encode", "encode_flow", config, prefect, log, report)
+    return _tokenize_then(encode_stage.stage, "diffret.flows.encode", "encode_flow", config, prefect, log, report)
 
 
 def run_bot(
@@ -229,7 +229,7 @@ def run_bot(
     report: Callable | None = None,
 ) -> StageResult:
     """Tokenize the passages where their tokens are missing, then build the bag of tokens (as ``run_encode``)."""
-    return _tokenize_then(bot_stage.stage, "flows.bot", "bot_flow", config, prefect, log, report)
+    return _tokenize_then(bot_stage.stage, "diffret.flows.bot", "bot_flow", config, prefect, log, report)
 
 
 def pipeline_plan(config: PipelineConfig) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ import json
 import textwrap
 from typing import Any
 
-from storage.layout import DEFAULT_ROOT
+from diffret.storage.layout import DEFAULT_ROOT
 
 HEADER = """# Prefect deployments of diffret (Prefect 3.8.8). See docs/operations.md.
 #
@@ -61,7 +61,7 @@ deployments:"""
 
 PIPELINE = {
     "name": "pipeline",
-    "entrypoint": ("flows.pipeline", "pipeline_flow"),
+    "entrypoint": ("diffret.flows.pipeline", "pipeline_flow"),
     "description": (
         "The whole zero-shot experiment on one dataset: download, encode the (K_q, K_p) grid, (LanceDB index), "
         "exact scoring of every cell in the five modes, BM25, pytrec_eval metrics, leaderboard + heatmaps + "
@@ -119,9 +119,11 @@ def _yaml(value: Any, indent: int) -> list[str]:
 
 def _deployment(name: str, entrypoint: tuple[str, str], description: str, example: dict[str, Any]) -> str:
     module, fn = entrypoint
+    path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
+    path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
     folded = textwrap.wrap(" ".join(description.split()), 106, break_long_words=False, break_on_hyphens=False)
     lines = [f"- name: {name}", "  version: null", "  tags: *diffret_tags", "  description: >-",
-             *(f"    {line}" for line in folded), f"  entrypoint: {module.replace('.', '/')}.py:{fn}",
+             *(f"    {line}" for line in folded), f"  entrypoint: {path}.py:{fn}",
              "  parameters:", "    config:", *_yaml({"root": DEFAULT_ROOT, **example}, 6),
              "  work_pool: *diffret_process", "  schedules: []"]  # fmt: skip
     return "\n".join(lines)
@@ -129,7 +131,7 @@ def _deployment(name: str, entrypoint: tuple[str, str], description: str, exampl
 
 def deployments() -> list[dict[str, Any]]:
     """Every deployment as name, entrypoint (module, function), description and example parameters."""
-    from stages import stages
+    from diffret.stages import stages
 
     from .runner import flow_ref
 

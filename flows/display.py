@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from storage.layout import MEASURES
+from diffret.storage.layout import MEASURES
 
 console = Console(stderr=True, emoji=False)  # logs, progress, result lines
 out = Console(emoji=False)  # results

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from stages import encode as encode_stage
-from stages import tokenize as tokenize_stage
-from stages.encode import EncodeConfig
+from diffret.stages import encode as encode_stage
+from diffret.stages import tokenize as tokenize_stage
+from diffret.stages.encode import EncodeConfig
 
 from .compose import run_encode
 from .runner import run_in_flow, run_name

@@ -11,10 +11,10 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from stages.base import inline_figures
-from stages.summary import summary_page
-from storage import ArtifactStore
-from storage.layout import summary_dir
+from diffret.stages.base import inline_figures
+from diffret.stages.summary import summary_page
+from diffret.storage import ArtifactStore
+from diffret.storage.layout import summary_dir
 
 from .compose import PRESETS, PipelineConfig, run_pipeline
 from .runner import run_name

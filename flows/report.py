@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from stages.base import inline_figures
-from stages.report import ReportConfig, stage
-from storage import ArtifactStore
-from tasks.keys import artifact_key
+from diffret.stages.base import inline_figures
+from diffret.stages.report import ReportConfig, stage
+from diffret.storage import ArtifactStore
+from diffret.tasks.keys import artifact_key
 
 from .runner import run_in_flow, run_name
 

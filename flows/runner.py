@@ -16,17 +16,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stages import Context, Stage, StageConfig, StageResult, execute
-from stages.base import inline_figures, run_units
-from storage import ArtifactStore
-from tasks.keys import artifact_key
+from diffret.stages import Context, Stage, StageConfig, StageResult, execute
+from diffret.stages.base import inline_figures, run_units
+from diffret.storage import ArtifactStore
+from diffret.tasks.keys import artifact_key
 
 # stages whose flow does more than run the stage: (module, function); every other stage's flow is generated in
 # flows/stage_flows.py from the registry
 CUSTOM: dict[str, tuple[str, str]] = {
-    "encode": ("flows.encode", "encode_flow"),  # tokenizes first
-    "bot": ("flows.bot", "bot_flow"),  # tokenizes first
-    "report": ("flows.report", "report_flow"),  # publishes its sections as artifacts
+    "encode": ("diffret.flows.encode", "encode_flow"),  # tokenizes first
+    "bot": ("diffret.flows.bot", "bot_flow"),  # tokenizes first
+    "report": ("diffret.flows.report", "report_flow"),  # publishes its sections as artifacts
 }
 
 
@@ -37,14 +37,14 @@ def flow_name(command: str) -> str:
 
 def flow_ref(stage: str) -> tuple[str, str]:
     """(module, function) of a stage's Prefect flow (the flow is named after the stage's command)."""
-    from stages import stages
+    from diffret.stages import stages
 
-    return CUSTOM.get(stage) or ("flows.stage_flows", flow_name(stages()[stage].command))
+    return CUSTOM.get(stage) or ("diffret.flows.stage_flows", flow_name(stages()[stage].command))
 
 
 def flows() -> dict[str, tuple[str, str]]:
     """Every stage's flow as (module, function), by stage name."""
-    from stages import stages
+    from diffret.stages import stages
 
     return {name: flow_ref(name) for name in stages()}
 
@@ -204,7 +204,7 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
     import dask
     from prefect.futures import as_completed
 
-    from tasks.units import run_unit_task
+    from diffret.tasks.units import run_unit_task
 
     total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
     advance = ctx.progress(stage.label(plan), total, plan.work_unit)

@@ -14,8 +14,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.runner import CUSTOM, flow_name, run_in_flow, run_name  # absolute: Prefect loads this file by path
-from stages import Stage, stages
+from diffret.flows.runner import CUSTOM, flow_name, run_in_flow, run_name  # absolute: Prefect loads this file by path
+from diffret.stages import Stage, stages
 
 __all__: list[str] = []
 

@@ -30,7 +30,7 @@ def register(module: str) -> Stage:
     command, its Prefect flow and its deployment like the built-in stages. Another package registers its stages
     once installed through the ``diffret.stages`` entry-point group instead.
 
-    >>> register("stages.score").name  # a module registered twice is one stage
+    >>> register("diffret.stages.score").name  # a module registered twice is one stage
     'score'
     """
     st = import_module(module).stage

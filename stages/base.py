@@ -21,12 +21,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
-from retrieval.devices import resolve_device
-from retrieval.fields import cli
-from retrieval.search.modes import MODE_NAMES, check_modes
-from retrieval.traits import Declared
-from storage import ArtifactStore, StageState, StoreError
-from storage.layout import DEFAULT_ROOT
+from diffret.retrieval.devices import resolve_device
+from diffret.retrieval.fields import cli
+from diffret.retrieval.search.modes import MODE_NAMES, check_modes
+from diffret.retrieval.traits import Declared
+from diffret.storage import ArtifactStore, StageState, StoreError
+from diffret.storage.layout import DEFAULT_ROOT
 
 GRID_K = (1, 2, 4, 8, 16)  # the paper's budgets: K_q, K_p in {1, 2, 4, 8, 16}
 

@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from retrieval.fields import like
-from retrieval.models.backbones import BackboneConfig
-from retrieval.search.bot import beta_search, bot_blocks
-from retrieval.search.encodings import SparseFlat
-from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import topk_table
-from retrieval.search.scoring import TopK
-from storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
-from storage.layout import bot_dir, encodings_dir, run_dir
+from diffret.retrieval.fields import like
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.bot import beta_search, bot_blocks
+from diffret.retrieval.search.encodings import SparseFlat
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.retrieval.search.runs import topk_table
+from diffret.retrieval.search.scoring import TopK
+from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
+from diffret.storage.layout import bot_dir, encodings_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, Plan, Stage, shared_settings
 from .passes import (

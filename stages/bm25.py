@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from retrieval.search.bm25 import BM25Settings, bm25_search
-from storage.layout import run_dir
+from diffret.retrieval.search.bm25 import BM25Settings, bm25_search
+from diffret.storage.layout import run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage
 from .readers import dataset_manifest, side_texts, split_queries

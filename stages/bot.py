@@ -15,13 +15,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from retrieval.data.sources import corpus_of
-from retrieval.fields import like
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.sparse import excluded_ids
-from retrieval.search.bot import bag_of_tokens
-from storage import IncompleteArtifactError, Manifest
-from storage.layout import BOT_FILE, BOT_SCHEMA, bot_dir, tokens_dir
+from diffret.retrieval.data.sources import corpus_of
+from diffret.retrieval.fields import like
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.sparse import excluded_ids
+from diffret.retrieval.search.bot import bag_of_tokens
+from diffret.storage import IncompleteArtifactError, Manifest
+from diffret.storage.layout import BOT_FILE, BOT_SCHEMA, bot_dir, tokens_dir
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .readers import tokens_manifest

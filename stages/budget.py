@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
-from retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, first_pass_features, text_features
-from retrieval.fields import cli
-from storage import Manifest
-from storage.layout import (
+from diffret.retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, first_pass_features, text_features
+from diffret.retrieval.fields import cli
+from diffret.storage import Manifest
+from diffret.storage.layout import (
     FEATURES_FILE,
     FEATURES_SCHEMA,
     METRICS_FILE,
@@ -34,7 +34,7 @@ from storage.layout import (
     run_dir,
     tokens_dir,
 )
-from storage.manifest import StoreError
+from diffret.storage.manifest import StoreError
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .readers import split_queries

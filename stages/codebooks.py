@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from storage import ArtifactStore, Manifest, StageState
-from storage.codecs import Codebook, Codec, parse_store, train_codebook
-from storage.layout import CODEBOOK_FILE, codebook_dir
+from diffret.storage import ArtifactStore, Manifest, StageState
+from diffret.storage.codecs import Codebook, Codec, parse_store, train_codebook
+from diffret.storage.layout import CODEBOOK_FILE, codebook_dir
 
 from .readers import codebook_digest
 

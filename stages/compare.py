@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from retrieval.evaluation import DEFAULT_MEASURES
-from retrieval.evaluation.compare import Comparison, compare_runs
-from retrieval.fields import cli
-from storage import ArtifactStore, Manifest, StoreError, config_hash
-from storage.layout import METRICS_FILE, comparison_dir, metrics_dir, partition
+from diffret.retrieval.evaluation import DEFAULT_MEASURES
+from diffret.retrieval.evaluation.compare import Comparison, compare_runs
+from diffret.retrieval.fields import cli
+from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
+from diffret.storage.layout import METRICS_FILE, comparison_dir, metrics_dir, partition
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .runs import PickedRun, pick_run

@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import AliasChoices, Field
 
-from retrieval.fields import cli, like
-from storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
-from storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
-from storage.layout import codebook_dir, encodings_dir
+from diffret.retrieval.fields import cli, like
+from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
+from diffret.storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
+from diffret.storage.layout import codebook_dir, encodings_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec

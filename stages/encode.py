@@ -22,14 +22,20 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig, check_weights, load_backbone, mask_token_id, resolve_family
-from retrieval.models.encoding import encode_rows
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
-from retrieval.models.released import read_released
-from storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
-from storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
-from storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import (
+    BackboneConfig,
+    check_weights,
+    load_backbone,
+    mask_token_id,
+    resolve_family,
+)
+from diffret.retrieval.models.encoding import encode_rows
+from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
+from diffret.retrieval.models.released import read_released
+from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
+from diffret.storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
+from diffret.storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, ClusterConfig, Context, KList, Plan, Stage, StageConfig, check_device, shared_settings
 from .codebooks import DEFAULT_SAMPLE, codebook_config, compressed_config, ensure_codebook, make_codec

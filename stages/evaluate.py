@@ -18,11 +18,11 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
-from retrieval.evaluation import DEFAULT_MEASURES
-from retrieval.evaluation.arrays import evaluate_tables
-from retrieval.fields import cli
-from storage import ArtifactStore, Manifest
-from storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
+from diffret.retrieval.evaluation import DEFAULT_MEASURES
+from diffret.retrieval.evaluation.arrays import evaluate_tables
+from diffret.retrieval.fields import cli
+from diffret.storage import ArtifactStore, Manifest
+from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
 
 from .base import ClusterConfig, Context, Folder, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 from pydantic import Field, model_validator
 
-from retrieval.fields import cli
-from retrieval.search.modes import fuse_runs
-from retrieval.search.runs import run_table
-from retrieval.search.scoring import NEG, TopK
-from storage import config_hash
-from storage.layout import FUSION_MODE, run_dir
+from diffret.retrieval.fields import cli
+from diffret.retrieval.search.modes import fuse_runs
+from diffret.retrieval.search.runs import run_table
+from diffret.retrieval.search.scoring import NEG, TopK
+from diffret.storage import config_hash
+from diffret.storage.layout import FUSION_MODE, run_dir
 
 from .base import Context, Plan, Stage
 from .readers import dataset_manifest

@@ -22,11 +22,11 @@ from typing import Any, Literal
 import pyarrow.compute as pc
 from pydantic import Field
 
-from retrieval.evaluation.trec import iter_run_file, run_file_format
-from retrieval.fields import cli
-from retrieval.search.runs import ranked_run
-from storage import ArtifactStore
-from storage.layout import IMPORTED_MODE, check_partition_value, dataset_dir, run_dir
+from diffret.retrieval.evaluation.trec import iter_run_file, run_file_format
+from diffret.retrieval.fields import cli
+from diffret.retrieval.search.runs import ranked_run
+from diffret.storage import ArtifactStore
+from diffret.storage.layout import IMPORTED_MODE, check_partition_value, dataset_dir, run_dir
 
 from .base import Context, Plan, Stage
 from .readers import dataset_manifest

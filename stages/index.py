@@ -21,13 +21,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from retrieval.fields import cli
-from retrieval.search import lance
-from retrieval.search.encodings import Encodings
-from retrieval.search.exact import SearchSettings, search_pass
-from retrieval.search.rules import ScoreRules
-from storage import ArtifactStore, FileEntry, Manifest
-from storage.layout import encodings_dir, index_dir
+from diffret.retrieval.fields import cli
+from diffret.retrieval.search import lance
+from diffret.retrieval.search.encodings import Encodings
+from diffret.retrieval.search.exact import SearchSettings, search_pass
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.storage import ArtifactStore, FileEntry, Manifest
+from diffret.storage.layout import encodings_dir, index_dir
 
 from .base import ClusterConfig, Context, Folder, KList, Plan, Stage
 from .readers import budgets, corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries

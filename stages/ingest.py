@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from retrieval.data.collections import (
+from diffret.retrieval.data.collections import (
     DatasetError,
     DatasetReport,
     DocIds,
@@ -23,10 +23,10 @@ from retrieval.data.collections import (
     read_corpus,
     read_queries,
 )
-from retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
-from retrieval.fields import cli
-from storage import ArtifactStore, Manifest, StageState, StoreError
-from storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
+from diffret.retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
+from diffret.retrieval.fields import cli
+from diffret.storage import ArtifactStore, Manifest, StageState, StoreError
+from diffret.storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig
 

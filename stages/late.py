@@ -23,17 +23,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, field_validator
 
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.encoding import encode_rows
-from retrieval.search.encodings import encodings_from_table, take
-from retrieval.search.exact import SearchSettings
-from retrieval.search.late import QUERY_GRAIN, rescore
-from retrieval.search.modes import MODE_NAMES, modes_for
-from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import doc_order, run_table, topk_table
-from storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
-from storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.encoding import encode_rows
+from diffret.retrieval.search.encodings import encodings_from_table, take
+from diffret.retrieval.search.exact import SearchSettings
+from diffret.retrieval.search.late import QUERY_GRAIN, rescore
+from diffret.retrieval.search.modes import MODE_NAMES, modes_for
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.retrieval.search.runs import doc_order, run_table, topk_table
+from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
+from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for

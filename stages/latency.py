@@ -18,19 +18,19 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, lance_search_latency
-from retrieval.fields import cli
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
-from storage import Manifest
-from storage.layout import (
+from diffret.retrieval.analysis.latency import encode_latency, environment, exact_search_latency, lance_search_latency
+from diffret.retrieval.fields import cli
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
+from diffret.storage import Manifest
+from diffret.storage.layout import (
     ENCODE_LATENCY_FILE,
     ENCODE_LATENCY_SCHEMA,
     SEARCH_LATENCY_FILE,
     SEARCH_LATENCY_SCHEMA,
     latency_dir,
 )
-from storage.manifest import config_hash
+from diffret.storage.manifest import config_hash
 
 from .base import Context, Folder, KList, Plan, Stage, StageConfig
 from .encode import reader_for
@@ -201,7 +201,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
 
 
 def _device(backbone: BackboneConfig) -> str:
-    from retrieval.devices import resolve_device
+    from diffret.retrieval.devices import resolve_device
 
     return str(resolve_device(backbone.device))
 

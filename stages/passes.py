@@ -18,12 +18,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from retrieval.search.encodings import Encodings
-from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import topk_from_table, topk_seconds
-from retrieval.search.scoring import TopK, merge_topk
-from storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
-from storage.layout import partials_dir
+from diffret.retrieval.search.encodings import Encodings
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.retrieval.search.runs import topk_from_table, topk_seconds
+from diffret.retrieval.search.scoring import TopK, merge_topk
+from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
+from diffret.storage.layout import partials_dir
 
 from .base import Context
 from .readers import query_encodings

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from retrieval.data.collections import TITLE_SEP, passage_text
-from retrieval.search.bot import binary_flat
-from retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
-from retrieval.search.rules import ScoreRules
-from storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
-from storage.codecs import FLOAT16, Codebook, Codec, parse_store
-from storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
+from diffret.retrieval.data.collections import TITLE_SEP, passage_text
+from diffret.retrieval.search.bot import binary_flat
+from diffret.retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
+from diffret.storage.codecs import FLOAT16, Codebook, Codec, parse_store
+from diffret.storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")
 READ_ROWS = 256  # an encodings shard is decoded from Parquet this many rows at a time (bounded scratch)

@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from retrieval.analysis.report import Report, build_report
-from retrieval.fields import cli, like
-from storage import Manifest, StoreError
-from storage.layout import report_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.analysis.report import Report, build_report
+from diffret.retrieval.fields import cli, like
+from diffret.storage import Manifest, StoreError
+from diffret.storage.layout import report_dir
+from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .compare import CompareConfig

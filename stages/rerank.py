@@ -17,13 +17,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
-from retrieval.data.collections import passage_text
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.rerank.rerankers import Reranker, RerankerName, batch_cuts, load_rerank_prompt, make_reranker
-from retrieval.rerank.training import RerankTrainSettings
-from storage import ArtifactStore, FileEntry, StoreError, config_hash
-from storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
+from diffret.retrieval.data.collections import passage_text
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.rerank.rerankers import Reranker, RerankerName, batch_cuts, load_rerank_prompt, make_reranker
+from diffret.retrieval.rerank.training import RerankTrainSettings
+from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
+from diffret.storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, read_units, unit_file, write_unit

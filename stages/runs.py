@@ -11,15 +11,15 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
-from retrieval.data.sources import corpus_of
-from retrieval.fields import cli
-from retrieval.search import doc_order, run_table
-from retrieval.search.modes import FUSIONS
-from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import run_file_bytes
-from retrieval.search.scoring import TopK
-from storage import ArtifactStore, Manifest, StoreError
-from storage.layout import RUN_FILE, RUN_SCHEMA
+from diffret.retrieval.data.sources import corpus_of
+from diffret.retrieval.fields import cli
+from diffret.retrieval.search import doc_order, run_table
+from diffret.retrieval.search.modes import FUSIONS
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.retrieval.search.runs import run_file_bytes
+from diffret.retrieval.search.scoring import TopK
+from diffret.storage import ArtifactStore, Manifest, StoreError
+from diffret.storage.layout import RUN_FILE, RUN_SCHEMA
 
 from .base import StageConfig
 
@@ -176,7 +176,7 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
     """The one stored run of ``dataset``/``split`` that ``ref`` names: ``SYSTEM`` (a slug, a unique prefix of one, or
     ``bm25`` for the store's BM25 system), optionally ``:MODE`` and ``:KQ:KP``; a system with one run there needs
     neither. None or several: a StoreError listing the runs to choose from."""
-    from storage.layout import partition
+    from diffret.storage.layout import partition
 
     from .systems import SystemRef, find_system
 

@@ -20,15 +20,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from retrieval.devices import resolve_device
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig
-from retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
-from retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
-from retrieval.search.rules import ScoreRules
-from retrieval.search.runs import topk_table
-from storage import FileEntry, StoreError, config_hash
-from storage.layout import encodings_dir, run_dir
+from diffret.retrieval.devices import resolve_device
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
+from diffret.retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.retrieval.search.runs import topk_table
+from diffret.storage import FileEntry, StoreError, config_hash
+from diffret.storage.layout import encodings_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, ModeList, Plan, Stage, check_device, shared_settings
 from .passes import (

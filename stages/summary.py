@@ -13,11 +13,11 @@ from typing import Any
 
 from pydantic import Field
 
-from retrieval.analysis.summary import build_summary
-from retrieval.fields import cli
-from storage import ArtifactStore, Manifest, StoreError
-from storage.layout import summary_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.analysis.summary import build_summary
+from diffret.retrieval.fields import cli
+from diffret.storage import ArtifactStore, Manifest, StoreError
+from diffret.storage.layout import summary_dir
+from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .systems import SystemRef, find_system, list_systems

@@ -16,13 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
-from retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
-from storage import ArtifactStore, Manifest, StoreError, config_hash
-from storage.codecs import FLOAT16, parse_store, store_tag
-from storage.layout import system_dir
-from storage.manifest import diff_configs
+from diffret.retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
+from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
+from diffret.retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
+from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
+from diffret.storage.codecs import FLOAT16, parse_store, store_tag
+from diffret.storage.layout import system_dir
+from diffret.storage.manifest import diff_configs
 
 from .readers import TITLE_SEP
 

@@ -17,13 +17,13 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
-from retrieval.fields import cli
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.encoding import tokenize_texts
-from retrieval.models.readouts import DEFAULT_MAX_LENGTH
-from retrieval.models.sparse import make_filter, word_pool
-from storage import FileEntry, remove_empty_sharded
-from storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
+from diffret.retrieval.fields import cli
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.encoding import tokenize_texts
+from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH
+from diffret.retrieval.models.sparse import make_filter, word_pool
+from diffret.storage import FileEntry, remove_empty_sharded
+from diffret.storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import TITLE_SEP, side_size, side_text_ranges

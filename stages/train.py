@@ -28,15 +28,15 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from retrieval.data.training import groups_from_table
-from retrieval.devices import memory_bytes, resolve_device
-from retrieval.fields import cli
-from retrieval.models.backbones import BASE_FILE, BackboneConfig, BackboneError, load_backbone, raw_config
-from retrieval.models.readouts import ReadoutConfig, make_reader, readout_class
-from retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, training_memory, world
-from retrieval.training.negatives import RetrievedNegatives
-from storage import IncompleteArtifactError, Manifest, StoreError
-from storage.layout import (
+from diffret.retrieval.data.training import groups_from_table
+from diffret.retrieval.devices import memory_bytes, resolve_device
+from diffret.retrieval.fields import cli
+from diffret.retrieval.models.backbones import BASE_FILE, BackboneConfig, BackboneError, load_backbone, raw_config
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader, readout_class
+from diffret.retrieval.training.loop import Loop, Trainer, TrainSettings, planned_steps, training_memory, world
+from diffret.retrieval.training.negatives import RetrievedNegatives
+from diffret.storage import IncompleteArtifactError, Manifest, StoreError
+from diffret.storage.layout import (
     BOT_FILE,
     GROUPS_FILE,
     MODEL_TASK_KEY,
@@ -48,7 +48,7 @@ from storage.layout import (
     model_dir,
     training_dir,
 )
-from storage.manifest import config_hash
+from diffret.storage.manifest import config_hash
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import bot_index
@@ -361,8 +361,8 @@ def max_negatives(store: Any, name: str, data: Manifest) -> int:
 def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
     """(K_q*, K_p*, where from): the budget the base model's zero-shot system selected on its train split(s)
     (view ``budget_selection``: best mean hybrid NDCG@10); a clear error when the store has none."""
-    from retrieval.analysis.views import rows
-    from storage.sql import StoreSQL
+    from diffret.retrieval.analysis.views import rows
+    from diffret.storage.sql import StoreSQL
 
     ref = SystemRef(model=config.backbone.model, where={"readout.readout": config.readout.readout})
     hint = ("run the base model zero-shot on a train split first (`diffret run --model ... --split train`), or "

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from retrieval.data.collections import DatasetError, iter_lines
-from retrieval.devices import resolve_device
-from retrieval.fields import cli, like
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.rerank.training import (
+from diffret.retrieval.data.collections import DatasetError, iter_lines
+from diffret.retrieval.devices import resolve_device
+from diffret.retrieval.fields import cli, like
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.rerank.training import (
     RankedList,
     RerankTrainer,
     RerankTrainSettings,
@@ -31,9 +31,9 @@ from retrieval.rerank.training import (
     read_ranked_lists,
     run_lists,
 )
-from retrieval.training.loop import world
-from storage import StoreError
-from storage.store import sha256_file
+from diffret.retrieval.training.loop import world
+from diffret.storage import StoreError
+from diffret.storage.store import sha256_file
 
 from .base import Context, Plan, StageConfig
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries

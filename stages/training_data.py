@@ -21,13 +21,13 @@ from typing import Any
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
-from retrieval.data.collections import DatasetError
-from retrieval.data.sources import corpus_of
-from retrieval.data.training import Group, drop_repeated_negatives, groups_table, mine_groups, read_tevatron
-from retrieval.fields import cli
-from storage import Manifest, StoreError
-from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
-from storage.store import sha256_file
+from diffret.retrieval.data.collections import DatasetError
+from diffret.retrieval.data.sources import corpus_of
+from diffret.retrieval.data.training import Group, drop_repeated_negatives, groups_table, mine_groups, read_tevatron
+from diffret.retrieval.fields import cli
+from diffret.storage import Manifest, StoreError
+from diffret.storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
+from diffret.storage.store import sha256_file
 
 from .base import Context, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries

@@ -48,7 +48,7 @@ class ViewDef:
 def load_view_defs() -> list[ViewDef]:
     """Every ``-- view:`` block of every ``queries/*.sql`` file, in file-name order."""
     out: list[ViewDef] = []
-    folder = resources.files("queries")
+    folder = resources.files("diffret.queries")
     for entry in sorted((e for e in folder.iterdir() if e.name.endswith(".sql")), key=lambda e: e.name):
         text = entry.read_text()
         current: dict[str, Any] | None = None

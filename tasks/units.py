@@ -7,13 +7,13 @@ from typing import Any
 
 from prefect import task
 
-from storage import ArtifactStore
+from diffret.storage import ArtifactStore
 
 
 @task(name="stage-unit", tags=["diffret"], retries=1, retry_delay_seconds=10)
 def run_unit_task(stage_name: str, root: str, unit: Any) -> Any:
-    import stages
-    from stages.base import Context
+    from diffret import stages
+    from diffret.stages.base import Context
 
     stage = stages.stages()[stage_name]
     return stage.run(unit, Context(ArtifactStore(root)))

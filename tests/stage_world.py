@@ -12,32 +12,32 @@ from pathlib import Path
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from retrieval.models.backbones import BackboneConfig
-from retrieval.rerank.training import RerankTrainSettings
-from retrieval.training.loop import TrainSettings
-from stages import execute, stages
-from stages.beta import BetaConfig
-from stages.bm25 import BM25Config
-from stages.bot import BotConfig
-from stages.compare import CompareConfig
-from stages.compress import CompressConfig
-from stages.encode import EncodeConfig
-from stages.evaluate import EvaluateConfig
-from stages.fuse import FuseConfig
-from stages.import_run import ImportRunConfig
-from stages.index import IndexConfig
-from stages.ingest import DownloadConfig
-from stages.late import LateConfig
-from stages.latency import LatencyConfig
-from stages.report import ReportConfig
-from stages.rerank import RerankConfig
-from stages.score import ScoreConfig
-from stages.summary import SummaryConfig
-from stages.systems import SystemRef
-from stages.tokenize import TokenizeConfig
-from stages.train import TrainConfig
-from stages.train_reranker import TrainRerankerConfig
-from stages.training_data import TrainingDataConfig
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.rerank.training import RerankTrainSettings
+from diffret.retrieval.training.loop import TrainSettings
+from diffret.stages import execute, stages
+from diffret.stages.beta import BetaConfig
+from diffret.stages.bm25 import BM25Config
+from diffret.stages.bot import BotConfig
+from diffret.stages.compare import CompareConfig
+from diffret.stages.compress import CompressConfig
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.fuse import FuseConfig
+from diffret.stages.import_run import ImportRunConfig
+from diffret.stages.index import IndexConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.late import LateConfig
+from diffret.stages.latency import LatencyConfig
+from diffret.stages.report import ReportConfig
+from diffret.stages.rerank import RerankConfig
+from diffret.stages.score import ScoreConfig
+from diffret.stages.summary import SummaryConfig
+from diffret.stages.systems import SystemRef
+from diffret.stages.tokenize import TokenizeConfig
+from diffret.stages.train import TrainConfig
+from diffret.stages.train_reranker import TrainRerankerConfig
+from diffret.stages.training_data import TrainingDataConfig
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
 CORPUS = [{"_id": f"d{i}", "title": WORDS[i], "text": " ".join(WORDS[i : i + 4])} for i in range(12)]

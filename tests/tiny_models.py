@@ -44,7 +44,7 @@ hello x user assistant system""".split()
 
 def prompt_words() -> list[str]:
     """Every word and punctuation mark of the built-in prompt files (cased, in order, without repeats)."""
-    folder = resources.files("retrieval.models") / "prompts"
+    folder = resources.files("diffret.retrieval.models") / "prompts"
     seen: dict[str, None] = {}
     for p in sorted(folder.iterdir(), key=lambda p: p.name):
         if not p.name.endswith(".yaml"):
@@ -107,7 +107,7 @@ def bpe_chat_tokenizer(mask: bool = True):
         show_progress=False,
     )
     corpus = [" ".join(_all_words())] * 3 + list(TEXTS.values()) * 3
-    folder = resources.files("retrieval.models") / "prompts"
+    folder = resources.files("diffret.retrieval.models") / "prompts"
     corpus += [p.read_text() for p in folder.iterdir() if p.name.endswith(".yaml")]
     tk.train_from_iterator(corpus, trainer=trainer)
     return _wrap(tk, eos="<|im_end|>", pad="<|endoftext|>", mask=mask)
@@ -198,7 +198,7 @@ def tiny_tokenizer(arch: str, folder: Path, mask: bool = True):
 
 def tiny_backbone(arch: str, folder: Path, seed: int = 0):
     """(Backbone, tokenizer) for ``arch``: family mlm for the encoders, causal for Qwen2 / Llama."""
-    from retrieval.models.backbones import Backbone
+    from diffret.retrieval.models.backbones import Backbone
 
     tok = tiny_tokenizer(arch, folder)
     family = "causal" if arch in CAUSAL_ARCHS else "mlm"

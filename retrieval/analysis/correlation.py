@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.sql import StoreSQL
+from diffret.storage.sql import StoreSQL
 
 from .views import rows
 

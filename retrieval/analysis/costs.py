@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.sql import StoreSQL
+from diffret.storage.sql import StoreSQL
 
 from .figures import compression_png, cost_effect_png, encode_latency_png, search_latency_png
 from .footprint import footprint_projection, human_bytes
@@ -58,7 +58,7 @@ def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, 
     """Compressed systems against their float16 systems (views ``vector_bytes``, ``compression_effect``): bytes
     per vector and per passage measured on disk, the MS MARCO projection per storage choice, and the NDCG@10 /
     MRR@10 change per mode over the grid (a table and a figure)."""
-    from storage.codecs import code_bytes
+    from diffret.storage.codecs import code_bytes
 
     systems = rows(db, "select system, store, float16_system from compressed_systems order by float16_system, system")
     if not systems:

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.models.readouts import Readout
-from retrieval.models.sparse import excluded_ids
-from retrieval.search.encodings import Encodings, SparseFlat, normalise
-from retrieval.search.exact import SearchSettings, search_pass
+from diffret.retrieval.models.readouts import Readout
+from diffret.retrieval.models.sparse import excluded_ids
+from diffret.retrieval.search.encodings import Encodings, SparseFlat, normalise
+from diffret.retrieval.search.exact import SearchSettings, search_pass
 
 
 @dataclass
@@ -219,7 +219,7 @@ def lance_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, workdi
     synthetic tables of each size built under ``workdir``: milliseconds per query. ``index_type`` ``auto``:
     IVF_PQ where the table holds enough vectors to train it, else LanceDB's flat search (``none``).
     """
-    from retrieval.search import lance
+    from diffret.retrieval.search import lance
 
     q = synthetic_encodings(queries, kq, hidden, seed=1, prefix="q")
     qs = [q.multi[i].numpy() for i in range(queries)]

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from storage.layout import MEASURES
-from storage.sql import StoreSQL
+from diffret.storage.layout import MEASURES
+from diffret.storage.sql import StoreSQL
 
 from ..evaluation.compare import Correction, Test, compare_runs
 from ..search.modes import MODE_NAMES

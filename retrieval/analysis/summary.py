@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from storage.layout import MEASURES
-from storage.sql import StoreSQL
+from diffret.storage.layout import MEASURES
+from diffret.storage.sql import StoreSQL
 
 from ..evaluation import paired_ttest_values
 from ..search.modes import MODE_NAMES

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.sql import StoreSQL
+from diffret.storage.sql import StoreSQL
 
 from ..evaluation.compare import CORRECTION_NAMES, TEST_NAMES, Correction, Test, correct, paired_test
 from .views import per_query, rows

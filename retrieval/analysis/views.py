@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from storage.layout import PRIMARY
-from storage.sql import StoreSQL
+from diffret.storage.layout import PRIMARY
+from diffret.storage.sql import StoreSQL
 
 
 class Rows(list):

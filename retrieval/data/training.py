@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.layout import GROUPS_SCHEMA
+from diffret.storage.layout import GROUPS_SCHEMA
 
 from .collections import DatasetError, _parse_json_object, iter_lines
 

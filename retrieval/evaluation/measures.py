@@ -21,7 +21,7 @@ from itertools import islice
 import pyarrow as pa
 import pytrec_eval
 
-from storage.layout import MEASURES, METRICS_SCHEMA
+from diffret.storage.layout import MEASURES, METRICS_SCHEMA
 
 from .trec import _rows
 

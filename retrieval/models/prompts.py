@@ -42,7 +42,7 @@ class PromptTemplate:
 
 
 def available_variants() -> list[str]:
-    folder = resources.files("retrieval.models") / "prompts"
+    folder = resources.files("diffret.retrieval.models") / "prompts"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -70,7 +70,7 @@ def load_prompt(variant: str) -> PromptTemplate:
     else:
         if variant not in available_variants():
             raise PromptError(f"unknown prompt variant {variant!r}; built in: {', '.join(available_variants())}")
-        text = (resources.files("retrieval.models") / "prompts" / f"{variant}.yaml").read_text()
+        text = (resources.files("diffret.retrieval.models") / "prompts" / f"{variant}.yaml").read_text()
     data = yaml.safe_load(text)
     try:
         user = {side: (data[side].get("user_prefix", ""), data[side].get("user_suffix", "")) for side in SIDES}

@@ -64,7 +64,7 @@ def load_rerank_prompt(name: str) -> RerankPrompt:
             raise RerankError(f"prompt file {name!r} does not exist")
         text = Path(name).read_text()
     else:
-        folder = resources.files("retrieval.rerank") / "prompts"
+        folder = resources.files("diffret.retrieval.rerank") / "prompts"
         known = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
         if name not in known:
             raise RerankError(f"unknown rerank prompt {name!r}; built in: {', '.join(known)}")

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from storage.codecs import Codec, vectors_of
+from diffret.storage.codecs import Codec, vectors_of
 
 from .rules import ScoreRules, round_bf16_
 

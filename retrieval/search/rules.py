@@ -86,7 +86,7 @@ class ScoreRules(BaseModel):
         >>> ScoreRules().factor_for("diffretriever", {}), ScoreRules().factor_for("promptreps", {"finetuned": "no"})
         (100.0, 1.0)
         """
-        from retrieval.models.readouts import sparse_quantised
+        from diffret.retrieval.models.readouts import sparse_quantised
 
         return self.sparse_factor(sparse_quantised(readout, readout_settings))
 

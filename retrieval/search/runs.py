@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA, TOPK_SCHEMA
+from diffret.storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA, TOPK_SCHEMA
 
 from .scoring import NEG, TopK
 

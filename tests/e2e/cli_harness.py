@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DIFFRET = [sys.executable, "-m", "flows.cli"]
+DIFFRET = [sys.executable, "-m", "diffret.flows.cli"]
 ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
 
 

@@ -18,10 +18,10 @@ def main(shared: Path, out: Path) -> dict[str, str]:
     import pyarrow.parquet as pq
     import torch
 
-    from retrieval.models.backbones import BackboneConfig
-    from stages import execute, stages
-    from stages.encode import EncodeConfig
-    from stages.ingest import DownloadConfig
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.stages import execute, stages
+    from diffret.stages.encode import EncodeConfig
+    from diffret.stages.ingest import DownloadConfig
 
     torch.set_num_threads(1)
     mini = shared / "fixtures" / "reference-parity" / "scifact-mini"

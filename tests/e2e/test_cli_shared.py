@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cli_harness import DIFFRET, ENV, run, sql
 
-from storage import ArtifactStore, IncompleteArtifactError
-from storage.sql import StoreSQL
+from diffret.storage import ArtifactStore, IncompleteArtifactError
+from diffret.storage.sql import StoreSQL
 
 
 @pytest.mark.e2e

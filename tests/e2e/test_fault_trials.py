@@ -45,10 +45,10 @@ from prefect_harness import (
     work_off,
 )
 
-from storage import ArtifactStore
-from storage.sql import StoreSQL
+from diffret.storage import ArtifactStore
+from diffret.storage.sql import StoreSQL
 
-DIFFRET = [sys.executable, "-m", "flows.cli"]
+DIFFRET = [sys.executable, "-m", "diffret.flows.cli"]
 # one thread: the tiny model is fastest so, and several threads spin badly when the CPUs are shared
 ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 CRANFIELD = SHARED / "data" / "cranfield"

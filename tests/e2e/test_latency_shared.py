@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import SHARED
 
-from retrieval.models.backbones import BackboneConfig
-from stages import execute, stages
-from stages.latency import LatencyConfig
-from storage import ArtifactStore
-from storage.sql import StoreSQL
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.stages import execute, stages
+from diffret.stages.latency import LatencyConfig
+from diffret.storage import ArtifactStore
+from diffret.storage.sql import StoreSQL
 
 SMOL = SHARED / "models" / "smollm2-135m-instruct-gguf"
 DREAM = SHARED / "models" / "tiny-dream-random"

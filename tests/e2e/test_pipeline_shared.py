@@ -113,7 +113,7 @@ def test_rerun_does_no_model_work(pipeline_root: Path) -> None:
 
 
 def test_export_run_writes_a_trec_file(pipeline_root: Path, tmp_path: Path) -> None:
-    from retrieval.evaluation import read_trec_run
+    from diffret.retrieval.evaluation import read_trec_run
 
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
     out = tmp_path / "run.trec"

@@ -20,8 +20,8 @@ def smol_reader():
     pytest.importorskip("gguf")
     import transformers
 
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
     transformers.utils.logging.disable_progress_bar()
     bb = load_backbone(BackboneConfig(model=str(SMOL), gguf_file=GGUF))

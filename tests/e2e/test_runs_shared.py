@@ -21,7 +21,7 @@ SPLADE = SHARED / "models" / "splade-tiny-mlm"
 
 
 def cli(*args: str) -> str:
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     res = CliRunner().invoke(app, list(args))
     assert res.exit_code == 0, res.output
@@ -29,8 +29,8 @@ def cli(*args: str) -> str:
 
 
 def rows(root: Path, query: str) -> list[dict]:
-    from storage import ArtifactStore
-    from storage.sql import StoreSQL
+    from diffret.storage import ArtifactStore
+    from diffret.storage.sql import StoreSQL
 
     with StoreSQL(ArtifactStore(str(root))) as db:
         cols, data = db.query(query)

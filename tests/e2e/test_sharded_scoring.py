@@ -20,13 +20,13 @@ import pytest
 from cli_harness import DIFFRET, ENV, run
 from conftest import SHARED, write_beir
 
-from flows.runner import run_stage
-from stages import execute, stages
-from stages.base import run_units
-from stages.readers import corpus_size
-from stages.score import ScoreConfig
-from stages.systems import SystemRef
-from storage import ArtifactStore
+from diffret.flows.runner import run_stage
+from diffret.stages import execute, stages
+from diffret.stages.base import run_units
+from diffret.stages.readers import corpus_size
+from diffret.stages.score import ScoreConfig
+from diffret.stages.systems import SystemRef
+from diffret.storage import ArtifactStore
 
 pytestmark = pytest.mark.e2e
 

@@ -96,10 +96,10 @@ def test_the_batch_readout_gives_splade_tiny_the_per_text_vectors_byte_for_byte(
 
     import torch
 
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.encoding import encode_rows
-    from retrieval.models.readouts import ReadoutConfig, make_reader
-    from stages.readers import passage_text
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.encoding import encode_rows
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.stages.readers import passage_text
 
     docs = [json.loads(line) for line in (MINI / "corpus.jsonl").read_text().splitlines() if line][:24]
     texts = [passage_text(d.get("title", ""), d["text"]) for d in docs]

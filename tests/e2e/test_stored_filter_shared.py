@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, SHARED
 
-from retrieval.models.backbones import BackboneConfig
-from stages import execute, stages
-from stages.encode import EncodeConfig
-from stages.ingest import DownloadConfig
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.stages import execute, stages
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.ingest import DownloadConfig
 
 MINI = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
 MODELS = ["splade-tiny-mlm", "tiny-dream-random", "tiny-llada-random"]

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_mlm
 
-from storage import ArtifactStore
-from storage.sql import StoreSQL
+from diffret.storage import ArtifactStore
+from diffret.storage.sql import StoreSQL
 
 pytestmark = pytest.mark.e2e
 ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "OMP_NUM_THREADS": "1"}
@@ -54,9 +54,9 @@ def _descendants(pid: int) -> list[int]:
 
 def launcher(procs: int) -> list[str]:
     if procs == 1:
-        return [sys.executable, "-m", "flows.cli"]
+        return [sys.executable, "-m", "diffret.flows.cli"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-            "127.0.0.1", "--master_port", str(_free_port()), "-m", "flows.cli"]  # fmt: skip
+            "127.0.0.1", "--master_port", str(_free_port()), "-m", "diffret.flows.cli"]  # fmt: skip
 
 
 def run(*args: str, procs: int = 1) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import SHARED
 
-from storage import ArtifactStore
-from storage.sql import StoreSQL
+from diffret.storage import ArtifactStore
+from diffret.storage.sql import StoreSQL
 
 pytestmark = pytest.mark.e2e
 SPLADE = SHARED / "models" / "splade-tiny-mlm"
@@ -21,7 +21,7 @@ ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": 
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=ENV,
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV,
                        timeout=1800)  # fmt: skip
     if p.returncode != 0:
         raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")

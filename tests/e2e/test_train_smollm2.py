@@ -16,7 +16,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _groups(shared_data, n: int = 6):
-    from retrieval.data.training import Group
+    from diffret.retrieval.data.training import Group
 
     docs = []
     with (shared_data / "scifact" / "corpus.jsonl").open() as f:
@@ -40,9 +40,9 @@ def test_lora_training_lowers_the_loss(shared_data, readout):
     pytest.importorskip("gguf")
     import transformers
 
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.readouts import ReadoutConfig, make_reader
-    from retrieval.training.loop import Trainer, TrainSettings
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.training.loop import Trainer, TrainSettings
 
     transformers.utils.logging.disable_progress_bar()
     mask = {"mask_token": "<empty_output>"} if readout == "diffretriever" else {}

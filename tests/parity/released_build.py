@@ -50,8 +50,8 @@ def build(base: Path, out: Path, family: str, kq: int, kp: int, prompt: str = "t
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.prompts import build_pieces, load_prompt
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.prompts import build_pieces, load_prompt
 
     out.mkdir(parents=True, exist_ok=True)
     bb = load_backbone(BackboneConfig(model=str(base), device="cpu"))

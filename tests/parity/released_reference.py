@@ -89,8 +89,8 @@ def step_by_step(folder: Path, base: str, side: str, texts: list[str]) -> tuple[
     from peft import PeftModel
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    from retrieval.models.backbones import bidirectional_mask
-    from retrieval.models.sparse import make_filter
+    from diffret.retrieval.models.backbones import bidirectional_mask
+    from diffret.retrieval.models.sparse import make_filter
 
     cfg = json.loads((folder / "retriever_config.json").read_text())
     llada = cfg["model_type"].startswith("llada")

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import transformers
 
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
 
 def main(shared: Path) -> None:

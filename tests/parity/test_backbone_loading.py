@@ -40,7 +40,7 @@ def test_remote_code_agrees_with_native_loading():
 
 
 def cli_error(*args: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=ENV,
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV,
                        timeout=600)  # fmt: skip
     assert p.returncode != 0, p.stdout
     err = p.stderr.strip()
@@ -53,7 +53,8 @@ def test_load_failures_are_one_paragraph_through_the_cli(tmp_path, family):
     need_models()
     root = str(tmp_path / "store")
     mini = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
-    subprocess.run([sys.executable, "-m", "flows.cli", "download", "mini", "--source", str(mini), "--root", root],
+    subprocess.run([sys.executable, "-m", "diffret.flows.cli", "download", "mini", "--source", str(mini),
+                    "--root", root],
                    check=True, capture_output=True, env=ENV, timeout=600)  # fmt: skip
     model = str(MODELS[family])
     # remote code without --trust-remote-code: refused before any of it runs

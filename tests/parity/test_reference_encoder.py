@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from conftest import SHARED
 
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.search.modes import MODE_NAMES
-from stages.encode import reader_for
-from stages.readers import encoding_manifest
-from stages.systems import EncodeSettings, SystemRef, find_system
-from storage import ArtifactStore
-from storage.layout import encodings_dir, tokens_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.search.modes import MODE_NAMES
+from diffret.stages.encode import reader_for
+from diffret.stages.readers import encoding_manifest
+from diffret.stages.systems import EncodeSettings, SystemRef, find_system
+from diffret.storage import ArtifactStore
+from diffret.storage.layout import encodings_dir, tokens_dir
+from diffret.storage.sql import StoreSQL
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +33,7 @@ FIXTURES = SHARED / "fixtures" / "reference-parity"
 MINI = FIXTURES / "scifact-mini"
 MODELS = {fam: SHARED / "models" / f"tiny-{fam}-random" for fam in ("dream", "llada")}
 KS = (1, 4, 16)
-DIFFRET = [sys.executable, "-m", "flows.cli"]
+DIFFRET = [sys.executable, "-m", "diffret.flows.cli"]
 ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
 
 

@@ -25,13 +25,13 @@ import pyarrow as pa
 import pytest
 from conftest import SHARED
 
-from retrieval.evaluation import evaluate, run_from_table
-from retrieval.models.encoding import encoded_table
-from retrieval.models.readouts import Encoded, sparse_quantised
-from retrieval.search import SearchSettings, all_modes, encodings_from_table, run_table, search_pass
-from retrieval.search.modes import MODE_NAMES, base_modes_needed, cell_modes
-from retrieval.search.rules import ScoreRules
-from stages.score import ScoreConfig
+from diffret.retrieval.evaluation import evaluate, run_from_table
+from diffret.retrieval.models.encoding import encoded_table
+from diffret.retrieval.models.readouts import Encoded, sparse_quantised
+from diffret.retrieval.search import SearchSettings, all_modes, encodings_from_table, run_table, search_pass
+from diffret.retrieval.search.modes import MODE_NAMES, base_modes_needed, cell_modes
+from diffret.retrieval.search.rules import ScoreRules
+from diffret.stages.score import ScoreConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -209,9 +209,9 @@ def test_the_old_rules_do_not_reproduce_the_reference() -> None:
 def store_reference_encodings(root: Path, family: str) -> str:
     """The reference encoder's stored encodings (both sides, K in {1, 4, 16}) written into the store as the encode
     stage stores them (one shard a folder, the system in the registry); its slug."""
-    from stages.systems import EncodeSettings, encoder_record, register
-    from storage import ArtifactStore
-    from storage.layout import encodings_dir
+    from diffret.stages.systems import EncodeSettings, encoder_record, register
+    from diffret.storage import ArtifactStore
+    from diffret.storage.layout import encodings_dir
 
     store = ArtifactStore(root)
     model = SHARED / "models" / f"tiny-{family}-random"
@@ -236,7 +236,7 @@ def test_the_cli_reproduces_the_fp32_evaluator(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     root, family = tmp_path / "store", "dream"
 

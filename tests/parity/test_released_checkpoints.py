@@ -39,10 +39,10 @@ def _texts() -> dict[str, list[str]]:
 def _diffret(folder, texts, base=None):  # noqa: ANN001, ANN202
     """diffret's encodings of ``texts`` with the released checkpoint (or, with ``base``, that model without the
     adapter, read with the checkpoint's prompt)."""
-    from retrieval.models.backbones import BackboneConfig, load_backbone
-    from retrieval.models.readouts import make_reader
-    from retrieval.models.released import read_released
-    from stages.systems import EncodeSettings
+    from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+    from diffret.retrieval.models.readouts import make_reader
+    from diffret.retrieval.models.released import read_released
+    from diffret.stages.systems import EncodeSettings
 
     cfg = BackboneConfig(model=str(folder), device="cpu")
     settings = EncodeSettings(backbone=cfg)
@@ -96,10 +96,10 @@ def test_native_loading_gives_the_reference_code_paths_vectors(released, family,
 def test_run_takes_the_checkpoints_budget_prompt_and_records_its_fingerprint(released, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from retrieval.models.released import released_fingerprint
-    from stages.systems import list_systems
-    from storage import ArtifactStore
+    from diffret.flows.cli import app
+    from diffret.retrieval.models.released import released_fingerprint
+    from diffret.stages.systems import list_systems
+    from diffret.storage import ArtifactStore
 
     folder, root = released["dream"], str(tmp_path / "store")
     res = CliRunner().invoke(app, ["run", "-d", "mini", "--source", str(MINI), "--model", str(folder), "--no-bm25",

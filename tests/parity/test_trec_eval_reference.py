@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 from conftest import SHARED
 
-from retrieval.evaluation import DEFAULT_MEASURES, evaluate, mean_metrics, read_trec_qrels, read_trec_run
-from retrieval.evaluation.arrays import evaluate_tables
+from diffret.retrieval.evaluation import DEFAULT_MEASURES, evaluate, mean_metrics, read_trec_qrels, read_trec_run
+from diffret.retrieval.evaluation.arrays import evaluate_tables
 
 TREC_EVAL_TEST = SHARED / "data" / "trec_eval_test"
 

@@ -15,17 +15,17 @@ import pyarrow as pa
 import pytest
 from scipy import stats
 
-from retrieval.analysis.correlation import rank_correlation
-from retrieval.analysis.footprint import footprint_projection
-from retrieval.analysis.report import build_report
-from retrieval.analysis.tables import paper_table
-from retrieval.analysis.views import rows
-from stages import execute
-from stages.report import ReportConfig
-from stages.report import stage as report_stage
-from storage import ArtifactStore, Manifest
-from storage.layout import METRICS_FILE, METRICS_SCHEMA, TOKENS_SCHEMA, encodings_dir, metrics_dir, tokens_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.analysis.correlation import rank_correlation
+from diffret.retrieval.analysis.footprint import footprint_projection
+from diffret.retrieval.analysis.report import build_report
+from diffret.retrieval.analysis.tables import paper_table
+from diffret.retrieval.analysis.views import rows
+from diffret.stages import execute
+from diffret.stages.report import ReportConfig
+from diffret.stages.report import stage as report_stage
+from diffret.storage import ArtifactStore, Manifest
+from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, TOKENS_SCHEMA, encodings_dir, metrics_dir, tokens_dir
+from diffret.storage.sql import StoreSQL
 
 GRID = (1, 2, 4)
 MODEL = "toy-diffretriever-0123456789"
@@ -223,7 +223,7 @@ def test_report_flow_publishes_markdown_artifacts(store: ArtifactStore) -> None:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.report import ReportConfig, report_flow
+    from diffret.flows.report import ReportConfig, report_flow
 
     with prefect_test_harness(server_startup_timeout=120):
         res = report_flow(ReportConfig(root=store.root, name="toy", n_boot=50))

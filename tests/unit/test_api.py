@@ -14,13 +14,13 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
 import diffret
-from retrieval.models.backbones import BackboneConfig
-from stages import execute, stages
-from stages.encode import EncodeConfig
-from stages.evaluate import EvaluateConfig
-from stages.ingest import DownloadConfig
-from stages.score import ScoreConfig
-from stages.systems import SystemRef
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.stages import execute, stages
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.score import ScoreConfig
+from diffret.stages.systems import SystemRef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -26,7 +26,7 @@ SMALL_RUN = ["--kq", "1", "--kp", "1", "--no-bm25", "--mode", "single_dense", "-
 
 
 def cli(*argv: str, prelude: str = "", timeout: int = 300, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
-    code = f"{prelude}\nimport sys\nsys.argv = ['diffret', *{list(argv)!r}]\nfrom flows.cli import main\nmain()"
+    code = f"{prelude}\nimport sys\nsys.argv = ['diffret', *{list(argv)!r}]\nfrom diffret.flows.cli import main\nmain()"
     args = [sys.executable, "-c", code]
     env = {**ENV, **kw.pop("env_extra", {})}
     if kw.pop("background", False):  # SIGINT back to its default: a shell's background job inherits it ignored
@@ -196,7 +196,7 @@ def test_a_model_retrained_in_place_is_refused_then_kept_apart_elsewhere(tmp_pat
 
 # -------------------------------------------------------------------------------------------------- SIGINT
 SLOW_ENCODE = """
-import time, stages.encode as enc
+import time, diffret.stages.encode as enc
 _encode = enc.encode_rows
 def _slow(*a, **k):
     time.sleep(0.4)  # a slow model: the interrupt lands while shards are being encoded

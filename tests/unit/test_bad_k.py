@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from stages.base import sorted_positive_ks
+from diffret.stages.base import sorted_positive_ks
 
 ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
 
@@ -25,7 +25,7 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
 )  # fmt: skip
 def test_bad_budgets_fail_clearly_and_write_nothing(tmp_path: Path, tiny_beir: Path, k: str, message: str) -> None:
     root = tmp_path / "store"
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--source", str(tiny_beir), "--model",
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "run", "--source", str(tiny_beir), "--model",
                         str(tmp_path / "no-model"), "--root", str(root), f"--kq={k}"],
                        capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)  # fmt: skip
     assert p.returncode == 2, p.stdout + p.stderr

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from retrieval.models.encoding import encoded_table
-from retrieval.models.readouts import Encoded
-from retrieval.search import Encodings, SearchSettings, all_modes, encodings_from_table, search_pass
-from retrieval.search.encodings import SparseFlat
-from retrieval.search.modes import BASE_MODES, MODE_NAMES
-from retrieval.search.scoring import (
+from diffret.retrieval.models.encoding import encoded_table
+from diffret.retrieval.models.readouts import Encoded
+from diffret.retrieval.search import Encodings, SearchSettings, all_modes, encodings_from_table, search_pass
+from diffret.retrieval.search.encodings import SparseFlat
+from diffret.retrieval.search.modes import BASE_MODES, MODE_NAMES
+from diffret.retrieval.search.scoring import (
     RunningTopK,
     SparsePassages,
     SparseQueries,
@@ -194,7 +194,7 @@ def test_vectorised_sparse_scorer_equals_a_dict_reference() -> None:
 
 
 def test_running_topk_is_exact_whatever_the_blocks(monkeypatch) -> None:
-    from retrieval.search import scoring
+    from diffret.retrieval.search import scoring
 
     monkeypatch.setattr(scoring, "RESULT_BYTES", 64 * 50 * 4)  # the result decoded 4 rows at a time
     rng = np.random.default_rng(9)
@@ -250,7 +250,7 @@ def test_encodings_sparse_flat_from_arrow_matches_lists() -> None:
 def test_score_config_takes_the_budget_in_mib() -> None:
     from pydantic import ValidationError
 
-    from stages.score import ScoreConfig
+    from diffret.stages.score import ScoreConfig
 
     assert ScoreConfig(dataset="d").block_mb == 256
     with pytest.raises(ValidationError, match="block_mb"):

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from stage_world import copy_world
 
-from retrieval.analysis.views import rows
-from stages import execute, stages
-from stages.budget import BudgetConfig
-from stages.encode import EncodeConfig
-from stages.runs import read_run
-from stages.systems import SystemRef
-from storage import ArtifactStore, StoreError
-from storage.layout import run_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.analysis.views import rows
+from diffret.stages import execute, stages
+from diffret.stages.budget import BudgetConfig
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.runs import read_run
+from diffret.stages.systems import SystemRef
+from diffret.storage import ArtifactStore, StoreError
+from diffret.storage.layout import run_dir
+from diffret.storage.sql import StoreSQL
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     assert stats["histogram"] == {f"{a}x{b}": 3 * ((a, b) == (kq, kp)) for a, b in cells}
     assert fixed.equals(read_run(store, run_dir(system, "tiny", "test", kq, kp, "multi_dense")))
     assert execute(stages()["budget"], budget(w["root"], w["model"]), log=print).done == 0  # nothing new
-    from retrieval.analysis.report import build_report
+    from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(store) as db:
         rep = build_report(db, "t", n_boot=10)
@@ -99,7 +99,7 @@ def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Pa
     res = execute(stages()["budget"], cfg, log=print)
     assert res.done == 1 + 2  # the test split's features (no train features), two runs
     execute(stages()["evaluate"], w["configs"]["evaluate"], log=print)
-    from retrieval.analysis.report import build_report
+    from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(ArtifactStore(w["root"])) as db:
         runs = rows(db, "select mode, cross_fit, train_split from adaptive_runs order by mode")
@@ -127,8 +127,8 @@ def test_head_stats_stored_at_encode_become_features(world: dict, tmp_path: Path
     """`encode --head-stats` on the query side: its folders record it and hold the head's entropy and max
     probability per slot (a folder without it keeps its config: turning it on is config drift until --force); the
     passages are not touched; the features then add mean / min / max of both per K_q, and the runs are new."""
-    from storage.layout import encodings_dir
-    from storage.manifest import ConfigDriftError
+    from diffret.storage.layout import encodings_dir
+    from diffret.storage.manifest import ConfigDriftError
 
     w = copy_world(world, tmp_path)
     first = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retrieval.analysis.budgets import SELECTORS, Grid, best_cells, gap_closed
+from diffret.retrieval.analysis.budgets import SELECTORS, Grid, best_cells, gap_closed
 
 CELLS = [(1, 1), (1, 4), (4, 1), (4, 4)]
 
@@ -71,7 +71,7 @@ def test_choices_over_one_axis_keep_the_other_fixed() -> None:
 
 
 def test_cross_validation_scores_held_out_queries_only_and_is_seeded() -> None:
-    from retrieval.analysis.budgets import cross_validate
+    from diffret.retrieval.analysis.budgets import cross_validate
 
     X, grid = planted(120, 3)
     names = ["noise", "length"]

@@ -17,7 +17,7 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
 def main_with(tmp_path: Path, argv: list[str], prelude: str = "") -> subprocess.CompletedProcess:
     code = "\n".join(
         ["import atexit, sys, threading, time", prelude, f"sys.argv = ['diffret', *{argv!r}]",
-         "from flows.cli import main", "main()", "print('not reached')"]
+         "from diffret.flows.cli import main", "main()", "print('not reached')"]
     )  # fmt: skip
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
 
@@ -52,7 +52,8 @@ def test_usage_error_and_unexpected_exception(tmp_path: Path) -> None:
     assert p.returncode == 2 and "No such command" in p.stderr
     # an error the CLI does not expect still prints its traceback and exits 1
     write_beir(tmp_path / "bad", None, [{"_id": "q1", "text": "x"}], {"test": [("q1", "d1", 1)]})
-    prelude = "import flows.cli as c; c._known_errors = lambda: (KeyError,)\nimport stages.ingest as d\n" \
+    prelude = "import diffret.flows.cli as c; c._known_errors = lambda: (KeyError,)\n" \
+        "import diffret.stages.ingest as d\n" \
         "def boom(*a, **k): raise RuntimeError('unexpected failure')\nd.materialise = boom"  # fmt: skip
     p = main_with(tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")],
                   prelude)  # fmt: skip

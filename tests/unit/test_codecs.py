@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from storage.codecs import (
+from diffret.storage.codecs import (
     Codebook,
     CodebookError,
     Codec,
@@ -19,7 +19,7 @@ from storage.codecs import (
     train_codebook,
     vectors_of,
 )
-from storage.layout import encodings_schema
+from diffret.storage.layout import encodings_schema
 
 
 def clustered(n: int, dim: int, clusters: int = 32, noise: float = 0.15, seed: int = 0) -> np.ndarray:

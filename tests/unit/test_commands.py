@@ -17,14 +17,14 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.pipeline import PipelineConfig
-from flows.runner import flows
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import SIDR_ONLY, ReadoutConfig
-from stages import stages
-from stages.encode import EncodeConfig
-from stages.systems import EncodeSettings, SystemRef, numeric_settings
+from diffret.flows.cli import app
+from diffret.flows.pipeline import PipelineConfig
+from diffret.flows.runner import flows
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.readouts import SIDR_ONLY, ReadoutConfig
+from diffret.stages import stages
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.systems import EncodeSettings, SystemRef, numeric_settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = {stage: stage for stage in stages()} | {"training": "training-data", "encode": "encode"}
@@ -121,7 +121,8 @@ def test_every_config_field_has_a_description() -> None:
 
 
 def test_every_prefect_deployment_validates_against_its_config() -> None:
-    by_flow = {f"{module.replace('.', '/')}.py:{fn}": CONFIGS[stage] for stage, (module, fn) in flows().items()}
+    by_flow = {f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": CONFIGS[stage]
+               for stage, (module, fn) in flows().items()}
     by_flow["flows/pipeline.py:pipeline_flow"] = PipelineConfig
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     assert {d["entrypoint"] for d in deployments} == set(by_flow), "a stage without a deployment, or the reverse"
@@ -137,8 +138,8 @@ def test_a_new_stage_is_a_new_command(tmp_path, monkeypatch) -> None:
     """The generator takes any config: a field declared once gives its option, default and help."""
     from pydantic import Field
 
-    from flows.commands import config_command
-    from stages.base import StageConfig, cli
+    from diffret.flows.commands import config_command
+    from diffret.stages.base import StageConfig, cli
 
     class Toy(StageConfig):
         dataset: str = Field(description="The dataset.", json_schema_extra=cli(short="-d"))
@@ -171,8 +172,8 @@ def test_a_value_a_validator_derives_is_not_pinned_by_the_command() -> None:
     the command must pass None on, not the listwise_ce its default instance derived for pointwise."""
     import typer
 
-    from flows.commands import config_command
-    from stages.train_reranker import TrainRerankerConfig
+    from diffret.flows.commands import config_command
+    from diffret.stages.train_reranker import TrainRerankerConfig
 
     got = {}
 
@@ -204,8 +205,8 @@ def test_one_spelling_per_setting_across_commands() -> None:
     field is named in the plural, its option in the singular), and a field passed on from another config
     (``like``) keeps that config's option: the first stage is --first-kq / --first-kp / --first-mode in late,
     rerank and train-reranker alike, a compressed store --store / --store-seed in encode and compress."""
-    from flows.commands import cli_meta, config_opts
-    from retrieval.fields import origin_of
+    from diffret.flows.commands import cli_meta, config_opts
+    from diffret.retrieval.fields import origin_of
 
     configs = _project_configs()
     by_flag: dict[str, set] = {}
@@ -244,7 +245,7 @@ def _project_configs() -> dict[str, type[BaseModel]]:
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
-            if sub.__module__.split(".")[0] in ("stages", "retrieval", "flows", "storage"):
+            if sub.__module__.split(".")[0] == "diffret":
                 out[sub.__qualname__] = sub
     return out
 
@@ -254,9 +255,9 @@ def test_former_spellings_are_taken_hidden_with_a_warning(tmp_path) -> None:
     --store / --store-seed) still work, with a warning, and are not in --help."""
     import typer
 
-    from flows.commands import config_command
-    from stages.compress import CompressConfig
-    from stages.rerank import RerankConfig
+    from diffret.flows.commands import config_command
+    from diffret.stages.compress import CompressConfig
+    from diffret.stages.rerank import RerankConfig
 
     got = {}
     toy = typer.Typer()

@@ -12,21 +12,21 @@ import pytest
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from retrieval.models.backbones import BackboneConfig
-from stages import execute, stages
-from stages.compress import CompressConfig
-from stages.encode import EncodeConfig
-from stages.evaluate import EvaluateConfig
-from stages.index import IndexConfig
-from stages.ingest import DownloadConfig
-from stages.readers import read_codebook, read_encodings
-from stages.report import ReportConfig
-from stages.score import ScoreConfig
-from stages.systems import SystemRef, find_system
-from storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
-from storage.codecs import CodebookError
-from storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, index_dir, run_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.stages import execute, stages
+from diffret.stages.compress import CompressConfig
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.index import IndexConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.readers import read_codebook, read_encodings
+from diffret.stages.report import ReportConfig
+from diffret.stages.score import ScoreConfig
+from diffret.stages.systems import SystemRef, find_system
+from diffret.storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
+from diffret.storage.codecs import CodebookError
+from diffret.storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, index_dir, run_dir
+from diffret.storage.sql import StoreSQL
 
 WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
          "cloud apple lemon").split()  # fmt: skip
@@ -217,7 +217,7 @@ def test_bad_choices_are_refused_before_any_work(world: dict, tmp_path: Path) ->
 
 
 def test_codebook_sample_is_seeded_and_reads_only_the_shards_it_needs() -> None:
-    from stages.codebooks import codebook_sample
+    from diffret.stages.codebooks import codebook_sample
 
     read: list[str] = []
     data = {f"s{i}": np.full((10, 2), i, np.float32) for i in range(6)}

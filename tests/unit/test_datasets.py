@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_beir
 
-from retrieval.data.collections import DatasetError
-from retrieval.data.sources import resolve_source
-from stages.ingest import materialise
-from storage import ArtifactStore, ConfigDriftError, StoreError
-from storage.sql import StoreSQL
+from diffret.retrieval.data.collections import DatasetError
+from diffret.retrieval.data.sources import resolve_source
+from diffret.stages.ingest import materialise
+from diffret.storage import ArtifactStore, ConfigDriftError, StoreError
+from diffret.storage.sql import StoreSQL
 
 
 def _ingest(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False,
@@ -185,7 +185,7 @@ def test_split_with_no_known_ids_is_an_error(tmp_path):
 
 def test_trec_and_tsv_formats_and_gzip(tmp_path):
     """MS MARCO style: collection.tsv, queries tsv(.gz), TREC 4-column qrels."""
-    from retrieval.data.collections import DatasetReport, DocIds, build_qrels, read_corpus, read_queries
+    from diffret.retrieval.data.collections import DatasetReport, DocIds, build_qrels, read_corpus, read_queries
 
     (tmp_path / "collection.tsv").write_text("0\tfirst passage\n1\tsecond\tpassage with a tab\n")
     with gzip.open(tmp_path / "q.tsv.gz", "wt") as f:

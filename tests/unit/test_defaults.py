@@ -14,7 +14,7 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from flows.cli import app
+from diffret.flows.cli import app
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea"} for i in range(6)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]

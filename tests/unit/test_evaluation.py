@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from scipy import stats
 
-from retrieval.evaluation import (
+from diffret.retrieval.evaluation import (
     DEFAULT_MEASURES,
     TTest,
     evaluate,
@@ -25,7 +25,7 @@ from retrieval.evaluation import (
     trec_order,
     write_trec_run,
 )
-from storage.layout import METRICS_SCHEMA, RUN_SCHEMA
+from diffret.storage.layout import METRICS_SCHEMA, RUN_SCHEMA
 
 
 def run_table(rows: list[tuple[str, str, int, float]]) -> pa.Table:

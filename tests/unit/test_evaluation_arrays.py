@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from retrieval.evaluation import arrays, evaluate, qrels_from_table, run_from_table
-from retrieval.evaluation.arrays import evaluate_tables, supported
+from diffret.retrieval.evaluation import arrays, evaluate, qrels_from_table, run_from_table
+from diffret.retrieval.evaluation.arrays import evaluate_tables, supported
 
 MEASURES = ["ndcg_cut_10", "mrr_10", "recall_100", "recall_1000", "ndcg_cut_3", "P_5", "map", "recip_rank", "ndcg",
             "success_1", "mrr_2", "num_ret", "num_rel", "num_rel_ret", "bpref"]  # fmt: skip

@@ -22,8 +22,8 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from flows.cli import app
-from storage.layout import STAGE_FOLDERS, TRAIN_LOG_FILE
+from diffret.flows.cli import app
+from diffret.storage.layout import STAGE_FOLDERS, TRAIN_LOG_FILE
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea and gardens"} for i in range(8)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]

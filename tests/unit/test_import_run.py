@@ -13,8 +13,8 @@ import pytest
 from conftest import write_beir
 from typer.testing import CliRunner
 
-from flows.cli import app
-from storage import ArtifactStore
+from diffret.flows.cli import app
+from diffret.storage import ArtifactStore
 
 DOCS = [f"d{i}" for i in range(1, 7)]
 
@@ -49,8 +49,8 @@ def runs(root: str) -> list[str]:
 
 
 def test_an_imported_run_is_a_system_ranked_by_score_then_the_files_rank(store, tmp_path):
-    from stages.runs import read_run
-    from stages.systems import list_systems
+    from diffret.stages.runs import read_run
+    from diffret.stages.systems import list_systems
 
     code, out = cli(store["root"], "import-run", trec(tmp_path / "splade.trec", GOOD), "-d", "tiny")
     assert code == 0 and "splade: 1 run(s) imported" in out, out
@@ -130,7 +130,7 @@ def test_fusion_of_imported_runs_then_compare_and_the_report(store, tmp_path):
 
 
 def _sql(root: str, query: str) -> list[dict]:
-    from storage.sql import StoreSQL
+    from diffret.storage.sql import StoreSQL
 
     with StoreSQL(ArtifactStore(root)) as db:
         cols, data = db.query(query)

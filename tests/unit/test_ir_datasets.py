@@ -12,10 +12,10 @@ import ir_datasets
 from conftest import write_beir
 from typer.testing import CliRunner
 
-from flows.cli import app
-from retrieval.data import sources
-from retrieval.data.sources import IRDS_NAMES, catalog, stored_name
-from storage import ArtifactStore
+from diffret.flows.cli import app
+from diffret.retrieval.data import sources
+from diffret.retrieval.data.sources import IRDS_NAMES, catalog, stored_name
+from diffret.storage import ArtifactStore
 
 BEIR_7 = {"beir/nq": "nq", "beir/hotpotqa/test": "hotpotqa", "beir/scifact/test": "scifact", "beir/fiqa/test": "fiqa",
           "beir/arguana": "arguana", "beir/quora/test": "quora", "beir/trec-covid": "trec-covid"}  # fmt: skip

@@ -9,7 +9,7 @@ import lancedb
 import numpy as np
 import pytest
 
-from retrieval.search import lance as li
+from diffret.retrieval.search import lance as li
 
 H = 32
 N_DOCS = 2000

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_backbone
 
-from retrieval.analysis.latency import encode_latency, environment, exact_search_latency, measure, synthetic_ids
-from retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.analysis.latency import encode_latency, environment, exact_search_latency, measure, synthetic_ids
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,11 +62,11 @@ def test_measure_and_environment() -> None:
 def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_folder(tmp_path: Path) -> None:
     from tiny_models import save_tiny_mlm
 
-    from retrieval.models.backbones import BackboneConfig
-    from stages import execute, stages
-    from stages.latency import LatencyConfig
-    from storage import ArtifactStore
-    from storage.sql import StoreSQL
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.stages import execute, stages
+    from diffret.stages.latency import LatencyConfig
+    from diffret.storage import ArtifactStore
+    from diffret.storage.sql import StoreSQL
 
     model = save_tiny_mlm(tmp_path / "model")
     cfg = LatencyConfig(root=str(tmp_path / "store"), backbone=BackboneConfig(model=str(model)), lengths=[8, 16],
@@ -90,7 +90,7 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
     assert {r[3] for r in enc} == {"diffretriever"} and all(r[4] == first.system and r[5] and r[6] >= 1 for r in enc)
     assert search == [(n, kq, kp, mode, engine) for kq, kp, mode in ((1, 1, "single_dense"), (2, 3, "multi_dense"))
                       for engine in ("exact", "lance") for n in (10, 100)]  # fmt: skip
-    from retrieval.analysis.report import build_report
+    from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(ArtifactStore(cfg.root)) as db:
         rep = build_report(db, "latency", n_boot=10)
@@ -100,9 +100,9 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
 
 
 def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_path: Path) -> None:
-    from retrieval.models.backbones import BackboneConfig
-    from stages import execute, stages
-    from stages.latency import LatencyConfig
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.stages import execute, stages
+    from diffret.stages.latency import LatencyConfig
 
     cfg = LatencyConfig(root=str(tmp_path), backbone=BackboneConfig(model=str(tmp_path / "absent")),
                         readout={"readout": "diffembed"}, k=[1, 4])  # fmt: skip
@@ -113,8 +113,8 @@ def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_
 
 
 def test_both_ways_times_one_checkpoint_as_the_two_systems_their_runs_name() -> None:
-    from retrieval.models.backbones import BackboneConfig
-    from stages.latency import LatencyConfig
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.stages.latency import LatencyConfig
 
     bb = BackboneConfig(model="org/m", family="dream", mask_token="<m>")
     for first in ("diffretriever", "promptreps"):
@@ -134,16 +134,16 @@ def test_figure_1_and_the_ratio_table_from_hand_built_rows(tmp_path: Path) -> No
     import pyarrow as pa
     from test_analysis import put_metrics
 
-    from retrieval.analysis.report import build_report, cost_points
-    from storage import ArtifactStore, Manifest
-    from storage.layout import (
+    from diffret.retrieval.analysis.report import build_report, cost_points
+    from diffret.storage import ArtifactStore, Manifest
+    from diffret.storage.layout import (
         ENCODE_LATENCY_FILE,
         ENCODE_LATENCY_SCHEMA,
         SEARCH_LATENCY_FILE,
         SEARCH_LATENCY_SCHEMA,
         latency_dir,
     )
-    from storage.sql import StoreSQL
+    from diffret.storage.sql import StoreSQL
 
     store = ArtifactStore(str(tmp_path))
     machine = {"device": "cpu", "device_name": "cpu X", "threads": 1, "hidden": 8}

@@ -17,8 +17,8 @@ TOY = '''
 """A toy stage: one text file per name."""
 from pydantic import Field
 
-from stages.base import Context, Folder, Plan, Stage, StageConfig
-from storage import Manifest
+from diffret.stages.base import Context, Folder, Plan, Stage, StageConfig
+from diffret.storage import Manifest
 
 
 class ToyConfig(StageConfig):
@@ -50,12 +50,13 @@ stage = Toy()
 SCRIPT = '''
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import stages
+from diffret import stages
 stages.register("toypkg.toy")
 from typer.testing import CliRunner
-from flows.cli import app
-from flows.deployments import render
-import flows.stage_flows
+from diffret.flows.cli import app
+from diffret.flows.deployments import render
+import diffret.flows.stage_flows
+from diffret import flows
 from prefect.utilities.callables import parameter_schema
 runner = CliRunner()
 first = runner.invoke(app, ["toy", "--name", "you", "--times", "3", "--root", sys.argv[2]])
@@ -99,6 +100,6 @@ def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_pat
 def test_prefect_yaml_is_what_the_registry_generates() -> None:
     """The file users deploy is `diffret deployments --write`'s output: a stage added or changed without
     regenerating it fails here."""
-    from flows.deployments import render
+    from diffret.flows.deployments import render
 
     assert (REPO / "prefect.yaml").read_text() == render(), "run `diffret deployments --write` from the repository root"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from pydantic import Field
 
-import flows.cluster as cluster
-from flows.runner import run_stage
-from stages.base import ClusterConfig, Context, Plan, Stage, StageConfig
+from diffret.flows import cluster as cluster
+from diffret.flows.runner import run_stage
+from diffret.stages.base import ClusterConfig, Context, Plan, Stage, StageConfig
 
 FAKE_GPUS = ["0", "1", "2", "3"]
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ class Probe(Stage, name="probe", config=ProbeConfig, distributed=True):
     def run(self, unit: tuple[int, str], ctx: Context) -> tuple[str, str | None, str]:
         from distributed import get_worker
 
-        from retrieval.devices import gpu_name, resolve_device
+        from diffret.retrieval.devices import gpu_name, resolve_device
 
         time.sleep(0.2)  # every idle worker gets a unit
         return str(get_worker().name), os.environ.get("CUDA_VISIBLE_DEVICES"), gpu_name(resolve_device(unit[1]))
@@ -102,7 +102,7 @@ def test_four_workers_over_four_gpus_get_four_different_devices(gpu_cluster) -> 
     pinned = {w["name"]: w for w in client.scheduler_info(n_workers=-1)["workers"].values()
               if not str(w["name"]).startswith("outside")}  # fmt: skip
     assert len(pinned) == 4 and all(w["resources"] == {"GPU": 1} for w in pinned.values())
-    from retrieval.devices import gpu_name, resolve_device
+    from diffret.retrieval.devices import gpu_name, resolve_device
 
     seen = client.run(lambda: (os.environ["CUDA_VISIBLE_DEVICES"], gpu_name(resolve_device("cuda"))))
     mine = sorted(v for v in seen.values() if v[0] in FAKE_GPUS)
@@ -154,11 +154,11 @@ def test_every_distributed_stage_form_offers_the_placement_choices() -> None:
 
     from prefect.utilities.callables import parameter_schema
 
-    from flows.runner import flows as flow_refs
-    from stages import stages
+    from diffret.flows.runner import flows as flow_refs
+    from diffret.stages import stages
 
     flows = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in flow_refs().items()}
-    flows["pipeline"] = importlib.import_module("flows.pipeline").pipeline_flow
+    flows["pipeline"] = importlib.import_module("diffret.flows.pipeline").pipeline_flow
     wanted = [name for name, stage in stages().items() if stage.distributed and name in flows]
     assert {"encode", "score", "beta", "late", "rerank", "bm25", "evaluate", "index", "compress"} <= set(wanted)
     for name in [*wanted, "pipeline"]:

@@ -15,15 +15,15 @@ import yaml
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from flows.runner import flows, unit_parameters
-from retrieval.models.backbones import FAMILIES, BackboneConfig, Family
-from retrieval.search.modes import MODE_NAMES
-from stages import execute, stages
-from stages.base import Context
-from stages.encode import EncodeConfig
-from stages.ingest import DownloadConfig
-from stages.tokenize import TokenizeConfig
-from storage import ArtifactStore
+from diffret.flows.runner import flows, unit_parameters
+from diffret.retrieval.models.backbones import FAMILIES, BackboneConfig, Family
+from diffret.retrieval.search.modes import MODE_NAMES
+from diffret.stages import execute, stages
+from diffret.stages.base import Context
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.tokenize import TokenizeConfig
+from diffret.storage import ArtifactStore
 
 REPO = Path(__file__).parents[2]
 HTML_LIKE = re.compile(r"<[A-Za-z][^>]*>")  # read as a tag by the UI's markdown: the text vanishes
@@ -32,7 +32,7 @@ DEV_NOTES = ("renders them as a form", ":meth:", ":class:", ":func:", "``like``"
 
 def flow_functions() -> dict[str, Any]:
     out = {name: getattr(importlib.import_module(mod), fn) for name, (mod, fn) in flows().items()}
-    out["pipeline"] = importlib.import_module("flows.pipeline").pipeline_flow
+    out["pipeline"] = importlib.import_module("diffret.flows.pipeline").pipeline_flow
     return out
 
 
@@ -115,8 +115,8 @@ def test_flow_runs_and_unit_tasks_are_named_and_summarised(tiny: dict, tmp_path:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.encode import encode_flow
-    from flows.stage_flows import download_flow
+    from diffret.flows.encode import encode_flow
+    from diffret.flows.stage_flows import download_flow
 
     root = str(tmp_path / "store")
     bb = {"model": str(tiny["model"])}

@@ -7,9 +7,21 @@ import pytest
 import torch
 from tiny_models import ARCHS, CAUSAL_ARCHS, TEXTS, tiny_backbone, tiny_model, word_chat_tokenizer
 
-from retrieval.models.backbones import Backbone, BackboneConfig, BackboneError, bidirectional_mask, detect_family
-from retrieval.models.readouts import Encoded, Readout, ReadoutConfig, make_reader
-from retrieval.models.sparse import ContentFilter, content_words, per_position_sparse, pooled_weights, topk_sparse
+from diffret.retrieval.models.backbones import (
+    Backbone,
+    BackboneConfig,
+    BackboneError,
+    bidirectional_mask,
+    detect_family,
+)
+from diffret.retrieval.models.readouts import Encoded, Readout, ReadoutConfig, make_reader
+from diffret.retrieval.models.sparse import (
+    ContentFilter,
+    content_words,
+    per_position_sparse,
+    pooled_weights,
+    topk_sparse,
+)
 
 MLM_ARCHS = tuple(a for a in ARCHS if a not in CAUSAL_ARCHS)
 SIDES = ("left", "right")
@@ -597,7 +609,7 @@ def test_content_filter_ids(backbones, arch, kind):
 def test_tokenize_records_full_length_and_cuts_without_a_warning(capfd) -> None:
     from transformers.utils import logging as hf_logging
 
-    from retrieval.models.encoding import tokenize_texts
+    from diffret.retrieval.models.encoding import tokenize_texts
 
     tok = word_chat_tokenizer()
     tok.model_max_length = 8
@@ -615,7 +627,7 @@ def test_tokenize_records_full_length_and_cuts_without_a_warning(capfd) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones, arch, monkeypatch):
-    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
+    from diffret.retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = backbones[arch]
     assert bb.projection() is not None  # BERT's transform + decoder, ModernBERT's, an lm_head
@@ -634,7 +646,7 @@ def test_the_head_read_a_block_at_a_time_is_the_full_head_bit_for_bit(backbones,
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softmaxs(backbones, arch, monkeypatch):
-    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
+    from diffret.retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = backbones[arch]
     h = 4 * torch.randn(4, 2, bb.hidden_size, generator=torch.Generator().manual_seed(2))
@@ -657,7 +669,7 @@ def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softma
 @pytest.mark.parametrize("arch", ["bert", "qwen2"])
 @pytest.mark.parametrize("steps", [1, 2])
 def test_head_stats_are_the_softmax_at_each_mask_and_change_no_other_column(backbones, arch, steps):
-    from retrieval.models.encoding import encode_rows
+    from diffret.retrieval.models.encoding import encode_rows
 
     bb, tok = backbones[arch]
     reader = make_reader(bb, ReadoutConfig(stop_cut=True, denoise_steps=steps))
@@ -680,7 +692,7 @@ def test_head_stats_are_the_softmax_at_each_mask_and_change_no_other_column(back
 
 
 def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(backbones, monkeypatch):
-    from retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
+    from diffret.retrieval.models.backbones import backbone as bb_module  # the module whose read_head reads it
 
     bb, tok = tiny_backbone("llama", __import__("pathlib").Path("/nonexistent"), seed=3)
     with torch.no_grad():  # ids 5 and 70 (another block) are the only non-zero rows, equal: argmax keeps 5
@@ -703,7 +715,7 @@ def test_read_head_ties_go_to_the_first_id_and_other_heads_take_the_full_head(ba
 
 @pytest.mark.parametrize("quantise", ["truncate", "round", "none"])
 def test_batched_sparse_is_each_text_alone(quantise):
-    from retrieval.models.sparse import per_position_sparse_batch
+    from diffret.retrieval.models.sparse import per_position_sparse_batch
 
     g = torch.Generator().manual_seed(0)
     sizes, k = [0, 3, 200, 17], 4

@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.evaluation import evaluate, run_from_table
-from retrieval.search import Encodings, ScoreRules, SearchSettings, TopK, all_modes, run_table, search_pass
-from retrieval.search.encodings import encodings_from_table
-from retrieval.search.modes import fuse_minmax
-from stages.evaluate import EvaluateConfig
-from stages.runs import RetrievalConfig, cell_config
-from stages.score import ScoreConfig
+from diffret.retrieval.evaluation import evaluate, run_from_table
+from diffret.retrieval.search import Encodings, ScoreRules, SearchSettings, TopK, all_modes, run_table, search_pass
+from diffret.retrieval.search.encodings import encodings_from_table
+from diffret.retrieval.search.modes import fuse_minmax
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.runs import RetrievalConfig, cell_config
+from diffret.stages.score import ScoreConfig
 
 
 def enc(ids: list[str], slots: list[list[list[float]]], sparse: list[dict[int, float]] | None = None,
         rules: ScoreRules | None = None, factor: float = 1.0) -> Encodings:  # fmt: skip
     """Encodings of texts given as their slot vectors (and sparse {term: weight}), through the encodings table."""
-    from retrieval.models.encoding import encoded_table
-    from retrieval.models.readouts import Encoded
+    from diffret.retrieval.models.encoding import encoded_table
+    from diffret.retrieval.models.readouts import Encoded
 
     sparse = sparse or [{} for _ in ids]
     encs = [Encoded(np.asarray(v, np.float16), np.array(list(s), np.int32), np.array(list(s.values()), np.float32))
@@ -152,7 +152,7 @@ def test_5_score_config_records_each_mode_s_rules() -> None:
 def test_15_q1_p1_has_no_multi_dense_cells_unless_kept() -> None:
     """evaluate_sweep.py L687-694: ``enable_colbert = K > 1 or K_p > 1``: at q1-p1 no multi_dense and no fusion of
     it; diffret 0.1 scored them (``q1p1_multi="keep"``)."""
-    from retrieval.search.modes import MODE_NAMES, cell_modes
+    from diffret.retrieval.search.modes import MODE_NAMES, cell_modes
 
     assert ScoreConfig(dataset="x").q1p1_multi == "skip"
     assert cell_modes(MODE_NAMES, 1, 1) == ["single_dense", "sparse_max", "fusion_single_sparse_max"]
@@ -228,7 +228,7 @@ def _special_at(bb, slot: int):
 def test_6_a_fine_tuned_mask_readout_keeps_all_k_slots(bert, monkeypatch) -> None:
     """diffretriever_trainable.py L1219-1233 and encode.py L414-448: no stop cut on the trained path; the
     zero-shot encoders cut at the first special token read (diffretriever_dream.py L589-633)."""
-    from retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
     bb, tok = bert
     ids = [tok("cats purr in the garden", add_special_tokens=False)["input_ids"]]
@@ -244,8 +244,8 @@ def test_6_a_fine_tuned_mask_readout_keeps_all_k_slots(bert, monkeypatch) -> Non
 def test_7_fine_tuned_sparse_keeps_256_per_slot_and_rounds() -> None:
     """encode.py L445-446 (run_encode.sh --sparse_topk 256): top 256 per slot, x100 rounded; the zero-shot
     encoders keep 128 and truncate (diffretriever_dream.py L497)."""
-    from retrieval.models.readouts import ReadoutConfig
-    from retrieval.models.sparse import per_position_sparse
+    from diffret.retrieval.models.readouts import ReadoutConfig
+    from diffret.retrieval.models.sparse import per_position_sparse
 
     tuned, zero = ReadoutConfig().resolved(finetuned=True), ReadoutConfig().resolved(finetuned=False)
     assert (tuned.sparse_topk, tuned.sparse_quantise) == (256, "round")
@@ -268,8 +268,8 @@ def test_6_7_the_path_follows_the_model(tmp_path) -> None:
 
     from tiny_models import save_tiny_mlm
 
-    from retrieval.models.backbones import BackboneConfig
-    from stages.systems import EncodeSettings, encoder_slug
+    from diffret.retrieval.models.backbones import BackboneConfig
+    from diffret.stages.systems import EncodeSettings, encoder_slug
 
     base = save_tiny_mlm(tmp_path / "base")
     tuned = save_tiny_mlm(tmp_path / "tuned")
@@ -286,9 +286,9 @@ def test_6_7_the_path_follows_the_model(tmp_path) -> None:
 
 def test_8_max_length_is_run_encode_sh_s_256(bert) -> None:
     """run_encode.sh L77: --max_length 256 for every model, the prompt counted (encode.py's default: 512)."""
-    from retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader
-    from stages.encode import EncodeConfig
-    from stages.tokenize import TokenizeConfig
+    from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, make_reader
+    from diffret.stages.encode import EncodeConfig
+    from diffret.stages.tokenize import TokenizeConfig
 
     assert DEFAULT_MAX_LENGTH == 256
     assert EncodeConfig(dataset="d").max_length == 256 and TokenizeConfig(dataset="d").max_length == 256
@@ -307,7 +307,7 @@ def test_8_max_length_is_run_encode_sh_s_256(bert) -> None:
 def test_11_fine_tuned_promptreps_encodes_exactly_k_slots(causal, monkeypatch) -> None:
     """promptreps_trainable.py L461-491: the trained model decodes K - 1 words with no stop at the quote; its
     sparse vector is the pooled one's top 256, rounded (encode.py L449-458)."""
-    from retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
     bb, tok = causal
     (quote,) = tok('"', add_special_tokens=False)["input_ids"]
@@ -335,7 +335,7 @@ def test_11_fine_tuned_promptreps_encodes_exactly_k_slots(causal, monkeypatch) -
 
 # ------------------------------------------------------------------------------------- 9-14. fine-tuning
 def _groups(n: int = 8):
-    from retrieval.data.training import Group
+    from diffret.retrieval.data.training import Group
 
     words = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman".split()
     out = []
@@ -349,8 +349,8 @@ def _groups(n: int = 8):
 def _trainer(tmp_path, readout: str = "diffretriever", arch: str = "bert", **kw):
     from tiny_models import tiny_backbone
 
-    from retrieval.models.readouts import ReadoutConfig, make_reader
-    from retrieval.training.loop import Trainer, TrainSettings
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.training.loop import Trainer, TrainSettings
 
     bb, _ = tiny_backbone(arch, tmp_path / arch, seed=0)
     for m in bb.model.modules():  # no dropout: a cached step must equal the plain one bit for bit
@@ -364,7 +364,7 @@ def _trainer(tmp_path, readout: str = "diffretriever", arch: str = "bert", **kw)
 def test_9_cosine_schedule_with_ceil_warmup_from_zero() -> None:
     """train_diffretriever.py L579-582: HF's cosine schedule, warm-up ceil(0.06 T) starting at lr 0; diffret 0.1
     warmed up over floor(0.06 T) from 1 / (warm + 1) and decayed linearly."""
-    from retrieval.training.loop import TrainSettings
+    from diffret.retrieval.training.loop import TrainSettings
 
     s = TrainSettings().resolved("diffretriever")
     assert s.schedule == "cosine"
@@ -380,7 +380,7 @@ def test_9_cosine_schedule_with_ceil_warmup_from_zero() -> None:
 def test_10_global_batch_128_and_a_pool_of_32_queries(tmp_path) -> None:
     """Table 7: 8 queries x 16 passages per GPU, 4 GPUs gathered (a pool of 32 queries / 512 passages), 4 pools a
     step (128 queries); diffret 0.1 on one device: pools of 8, 32 queries a step."""
-    from retrieval.training.loop import TrainSettings, planned_steps
+    from diffret.retrieval.training.loop import TrainSettings, planned_steps
 
     s = TrainSettings().resolved("diffretriever")
     assert (s.pool_items(1), s.step_items(1), s.pool_items(4)) == (32, 128, 32)
@@ -411,7 +411,7 @@ def test_10_gradient_caching_equals_one_pass(tmp_path) -> None:
 def test_11_promptreps_trains_on_exactly_k_slots(tmp_path, monkeypatch) -> None:
     """promptreps_trainable.py L493-529: K - 1 words decoded with no stop, all K slots read; the paper trains it at
     N = 4 (diffret 0.1: stopped at the quote, the zero-shot N)."""
-    from retrieval.training.loop import TrainSettings
+    from diffret.retrieval.training.loop import TrainSettings
 
     tr = _trainer(tmp_path, readout="promptreps", arch="llama", kq=4, kp=4)
     bb, tok = tr.bb, tr.bb.tokenizer
@@ -430,7 +430,7 @@ def test_11_promptreps_trains_on_exactly_k_slots(tmp_path, monkeypatch) -> None:
 def test_12_training_passages_join_title_and_text_with_a_space(tmp_path) -> None:
     """train_diffretriever.py L307-310: f"{title} {text}"; an empty text gives the title alone (encode.py L79-81
     too); diffret 0.1 trained on the encoder's "title. text"."""
-    from retrieval.data.collections import passage_text
+    from diffret.retrieval.data.collections import passage_text
 
     tr = _trainer(tmp_path)
     assert tr._text({"title": "Cats", "text": "They purr."}) == "Cats They purr."
@@ -444,8 +444,8 @@ def test_13_llada_lora_covers_its_vocabulary_head() -> None:
     loaded that head is lm_head (diffret 0.1: not a target)."""
     from types import SimpleNamespace
 
-    from retrieval.models.backbones import FAMILIES
-    from retrieval.training.loop import lora_targets
+    from diffret.retrieval.models.backbones import FAMILIES
+    from diffret.retrieval.training.loop import lora_targets
 
     llada = SimpleNamespace(spec=FAMILIES["llada"], loader="native")
     assert "lm_head" in lora_targets(llada) and "lm_head" not in lora_targets(llada, head=False)
@@ -464,7 +464,7 @@ def test_14_the_baselines_train_as_their_released_scripts(tmp_path) -> None:
     """train_diffembed.py / train_repllama.py: tau 0.02, no gather, weight decay 0, HF linear schedule; DiffEmbed
     64 / 256 tokens in all (special tokens counted), the text only, 7 negatives; RepLLaMA "query: " + text
     tokenized as one string."""
-    from retrieval.training.loop import TrainSettings
+    from diffret.retrieval.training.loop import TrainSettings
 
     s = TrainSettings().resolved("repllama")
     assert (s.tau, s.gather, s.weight_decay, s.n_negatives, s.q_max_len, s.p_max_len) == (0.02, "no", 0.0, 15, 32, 156)
@@ -481,7 +481,7 @@ def test_14_the_baselines_train_as_their_released_scripts(tmp_path) -> None:
 def test_14_repllama_tokenizes_its_prefix_with_the_text(tmp_path) -> None:
     from tiny_models import tiny_backbone
 
-    from retrieval.models.readouts import ReadoutConfig, make_reader
+    from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
     bb, tok = tiny_backbone("qwen2", tmp_path / "q")  # byte-level BPE: "Ġwhat" merges across the prefix's space
     text = "what do cats do"

@@ -264,7 +264,7 @@ def test_offline_first_run_says_what_to_do(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ 10. leftovers
 FAILING_MODEL = """
-import stages.encode as enc
+from diffret.stages import encode as enc
 def _boom(*a, **k):
     raise RuntimeError("the model failed")
 enc.reader_for = _boom
@@ -314,7 +314,7 @@ def test_negative_grades(world: dict, tmp_path: Path) -> None:
 
 
 HELD = """
-import os, time, stages.encode as enc
+import os, time, diffret.stages.encode as enc
 _encode = enc.encode_rows
 def _held(*a, **k):  # the first shard waits until the test lets it go (at most 5 minutes)
     deadline = time.monotonic() + 300

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from retrieval.models.backbones import BackboneConfig, BackboneError, with_adapter
-from retrieval.models.released import MODEL_TYPES, ReleasedError, read_released
+from diffret.retrieval.models.backbones import BackboneConfig, BackboneError, with_adapter
+from diffret.retrieval.models.released import MODEL_TYPES, ReleasedError, read_released
 
 IDS = {"query_prefix_ids": [1, 2], "query_suffix_ids": [3], "passage_prefix_ids": [4], "passage_suffix_ids": [5, 6]}
 
@@ -73,9 +73,9 @@ def test_other_models_are_not_released_checkpoints(tmp_path):
 
 
 def test_encode_and_run_take_the_trained_budget_and_prompt(tmp_path):
-    from flows.compose import PipelineConfig
-    from stages.encode import EncodeConfig
-    from stages.systems import EncodeSettings, encoder_slug
+    from diffret.flows.compose import PipelineConfig
+    from diffret.stages.encode import EncodeConfig
+    from diffret.stages.systems import EncodeSettings, encoder_slug
 
     folder = str(released(tmp_path / "ft", "org/base"))
     enc = EncodeConfig(dataset="d", backbone={"model": folder})

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from retrieval.rerank import (
+from diffret.retrieval.rerank import (
     assignment_permutation,
     constrained_permutation,
     decode_permutation,

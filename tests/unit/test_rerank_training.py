@@ -14,8 +14,8 @@ import pytest
 import torch
 from tiny_models import tiny_backbone
 
-from retrieval.rerank.rerankers import RerankError, make_reranker
-from retrieval.rerank.training import (
+from diffret.retrieval.rerank.rerankers import RerankError, make_reranker
+from diffret.retrieval.rerank.training import (
     RankedList,
     RerankTrainer,
     RerankTrainSettings,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import tiny_backbone
 
-from retrieval.rerank.rerankers import RERANKERS, RerankError, make_reranker
+from diffret.retrieval.rerank.rerankers import RERANKERS, RerankError, make_reranker
 
 ITEMS = [
     ("what do cats do", [("d1", "cats purr softly"), ("d2", "dogs bark loudly"), ("d3", "the warm garden")]),
@@ -88,8 +88,8 @@ def test_a_window_beyond_the_context_is_refused_before_any_work(bb) -> None:
 
 
 def test_lockstep_sampling_equals_decoding_each_window_alone(bb) -> None:
-    from retrieval.rerank.algorithms import constrained_permutation
-    from retrieval.rerank.rerankers import Encoded, slot_logits
+    from diffret.retrieval.rerank.algorithms import constrained_permutation
+    from diffret.retrieval.rerank.rerankers import Encoded, slot_logits
 
     r = make_reranker("permutation_sampling", bb, window=6, step=3, steps=3, doc_tokens=8, batch_size=4)
     windows = [(q, [t for _, t in docs]) for q, docs in ITEMS] + [("cats", [f"cat {i} " * i for i in range(1, 7)])]

@@ -16,14 +16,14 @@ from stage_world import CORPUS, QRELS, QUERIES, configs
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from retrieval.search.modes import fuse_minmax
-from retrieval.search.runs import doc_order, run_file_bytes, run_table
-from retrieval.search.scoring import TopK
-from stages import execute, stages
-from stages.runs import Cell, RetrievalConfig, read_run, search_depth
-from storage import ArtifactStore, Manifest, StoreError
-from storage.layout import RUN_FILE, RUN_SCHEMA
-from storage.sql import StoreSQL
+from diffret.retrieval.search.modes import fuse_minmax
+from diffret.retrieval.search.runs import doc_order, run_file_bytes, run_table
+from diffret.retrieval.search.scoring import TopK
+from diffret.stages import execute, stages
+from diffret.stages.runs import Cell, RetrievalConfig, read_run, search_depth
+from diffret.storage import ArtifactStore, Manifest, StoreError
+from diffret.storage.layout import RUN_FILE, RUN_SCHEMA
+from diffret.storage.sql import StoreSQL
 
 DOC_IDS = ["7", "007", "d-1", "D-1", "é-ü", "MED-10", "a b", "x" * 60, "10", "9", "2", "1"]
 
@@ -177,7 +177,7 @@ def test_train_runs_feed_training_groups_and_a_deeper_request_is_refused(tiny: d
 
 
 def test_views_and_export_show_doc_ids_as_strings(tiny: dict, tmp_path: Path, monkeypatch) -> None:
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     store = ArtifactStore(tiny["root"])
     runs = _runs(tiny["root"])

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from retrieval.models.encoding import encoded_table
-from retrieval.models.readouts import Encoded
-from retrieval.search import (
+from diffret.retrieval.models.encoding import encoded_table
+from diffret.retrieval.models.readouts import Encoded
+from diffret.retrieval.search import (
     Encodings,
     ScoreRules,
     SearchSettings,
@@ -25,7 +25,7 @@ from retrieval.search import (
     search_pass,
     select,
 )
-from retrieval.search.modes import MODE_NAMES as MODES
+from diffret.retrieval.search.modes import MODE_NAMES as MODES
 
 H = 16
 VOCAB = 300

@@ -14,20 +14,20 @@ import torch
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from retrieval.models.backbones import BackboneConfig
-from retrieval.search.runs import topk_from_table, topk_table
-from retrieval.search.scoring import RunningTopK, TopK, merge_topk
-from stages import execute, stages
-from stages.base import run_units
-from stages.beta import BetaConfig
-from stages.bm25 import BM25Config
-from stages.bot import BotConfig
-from stages.encode import EncodeConfig
-from stages.ingest import DownloadConfig
-from stages.late import LateConfig
-from stages.rerank import RerankConfig
-from stages.score import ScoreConfig
-from stages.systems import SystemRef
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.runs import topk_from_table, topk_table
+from diffret.retrieval.search.scoring import RunningTopK, TopK, merge_topk
+from diffret.stages import execute, stages
+from diffret.stages.base import run_units
+from diffret.stages.beta import BetaConfig
+from diffret.stages.bm25 import BM25Config
+from diffret.stages.bot import BotConfig
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.late import LateConfig
+from diffret.stages.rerank import RerankConfig
+from diffret.stages.score import ScoreConfig
+from diffret.stages.systems import SystemRef
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
 CORPUS = [{"_id": f"d{i:02d}", "title": WORDS[i % 15], "text": " ".join(WORDS[i % 9 : i % 9 + 3])} for i in range(24)]
@@ -92,8 +92,8 @@ def run_digests(root: str) -> dict[str, str]:
 
 def f16(tiny: dict, root: str) -> str:
     """The tiny encoder system's slug."""
-    from stages.systems import find_system
-    from storage import ArtifactStore
+    from diffret.stages.systems import find_system
+    from diffret.storage import ArtifactStore
 
     return find_system(ArtifactStore(root), tiny["ref"]).system
 
@@ -179,8 +179,8 @@ def test_beta_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path) -> None:
 def test_late_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, monkeypatch) -> None:
     """Late re-scoring of beta's runs as one slice of queries or slices of the grain (2 here, 256 by default: the
     re-scoring's query chunks stay the same): the same runs."""
-    monkeypatch.setattr("retrieval.search.late.QUERY_GRAIN", 2)
-    monkeypatch.setattr("stages.late.QUERY_GRAIN", 2)
+    monkeypatch.setattr("diffret.retrieval.search.late.QUERY_GRAIN", 2)
+    monkeypatch.setattr("diffret.stages.late.QUERY_GRAIN", 2)
     digests = []
     for unit, units in ((65_536, 1), (1, 3)):
         root = copy_store(tiny, tmp_path / f"u{unit}")
@@ -229,7 +229,7 @@ def dask_address():
     """Two local Dask workers (CPU), shared by the module's tests that join them with --dask-address."""
     import distributed
 
-    from flows.cluster import local_cluster
+    from diffret.flows.cluster import local_cluster
 
     with local_cluster(n_workers=2) as cluster, distributed.Client(cluster, set_as_default=False) as client:
         client.wait_for_workers(2)
@@ -244,9 +244,9 @@ def metric_digests(root: str) -> dict[str, str]:
 def test_every_distributed_stage_runs_its_units_on_the_workers(tiny: dict, dask_address: str, tmp_path: Path) -> None:
     """score, beta, late, bm25 (a unit per split), rerank, evaluate (a unit per run) and index (a unit per K_p) on
     two Dask workers: the same runs and metrics as in this process, byte for byte."""
-    from flows.runner import run_stage
-    from stages.evaluate import EvaluateConfig
-    from stages.index import IndexConfig
+    from diffret.flows.runner import run_stage
+    from diffret.stages.evaluate import EvaluateConfig
+    from diffret.stages.index import IndexConfig
 
     def configs(root: str, **kw: object) -> list[tuple[str, object]]:
         common = {"root": root, "dataset": "tiny", "splits": ["test", "train"], **kw}

@@ -10,9 +10,9 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.compose import PipelineConfig
-from stages.encode import EncodeConfig
+from diffret.flows.cli import app
+from diffret.flows.compose import PipelineConfig
+from diffret.stages.encode import EncodeConfig
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea and gardens"} for i in range(6)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]
@@ -63,7 +63,7 @@ def test_a_side_read_a_batch_at_a_time_gives_each_shard_its_rows() -> None:
     subset of shard ranges give the rows a whole-side read gives them."""
     import random
 
-    from stages.readers import cut_ranges
+    from diffret.stages.readers import cut_ranges
 
     rng = random.Random(0)
     for _ in range(2000):

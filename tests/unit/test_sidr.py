@@ -17,22 +17,22 @@ import torch
 from conftest import write_beir
 from tiny_models import TEXTS, save_tiny_mlm, tiny_backbone
 
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.models.sparse import excluded_ids
-from retrieval.search.bot import bag_of_tokens, beta_search, binary_flat
-from retrieval.search.encodings import SparseFlat
-from stages import execute, stages
-from stages.beta import BetaConfig
-from stages.bot import BotConfig
-from stages.encode import EncodeConfig
-from stages.evaluate import EvaluateConfig
-from stages.ingest import DownloadConfig
-from stages.systems import SystemRef, tokenizer_of, tokens_slug
-from stages.tokenize import TokenizeConfig
-from storage import ArtifactStore, IncompleteArtifactError, StoreError
-from storage.layout import BOT_FILE
-from storage.sql import StoreSQL
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.models.sparse import excluded_ids
+from diffret.retrieval.search.bot import bag_of_tokens, beta_search, binary_flat
+from diffret.retrieval.search.encodings import SparseFlat
+from diffret.stages import execute, stages
+from diffret.stages.beta import BetaConfig
+from diffret.stages.bot import BotConfig
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.evaluate import EvaluateConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.systems import SystemRef, tokenizer_of, tokens_slug
+from diffret.stages.tokenize import TokenizeConfig
+from diffret.storage import ArtifactStore, IncompleteArtifactError, StoreError
+from diffret.storage.layout import BOT_FILE
+from diffret.storage.sql import StoreSQL
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +234,10 @@ def test_late_rescoring_encodes_only_what_it_needs_and_ranks_as_the_full_run(sto
     and on its m passages the run ranks them as the full-corpus multi_dense run does, with the same scores."""
     import shutil
 
-    from stages.bm25 import BM25Config
-    from stages.late import LateConfig
-    from stages.runs import read_run
-    from stages.score import ScoreConfig
+    from diffret.stages.bm25 import BM25Config
+    from diffret.stages.late import LateConfig
+    from diffret.stages.runs import read_run
+    from diffret.stages.score import ScoreConfig
 
     root = str(tmp_path / "store")
     shutil.copytree(store["root"], root)
@@ -268,7 +268,7 @@ def test_late_rescoring_encodes_only_what_it_needs_and_ranks_as_the_full_run(sto
         assert [c[0] for c in costs] == [2, 4] and all(v is not None and v > 0 for c in costs for v in c[2:])
         assert costs[1][4] == pytest.approx(costs[1][1] + costs[1][2] + 4 * costs[1][3]) if costs[1][1] else True
     execute(stages()["evaluate"], EvaluateConfig(root=root), log=log)
-    from retrieval.analysis.report import build_report
+    from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(s) as db:  # the views read the files listed when the connection opens
         sections = dict(build_report(db, n_boot=10).sections)
@@ -298,7 +298,7 @@ def _late_dir(root: str, m: int) -> str:
 def test_late_refuses_bad_input_in_one_line(store: dict) -> None:
     from pydantic import ValidationError
 
-    from stages.late import LateConfig
+    from diffret.stages.late import LateConfig
 
     with pytest.raises(ValidationError, match="m must be positive"):
         LateConfig(dataset="tiny", depths=[0])
@@ -313,8 +313,8 @@ def test_late_refuses_bad_input_in_one_line(store: dict) -> None:
 def test_sidr_settings_tell_stored_systems_apart_from_the_command_line(tmp_path) -> None:
     """Two SIDR systems of one model that differ in their head are told apart by --sidr-head (a filter of every
     command that reads a stored system); the ambiguity names that option."""
-    from flows.commands import system_ref_opts
-    from stages.systems import EncodeSettings, encoder_record, find_system, register
+    from diffret.flows.commands import system_ref_opts
+    from diffret.stages.systems import EncodeSettings, encoder_record, find_system, register
 
     store = ArtifactStore(str(tmp_path / "store"))
     store.fs.makedirs(store.abspath(""), exist_ok=True)

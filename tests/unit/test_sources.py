@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from retrieval.data import sources
-from retrieval.data.collections import DatasetError
-from retrieval.data.sources import resolve_source
-from stages.ingest import materialise
-from storage import ArtifactStore
+from diffret.retrieval.data import sources
+from diffret.retrieval.data.collections import DatasetError
+from diffret.retrieval.data.sources import resolve_source
+from diffret.stages.ingest import materialise
+from diffret.storage import ArtifactStore
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
-from storage import ArtifactStore, Manifest, StoreError
-from storage.layout import METRICS_FILE, METRICS_SCHEMA, metrics_dir
-from storage.sql import SQLRefused, StoreSQL
+from diffret.storage import ArtifactStore, Manifest, StoreError
+from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, metrics_dir
+from diffret.storage.sql import SQLRefused, StoreSQL
 
 
 def put_metrics(store: ArtifactStore, system: str = "sys-0123456789", value: float = 0.5) -> None:
@@ -109,12 +109,13 @@ def test_a_missing_root_is_refused_not_read_as_an_empty_store(tmp_path: Path) ->
 
 def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path) -> None:
     target = tmp_path / "x.csv"
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "sql", "--root", str(store.root),
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(store.root),
                         f"copy (select 42) to '{target}'"], capture_output=True, text=True, cwd=REPO,
                        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
     assert p.returncode != 0 and not target.exists()
     assert p.stderr.strip().count("\n") == 0 and "read-only: COPY is refused" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "sql", "--root", str(store.root), "--out", str(target),
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(store.root), "--out",
+                        str(target),
                         "select query_id from metrics"], capture_output=True, text=True, cwd=REPO,
                        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -129,7 +130,7 @@ def test_a_query_of_nothing_is_one_line_not_a_traceback(store: ArtifactStore, tm
     exit 2, however the query starts ('-- x' is the query, not an option)."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     args = ["sql", "--root", str(store.root), *(["--out", str(tmp_path / "x.csv")] if out else []), sql]
     res = CliRunner().invoke(app, args)

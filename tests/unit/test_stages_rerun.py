@@ -14,8 +14,8 @@ import pytest
 from stage_world import RERANK_TRAIN, TRAIN, copy_world, f16, snapshot
 from typer.testing import CliRunner
 
-from stages import execute, stages
-from storage import ConfigDriftError
+from diffret.stages import execute, stages
+from diffret.storage import ConfigDriftError
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_damaged_file_is_redone_alone(world: dict, tmp_path: Path) -> None:
 
 
 def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: dict, tmp_path: Path, monkeypatch):
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     w = copy_world(world, tmp_path)
@@ -144,7 +144,7 @@ def test_verify_names_a_flipped_byte_and_the_next_run_redoes_the_shard(world: di
 
 
 def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dict, tmp_path: Path, monkeypatch):
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     w = copy_world(world, tmp_path)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from stage_world import copy_world, f16
 
-from retrieval.rerank.training import RerankTrainer
-from retrieval.training.loop import Trainer
-from stages import execute, stages
-from storage import ArtifactStore
-from storage.sql import StoreSQL
+from diffret.retrieval.rerank.training import RerankTrainer
+from diffret.retrieval.training.loop import Trainer
+from diffret.stages import execute, stages
+from diffret.storage import ArtifactStore
+from diffret.storage.sql import StoreSQL
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ class _Killed(Exception):
 
 
 def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, tmp_path: Path, monkeypatch) -> None:
-    from stages.encode import Encode
+    from diffret.stages.encode import Encode
 
     w = copy_world(world, tmp_path)
     stage = Path(w["root"]) / f"encodings/system={f16(w)}/dataset=tiny/side=passage/k=2"
@@ -65,8 +65,7 @@ def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, t
 
 
 def test_tokenize_killed_mid_side_keeps_the_shards_it_finished(world: dict, tmp_path: Path, monkeypatch) -> None:
-    import stages.tokenize as tok
-
+    from diffret.stages import tokenize as tok
     w = copy_world(world, tmp_path)
     stage = next(Path(w["root"]).glob("tokens/*/dataset=tiny/side=passage"))
     good = {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")}

@@ -13,11 +13,11 @@ from stage_world import TRAIN, copy_world
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from retrieval.models.backbones import BackboneConfig, BackboneError, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from stages import execute, stages
-from stages.systems import SystemRef, find_system, list_systems
-from storage import ArtifactStore, StoreError
+from diffret.retrieval.models.backbones import BackboneConfig, BackboneError, load_backbone
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.stages import execute, stages
+from diffret.stages.systems import SystemRef, find_system, list_systems
+from diffret.storage import ArtifactStore, StoreError
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_registry_records_each_system_and_finds_it(world: dict) -> None:
 
 def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tmp_path: Path, monkeypatch) -> None:
     """The encode options are not repeated: score and index look the system up in the registry."""
-    from flows.cli import app
+    from diffret.flows.cli import app
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     runner = CliRunner()
@@ -72,13 +72,13 @@ def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tm
 def test_every_stage_has_a_flow_and_a_deployment() -> None:
     import yaml
 
-    from flows.runner import flows
+    from diffret.flows.runner import flows
 
     root = Path(__file__).parents[2]
     entries = {d["entrypoint"] for d in yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]}
     for name in stages():
         module, fn = flows()[name]
-        assert f"{module.replace('.', '/')}.py:{fn}" in entries, name
+        assert f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}" in entries, name
 
 
 def test_trained_model_encodes_as_a_system_of_its_own(world: dict, tmp_path: Path) -> None:

@@ -13,14 +13,14 @@ import pytest
 from stage_world import CORPUS, TRAIN, copy_world
 from tiny_models import save_tiny_mlm
 
-from retrieval.models.backbones import BackboneConfig, load_backbone
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import TrainSettings
-from stages import execute, stages
-from stages.base import Context
-from stages.systems import SystemRef, find_system
-from storage import ArtifactStore, IncompleteArtifactError, StoreError
-from storage.sql import StoreSQL
+from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.training.loop import TrainSettings
+from diffret.stages import execute, stages
+from diffret.stages.base import Context
+from diffret.stages.systems import SystemRef, find_system
+from diffret.storage import ArtifactStore, IncompleteArtifactError, StoreError
+from diffret.storage.sql import StoreSQL
 
 
 @pytest.fixture

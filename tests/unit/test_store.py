@@ -8,7 +8,7 @@ import os
 import pyarrow as pa
 import pytest
 
-from storage import (
+from diffret.storage import (
     ArtifactStore,
     ChecksumError,
     ConfigDriftError,
@@ -19,7 +19,7 @@ from storage import (
     config_hash,
     diff_configs,
 )
-from storage.layout import CORPUS_SCHEMA, dataset_dir, partition
+from diffret.storage.layout import CORPUS_SCHEMA, dataset_dir, partition
 
 STAGE = "datasets/dataset=toy"
 
@@ -314,8 +314,7 @@ def test_a_stale_folder_is_replaced_records_included(tmp_path):
 
 
 def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeypatch):
-    import storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
-
+    import diffret.storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
     store = ArtifactStore(tmp_path)
     _fill(store, _names(3))
     store.compact_shards(SHARDED)
@@ -324,7 +323,7 @@ def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeyp
         raise AssertionError("planning read a shard's contents")
 
     with monkeypatch.context() as mp:
-        mp.setattr(storage.integrity, "sha256_file", no_hashing)
+        mp.setattr(diffret.storage.integrity, "sha256_file", no_hashing)
         _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
     assert done == set(_names(3))
     first, second, third = (tmp_path / SHARDED / n for n in _names(3))
@@ -349,8 +348,7 @@ def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeyp
 
 
 def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_path, monkeypatch):
-    import storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
-
+    import diffret.storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
     store = ArtifactStore(tmp_path)
     _fill(store, _names(2))
     store.compact_shards(SHARDED)
@@ -358,8 +356,8 @@ def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_pat
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # a copied store: same bytes, new mtime
     hashed = []
-    real = storage.integrity.sha256_file
-    monkeypatch.setattr(storage.integrity, "sha256_file", lambda p, fs=None: hashed.append(p) or real(p, fs))
+    real = diffret.storage.integrity.sha256_file
+    monkeypatch.setattr(diffret.storage.integrity, "sha256_file", lambda p, fs=None: hashed.append(p) or real(p, fs))
     _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)
     assert done == set(_names(2)) and len(hashed) == 1
     _, done = ArtifactStore(tmp_path).open_sharded(SHARDED, "tokens", PART, CFG)  # compacts the new mtime
@@ -424,7 +422,7 @@ def test_sharded_folder_on_a_memory_store():
 def test_cleanup_of_a_stopping_run_skips_a_folder_being_written(tmp_path) -> None:
     """A run stopped (Ctrl-C) while a shard is being recorded: its cleanup leaves that folder alone instead of
     failing with 'being written by another process' (the stop must still exit 130, not 2)."""
-    from storage import remove_empty_sharded
+    from diffret.storage import remove_empty_sharded
 
     store = ArtifactStore(str(tmp_path))
     store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})

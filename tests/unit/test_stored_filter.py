@@ -12,14 +12,14 @@ import pytest
 from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
-from retrieval.models.backbones import BackboneConfig
-from retrieval.models.sparse import ContentFilter
-from stages import execute, stages
-from stages.base import Context, Plan
-from stages.encode import EncodeConfig
-from stages.ingest import DownloadConfig
-from stages.systems import tokenizer_of
-from storage import ArtifactStore
+from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.models.sparse import ContentFilter
+from diffret.stages import execute, stages
+from diffret.stages.base import Context, Plan
+from diffret.stages.encode import EncodeConfig
+from diffret.stages.ingest import DownloadConfig
+from diffret.stages.systems import tokenizer_of
+from diffret.storage import ArtifactStore
 
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps over the lazy mailman".split()
 CORPUS = [{"_id": f"d{i}", "title": WORDS[i], "text": " ".join(WORDS[i : i + 5]) + "."} for i in range(10)]
@@ -103,7 +103,7 @@ def plan_encode(cfg: EncodeConfig) -> Plan:
 
 
 def test_a_word_pool_gives_the_ids_of_one_process(tiny: dict, monkeypatch) -> None:
-    from retrieval.models import sparse
+    from diffret.retrieval.models import sparse
 
     texts = [f"{d['title']}. {d['text']} The {d['title']}'s fox, again!" for d in CORPUS] * 3
     tok = tokenizer_of(BackboneConfig(model=str(tiny["model"])))

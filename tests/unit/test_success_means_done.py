@@ -19,7 +19,7 @@ from conftest import REPO, write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
-from flows.cli import app
+from diffret.flows.cli import app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -209,8 +209,7 @@ def test_sql_checks_size_and_mtime_before_a_view_reads_a_file(world: dict, tmp_p
 
 # --------------------------------------------------------------------------- 6. a stored collection by name
 def test_a_downloaded_collection_is_used_by_name_offline(world: dict, tmp_path: Path, monkeypatch) -> None:
-    import retrieval.data.sources as sources
-
+    from diffret.retrieval.data import sources as sources
     def offline(url: str, *a: object, **k: object) -> None:
         raise sources.DownloadError(f"{url}: no network in this test")
 
@@ -251,8 +250,7 @@ def dead_mlm(folder: Path) -> Path:
 def test_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
     import numpy as np
 
-    import retrieval.analysis.figures as figures
-
+    from diffret.retrieval.analysis import figures as figures
     seen = []
     monkeypatch.setattr(figures, "_png", lambda fig: seen.append(fig) or b"")
     grid = np.array([[0.0017, 0.0033], [0.002, 0.0025]])
@@ -268,7 +266,8 @@ def test_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
 
 def test_help_fits_80_columns_and_library_noise_needs_v() -> None:
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--help"], capture_output=True, text=True, env=env,
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "run", "--help"], capture_output=True, text=True,
+                       env=env,
                        cwd=REPO, timeout=120)  # fmt: skip
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and "--model" in p.stdout and "--verbose" not in p.stdout
@@ -276,7 +275,7 @@ def test_help_fits_80_columns_and_library_noise_needs_v() -> None:
     import logging
     import warnings
 
-    from flows.display import QUIET_LOGGERS
+    from diffret.flows.display import QUIET_LOGGERS
 
     levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     code, out = invoke("views", "--root", str(REPO / "nonexistent-store"))  # any command: the libraries quiet

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny_models import TEXTS, tiny_backbone
 
-from retrieval.data.training import Group
-from retrieval.models.backbones import BackboneError
-from retrieval.models.readouts import ReadoutConfig, make_reader
-from retrieval.training.loop import Trainer, TrainSettings
-from retrieval.training.objective import contrastive_loss, maxsim_matrix, sparse_vectors
+from diffret.retrieval.data.training import Group
+from diffret.retrieval.models.backbones import BackboneError
+from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
+from diffret.retrieval.training.loop import Trainer, TrainSettings
+from diffret.retrieval.training.objective import contrastive_loss, maxsim_matrix, sparse_vectors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +90,7 @@ def test_lora_trains_a_small_fraction(tmp_path, arch):
 
 
 def test_lora_on_unknown_modules_is_refused(tmp_path, monkeypatch):
-    from retrieval.models import backbones
+    from diffret.retrieval.models import backbones
 
     bb, _ = tiny_backbone("bert", tmp_path / "bert", seed=0)
     spec = backbones.FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True, lora_targets=("nope_proj",))
@@ -174,7 +174,7 @@ def sidr_trainer(tmp_path, **kw) -> Trainer:
 def test_sidr_objective_is_the_four_symmetric_terms_and_trains(tmp_path):
     """``--readout sidr`` trains with SIDR's objective (its own defaults: full fine-tuning, 1 hard negative) and
     the loss on a fixed batch falls; the loss is 1/4 of the four symmetric InfoNCE terms, recomputed here."""
-    from retrieval.training.objective import symmetric_nce, topk_own
+    from diffret.retrieval.training.objective import symmetric_nce, topk_own
 
     tr = sidr_trainer(tmp_path)
     assert tr.s.adapter == "full" and tr.s.n_negatives == 1 and tr.trainable == tr.total
@@ -216,8 +216,8 @@ def retrieved(tr: Trainer, depth: int = 3):
     """A bag-of-tokens index over every passage of ``groups()`` (the tiny backbone's tokens)."""
     import pyarrow as pa
 
-    from retrieval.search.bot import bag_of_tokens, binary_flat
-    from retrieval.training.negatives import RetrievedNegatives
+    from diffret.retrieval.search.bot import bag_of_tokens, binary_flat
+    from diffret.retrieval.training.negatives import RetrievedNegatives
 
     docs = list({p["docid"]: p for g in groups() for p in [*g.positives, *g.negatives]}.values())
     ids = tr.r.bb.tokenizer([tr._text(p) for p in docs], add_special_tokens=False)["input_ids"]
@@ -229,9 +229,9 @@ def test_sidr_retrieved_negatives_come_from_the_current_encoders_beta_search(tmp
     """``retrieved_negatives``: each group's negative is drawn from the top of a beta search by the current query
     encoder over the fixed bag-of-tokens index, never one of its judged positives, the same for the same seed and
     step; the step then trains on them. Without the index (or with another readout) it is refused."""
-    from retrieval.search.bot import beta_search
-    from retrieval.training.negatives import sparse_rows
-    from retrieval.training.objective import topk_own
+    from diffret.retrieval.search.bot import beta_search
+    from diffret.retrieval.training.negatives import sparse_rows
+    from diffret.retrieval.training.objective import topk_own
 
     base = sidr_trainer(tmp_path)
     s = base.s.model_copy(update={"retrieved_negatives": 3})

@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from retrieval.data.collections import DatasetError
-from retrieval.data.training import groups_table, mine_groups, read_tevatron
-from stages import execute, stages
-from stages.training_data import TrainingDataConfig
-from storage import ArtifactStore
-from storage.layout import GROUPS_FILE, GROUPS_SCHEMA, training_dir
-from storage.sql import StoreSQL
+from diffret.retrieval.data.collections import DatasetError
+from diffret.retrieval.data.training import groups_table, mine_groups, read_tevatron
+from diffret.stages import execute, stages
+from diffret.stages.training_data import TrainingDataConfig
+from diffret.storage import ArtifactStore
+from diffret.storage.layout import GROUPS_FILE, GROUPS_SCHEMA, training_dir
+from diffret.storage.sql import StoreSQL
 
 
 def passage(d: str) -> dict:

@@ -132,8 +132,8 @@ def check_saved_model(folder: Path) -> None:
 
     >>> check_saved_model(Path("org/some-hub-id"))
     """
-    from storage import ArtifactStore
-    from storage.layout import MANIFEST_NAME
+    from diffret.storage import ArtifactStore
+    from diffret.storage.layout import MANIFEST_NAME
 
     home = folder if folder.name != PASSAGE_ENCODER else folder.parent
     if not (home / MANIFEST_NAME).is_file():  # a model from elsewhere
