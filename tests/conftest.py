@@ -21,15 +21,18 @@ class _FolderNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     test process; the code itself imports through ``diffret`` only (tests/unit/test_package.py)."""
 
     NAMES = ("flows", "tasks", "stages", "storage", "queries", "retrieval")
+    _specs: dict = {}
 
     def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
         return importlib.util.spec_from_loader(name, self) if name.split(".")[0] in self.NAMES else None
 
     def create_module(self, spec):  # noqa: ANN001, ANN201
-        return importlib.import_module(f"diffret.{spec.name}")
+        module = importlib.import_module(f"diffret.{spec.name}")
+        self._specs[spec.name] = module.__spec__  # the import system sets __spec__ to this alias's spec next
+        return module
 
     def exec_module(self, module) -> None:  # noqa: ANN001
-        pass
+        module.__spec__ = self._specs.pop(module.__name__.removeprefix("diffret."))  # a package stays a package
 
 
 sys.meta_path.insert(0, _FolderNames())
