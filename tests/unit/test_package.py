@@ -28,7 +28,8 @@ def test_the_wheel_installs_one_top_level_package_with_its_data(tmp_path: Path) 
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"diffret"}, top
     for path in ("diffret/__init__.py", "diffret/api.py", "diffret/flows/cli.py", "diffret/stages/score.py",
-                 "diffret/storage/store.py", "diffret/retrieval/models/backbones/loading.py", "diffret/queries/30_results.sql",
+                 "diffret/storage/store.py", "diffret/retrieval/models/backbones/loading.py",
+                 "diffret/queries/30_results.sql",
                  "diffret/retrieval/models/prompts/few_words.yaml",
                  "diffret/retrieval/rerank/prompts/logits_listwise.yaml"):  # fmt: skip
         assert path in names, path
