@@ -203,11 +203,19 @@ def sidr(args: argparse.Namespace) -> None:
     t_new = timed(lambda: encode(batched), bb.device, args.repeats)
     t_old = timed(lambda: encode(per_text), bb.device, args.repeats)
     same = encode(batched).equals(encode(per_text))
+    width = len(bb.tokenizer)
+
+    def no_head(hidden: torch.Tensor, att: torch.Tensor, side_bb=None) -> torch.Tensor:  # noqa: ANN001
+        return torch.ones((len(hidden), width))  # every cost but the head's: any head's ceiling
+
+    t_trunk = timed(lambda: encode(no_head), bb.device, args.repeats)
     mask = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
     t_mask = timed(lambda: encode(batched, mask), bb.device, args.repeats)
     n = len(texts)
     for name, t, note in [("sidr, per batch (pipeline)", t_new, f"{t_old / t_new:.2f}x per text (target >= 5)"),
                           ("sidr, per text (before)", t_old, ""),
+                          ("sidr without its head", t_trunk, f"{t_old / t_trunk:.2f}x per text: the ceiling of "
+                                                            "any head"),
                           ("mask readout K=1", t_mask, f"mask/sidr {t_new / t_mask:.2f}x")]:  # fmt: skip
         print(f"{name:28s} {n / t:9.2f} docs/s  {note}")
     print(f"the same vectors, byte for byte: {same}")
