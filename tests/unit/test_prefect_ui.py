@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import pickle
 import re
+import time
 from pathlib import Path
 from typing import Any, get_args
 
@@ -127,6 +128,10 @@ def test_flow_runs_and_unit_tasks_are_named_and_summarised(tiny: dict, tmp_path:
         with get_client(sync_client=True) as client:
             flow_runs = {r.name: r for r in client.read_flow_runs()}
             tasks = client.read_task_runs()
+            deadline = time.monotonic() + 60  # task runs reach the server as events, recorded a moment later
+            while len(tasks) < 8 and time.monotonic() < deadline:
+                time.sleep(0.25)
+                tasks = client.read_task_runs()
             artifacts = client.read_artifacts()
     assert res["done"] == 2 * (1 + 3)
     encode_run = flow_runs.pop(f"encode tiny {Path(tiny['model']).name} diffretriever")
