@@ -207,9 +207,10 @@ def write_docs(results: list[dict], t_exp: dict[str, float], m_exp: dict[str, fl
     lines.append(f"**Memory bound: {MEMORY_BOUND_MB / 1024:.0f} GB a process.** At N = {big['n']:,} the largest "
                  f"peak is {peak[0]:,.0f} MB ({peak[1]}): every process is within the bound"
                  + ("." if peak[0] <= MEMORY_BOUND_MB else " but one.")
-                 + f" It holds at any N for {', '.join(flat)}: their peaks grow less than {GROWS_BYTES} B a passage "
-                 "(tokenize and encode hold one shard, `--shard-size`, 50,000 texts here; score one shard of "
-                 "encodings; index and compress stream the encodings a shard at a time; download hashes the ids)."
+                 + f" It holds at any N for {', '.join(flat)}: their peaks grow less than {GROWS_BYTES} B a passage. "
+                 "By design tokenize and encode hold one shard (`--shard-size`, 50,000 texts here), score one shard "
+                 "of encodings, index and compress stream the encodings a shard at a time, and download keeps 8 B "
+                 "hashes of the ids."
                  + (" **Not yet for " + ", ".join(f"{n} ({per:,.0f} B a passage: {_fmt_b(at)} at MS MARCO)"
                                                   for n, per, at in grows)
                     + "**: what each holds is under Known limits below." if grows else ""))
