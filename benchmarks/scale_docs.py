@@ -96,8 +96,8 @@ def figure(results: list[dict]) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ns = [r["n"] for r in results]
     for name in [s["stage"] for s in results[0]["stages"]]:
-        secs = [next(s for s in r["stages"] if s["stage"] == name)["seconds"] for r in results]
-        mem = [next(s for s in r["stages"] if s["stage"] == name)["peak_rss_mb"] for r in results]
+        secs = [_stage(r, name)["seconds"] for r in results]
+        mem = [_stage(r, name)["peak_rss_mb"] for r in results]
         ax1.plot(ns, secs, marker="o", label=name)
         ax2.plot(ns, mem, marker="o", label=name)
     for ax, what in ((ax1, "wall time (s)"), (ax2, "peak RSS of a process (MB)")):
@@ -117,27 +117,28 @@ GROWS_BYTES = 64  # a peak growing more than this a passage is not bounded (64 B
 PER_QUERY = ("evaluate", "report", "late")  # their work follows the queries (fixed) and the depth, not N
 
 
-def marginal_exponents(results: list[dict]) -> dict[str, float]:
-    """Per stage: the slope of log(t - t_fixed) against log(N) over the sizes above the smallest, t_fixed being the
-    stage's time at the smallest N (a command's start-up: Python, imports, the model, a Dask cluster, which does not
-    grow with N). Stages whose time there is at most 1.5x t_fixed are left out (no work above start-up to fit)."""
+def exponents(results: list[dict], key: str, base: dict | None = None) -> dict[str, float]:
+    """Per stage: the least-squares slope of log(key) against log(N) over ``results``. With ``base`` (the smallest
+    N's result: a command's start-up, Python, imports, the model, a Dask cluster, which does not grow with N), the
+    slope of log(key - base's key), over the sizes where key exceeds 1.5x base's (no work above start-up to fit
+    otherwise)."""
     import math
 
     import numpy as np
 
-    base, rest = results[0], results[1:]
     out = {}
-    for name in [s["stage"] for s in base["stages"]]:
-        t0 = _stage(base, name)["seconds"]
-        xs, ys = [], []
-        for r in rest:
-            t = _stage(r, name)["seconds"]
-            if t > 1.5 * t0:
-                xs.append(math.log(r["n"]))
-                ys.append(math.log(t - t0))
-        if len(xs) >= 2:
-            out[name] = float(np.polyfit(xs, ys, 1)[0])
+    for name in [s["stage"] for s in results[0]["stages"]]:
+        v0 = _stage(base, name)[key] if base is not None else 0.0
+        pts = [(math.log(r["n"]), math.log(v - v0)) for r in results
+               if (v := _stage(r, name)[key]) > (1.5 * v0 if base is not None else 0.0)]  # fmt: skip
+        if len(pts) >= 2:
+            out[name] = float(np.polyfit(*zip(*pts, strict=True), 1)[0])
     return out
+
+
+def marginal_exponents(results: list[dict]) -> dict[str, float]:
+    """Per stage: the time exponent above start-up, ``results[0]`` (the smallest N) standing for the start-up."""
+    return exponents(results[1:], "seconds", base=results[0])
 
 
 def _stage(result: dict, name: str) -> dict:

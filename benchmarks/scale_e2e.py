@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -63,9 +62,9 @@ FIXES = """## Found and fixed on the way
   passage between 100k and 1M; about 25 GB at MS MARCO). A bounded BM25 needs the corpus statistics (document
   frequencies, mean length) from a first pass and then one shard's score matrix at a time, its top k merged into
   the run: equal to bm25s's scores, and to its runs up to ties at the cut-off. Not done.
-- **late** holds every passage id of the corpus as Python objects three times (the ordered list, an id -> position
-  dict, and the set of ids already encoded in `_encode_missing`): 0.8 kB a passage. Arrow id arrays and hashed
-  lookups (as evaluate now does) would leave the run's candidates only. Not done.
+- **late** holds every passage id of the corpus as Python objects (the ordered list and an id -> position dict, and
+  when it encodes missing passages the set of ids already encoded, in `_encode_missing`): 0.8 kB a passage. Arrow
+  id arrays and hashed lookups (as evaluate now does) would leave the run's candidates only. Not done.
 - **tokenize, encode, index, score_int8** grew 80-290 B a passage between 100k and 1M (0.1-0.3 GB). One run per size
   cannot tell a per-passage cost from run-to-run variation at these peaks; a third size or a memory profile would.
   Encode's projected 3.9 GB at MS MARCO is at the bound.
@@ -298,23 +297,6 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
     return out
 
 
-# ----------------------------------------------------------------------------------------- analysis
-def exponents(results: list[dict], key: str) -> dict[str, float]:
-    """Per stage: the slope of log(key) against log(N), least squares over the sizes measured."""
-    out = {}
-    names = [s["stage"] for s in results[0]["stages"]]
-    for name in names:
-        xs, ys = [], []
-        for r in results:
-            s = next(s for s in r["stages"] if s["stage"] == name)
-            if s[key] > 0:
-                xs.append(math.log(r["n"]))
-                ys.append(math.log(s[key]))
-        if len(xs) >= 2:
-            out[name] = float(np.polyfit(xs, ys, 1)[0])
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, action="append", help="corpus sizes (repeat)")
@@ -335,14 +317,14 @@ def main() -> None:
     results = [stored[k] for k in sorted(stored, key=int)]
     fit = results[1:] if len(results) >= 3 else results  # the smallest N: each command's fixed cost
     if len(fit) >= 2:
-        from scale_docs import marginal_exponents  # benchmarks/scale_docs.py
+        from scale_docs import exponents, marginal_exponents  # benchmarks/scale_docs.py
 
         for key in ("seconds", "peak_rss_mb"):
             print(key, {k: round(v, 2) for k, v in exponents(fit, key).items()})
         if fit is not results:
             print("seconds above start-up", {k: round(v, 2) for k, v in marginal_exponents(results).items()})
     if args.write_docs:
-        from scale_docs import write_docs
+        from scale_docs import exponents, write_docs
 
         write_docs(results, exponents(fit, "seconds"), exponents(fit, "peak_rss_mb"), args.eval_rows_per_s, FIXES)
 
