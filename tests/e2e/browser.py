@@ -77,7 +77,10 @@ class PrefectUI:
         editor's text reached the form), then fails with the server's answer."""
         answer: dict = {}
         for _ in range(3):
-            answer = self._submit(deployment_id, config, shot)
+            try:
+                answer = self._submit(deployment_id, config, shot)
+            except AssertionError as e:  # the editor never showed the config: try again from a fresh form
+                answer = {"editor": str(e)}
             if "id" in answer:
                 return answer["id"]
         raise AssertionError(f"the server refused the Custom run three times: {answer}")
@@ -95,15 +98,26 @@ class PrefectUI:
         menu.click()
         p.get_by_role("menuitem", name="Use JSON Input").click()
         editor = p.locator("main .cm-content").first
-        editor.fill(json.dumps(config, indent=2))  # one insert: no auto-brackets
-        deadline = time.monotonic() + TIMEOUT_MS / 1000
-        while not _same_json(editor.inner_text(), config) and time.monotonic() < deadline:
-            p.wait_for_timeout(100)
+        # Clear the editor through its own keymap, then insert. The editor draws only the lines in view, so a DOM
+        # select-all (what ``fill`` does) can leave a long default's unseen tail behind the new text ("Extra data").
+        editor.click()
+        p.keyboard.press("Control+A")
+        p.keyboard.press("Delete")
+        self._wait_for(lambda: editor.inner_text().strip() == "", "the JSON editor to empty", editor)
+        p.keyboard.insert_text(json.dumps(config, indent=2))  # one insert: no auto-brackets
+        self._wait_for(lambda: _same_json(editor.inner_text(), config), "the JSON editor to hold the config", editor)
         p.wait_for_timeout(1500)  # the form takes the editor's text a moment later (seconds on a loaded machine)
         with p.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as resp:
             p.get_by_role("button", name="Submit").click()
         body = resp.value.json()
         return body if isinstance(body, dict) else {"answer": body, "status": resp.value.status}
+
+    def _wait_for(self, done: Any, what: str, editor: Any) -> None:
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; it shows {editor.inner_text()!r}")
+            self.page.wait_for_timeout(100)
 
     def flow_run(self, flow_run_id: str, shot: str | None = None) -> None:
         """A flow run's page, with its Artifacts tab open."""
