@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from diffret.retrieval.search.bm25 import BM25Settings, bm25_search
+from diffret.retrieval.search.bm25 import BM25Settings, bm25_search, bm25_search_shards
 from diffret.storage.layout import run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage
-from .readers import dataset_manifest, side_texts, split_queries
+from .readers import corpus_size, dataset_manifest, side_text_ranges, side_texts, split_queries
 from .runs import Cell, RetrievalConfig, write_runs
 from .systems import SystemRecord, bm25_slug, register
 
@@ -23,6 +23,10 @@ class BM25Config(RetrievalConfig, ClusterConfig):
     """Parameters of the BM25 flow."""
 
     bm25: BM25Settings = Field(default_factory=BM25Settings, description="BM25's parameters.")
+    shard_size: int = Field(default=1_000_000, ge=1, description="Passages per BM25 shard: a larger corpus is "
+                            "indexed a shard at a time (memory: one shard's index, ~2.7 kB a passage), its scores "
+                            "equal to the whole corpus's, of the documents tied at the cut-off the first in corpus "
+                            "order kept; a corpus this size or smaller is indexed whole, as bm25s does.")  # fmt: skip
 
 
 @dataclass
@@ -56,6 +60,7 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
             "corpus": dataset_manifest(store, corpus).config_hash,
         }
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
+        sharded = corpus_size(store, corpus) > config.shard_size
         plan = Plan(system=system)
         todo = []
         for split in config.splits:
@@ -64,6 +69,8 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
                 "mode": "bm25", "topk": config.depth(split), "ignore_identical_ids": ignore,
                 "bm25": config.bm25.model_dump(), "inputs": inputs,
             }  # fmt: skip
+            if sharded:  # its runs keep, of the documents tied at the cut-off, the first in corpus order
+                cfg["shard_size"] = config.shard_size
             stage = run_dir(system, config.dataset, split, 0, 0, "bm25")
             if plan.needs(ctx, stage, cfg, config.force):
                 todo.append(Cell(split, 0, 0, "bm25", stage, cfg))
@@ -77,19 +84,34 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
 
     def run(self, unit: BM25Unit, ctx: Context) -> int:
         cfg = unit.cells[0].config  # the same search for every split
-        doc_ids, doc_texts, _ = side_texts(ctx.store, cfg["corpus"], "passage")
-        q_ids, q_texts, _ = side_texts(ctx.store, cfg["dataset"], "query")
+        store, corpus = ctx.store, cfg["corpus"]
+        q_ids, q_texts, _ = side_texts(store, cfg["dataset"], "query")
         text_of = dict(zip(q_ids, q_texts, strict=True))
         query_ids = list(dict.fromkeys(q for cell in unit.cells for q in unit.split_ids[cell.split]))
-        ctx.log(f"BM25 over {len(doc_ids):,} passages for {len(query_ids):,} queries")
+        queries = [text_of[q] for q in query_ids]
         settings = BM25Settings.model_validate(cfg["bm25"])
         clock: dict[str, float] = {}
-        top = bm25_search(doc_texts, [text_of[q] for q in query_ids], unit.depth, settings, query_ids, doc_ids,
-                          cfg["ignore_identical_ids"], clock)  # fmt: skip
+        n, size = corpus_size(store, corpus), cfg.get("shard_size")
+        if size is None:
+            ctx.log(f"BM25 over {n:,} passages for {len(query_ids):,} queries")
+            doc_ids, doc_texts, _ = side_texts(store, corpus, "passage")
+            top = bm25_search(doc_texts, queries, unit.depth, settings, query_ids, doc_ids,
+                              cfg["ignore_identical_ids"], clock)  # fmt: skip
+            extra = {}
+        else:
+            ranges = [(s, min(s + size, n)) for s in range(0, n, size)]
+            ctx.log(f"BM25 over {n:,} passages in {len(ranges)} shards of {size:,} for {len(query_ids):,} queries")
+
+            def shards():  # noqa: ANN202 - (ids, texts) per shard, read from the store on each pass
+                return ((ids, texts) for _, _, ids, texts in side_text_ranges(store, corpus, "passage", ranges))
+
+            top, doc_ids = bm25_search_shards(shards, queries, unit.depth, settings, query_ids,
+                                              cfg["ignore_identical_ids"], clock)  # fmt: skip
+            extra = {"bm25_shards": len(ranges)}
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}
         write_runs(ctx.store, unit.cells, {(0, "bm25"): top}, query_ids, doc_ids, split_rows, clock["search_seconds"],
-                   {"index_seconds": round(clock["index_seconds"], 4)})  # fmt: skip
+                   {"index_seconds": round(clock["index_seconds"], 4), **extra})  # fmt: skip
         return len(unit.cells)
 
 

@@ -31,7 +31,7 @@ from diffret.retrieval.search.exact import SearchSettings
 from diffret.retrieval.search.late import QUERY_GRAIN, rescore
 from diffret.retrieval.search.modes import MODE_NAMES, modes_for
 from diffret.retrieval.search.rules import ScoreRules
-from diffret.retrieval.search.runs import doc_order, run_table, topk_table
+from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, topk_table
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
@@ -224,8 +224,8 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         repair = plan.details.get("_repair")
         if repair is not None:  # only the partial folder: its damaged parts dropped, their passages encoded again
             corpus_ids = _corpus_ids(ctx.store, repair["tokens_stage"])
-            position = {d: i for i, d in enumerate(corpus_ids)}
-            first = _first_tops(ctx.store, {"depths": [repair["depth"]], "first_runs": repair["first_runs"]}, position)
+            first = _first_tops(ctx.store, {"depths": [repair["depth"]], "first_runs": repair["first_runs"]},
+                                corpus_ids)  # fmt: skip
             needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
                                               + [np.zeros(0, np.int64)]))  # fmt: skip
             encoded, _ = self._encode_missing(repair, ctx, needed, corpus_ids)
@@ -235,9 +235,8 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             return
         store = ctx.store
         corpus_ids = _corpus_ids(store, info["tokens_stage"])
-        position = {d: i for i, d in enumerate(corpus_ids)}
         shared = store.read_plan(info["plan"])
-        first = _first_tops(store, shared, position)
+        first = _first_tops(store, shared, corpus_ids)
         needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)]))
         encoded, seconds = 0, 0.0
         if not info["full"]:
@@ -249,29 +248,30 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
                 f"{encoded:,} encoded now")  # fmt: skip
 
     def _encode_missing(self, info: dict[str, Any], ctx: Context, needed: np.ndarray,
-                        corpus_ids: list[str]) -> tuple[int, float]:  # fmt: skip
+                        corpus_ids: pa.Array) -> tuple[int, float]:  # fmt: skip
         """Encode the ``needed`` passages (global positions) the partial folder lacks, as one new part; how many, and
         the seconds that took (the model's loading excluded)."""
         store, stage = ctx.store, info["partial"]
         ctx.hold(stage)
         part = {"system": info["system"], "dataset": info["corpus"], "k": str(info["partial_config"]["k"])}
         man, done = store.open_sharded(stage, "partial", part, info["partial_config"], verify=info.get("verify", False))
-        held: set[str] = set()
-        for name in sorted(done):
-            held.update(store.read_table(stage, name, columns=["id"]).column("id").to_pylist())
-        missing = [corpus_ids[i] for i in needed.tolist() if corpus_ids[i] not in held]
-        if not missing:
+        wanted = corpus_ids.take(pa.array(needed, pa.int64()))
+        held = [store.read_table(stage, name, columns=["id"]).column("id") for name in sorted(done)]
+        if held:
+            held_ids = pa.chunked_array(held, pa.string()).combine_chunks()
+            wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=held_ids)))
+        miss = wanted.cast(pa.string())
+        if len(miss) == 0:
             return 0, 0.0
         rows = []
         t_man = store.require_manifest(info["tokens_stage"])
-        miss = pa.array(missing, pa.string())
         for name in sorted(t_man.files):
             t = store.read_table(info["tokens_stage"], name, columns=["id", "token_ids", "text"])
             rows.append(t.filter(pc.is_in(t.column("id"), value_set=miss)))
         todo = pa.concat_tables(rows)
         reader = reader_for(EncodeSettings.model_validate(info["settings"]))
         start = time.perf_counter()
-        advance = ctx.progress("late: encoding the candidates", len(missing), "docs")
+        advance = ctx.progress("late: encoding the candidates", len(miss), "docs")
         new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
                           todo.column("text").to_pylist(), "passage", int(info["partial_config"]["k"]),
                           info["batch_size"], advance)  # fmt: skip
@@ -280,7 +280,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         # name (damaged, its passages encoded again) or the next free number
         store.record_shard(stage, name, store.write_shard(stage, name, new), man.config_hash)
         store.compact_shards(stage)
-        return len(missing), seconds
+        return len(miss), seconds
 
     def unit_name(self, unit: PassUnit) -> str:
         return unit.label
@@ -293,17 +293,16 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         store = ctx.store
         shared = shared_settings(ctx, unit.plan)
         corpus_ids = _corpus_ids(store, shared["tokens_stage"])
-        position = {d: i for i, d in enumerate(corpus_ids)}
-        first = _first_tops(store, shared, position)
+        first = _first_tops(store, shared, corpus_ids)
         query_ids = shared["query_ids"][unit.start : unit.end]
         depth = max(shared["depths"])
         cands = [_first_top(first, q, depth) for q in query_ids]
         needed = np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))
-        table = _encodings_of(store, shared["passages"], pa.array([corpus_ids[i] for i in needed.tolist()]))
+        table = _encodings_of(store, shared["passages"], corpus_ids.take(pa.array(needed, pa.int64())))
         rules = ScoreRules.model_validate(shared["rules"])
         settings = SearchSettings(rules=rules, ignore_identical_ids=bool(shared["ignore"]))
         passages = encodings_from_table(table, "cpu", rules, float(shared["sparse_factor"]))
-        p_index = np.array([position[d] for d in passages.ids], np.int64)
+        p_index = _positions(corpus_ids, pa.array(passages.ids, pa.string()), shared["passages"])
         order = np.argsort(p_index, kind="stable")
         passages, p_index = take(passages, order), p_index[order]
         queries = query_encodings(store, shared["query_stage"], query_ids, "cpu", rules, float(shared["sparse_factor"]))
@@ -325,12 +324,13 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         info, store = ctx.plan.details["_pass"], ctx.store
         query_ids, corpus_ids, first = info["query_ids"], info["corpus_ids"], info["first"]
         tops, seconds = stacked_slices(store, info["stage"], len(query_ids))
-        lex = doc_order(corpus_ids)
+        tops, doc_ids = retrieved_ids(tops, corpus_ids)  # the documents the runs hold, not the corpus
+        lex = doc_order(doc_ids)
         row = {q: i for i, q in enumerate(query_ids)}
         for cell in info["cells"]:
             m = int(cell.config["topk"])
             rows = [row[q] for q in split_queries(store, str(cell.config["dataset"]), cell.split)]
-            t = run_table(tops[(cell.kq, cell.mode)], query_ids, corpus_ids, rows, lex, depth=m)
+            t = run_table(tops[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex, depth=m)
             cands = [_first_top(first, query_ids[i], m) for i in rows]
             needed_m = int(len(np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))))
             m_cells = sum(1 for c in info["cells"] if c.config["topk"] == cell.config["topk"])
@@ -352,26 +352,35 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             close_passes(ctx, [info["stage"]], [info["plan"]])
 
 
-_CORPUS: dict[tuple[str, str], list[str]] = {}
+_CORPUS: dict[tuple[str, str], pa.Array] = {}
 
 
-def _corpus_ids(store: ArtifactStore, tokens_stage: str) -> list[str]:
-    """A corpus's passage ids in order (its tokens folder's), read once per process."""
+def _corpus_ids(store: ArtifactStore, tokens_stage: str) -> pa.Array:
+    """A corpus's passage ids in order (its tokens folder's), as one Arrow array (no Python object per id), read
+    once per process."""
     key = (store.root, tokens_stage)
     if key not in _CORPUS:
         _CORPUS.clear()
         t_man = store.require_manifest(tokens_stage)
-        ids: list[str] = []
-        for name in sorted(t_man.files):
-            ids.extend(store.read_table(tokens_stage, name, columns=["id"]).column("id").to_pylist())
-        _CORPUS[key] = ids
+        parts = [store.read_table(tokens_stage, name, columns=["id"]).column("id") for name in sorted(t_man.files)]
+        _CORPUS[key] = pa.chunked_array(parts, pa.string()).combine_chunks()
     return _CORPUS[key]
 
 
-def _first_tops(store: ArtifactStore, shared: dict[str, Any], position: dict[str, int]) -> dict[str, dict[str, Any]]:
+def _positions(corpus_ids: pa.Array, ids: pa.Array, where: str) -> np.ndarray:
+    """Each of ``ids``'s position in the corpus (a hashed lookup); an id the corpus lacks is refused, naming
+    ``where`` it came from."""
+    pos = pc.index_in(ids, value_set=corpus_ids)
+    if pos.null_count:
+        missing = ids.filter(pc.is_null(pos))[0].as_py()
+        raise StoreError(f"{where} names passage {missing!r}, which the corpus does not hold")
+    return pos.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _first_tops(store: ArtifactStore, shared: dict[str, Any], corpus_ids: pa.Array) -> dict[str, dict[str, Any]]:
     """Each split's first-stage top (the deepest m) per query, as corpus positions in rank order."""
     depth = max(shared["depths"])
-    return {s: _top(read_run(store, src), depth, position) for s, src in shared["first_runs"].items()}
+    return {s: _top(read_run(store, src), depth, corpus_ids) for s, src in shared["first_runs"].items()}
 
 
 def _encodings_of(store: ArtifactStore, stage: str, ids: pa.Array) -> pa.Table:
@@ -387,16 +396,19 @@ def _rows(table: pa.Table, ids: pa.Array) -> pa.Table:
     return t.take(pa.array(np.sort(first)))
 
 
-def _top(run: pa.Table, depth: int, position: dict[str, int]) -> dict[str, np.ndarray]:
+def _top(run: pa.Table, depth: int, corpus_ids: pa.Array) -> dict[str, np.ndarray]:
     """Each query's first ``depth`` documents of a run (global passage positions, in rank order)."""
-    out: dict[str, list[int]] = {}
-    for q, d, r in zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(),
-                       run.column("rank").to_pylist(), strict=True):  # fmt: skip
-        if r <= depth:
-            if d not in position:
-                raise StoreError(f"the first-stage run names passage {d!r}, which the corpus does not hold")
-            out.setdefault(q, []).append((r, position[d]))  # type: ignore[arg-type]
-    return {q: np.array([p for _, p in sorted(v)], np.int64) for q, v in out.items()}
+    run = run.filter(pc.less_equal(run.column("rank"), depth))
+    pos = _positions(corpus_ids, run.column("doc_id").combine_chunks(), "the first-stage run")
+    queries = run.column("query_id").combine_chunks().dictionary_encode()
+    code = queries.indices.to_numpy(zero_copy_only=False)
+    order = np.lexsort((run.column("rank").to_numpy(), code))  # by query, then rank
+    code, pos = code[order], pos[order]
+    if not len(code):
+        return {}
+    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    names = queries.dictionary.to_pylist()
+    return {names[code[a]]: pos[a:b] for a, b in zip(starts, np.r_[starts[1:], len(code)], strict=True)}
 
 
 def _first_top(first: dict[str, dict[str, np.ndarray]], query: str, m: int) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +25,25 @@ def doc_order(doc_ids: Sequence[str]) -> np.ndarray:
     lex = np.empty(len(doc_ids), np.int64)
     lex[np.argsort(np.asarray(doc_ids, dtype=object).astype(str), kind="stable")] = np.arange(len(doc_ids))
     return lex
+
+
+def retrieved_ids(tops: dict[Any, TopK], corpus_ids: pa.Array) -> tuple[dict[Any, TopK], list[str]]:
+    """``tops`` re-indexed into the list of the documents they hold (each once, in corpus order), and that list:
+    :func:`run_table` over it writes the same runs as over every corpus id, without a Python string per passage.
+
+    >>> tops = {"a": TopK(np.array([[0.9, 0.5]], np.float32), np.array([[7, 2]]))}
+    >>> small, ids = retrieved_ids(tops, pa.array([f"d{i}" for i in range(10)]))
+    >>> small["a"].index.tolist(), ids
+    ([[1, 0]], ['d2', 'd7'])
+    """
+    held = [t.index[t.index >= 0] for t in tops.values()]
+    used = np.unique(np.concatenate(held + [np.zeros(0, np.int64)]))
+    out = {}
+    for key, t in tops.items():
+        index = np.full(t.index.shape, -1, np.int64)
+        index[t.index >= 0] = np.searchsorted(used, t.index[t.index >= 0])
+        out[key] = TopK(t.scores, index)
+    return out, corpus_ids.take(pa.array(used, pa.int64())).to_pylist()
 
 
 def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None,
