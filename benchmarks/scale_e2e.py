@@ -55,30 +55,56 @@ FIXES = """## Found and fixed on the way
 - **Fusion was a loop over queries**: vectorised over queries with the same results (`fuse_runs`).
 - **Download kept every id to find duplicates** (~1 GB at MS MARCO): 64-bit hashes of the ids instead (8 B an id).
 - **`run --kq 4 --kp 16` encoded the corpus at K = 4 too**: encode takes K per side, one pass each.
+- **bm25 held the whole corpus** (the texts, bm25s's token lists and score matrix: 2.7 kB a passage, 3,054 MB at 1M,
+  ~25 GB projected to MS MARCO). A corpus above `bm25 --shard-size` (default 1M passages; 50,000 here, so that 100k
+  and 1M are both sharded) is now read twice, a shard at a time: the corpus statistics (document frequencies, mean
+  length), then each shard's bm25s index built with them and searched, the best k kept
+  (`retrieval/search/bm25.py: bm25_search_shards`). Scores equal the whole index's bit for bit for all five bm25s
+  variants (`tests/unit/test_bm25_shards.py`; on NFCorpus through the CLI, every rank's score); of the documents
+  tied at the cut-off score the first in corpus order are kept, where bm25s picks arbitrarily. At 1M: 3,054 ->
+  783 MB, 130 -> 148 s (the corpus is tokenized twice). A corpus of 1M passages or fewer is indexed whole, as before.
+- **late held every passage id as Python objects** (an ordered list, an id -> position dict and, when it encodes
+  missing passages, a set of those already held: 0.8 kB a passage, 1,919 MB at 1M): the ids are now one Arrow
+  array, looked up by hash (`pc.index_in`, `pc.is_in`), and runs are written over the retrieved documents only
+  (`retrieved_ids`). At 1M: 1,919 -> 1,318 MB.
+- **Reading the corpus kept what it read**: `ParquetFile.iter_batches` (pyarrow 26) grew RSS by ~200 B a row over
+  the 1M-row corpus, with or without its pre-buffering, under mimalloc, jemalloc or the system allocator; reading a
+  row group at a time does not (`ArtifactStore.iter_batches`). tokenize at 1M: 1,432 -> 1,279 MB (231 -> 60 B a
+  passage between 100k and 1M); bm25 reads through it too.
 
 ## Known limits: what still grows with N
 
-- **bm25** holds the whole corpus: every passage's text, bm25s's token lists and its score matrix (2.7 kB a
-  passage between 100k and 1M; about 25 GB at MS MARCO). A bounded BM25 needs the corpus statistics (document
-  frequencies, mean length) from a first pass and then one shard's score matrix at a time, its top k merged into
-  the run: equal to bm25s's scores, and to its runs up to ties at the cut-off. Not done.
-- **late** holds every passage id of the corpus as Python objects (the ordered list and an id -> position dict, and
-  when it encodes missing passages the set of ids already encoded, in `_encode_missing`): 0.8 kB a passage. Arrow
-  id arrays and hashed lookups (as evaluate now does) would leave the run's candidates only. Not done.
-- **tokenize, encode, index, score_int8** grew 80-290 B a passage between 100k and 1M (0.1-0.3 GB). One run per size
-  cannot tell a per-passage cost from run-to-run variation at these peaks; a third size or a memory profile would.
-  Encode's projected 3.9 GB at MS MARCO is at the bound.
-- Time: every corpus-linear stage's exponent above start-up is within 1.0 +/- 0.15 (tokenize 1.09, encode 0.91,
-  bm25 0.97, score 0.96, compress 0.87, score_int8 1.02); index (0.50) and late (0.63) grow slower than N.
+- **encode** grew 212 B a passage between 100k and 1M (1,948 -> 2,130 MB; 3.9 GB projected to MS MARCO, at the
+  bound). Its peak is a Dask worker, which at 100k encodes one or two shards and at 1M about twenty: the growth is
+  over the units a long-lived worker runs (the allocators keeping what they freed, most likely), not data it holds
+  for the corpus. Not verified: a 1M encode takes 52 minutes here.
+- **index** grew 292 B a passage (943 -> 1,193 MB): LanceDB's index build over the K_p = 1 table, and the exact
+  search it is checked against, which returns every corpus id as a Python string (as score's merge does: 70 MB at
+  1M, ~0.6 GB at MS MARCO).
+- **late's** peak varies from run to run by more than it grows: five runs at 1M measured 1,318-1,791 MB, four at
+  100k 1,176-1,369 MB. What it holds is the candidates' encodings (queries x depth: 50,000 passages at K = 16 here)
+  and one shard of encodings being read: it follows the queries of a unit and the depth, not N. With a 7B model's
+  H = 3584 at K = 16 a candidate is 115 kB in float16, so MS MARCO's 6,980 queries x 100 in one unit would be ~80 GB
+  (twice as float32 tensors), and even the smallest unit (`--unit-queries 256`) ~3 GB in float16: late at that size
+  is beyond this machine's bound whatever N is.
+- **bm25** (75 B a passage) and **score_int8** (79 B) are just above the 64 B line, within what run-to-run variation
+  moves at these peaks.
+- Time: every corpus-linear stage's exponent above start-up is within 1.0 +/- 0.15 (tokenize 1.01, encode 0.91,
+  bm25 0.98, score 0.96, compress 0.87, score_int8 1.02); index (0.50) and late (0.67) grow slower than N.
 
 ## What these numbers are
 
-- One run per size, each stage its own command, with the stages' code of commit ab2c2c9 (later commits change SIDR's
-  readout and these benchmarks, not the stages measured). 1k, 10k and 100k ran on an idle machine. The 1M run's
-  encode (52 min) shared the machine for its first ~20 minutes with one-thread benchmarks and a 3-minute test run:
-  its wall time is an upper bound (its CPU seconds are not affected). Every other stage at 1M ran alone.
+- One run per size, each stage its own command. The stages' code is that of commit ab2c2c9 (later commits change
+  SIDR's readout and these benchmarks, not the stages measured) except tokenize, bm25 and late, measured again with
+  the changes above (`scale_e2e.py --resume --redo tokenize --redo bm25 --redo late`, which removes their outputs
+  first). 1k, 10k and 100k ran on an idle machine. The 1M run's encode (52 min) shared the machine for its first
+  ~20 minutes with one-thread benchmarks and a 3-minute test run: its wall time is an upper bound (its CPU seconds
+  are not affected). Every other stage at 1M ran alone.
 - Wall times on 2 cores; the projection's GPU figures are assumptions, named above, not measurements.
 """
+BM25_SHARD = 50_000  # passages per BM25 shard, as tokenize's and encode's here: 100k and 1M both sharded
+REDO_OUTPUTS = {"tokenize": ["tokens/*"], "bm25": ["runs/system=bm25-*"],
+                "late": ["runs/*/*/*/*/*/mode=late_*"]}  # what --redo removes (tokens: rebuilt the same)
 MSMARCO = {"passages": 8_841_823, "dev_queries": 6_980, "hidden": 3584, "cells": 25, "modes": 5}
 
 
@@ -247,9 +273,11 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
             "bytes": bytes1 - bytes0}  # fmt: skip
 
 
-def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = False) -> dict:
+def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = False,
+             redo: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """Every stage at corpus size ``n``. With ``resume``, the stages already measured (``stages.json`` beside the
-    store) are kept and the run goes on from the first one missing (each command resumes its own work)."""
+    store) are kept and the run goes on from the first one missing (each command resumes its own work); the stages
+    in ``redo`` are measured again, their outputs (:data:`REDO_OUTPUTS`) removed first."""
     base = work / f"n={n}"
     coll = base / "collection"
     info = write_collection(coll, n, n_queries)
@@ -257,6 +285,11 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
     root = base / "store"
     progress = base / "diffret.stages.json"
     done = json.loads(progress.read_text()) if resume and progress.exists() else []
+    done = [s for s in done if s["stage"] not in redo]
+    for stage in redo:
+        for folder in REDO_OUTPUTS[stage]:
+            for path in (base / "store").glob(folder):
+                shutil.rmtree(path)
     if root.exists() and not resume:
         shutil.rmtree(root)
     log = base / "log.txt"
@@ -270,7 +303,7 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
         ("tokenize", ["tokenize", "-d", "c", "--model", model, "--max-length", "96", "--shard-size", "50000", *r]),
         ("encode", ["encode", "-d", "c", *enc, "--k", "1,16", "--shard-size", "50000", "--batch-size", "64",
                     "--workers", str(workers), *r]),
-        ("bm25", ["bm25", "-d", "c", *r]),
+        ("bm25", ["bm25", "-d", "c", "--shard-size", str(BM25_SHARD), *r]),
         ("score", ["score", "-d", "c", "--model", model, *grid, *r]),
         ("evaluate", ["evaluate", *r]),
         ("index", ["index", "-d", "c", "--model", model, "--kq", "1", "--kp", "1", *r]),
@@ -292,7 +325,8 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
               f"peak {res['peak_rss_mb']:8.1f} MB  +{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB",
               flush=True)  # fmt: skip
         out["stages"].append(res)
-        progress.write_text(json.dumps(out["stages"], indent=1))
+        measured[name] = res  # every stage measured so far, those after this one too (a --redo keeps them)
+        progress.write_text(json.dumps([measured[s] for s, _ in stages if s in measured], indent=1))
     out["store_bytes"] = store_size(root)[1]
     return out
 
@@ -304,14 +338,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/diffret-scale")
     ap.add_argument("--resume", action="store_true", help="keep the stages already measured at each N, go on")
+    ap.add_argument("--redo", action="append", default=[], choices=sorted(REDO_OUTPUTS),
+                    help="with --resume: measure this stage again (its outputs removed first; repeat)")
     ap.add_argument("--write-docs", action="store_true", help="render docs/scale.md from the results file")
     ap.add_argument("--eval-rows-per-s", type=float, help="evaluate's measured rate (benchmarks/evaluate.py)")
     args = ap.parse_args()
+    if args.redo and not args.resume:
+        ap.error("--redo goes with --resume (without it every stage is measured afresh)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for n in args.n or []:
-        stored[str(n)] = pipeline(n, work, args.queries, args.workers, args.resume)
+        stored[str(n)] = pipeline(n, work, args.queries, args.workers, args.resume, tuple(args.redo))
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     results = [stored[k] for k in sorted(stored, key=int)]

@@ -235,13 +235,12 @@ def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = 
         del table
 
 
-def passage_ids(store: ArtifactStore, stage: str) -> list[str]:
-    """The ids of an encoding folder's texts in stream order (the ``id`` column of its shards, in order)."""
+def passage_ids(store: ArtifactStore, stage: str) -> pa.Array:
+    """The ids of an encoding folder's texts in stream order (the ``id`` column of its shards, in order), as one
+    Arrow array: no Python string per passage."""
     m = encoding_manifest(store, stage)
-    out: list[str] = []
-    for name in sorted(m.files):
-        out.extend(store.read_table(stage, name, columns=["id"]).column("id").to_pylist())
-    return out
+    parts = [store.read_table(stage, name, columns=["id"]).column("id") for name in sorted(m.files)]
+    return pa.chunked_array(parts, pa.string()).combine_chunks()
 
 
 def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,

@@ -26,7 +26,7 @@ from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from diffret.retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from diffret.retrieval.search.rules import ScoreRules
-from diffret.retrieval.search.runs import topk_table
+from diffret.retrieval.search.runs import retrieved_ids, topk_table
 from diffret.storage import FileEntry, StoreError, config_hash
 from diffret.storage.layout import encodings_dir, run_dir
 
@@ -227,7 +227,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         start = time.perf_counter()
         tops, seconds = merged_blocks(store, stage, info["topk"], info["passages"])
         runs = all_modes(tops, info["fusion_depth"], info["rules"])
-        doc_ids = passage_ids(store, info["passage_stage"])
+        runs, doc_ids = retrieved_ids(runs, passage_ids(store, info["passage_stage"]))  # the documents retrieved
         write_runs(store, info["cells"], runs, info["query_ids"], doc_ids, info["split_rows"],
                    seconds + time.perf_counter() - start)  # fmt: skip
         merged_pass(ctx, stage, info["plan"])

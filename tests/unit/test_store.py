@@ -63,6 +63,21 @@ def test_read_table_verifies_and_returns_rows(tmp_path):
     assert t.num_rows == 5 and t.schema == CORPUS_SCHEMA
 
 
+def test_iter_batches_reads_every_row_in_order_a_row_group_at_a_time(tmp_path):
+    """The corpus streamed (issue 41): every row once, in order, batches of at most ``batch_size`` rows, over a
+    file of several row groups."""
+    import pyarrow.parquet as pq
+
+    store = ArtifactStore(tmp_path)
+    t = _corpus(11)
+    with store.stage_writer(STAGE, Manifest.new("datasets", {"dataset": "toy"}, {"a": 1})) as w:
+        w.write_parquet("corpus.parquet", CORPUS_SCHEMA, [t.slice(0, 4), t.slice(4, 5), t.slice(9, 2)])
+    assert pq.ParquetFile(tmp_path / STAGE / "corpus.parquet").metadata.num_row_groups == 3
+    batches = list(store.iter_batches(STAGE, "corpus.parquet", columns=["doc_id", "text"], batch_size=3))
+    assert all(b.num_rows <= 3 for b in batches) and [b.schema.names for b in batches][0] == ["doc_id", "text"]
+    assert [d for b in batches for d in b.column("doc_id").to_pylist()] == [str(i) for i in range(11)]
+
+
 def test_checksum_mismatch_detected(tmp_path):
     store = ArtifactStore(tmp_path)
     _write(store, {"a": 1})
