@@ -79,8 +79,8 @@ FIXES = """## Found and fixed on the way
   over the units a long-lived worker runs (the allocators keeping what they freed, most likely), not data it holds
   for the corpus. Not verified: a 1M encode takes 52 minutes here.
 - **index** grew 292 B a passage (943 -> 1,193 MB): LanceDB's index build over the K_p = 1 table, and the exact
-  search it is checked against, which returns every corpus id as a Python string (as score's merge does: 70 MB at
-  1M, ~0.6 GB at MS MARCO).
+  search it is checked against, which returns every corpus id as a Python string (70 MB at 1M, ~0.6 GB at MS
+  MARCO; score's merge did the same and now keeps the retrieved ids only, not re-measured here).
 - **late's** peak varies from run to run by more than it grows: five runs at 1M measured 1,318-1,791 MB, four at
   100k 1,176-1,369 MB. What it holds is the candidates' encodings (queries x depth: 50,000 passages at K = 16 here)
   and one shard of encodings being read: it follows the queries of a unit and the depth, not N. With a 7B model's
