@@ -83,12 +83,12 @@ FIXES = """## Found and fixed on the way
 - **index** grew 292 B a passage (943 -> 1,193 MB): LanceDB's index build over the K_p = 1 table, and the exact
   search it is checked against, which returns every corpus id as a Python string (70 MB at 1M, ~0.6 GB at MS
   MARCO; score's merge did the same and now keeps the retrieved ids only, not re-measured here).
-- **late's** peak varies from run to run by more than it grows: five runs at 1M measured 1,318-1,791 MB, four at
-  100k 1,176-1,369 MB. What it holds is the candidates' encodings (queries x depth: 50,000 passages at K = 16 here)
-  and one shard of encodings being read: it follows the queries of a unit and the depth, not N. With a 7B model's
-  H = 3584 at K = 16 a candidate is 115 kB in float16, so MS MARCO's 6,980 queries x 100 in one unit would be ~80 GB
-  (twice as float32 tensors), and even the smallest unit (`--unit-queries 256`) ~3 GB in float16: late at that size
-  is beyond this machine's bound whatever N is.
+- **late's** peak varies from run to run by more than it grows: three harness runs of this code measured 1,318,
+  1,329 and 1,791 MB at 1M, and 1,176, 1,219 and 1,241 MB at 100k. What it holds is the candidates' encodings
+  (queries x depth: 50,000 passages at K = 16 here) and one shard of encodings being read: it follows the
+  queries of a unit and the depth, not N. With a 7B model's H = 3584 at K = 16 a candidate is 115 kB in float16,
+  so MS MARCO's 6,980 queries x 100 in one unit would be ~80 GB (twice as float32 tensors), and even the smallest
+  unit (`--unit-queries 256`) ~3 GB in float16: late at that size is beyond this machine's bound whatever N is.
 - **bm25** (75 B a passage) and **score_int8** (79 B) are just above the 64 B line, within what run-to-run variation
   moves at these peaks.
 - Time: every corpus-linear stage's exponent above start-up is within 1.0 +/- 0.15 (tokenize 1.01, encode 0.91,
