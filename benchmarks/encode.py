@@ -206,7 +206,7 @@ def sidr(args: argparse.Namespace) -> None:
     width = len(bb.tokenizer)
 
     def no_head(hidden: torch.Tensor, att: torch.Tensor, side_bb=None) -> torch.Tensor:  # noqa: ANN001
-        return torch.ones((len(hidden), width))  # every cost but the head's: any head's ceiling
+        return torch.ones((len(hidden), width), device=hidden.device)  # every cost but the head's: any head's ceiling
 
     t_trunk = timed(lambda: encode(no_head), bb.device, args.repeats)
     mask = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)

@@ -95,6 +95,25 @@ def test_the_batch_readout_is_each_texts_own_padding_left_out(bert, head: str, a
     torch.testing.assert_close(batch, alone, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_the_batch_readout_on_a_gpu_is_each_texts_own(tmp_path) -> None:
+    """On a GPU the official head's blocks are large (few products: cache-sized ones ran at 0.3x the per-text product
+    on an H200); each text's vector is still its own, to the GPU BLAS's rounding (byte for byte on splade-tiny:
+    ``benchmarks/encode.py --readout sidr --device cuda``)."""
+    from diffret.retrieval.models.backbones import load_backbone
+
+    folder = save_tiny_mlm(tmp_path / "mlm")
+    bb = load_backbone(BackboneConfig(model=str(folder), device="cuda"))
+    reader = make_reader(bb, ReadoutConfig(readout="sidr"))
+    texts = list(TEXTS.values())
+    with torch.inference_mode():
+        _, hidden, att = reader._forward(_ids(bb.tokenizer, texts), bb)
+        assert hidden.is_cuda
+        batch = reader.batch_weights(hidden, att, bb)
+        alone = torch.stack([reader.weights(hidden[i][att[i].bool()], bb) for i in range(len(texts))])
+    torch.testing.assert_close(batch, alone, rtol=1e-6, atol=1e-6)
+
+
 def test_official_head_is_layer_norm_times_the_input_embeddings_elu1p(bert) -> None:
     bb, tok = bert
     reader = make_reader(bb, ReadoutConfig(readout="sidr"))  # official head, elu1p, top 768

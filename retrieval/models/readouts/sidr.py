@@ -123,7 +123,8 @@ class SidrReadout(
         text's :meth:`weights` from its real positions only, the padding left out. The head is one product per group
         of whole texts' positions, ``block`` bytes of float32 scores at a time, each block max-pooled per text: for
         the official head, groups of about :data:`SIDR_GROUP_POSITIONS` positions times vocabulary columns, a block
-        the size of a core's cache (:data:`SIDR_CACHE_BYTES`; about twice the speed of blocks out of it); for the
+        the size of a core's cache (:data:`SIDR_CACHE_BYTES`; about twice the speed of blocks out of it; on a GPU
+        :data:`SIDR_BLOCK_BYTES`); for the
         model's LM head, whole texts' positions times the vocabulary, :data:`SIDR_BLOCK_BYTES` at most. The same
         numbers as text by text; the same bytes where the matrix product's rounding does not depend on the rows and
         columns beside a text's (splade-tiny's: tests/e2e/test_sidr_shared.py)."""
@@ -134,7 +135,10 @@ class SidrReadout(
         official = self.cfg.sidr_head == "official"
         if official:
             width = self._vocab_cut(bb.model.get_input_embeddings().weight.shape[0])
-            group, block = SIDR_GROUP_POSITIONS, SIDR_CACHE_BYTES if block is None else block
+            # a CPU core's cache sizes the blocks; a GPU wants few large products (cache-sized blocks there are
+            # small kernels: 0.3x the per-text product on an H200)
+            cache = SIDR_BLOCK_BYTES if hidden.is_cuda else SIDR_CACHE_BYTES
+            group, block = SIDR_GROUP_POSITIONS, cache if block is None else block
         else:
             block = SIDR_BLOCK_BYTES if block is None else block
             group = max(1, block // (4 * bb.vocab_size))
