@@ -38,7 +38,7 @@ from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_d
 from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, stacked_slices, unit_file, write_unit
-from .readers import corpus_size, encoding_manifest, query_encodings, split_queries, tokens_manifest
+from .readers import corpus_size, encoding_manifest, query_encodings, shard_ids, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
 from .systems import EncodeSettings, SystemRef, find_system, settings_of
@@ -361,9 +361,7 @@ def _corpus_ids(store: ArtifactStore, tokens_stage: str) -> pa.Array:
     key = (store.root, tokens_stage)
     if key not in _CORPUS:
         _CORPUS.clear()
-        t_man = store.require_manifest(tokens_stage)
-        parts = [store.read_table(tokens_stage, name, columns=["id"]).column("id") for name in sorted(t_man.files)]
-        _CORPUS[key] = pa.chunked_array(parts, pa.string()).combine_chunks()
+        _CORPUS[key] = shard_ids(store, tokens_stage, store.require_manifest(tokens_stage))
     return _CORPUS[key]
 
 

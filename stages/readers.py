@@ -235,12 +235,16 @@ def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = 
         del table
 
 
-def passage_ids(store: ArtifactStore, stage: str) -> pa.Array:
-    """The ids of an encoding folder's texts in stream order (the ``id`` column of its shards, in order), as one
-    Arrow array: no Python string per passage."""
-    m = encoding_manifest(store, stage)
+def shard_ids(store: ArtifactStore, stage: str, m: Manifest) -> pa.Array:
+    """The ``id`` column of a sharded folder's files, in shard order, as one Arrow array: no Python string per
+    text (a tokens, encodings or partial folder; ``m`` its verified manifest)."""
     parts = [store.read_table(stage, name, columns=["id"]).column("id") for name in sorted(m.files)]
     return pa.chunked_array(parts, pa.string()).combine_chunks()
+
+
+def passage_ids(store: ArtifactStore, stage: str) -> pa.Array:
+    """The ids of an encoding folder's texts in stream order (:func:`shard_ids` of a complete encoding)."""
+    return shard_ids(store, stage, encoding_manifest(store, stage))
 
 
 def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,

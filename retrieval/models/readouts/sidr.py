@@ -124,10 +124,10 @@ class SidrReadout(
         of whole texts' positions, ``block`` bytes of float32 scores at a time, each block max-pooled per text: for
         the official head, groups of about :data:`SIDR_GROUP_POSITIONS` positions times vocabulary columns, a block
         the size of a core's cache (:data:`SIDR_CACHE_BYTES`; about twice the speed of blocks out of it; on a GPU
-        :data:`SIDR_BLOCK_BYTES`); for the
-        model's LM head, whole texts' positions times the vocabulary, :data:`SIDR_BLOCK_BYTES` at most. The same
-        numbers as text by text; the same bytes where the matrix product's rounding does not depend on the rows and
-        columns beside a text's (splade-tiny's: tests/e2e/test_sidr_shared.py)."""
+        :data:`SIDR_BLOCK_BYTES`); for the model's LM head, whole texts' positions times the vocabulary,
+        :data:`SIDR_BLOCK_BYTES` at most. The same numbers as text by text; the same bytes where the matrix product's
+        rounding does not depend on the rows and columns beside a text's (splade-tiny's: tests/e2e/test_sidr_shared.py
+        on a CPU, ``benchmarks/encode.py --readout sidr --device cuda`` on an H200)."""
         bb = bb or self.bb
         real = att.bool()
         lengths = real.sum(1).tolist()
