@@ -16,18 +16,11 @@ Importing diffret loads neither torch nor Prefect: each name below loads what it
 
 from __future__ import annotations
 
-import os as _os
 from importlib import import_module
 from typing import Any
 
-# In a checkout the subpackages are the repository's top-level folders beside this one (flows, stages, storage, ...:
-# pyproject.toml maps them into diffret when it is installed): found here, so that `python -m diffret.flows.cli`
-# works from the repository root without an install.
-_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_checkout, "stages", "base.py")) and _os.path.isfile(
-    _os.path.join(_checkout, "pyproject.toml")
-):
-    __path__.append(_checkout)  # type: ignore[name-defined]
+# The subpackages (flows, stages, storage, retrieval, tasks, queries) are the repository's top-level folders, linked
+# here (diffret/flows -> ../flows, ...): one package on disk that an install, an IDE and import-linter all read alike.
 
 __version__ = "0.2.0"
 

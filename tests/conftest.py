@@ -1,12 +1,8 @@
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,28 +10,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-class _FolderNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """pytest's doctest collection imports ``stages/score.py`` by its folder's name, ``stages.score`` (the checkout
-    has no package above the folders): that module is ``diffret.stages.score``, one object under both names, so
-    a doctest sees the same classes and registries as the code (a second copy would hold its own). Only in this
-    test process; the code itself imports through ``diffret`` only (tests/unit/test_package.py)."""
-
-    NAMES = ("flows", "tasks", "stages", "storage", "queries", "retrieval")
-    _specs: dict = {}
-
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
-        return importlib.util.spec_from_loader(name, self) if name.split(".")[0] in self.NAMES else None
-
-    def create_module(self, spec):  # noqa: ANN001, ANN201
-        module = importlib.import_module(f"diffret.{spec.name}")
-        self._specs[spec.name] = module.__spec__  # the import system sets __spec__ to this alias's spec next
-        return module
-
-    def exec_module(self, module) -> None:  # noqa: ANN001
-        module.__spec__ = self._specs.pop(module.__name__.removeprefix("diffret."))  # a package stays a package
-
-
-sys.meta_path.insert(0, _FolderNames())
 SHARED = REPO.parent / "shared"
 NLTK_DATA = Path(__file__).resolve().parent / "unit" / "data" / "nltk_data"  # a copy of ../shared/nltk_data
 # The reference content filter reads NLTK's English data; tests (and the CLI subprocesses they start) find the
@@ -177,6 +151,15 @@ def stage_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from stage_world import build_world
 
     return build_world(tmp_path_factory.mktemp("stages"))
+
+
+@pytest.fixture(scope="session")
+def wheel_env(tmp_path_factory: pytest.TempPathFactory):
+    """The wheel ``pip install .`` builds, installed into a fresh environment outside the checkout
+    (tests/wheel_venv.py); built once per test process."""
+    from wheel_venv import build_wheel_env
+
+    return build_wheel_env(REPO, tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="session")

@@ -255,17 +255,14 @@ def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Pat
     assert len((out / "adaptive_budgets.csv").read_text().splitlines()) == 3
 
 
-def test_the_python_quickstart_gives_the_runs_metrics(pipeline_root: Path) -> None:
-    """examples/quickstart.py (the README's Python example: in memory, no store) at (K_q, K_p) = (4, 4) prints,
-    per mode, the means `diffret run` stored for its (4, 4) test cell, to the last bit (so to 4 decimals): one
-    sparse scale, one evaluator, for the API and the stages."""
-    import subprocess
-    import sys
-
+def test_the_python_quickstart_gives_the_runs_metrics(pipeline_root: Path, wheel_env) -> None:
+    """examples/quickstart.py (the README's Python example: in memory, no store), run from the wheel that
+    ``pip install .`` installs (a fresh environment outside the checkout), at (K_q, K_p) = (4, 4) prints, per mode,
+    the means `diffret run` stored for its (4, 4) test cell, to the last bit (so to 4 decimals): one sparse scale,
+    one evaluator, for the API and the stages."""
     from conftest import REPO
 
-    p = subprocess.run([sys.executable, "examples/quickstart.py"], cwd=REPO, capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
+    p = wheel_env.run("import runpy; runpy.run_path('examples/quickstart.py', run_name='__main__')", cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     printed = {}
     for line in p.stdout.splitlines():
