@@ -114,7 +114,9 @@ def _known_errors() -> tuple[type[Exception], ...]:
     from diffret.retrieval.models.backbones import BackboneError
     from diffret.storage import StoreError
 
-    return (DatasetError, StoreError, BackboneError, ValueError)
+    from .runner import PrefectUnreachable
+
+    return (DatasetError, StoreError, BackboneError, ValueError, PrefectUnreachable)
 
 
 @contextlib.contextmanager

@@ -4,13 +4,16 @@ A local cluster for a GPU device has one worker per visible GPU (``--workers -1`
 each pinned to its own GPU through its environment (``CUDA_VISIBLE_DEVICES``, set by its nanny before the worker
 process starts, so ``cuda`` / ``auto`` there mean that GPU) and offering the Dask resource ``GPU=1``; more
 workers than GPUs is refused unless ``--workers-per-gpu`` allows it. Where ``dask-cuda`` is installed its
-``LocalCUDACluster`` starts those workers. A unit that computes on a GPU asks for the resource, so only a worker
+``LocalCUDACluster`` starts those workers. For CPU units it has ``--workers N`` workers, at most one per core
+unless ``--workers-per-core`` allows more. A unit that computes on a GPU asks for the resource, so only a worker
 with a GPU takes it; the other units (tokenize, bm25, evaluate, CPU scoring) run on any worker. A cluster joined
 by ``--dask-address`` is used as it is: its GPU workers are started one per GPU with ``--resources GPU=1``
 (docs/operations.md), and a GPU stage refuses, in one line, a cluster that has none.
 
 Both ways of running a stage use it: :func:`run_units` (in this process, no Prefect) and the Prefect flow's
-``DaskTaskRunner`` (``flows.runner``).
+``DaskTaskRunner`` (``flows.runner``). A worker that dies (SIGKILL, the OOM killer) is restarted by its nanny and
+Dask computes again what it held: a unit's result is committed once, and a unit's files are the same bytes each
+time it runs (``stages.passes``), so the run goes on.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from diffret.retrieval.devices import place_workers, visible_gpus, wants_gpu
+from diffret.retrieval.devices import count_cpu_workers, cpu_cores, place_workers, visible_gpus, wants_gpu
 from diffret.stages import Context, Plan, Stage, StageConfig
 
 GPU = "GPU"  # the Dask resource a GPU unit asks for and a GPU worker offers (one per worker)
@@ -51,16 +54,18 @@ def unit_resources(stage: Stage, config: StageConfig, gpus: list[str] | None = N
     return {GPU: 1} if wants_gpu(device, seen) else None
 
 
-def local_cluster_options(stage: Stage, config: StageConfig, gpus: list[str] | None = None) -> dict[str, Any]:
+def local_cluster_options(stage: Stage, config: StageConfig, gpus: list[str] | None = None,
+                          cores: int | None = None) -> dict[str, Any]:  # fmt: skip
     """What :func:`local_cluster` is started with for ``config``: the GPU each worker is pinned to (``pins``), or
     the number of CPU workers (``n_workers``, None: Dask's default). ValueError (one line) for more workers than
-    GPUs, or a GPU device where none is visible."""
+    GPUs (unless ``workers_per_gpu``) or than cores (unless ``workers_per_core``), or a GPU device where none is
+    visible. ``gpus``, ``cores``: this machine's unless given."""
     workers = int(getattr(config, "workers", 0))
-    per_gpu = int(getattr(config, "workers_per_gpu", 1))
     gpus = visible_gpus() if gpus is None else gpus
     if wants_gpu(unit_device(stage, config), gpus):
-        return {"pins": place_workers(workers, gpus, per_gpu)}
-    return {"n_workers": None if workers < 0 else workers}
+        return {"pins": place_workers(workers, gpus, int(getattr(config, "workers_per_gpu", 1)))}
+    cores = cpu_cores() if cores is None else cores
+    return {"n_workers": count_cpu_workers(workers, cores, int(getattr(config, "workers_per_core", 1)))}
 
 
 def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, **_: Any) -> Any:
@@ -166,8 +171,9 @@ def run_units(stage: Stage, config: StageConfig, plan: Plan, ctx: Context) -> li
             futures[fut] = unit
         try:
             for fut in distributed.as_completed(list(futures), loop=client.loop):
-                unit = futures[fut]
+                unit = futures.pop(fut)
                 results.append(fut.result())
+                fut.release()  # in this process now: a worker that dies later takes nothing Dask would compute again
                 stage.commit(unit, results[-1], ctx)
                 advance(stage.work_of(unit))
         except BaseException:

@@ -91,6 +91,7 @@ class PipelineConfig(StageConfig):
     workers: int = like(EncodeConfig, "workers", description="Local Dask workers of the distributed stages: 0 none, "
                         "N (a GPU each on a GPU), -1 one per GPU.")  # fmt: skip
     workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu", description="Local workers a GPU may hold.")
+    workers_per_core: int = like(EncodeConfig, "workers_per_core", description="Local CPU workers a core may hold.")
     dask_address: str | None = like(EncodeConfig, "dask_address", description="Join a Dask cluster instead.")
     verify: bool = like(EncodeConfig, "verify")
     head_stats: bool = like(EncodeConfig, "head_stats")
@@ -128,7 +129,8 @@ class PipelineConfig(StageConfig):
 
     def _cluster(self) -> dict[str, Any]:
         """Where the distributed stages' units run (the same for each of them)."""
-        return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu, "dask_address": self.dask_address}
+        return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu,
+                "workers_per_core": self.workers_per_core, "dask_address": self.dask_address}  # fmt: skip
 
     def name(self) -> str:
         """The stored name of ``dataset`` (an ir_datasets id is stored under the catalog's name, or with / as -).

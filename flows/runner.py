@@ -54,6 +54,36 @@ def use_prefect(flag: bool | None = None) -> bool:
     return flag if flag is not None else bool(os.environ.get("PREFECT_API_URL"))
 
 
+class PrefectUnreachable(RuntimeError):
+    """The configured Prefect API does not answer: one line with the way out (start it, or run without Prefect)."""
+
+
+def check_prefect_api(url: str, timeout: float = 5.0) -> None:
+    """Refuse, in one line, a Prefect API at ``url`` that does not answer (a server not started, a wrong host or
+    port): before any flow run, which would otherwise fail after retries with three tracebacks. Any HTTP answer
+    counts as an answer (an API that wants a key says so itself).
+
+    >>> import socket
+    >>> with socket.socket() as s:
+    ...     s.bind(("127.0.0.1", 0))
+    ...     port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    >>> try:
+    ...     check_prefect_api(f"http://127.0.0.1:{port}/api")
+    ... except PrefectUnreachable as exc:
+    ...     print(str(exc).split(" (")[0].replace(str(port), "PORT"))
+    the Prefect API at http://127.0.0.1:PORT/api does not answer
+    """
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.TransportError as exc:  # refused, unknown host, timed out: not an HTTP status
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise PrefectUnreachable(f"the Prefect API at {url} does not answer ({why}): start the server (`prefect "
+                                 "server start`, README \"In the Prefect UI\"), or run without Prefect: --no-prefect "
+                                 "(or unset PREFECT_API_URL)") from None  # fmt: skip
+
+
 SERVER_STARTUP_S = 120  # Prefect's 20 s default is too short for a fresh database on a busy two-core machine
 HEARTBEAT_S = 30  # flow-run heartbeats (Prefect's minimum); automations/zombie-flows.yaml waits 90 s for one
 
@@ -63,6 +93,8 @@ def prefect_api() -> Iterator[None]:
     """A Prefect API for the flow runs started inside (the configured one, else one temporary server), with
     the runs tagged ``diffret`` and sending a heartbeat every 30 s unless configured otherwise: the zombie-flow
     automation (automations/zombie-flows.yaml) marks a tagged run Crashed when its heartbeats stop.
+
+    A configured API that does not answer is refused in one line (:func:`check_prefect_api`).
 
     Prefect would start its temporary server lazily, and a Dask worker that runs a task would then start one
     of its own (the worker inherits the flow's settings, which name no API); a worker killed before its
@@ -75,7 +107,9 @@ def prefect_api() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(temporary_settings(set_defaults={"flows.heartbeat_frequency": HEARTBEAT_S}))
         stack.enter_context(tags("diffret"))
-        if not PREFECT_API_URL.value():
+        if PREFECT_API_URL.value():
+            check_prefect_api(PREFECT_API_URL.value())
+        else:
             from prefect.server.api.server import SubprocessASGIServer
 
             server = SubprocessASGIServer()
@@ -103,7 +137,10 @@ def run_stage(
     from .cluster import distributed
 
     if distributed(stage, config):
-        from .cluster import run_units
+        from .cluster import local_cluster_options, run_units
+
+        if not getattr(config, "dask_address", None):
+            local_cluster_options(stage, config)  # more workers than GPUs or cores: refused before any work
 
         def on_dask(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
             return run_units(stage, config, plan, ctx) if plan.units else []

@@ -1,5 +1,6 @@
 """Where tensors go: one device resolver for encoding, scoring and training, and which GPU each worker of a
-cluster is given (one per GPU: :func:`place_workers`)."""
+cluster is given (one per GPU: :func:`place_workers`), or how many CPU workers it has (one per core at most:
+:func:`count_cpu_workers`)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,42 @@ def place_workers(workers: int, gpus: list[str], per_gpu: int = 1) -> list[str]:
                          f"worker gets a GPU of its own; use --workers {len(gpus) * per_gpu} or fewer, or "
                          f"--workers-per-gpu {need} to put {need} workers on each GPU")  # fmt: skip
     return [gpus[i % len(gpus)] for i in range(n)]
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, which a container or ``taskset`` narrows; the
+    machine's count where the system does not say).
+
+    >>> cpu_cores() >= 1
+    True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def count_cpu_workers(workers: int, cores: int, per_core: int = 1) -> int | None:
+    """How many CPU workers a local cluster starts: ``workers`` (``-1``: None, Dask's default count). More workers
+    than cores is refused in one line naming both (each runs one unit at a time and computes: more only contend for
+    the same cores and memory), unless ``per_core`` lets a core hold that many.
+
+    >>> count_cpu_workers(2, 2), count_cpu_workers(-1, 2), count_cpu_workers(64, 2, per_core=32)
+    (2, None, 64)
+    >>> try:
+    ...     count_cpu_workers(64, 2)
+    ... except ValueError as exc:
+    ...     print(str(exc).split(":")[0])
+    --workers 64 is more than the 2 CPU core(s) here
+    """
+    if workers < 0:
+        return None
+    if workers > cores * per_core:
+        need = math.ceil(workers / cores)
+        raise ValueError(f"--workers {workers} is more than the {cores} CPU core(s) here: each worker computes one "
+                         f"unit at a time on a core of its own; use --workers {cores * per_core} or fewer, or "
+                         f"--workers-per-core {need} to put {need} workers on each core")  # fmt: skip
+    return workers
 
 
 def gpu_name(dev: torch.device) -> str:

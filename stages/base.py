@@ -73,10 +73,13 @@ class ClusterConfig(BaseModel):
 
     workers: int = Field(default=0, ge=-1, description="Local Dask workers for the units: 0 runs them in this "
                          "process; N starts N, each on a GPU of its own when the device is a GPU (more workers than "
-                         "GPUs is refused unless --workers-per-gpu); -1 one per visible GPU (on a CPU: Dask's "
+                         "GPUs is refused unless --workers-per-gpu), else on a core of its own (more workers than "
+                         "cores is refused unless --workers-per-core); -1 one per visible GPU (on a CPU: Dask's "
                          "default count).")  # fmt: skip
     workers_per_gpu: int = Field(default=1, ge=1, description="Local workers one GPU may hold (they share its "
                                  "memory): allows --workers up to this many times the GPUs.")  # fmt: skip
+    workers_per_core: int = Field(default=1, ge=1, description="Local CPU workers one core may hold (they share "
+                                  "it): allows --workers up to this many times the cores.")  # fmt: skip
     dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786) "
                                      "instead; its GPU workers are started one per GPU with --resources GPU=1 "
                                      "(docs/operations.md).")  # fmt: skip

@@ -164,7 +164,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
             seconds += time.perf_counter() - start
             top.index[top.index >= 0] += unit.start
             tops[(kq, "beta")] = top
-        return write_unit(store, unit, topk_table(tops, seconds=seconds))
+        return write_unit(store, unit, topk_table(tops), seconds)
 
     def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
         assert ctx.plan is not None

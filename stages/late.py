@@ -311,7 +311,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         for m in shared["depths"]:
             top = rescore(queries, [c[:m] for c in cands], passages, p_index, [mode], kq, settings, width=m)[mode]
             tops[(kq, f"late_{mode}_m{m}")] = top
-        return write_unit(store, unit, topk_table(tops, unit.start, time.perf_counter() - start))
+        return write_unit(store, unit, topk_table(tops, unit.start), time.perf_counter() - start)
 
     def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
         assert ctx.plan is not None

@@ -6,11 +6,16 @@ A score or beta pass is cut into contiguous blocks of passages (every query agai
 k of the blocks' top k, :func:`retrieval.search.scoring.merge_topk`); a late pass into slices of queries (each
 slice's rows are its queries' runs). The folder is named by the pass's settings, so a pass planned with other
 settings never reads another's units.
+
+A unit's file holds only what its inputs decide (no timing, no host): a unit Dask computes again after a worker died
+writes the same bytes, so the record of its first result still holds. What its search cost goes beside it
+(``storage.layout.unit_seconds_path``), summed into the runs' manifests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,10 +25,10 @@ import pyarrow as pa
 
 from diffret.retrieval.search.encodings import Encodings
 from diffret.retrieval.search.rules import ScoreRules
-from diffret.retrieval.search.runs import topk_from_table, topk_seconds
+from diffret.retrieval.search.runs import topk_from_table
 from diffret.retrieval.search.scoring import TopK, merge_topk
-from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
-from diffret.storage.layout import partials_dir
+from diffret.storage import ArtifactStore, ChecksumError, FileEntry, StoreError, config_hash, remove_empty_sharded
+from diffret.storage.layout import partials_dir, unit_seconds_path
 
 from .base import Context
 from .readers import query_encodings
@@ -123,10 +128,32 @@ def _remove_unheld(store: ArtifactStore, stage: str) -> None:
         store.remove_stage(stage)
 
 
-def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table) -> FileEntry:
+def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table, seconds: float | None = None) -> FileEntry:
     """Write one unit's partial top-k (a :func:`retrieval.search.runs.topk_table`) atomically; recorded by the
-    planning process (:meth:`PassTracker.done`)."""
+    planning process (:meth:`PassTracker.done`). ``table`` holds only what the unit's inputs decide (the same bytes
+    each time it runs); ``seconds``, what its search cost, is written beside it (:func:`unit_seconds`)."""
+    if seconds is not None:
+        store.write_bytes(unit_seconds_path(unit.stage, unit.name), json.dumps({"seconds": seconds}).encode())
     return store.write_shard(unit.stage, unit.name, table)
+
+
+def unit_seconds(store: ArtifactStore, stage: str, name: str) -> float:
+    """The search seconds unit ``name`` of a pass recorded beside its file (:func:`write_unit`); 0 when it recorded
+    none or the record is unreadable (a timing, never a reason to redo a unit).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     unit = PassUnit("k", "partials/p", "block=00000.parquet", "h", 0, 3)
+    ...     _ = write_unit(store, unit, pa.table({"x": [1, 2, 3]}), seconds=1.25)
+    ...     unit_seconds(store, "partials/p", "block=00000.parquet"), unit_seconds(store, "partials/p", "block=1")
+    (1.25, 0.0)
+    """
+    try:
+        with store.fs.open(store.abspath(unit_seconds_path(stage, name)), "rb") as f:
+            return float(json.loads(f.read())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
 
 
 def read_units(store: ArtifactStore, stage: str) -> Iterator[tuple[str, pa.Table]]:
@@ -143,8 +170,8 @@ def merged_blocks(store: ArtifactStore, stage: str, k: int, columns: int) -> tup
     """
     out: dict[tuple[int, str], TopK] = {}
     seconds = 0.0
-    for _, table in read_units(store, stage):
-        seconds += topk_seconds(table)
+    for name, table in read_units(store, stage):
+        seconds += unit_seconds(store, stage, name)
         for key, top in topk_from_table(table).items():
             out[key] = top if key not in out else merge_topk([out[key], top], k)
     return {key: merge_topk([top], k, columns) for key, top in out.items()}, seconds
@@ -154,8 +181,8 @@ def stacked_slices(store: ArtifactStore, stage: str, rows: int) -> tuple[dict[tu
     """The (K_q, mode) -> TopK of a pass cut into query slices: each slice's rows in place, ``rows`` queries in all;
     and the slices' search seconds, summed."""
     tables, seconds = [], 0.0
-    for _, table in read_units(store, stage):
-        seconds += topk_seconds(table)
+    for name, table in read_units(store, stage):
+        seconds += unit_seconds(store, stage, name)
         tables.append(table)
     return topk_from_table(pa.concat_tables(tables), rows=rows), seconds
 
@@ -167,13 +194,27 @@ class PassTracker:
 
     pending: dict[str, set[str]] = field(default_factory=dict)  # partials folder -> unit files not yet done
     merged: set[str] = field(default_factory=set)
+    recorded: dict[tuple[str, str], str] = field(default_factory=dict)  # (folder, unit file) -> sha256, this run's
 
     def expect(self, stage: str, names: list[str]) -> None:
         self.pending[stage] = set(names)
 
     def done(self, ctx: Context, unit: PassUnit, entry: FileEntry) -> bool:
-        """Record a finished unit; True when its pass is now complete (and not yet merged)."""
+        """Record a finished unit; True when its pass is now complete (and not yet merged).
+
+        A unit whose result comes in twice (computed again after the worker that held its first result died) is
+        recorded once: the same bytes are accepted as they are, other bytes are refused as damage (its file no
+        longer is what its record says)."""
+        first = self.recorded.get((unit.stage, unit.name))
+        if first is not None:
+            if first != entry.sha256:
+                where = f"{ctx.store.abspath(unit.stage)}/{unit.name}"
+                raise ChecksumError(f"{where}: computed twice with different bytes (sha256 {first[:12]}… recorded, "
+                                    f"{entry.sha256[:12]}… now), so it is not trusted; run the same command again "
+                                    "to redo it")  # fmt: skip
+            return False
         ctx.store.record_shard(unit.stage, unit.name, entry, unit.config_hash)
+        self.recorded[(unit.stage, unit.name)] = entry.sha256
         waiting = self.pending.setdefault(unit.stage, set())
         waiting.discard(unit.name)
         return not waiting and unit.stage not in self.merged

@@ -212,7 +212,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                              f"planned {unit.end - unit.start:,} (re-encoded while scoring?); run the score again")
         for top in tops.values():
             top.index[top.index >= 0] += unit.start
-        return write_unit(store, unit, topk_table(tops, seconds=seconds))
+        return write_unit(store, unit, topk_table(tops), seconds)
 
     def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
         assert ctx.plan is not None

@@ -174,6 +174,16 @@ def partials_dir(system: str, dataset: str, kp: int, key: str) -> str:
     return partition("partials", system=system, dataset=dataset, kp=kp, key=key)
 
 
+def unit_seconds_path(stage_dir: str, name: str) -> str:
+    """Where a cut pass's unit records what its search cost (JSON ``{"seconds": ...}``), beside its file: the unit's
+    file holds only what its inputs decide, so a unit computed twice (a Dask worker died) writes the same bytes.
+
+    >>> unit_seconds_path("partials/system=s/dataset=d/kp=1/key=k", "block=00003.parquet")
+    'partials/system=s/dataset=d/kp=1/key=k/_seconds-block=00003.json'
+    """
+    return f"{stage_dir}/{UNIT_SECONDS_PREFIX}{name.rsplit('.', 1)[0]}.json"
+
+
 def bot_dir(tokenizer: str, dataset: str) -> str:
     """SIDR's binary bag-of-tokens index of a dataset's passages under one tokenizer (``tokens/``'s slug)."""
     return partition("bot", tokenizer=tokenizer, dataset=dataset)
@@ -268,6 +278,7 @@ PRIMARY = MEASURES[0]
 RUN_FILE = "run.parquet"
 SHARD_LOG = "_shards.jsonl"  # a sharded folder's appended shard records (local stores), until compacted
 SHARD_RECORDS_DIR = "_records"  # the same as one small file per shard (object stores cannot append)
+UNIT_SECONDS_PREFIX = "_seconds-"  # a cut pass's unit's search seconds, beside its file (never inside it)
 METRICS_FILE = "per_query.parquet"
 
 

@@ -110,9 +110,10 @@ def run_file_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def topk_table(tops: dict[tuple[int, str], TopK], first_row: int = 0, seconds: float | None = None) -> pa.Table:
+def topk_table(tops: dict[tuple[int, str], TopK], first_row: int = 0) -> pa.Table:
     """Top-k results keyed by (K_q, mode) as one table (``TOPK_SCHEMA``): a row per key and query (query rows from
-    ``first_row``), its documents best first, pads dropped; ``seconds`` (the search's) in its metadata.
+    ``first_row``), its documents best first, pads dropped. Nothing else: no timing, no host, so the same results
+    make the same bytes.
 
     >>> top = TopK(np.array([[0.9, 0.5], [0.7, -np.inf]], np.float32), np.array([[4, 2], [3, -1]]))
     >>> t = topk_table({(1, "single_dense"): top})
@@ -134,8 +135,7 @@ def topk_table(tops: dict[tuple[int, str], TopK], first_row: int = 0, seconds: f
             "index": pa.ListArray.from_arrays(offsets, pa.array(top.index[ok], pa.int64())),
             "score": pa.ListArray.from_arrays(offsets, pa.array(top.scores[ok], pa.float32())),
         }, schema=TOPK_SCHEMA))  # fmt: skip
-    table = pa.concat_tables(parts) if parts else TOPK_SCHEMA.empty_table()
-    return table.replace_schema_metadata({"seconds": repr(seconds)} if seconds is not None else None)
+    return pa.concat_tables(parts) if parts else TOPK_SCHEMA.empty_table()
 
 
 def topk_from_table(table: pa.Table, rows: int | None = None, first_row: int = 0) -> dict[tuple[int, str], TopK]:
@@ -159,12 +159,6 @@ def topk_from_table(table: pa.Table, rows: int | None = None, first_row: int = 0
         idx[row], scores[row] = sub_i, sub_s
         out[(int(kq), str(mode))] = TopK(scores, idx)
     return out
-
-
-def topk_seconds(table: pa.Table) -> float:
-    """The search seconds a :func:`topk_table` table records (0 when none)."""
-    meta = table.schema.metadata or {}
-    return float(meta.get(b"seconds", b"0"))
 
 
 def ranked_run(rows: Sequence[tuple[str, str, float, int | None]], depth: int | None = None) -> pa.Table:

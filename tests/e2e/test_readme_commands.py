@@ -93,7 +93,7 @@ def test_every_readme_command_is_run_by_this_module() -> None:
     online = [c for c in all_commands() if c.startswith("diffret run") and c not in offline]
     install = [c for c in all_commands() if c.startswith(("pip install", "pytest", "bash .ci/run"))]
     assert sorted(offline + prefect + online + install) == sorted(all_commands())
-    assert len(offline) == 2 and len(prefect) == 4 and online and len(install) == 2
+    assert len(offline) == 2 and len(prefect) == 6 and online and len(install) == 2
     ci = (REPO / ".ci" / "run").read_text()
     first, test = install
     assert first.startswith('pip install -e ".[dev]" && diffret run') and '-e ".[dev]"' in ci
@@ -147,16 +147,21 @@ def test_the_readme_prefect_commands_deploy_every_stage(tmp_path: Path) -> None:
     from prefect_harness import local_prefect_server, prefect_cmd
 
     prefect = [c for c in all_commands() if c.startswith(("prefect ", "export PREFECT_API_URL"))]
-    start, export, deploy, worker = prefect
+    start, export, pool, automation, deploy, worker = prefect
     assert start.startswith("prefect server start --host 127.0.0.1 --port 4200") and start.endswith("&")
     assert export == "export PREFECT_API_URL=http://127.0.0.1:4200/api"
     with local_prefect_server(tmp_path) as server:  # what `start` does, on a free port, stopped by its pid
         port = server.api_url.split(":")[-1].split("/")[0]
         env = {**server.env, "PATH": f"{Path(prefect_cmd()[0]).parent}:{os.environ['PATH']}", "COLUMNS": "300"}
         assert export.split("=", 1)[1].replace("4200", port) == server.api_url
-        shell(deploy, env, timeout=600)
+        for line in (pool, automation, deploy):
+            shell(line, env, timeout=600)
         shell(f"{worker} --run-once", env, timeout=300)
         listed = shell("prefect deployment ls", env, timeout=120)
+        automations = server.api("POST", "/automations/filter", {})
+    # the crash recovery of docs/operations.md: a run whose heartbeats stop (its worker killed) becomes Crashed
+    (zombie,) = [a for a in automations if a.get("name") == "diffret-crash-zombie-flows"]  # type: ignore[union-attr]
+    assert zombie["enabled"] and zombie["actions"][0]["state"] == "CRASHED", zombie
     import yaml
 
     names = [d["name"] for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]]

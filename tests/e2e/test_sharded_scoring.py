@@ -1,6 +1,7 @@
 """Scoring cut into units on Dask workers (issue 40): the runs of every mode, the fusions included, are byte-identical
 (sha256) to one in-process pass, on SciFact with splade-tiny and on scifact-mini with the tiny Dream checkpoint; a
-score killed with SIGKILL half way resumes with its finished units kept (mtime unchanged) and the same runs.
+score killed with SIGKILL half way resumes with its finished units kept (mtime unchanged) and the same runs; a score
+on two Dask workers, one of them killed with SIGKILL half way, goes on and ends (exit 0) with the same runs.
 
 SciFact is cut to its first 100 test queries, the passages they judge and the first 1,000 others (encoding all of
 it takes minutes here)."""
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from cli_harness import DIFFRET, ENV, run
 from conftest import SHARED, write_beir
+from prefect_harness import descendants
 
 from diffret.flows.runner import run_stage
 from diffret.stages import execute, stages
@@ -105,11 +107,18 @@ def recorded_units(root: Path) -> list[Path]:
     return out
 
 
-def test_score_killed_half_way_resumes_with_its_finished_units(stores, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def splade_one_pass(stores, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The digests of the SciFact store's runs scored in one in-process pass (`--workers 0`)."""
     root, dataset, system = stores["splade"]
-    one = tmp_path / "one"
+    one = tmp_path_factory.mktemp("one") / "store"
     shutil.copytree(root, one)
-    execute(stages()["score"], config(one, dataset, system), log=lambda _: None)
+    assert execute(stages()["score"], config(one, dataset, system), log=lambda _: None).done == 18
+    return run_digests(one)
+
+
+def test_score_killed_half_way_resumes_with_its_finished_units(stores, splade_one_pass, tmp_path: Path) -> None:
+    root, dataset, system = stores["splade"]
     killed = tmp_path / "killed"
     shutil.copytree(root, killed)
     args = ["score", "-d", dataset, "--system", system, "--kq", "1,2", "--kp", "1,2", "--unit-passages", "100",
@@ -136,4 +145,46 @@ def test_score_killed_half_way_resumes_with_its_finished_units(stores, tmp_path:
     res = execute(stages()["score"], config(killed, dataset, system, unit_passages=100), log=lambda _: None,
                   units=check_then_run)  # fmt: skip
     assert seen == {"units": total - len(kept), "kept": True}
-    assert res.done == 18 and run_digests(killed) == run_digests(one)
+    assert res.done == 18 and run_digests(killed) == splade_one_pass
+
+
+def dask_workers(pid: int) -> list[int]:
+    """The Dask worker processes below ``pid`` (each started by its nanny through multiprocessing's spawn)."""
+    out = []
+    for child in descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def test_a_dask_worker_killed_mid_score_is_redone_and_the_command_succeeds(stores, splade_one_pass,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """`score --workers 2`, one worker killed with SIGKILL once six units are recorded: Dask computes what the worker
+    held again (a unit's file is the same bytes each time), and the command goes on to exit 0 with the runs of one
+    in-process pass, byte for byte, and no partials left."""
+    root, dataset, system = stores["splade"]
+    killed = tmp_path / "killed"
+    shutil.copytree(root, killed)
+    args = ["score", "-d", dataset, "--system", system, "--kq", "1,2", "--kp", "1,2", "--workers", "2",
+            "--unit-passages", "100", "--root", str(killed)]  # fmt: skip
+    proc = subprocess.Popen([*DIFFRET, *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while len(recorded_units(killed)) < 6 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        workers = dask_workers(proc.pid)
+        assert proc.poll() is None and len(workers) == 2, (workers, proc.poll())
+        os.kill(workers[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "18 cell(s) scored" in out, out[-3000:]
+    assert run_digests(killed) == splade_one_pass
+    assert not list(killed.glob("partials/**/*.parquet"))

@@ -5,6 +5,7 @@ still hold: the exit code, buffered output, atexit handlers and non-daemon threa
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,23 @@ def test_usage_error_and_unexpected_exception(tmp_path: Path) -> None:
     p = main_with(tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")],
                   prelude)  # fmt: skip
     assert p.returncode == 1 and "Traceback" in p.stderr and "RuntimeError: unexpected failure" in p.stderr
+
+
+def test_a_prefect_api_that_does_not_answer_is_one_line_with_the_way_out(tmp_path: Path, tiny_beir: Path) -> None:
+    """PREFECT_API_URL set, nothing listening there: the command says so in one line naming the API and the ways out
+    (start the server, or --no-prefect), exits 2 and writes nothing; --no-prefect then runs it in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: a port nothing listens on
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**ENV, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "prefect")}
+    args = [sys.executable, "-m", "diffret.flows.cli", "download", "tiny", "--source", str(tiny_beir), "--root",
+            str(tmp_path / "store")]  # fmt: skip
+    p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr
+    assert lines[0].startswith(f"error: the Prefect API at {api} does not answer"), lines
+    assert "prefect server start" in lines[0] and "--no-prefect" in lines[0], lines
+    assert not (tmp_path / "store").exists()
+    p = subprocess.run([*args, "--no-prefect"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert p.returncode == 0 and "1 collection(s) written" in p.stdout + p.stderr, p.stdout + p.stderr

@@ -118,9 +118,36 @@ def test_more_workers_than_gpus_is_refused_in_one_line() -> None:
     assert shared == {"pins": FAKE_GPUS * 2}
     assert cluster.local_cluster_options(probe, ProbeConfig(workers=-1), gpus=FAKE_GPUS) == {"pins": FAKE_GPUS}
     # a CPU device: plain workers, no pinning
-    assert cluster.local_cluster_options(probe, ProbeConfig(workers=3, device="cpu"), gpus=FAKE_GPUS) == {
+    assert cluster.local_cluster_options(probe, ProbeConfig(workers=3, device="cpu"), gpus=FAKE_GPUS, cores=4) == {
         "n_workers": 3
     }
+
+
+def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp_path, monkeypatch) -> None:
+    """CPU units: --workers 64 on 2 cores is refused before any work (no cluster started, nothing planned), naming
+    both numbers and the way to ask for it; --workers-per-core 32 asks for it; -1 is Dask's own count."""
+    cpu = {"device": "cpu"}
+    with pytest.raises(ValueError) as err:
+        cluster.local_cluster_options(probe, ProbeConfig(workers=64, **cpu), gpus=[], cores=2)
+    msg = str(err.value)
+    assert "\n" not in msg and "--workers 64" in msg and "2 CPU core(s)" in msg, msg
+    assert "--workers 2 or fewer" in msg and "--workers-per-core 32" in msg, msg
+    asked = ProbeConfig(workers=64, workers_per_core=32, **cpu)
+    assert cluster.local_cluster_options(probe, asked, gpus=[], cores=2) == {"n_workers": 64}
+    assert cluster.local_cluster_options(probe, ProbeConfig(workers=2, **cpu), gpus=[], cores=2) == {"n_workers": 2}
+    assert cluster.local_cluster_options(probe, ProbeConfig(workers=-1, **cpu), gpus=[], cores=2) == {
+        "n_workers": None}  # fmt: skip
+    # `auto` on a machine without a GPU: CPU workers, the same rule
+    with pytest.raises(ValueError, match="more than the 2 CPU core"):
+        cluster.local_cluster_options(probe, ProbeConfig(workers=3, device="auto"), gpus=[], cores=2)
+
+    # through run_stage (what every command calls): refused before the plan, and no cluster is started
+    monkeypatch.setattr(cluster, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: [])
+    monkeypatch.setattr(cluster, "local_cluster", lambda **_: pytest.fail("a cluster was started"))
+    monkeypatch.setattr(Probe, "plan", lambda *_: pytest.fail("the stage was planned"))
+    with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
+        run_stage(probe, ProbeConfig(root=str(tmp_path), workers=64, **cpu), log=lambda _m: None)
 
 
 def test_a_gpu_unit_never_goes_to_a_worker_without_the_resource(gpu_cluster, tmp_path) -> None:
@@ -149,7 +176,7 @@ def test_a_worker_started_outside_the_flow_keeps_its_own_device(gpu_cluster, tmp
 
 def test_every_distributed_stage_form_offers_the_placement_choices() -> None:
     """The Prefect deployment form of each stage whose units may run on Dask (and of the pipeline) has the CLI's
-    choices: --workers, --workers-per-gpu and --dask-address."""
+    choices: --workers, --workers-per-gpu, --workers-per-core and --dask-address."""
     import importlib
 
     from prefect.utilities.callables import parameter_schema
@@ -165,4 +192,4 @@ def test_every_distributed_stage_form_offers_the_placement_choices() -> None:
         schema = parameter_schema(flows[name].fn).model_dump_for_openapi()
         config = schema["properties"]["config"]["$ref"].rsplit("/", 1)[-1]
         fields = schema["definitions"][config]["properties"]
-        assert {"workers", "workers_per_gpu", "dask_address"} <= set(fields), (name, sorted(fields))
+        assert {"workers", "workers_per_gpu", "workers_per_core", "dask_address"} <= set(fields), (name, sorted(fields))

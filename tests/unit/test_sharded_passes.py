@@ -224,6 +224,85 @@ def test_rerank_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, method
     assert len(digests[0]) == 2 and digests[0] == digests[1]
 
 
+def twice(results_seen: dict[str, list[str]]):  # noqa: ANN201
+    """A units runner that runs each unit twice before committing it, then commits both results, as when Dask
+    computes a unit again after the worker holding its result died; each unit's file digests go to
+    ``results_seen[stage name]``."""
+
+    def runner(stage, plan, ctx):  # noqa: ANN001, ANN202
+        out = []
+        for unit in plan.units:
+            path = Path(ctx.store.abspath(f"{unit.stage}/{unit.name}"))
+            first = stage.run(unit, ctx)
+            data = path.read_bytes()
+            again = stage.run(unit, ctx)
+            assert path.read_bytes() == data, f"{stage.name} {stage.unit_name(unit)}: other bytes the second time"
+            assert (again.sha256, again.bytes) == (first.sha256, first.bytes)
+            results_seen.setdefault(stage.name, []).append(first.sha256)
+            stage.commit(unit, first, ctx)
+            stage.commit(unit, again, ctx)  # the same bytes again: accepted, recorded once
+            out.append(first)
+        return out
+
+    return runner
+
+
+def test_a_unit_run_twice_writes_the_same_bytes_and_is_recorded_once(tiny: dict, one_pass: dict[str, str],
+                                                                     tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    """score, beta, late and rerank: a unit's partial file holds only what its inputs decide (its search seconds go
+    beside it, into the runs' manifests), so a unit computed twice writes the same bytes, and its second result is
+    accepted; the runs are one pass's."""
+    import json
+
+    monkeypatch.setattr("diffret.retrieval.search.late.QUERY_GRAIN", 2)  # late's slices: 2 queries, not 256
+    monkeypatch.setattr("diffret.stages.late.QUERY_GRAIN", 2)
+
+    root = copy_store(tiny, tmp_path / "store")
+    seen: dict[str, list[str]] = {}
+    execute(stages()["bm25"], BM25Config(root=root, dataset="tiny", splits=["test", "train"]), log=lambda _: None)
+    prompt = str(Path(__file__).parent / "data" / "rerank_tiny.yaml")
+    common = {"root": root, "dataset": "tiny", "splits": ["test", "train"]}
+    configs = [
+        ("score", score_config(tiny, root, unit_passages=9)),
+        ("beta", BetaConfig(system=tiny["ref"], kq=[1], topk=10, unit_passages=12, **common)),
+        ("late", LateConfig(system=tiny["ref"], kq=2, kp=1, depths=[3], first_stage="bm25", unit_queries=1, **common)),
+        ("rerank", RerankConfig(backbone=BackboneConfig(model=tiny["model"]), depth=5, window=3, step=1, doc_tokens=8,
+                                batch_size=2, prompt=prompt, unit_queries=1, **common)),
+    ]  # fmt: skip
+    for name, cfg in configs:
+        assert execute(stages()[name], cfg, log=lambda _: None, units=twice(seen)).done > 0, name
+    assert {name: len(v) > 1 for name, v in seen.items()} == {"score": True, "beta": True, "late": True,
+                                                              "rerank": True}  # fmt: skip
+    assert no_partials(root)
+    score_runs = {k: v for k, v in run_digests(root).items() if k in one_pass}
+    assert score_runs == one_pass
+    stats = [json.loads(p.read_text())["stats"] for p in Path(root, "runs").rglob("mode=*/_manifest.json")
+             if "mode=single_dense" in str(p)]  # fmt: skip
+    assert stats and all(s["search_seconds"] > 0 for s in stats)  # the units' seconds, kept out of their files
+
+
+def test_a_unit_computed_twice_with_other_bytes_is_refused_as_damage(tiny: dict, one_pass: dict[str, str],
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    """A second result of a unit that differs from the first (a unit that is not deterministic) is not merged: the
+    run stops naming the unit file, and the same command then redoes it and gives one pass's runs."""
+    from diffret.storage import ChecksumError
+
+    root = copy_store(tiny, tmp_path / "store")
+    config = score_config(tiny, root, unit_passages=9)
+
+    def other_bytes_the_second_time(stage, plan, ctx):  # noqa: ANN001, ANN202
+        unit = plan.units[0]
+        entry = stage.run(unit, ctx)
+        stage.commit(unit, entry, ctx)
+        stage.commit(unit, entry.model_copy(update={"sha256": "0" * 64}), ctx)
+
+    with pytest.raises(ChecksumError, match=r"block=00000\.parquet: computed twice with different bytes") as err:
+        execute(stages()["score"], config, log=lambda _: None, units=other_bytes_the_second_time)
+    assert "\n" not in str(err.value) and "run the same command again" in str(err.value)
+    assert execute(stages()["score"], config, log=lambda _: None).done == 36
+    assert run_digests(root) == one_pass and no_partials(root)
+
+
 @pytest.fixture(scope="module")
 def dask_address():
     """Two local Dask workers (CPU), shared by the module's tests that join them with --dask-address."""
