@@ -68,6 +68,14 @@ def local_cluster_options(stage: Stage, config: StageConfig, gpus: list[str] | N
     return {"n_workers": count_cpu_workers(workers, cores, int(getattr(config, "workers_per_core", 1)))}
 
 
+def check_placement(stage: Stage, config: StageConfig) -> None:
+    """Refuse, in one line and before any work, a local cluster ``config`` asks for that this machine cannot hold
+    (more workers than GPUs or cores, unless allowed; a GPU device without a GPU): :func:`local_cluster_options`'s
+    checks. Nothing to check for a stage run in this process or on a cluster joined by address."""
+    if distributed(stage, config) and not getattr(config, "dask_address", None):
+        local_cluster_options(stage, config)
+
+
 def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, **_: Any) -> Any:
     """A local Dask cluster: one worker per entry of ``pins`` pinned to that GPU (``CUDA_VISIBLE_DEVICES``, resource
     ``GPU=1``; ``dask-cuda``'s ``LocalCUDACluster`` where installed and each GPU has one worker), else

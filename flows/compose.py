@@ -267,12 +267,17 @@ def run_pipeline(
 ) -> dict[str, Any]:
     """Every stage in order, each through ``run_stage`` (sub-flow runs under Prefect); the result lines,
     the system, and the leaderboard and summary folder of each split."""
+    from .cluster import check_placement
+
     steps: list[str] = []
 
     def step(name: str, line: str) -> None:
         steps.append(f"{name}: {line}")
         log(steps[-1])
 
+    for e in config.encodes():  # the local workers asked for, checked before anything is downloaded
+        check_placement(encode_stage.stage, e)
+    check_placement(score.stage, config.score("<encoder>"))
     for d in config.downloads():
         res = run_stage(ingest.stage, d, prefect=prefect, log=log, report=report)
         step(f"download {d.name}", res.details.get("status", "done"))

@@ -137,10 +137,9 @@ def run_stage(
     from .cluster import distributed
 
     if distributed(stage, config):
-        from .cluster import local_cluster_options, run_units
+        from .cluster import check_placement, run_units
 
-        if not getattr(config, "dask_address", None):
-            local_cluster_options(stage, config)  # more workers than GPUs or cores: refused before any work
+        check_placement(stage, config)  # more workers than GPUs or cores: refused before any work
 
         def on_dask(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
             return run_units(stage, config, plan, ctx) if plan.units else []
@@ -256,8 +255,10 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
             with dask.annotate(**({"resources": resources} if resources else {})):
                 futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
         for fut in as_completed(list(futures)):
-            unit = futures[fut]
+            unit = futures.pop(fut)
             results.append(fut.result())
+            with contextlib.suppress(AttributeError):  # on Dask: forgotten there (a worker dying later loses nothing)
+                fut.wrapped_future.release()
             stage.commit(unit, results[-1], ctx)
             advance(stage.work_of(unit))
     return results

@@ -148,6 +148,16 @@ def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp
     monkeypatch.setattr(Probe, "plan", lambda *_: pytest.fail("the stage was planned"))
     with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
         run_stage(probe, ProbeConfig(root=str(tmp_path), workers=64, **cpu), log=lambda _m: None)
+    # `diffret run --workers 64`: refused before anything is downloaded
+    from diffret.flows.compose import PipelineConfig, run_pipeline
+    from diffret.stages import ingest
+
+    monkeypatch.setattr(ingest.stage, "plan", lambda *_: pytest.fail("a collection was downloaded"))
+    pipeline = PipelineConfig(dataset="scifact", backbone={"model": str(tmp_path / "model"), "device": "cpu"},
+                              workers=64, root=str(tmp_path / "store"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
+        run_pipeline(pipeline, log=lambda _m: None)
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_gpu_unit_never_goes_to_a_worker_without_the_resource(gpu_cluster, tmp_path) -> None:
