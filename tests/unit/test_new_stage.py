@@ -111,7 +111,7 @@ def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_pat
     assert got["first"][0] == 0 and "1 greeting(s) written" in got["first"][1], got["first"]
     # its prerequisite ran first (the queries tokenized), and the command printed the stage's own line after its result
     lines = got["first"][1].splitlines()
-    tokenized = next(i for i, line in enumerate(lines) if line.startswith("tokenize: ") and "1 shard(s) tokenized" in line)
+    tokenized = next(i for i, line in enumerate(lines) if line.startswith("tokenize: ") and "1 shard(s)" in line)
     written = next(i for i, line in enumerate(lines) if line.startswith("1 greeting(s) written"))
     assert tokenized < written and lines[written + 1] == "greeted you, tiny tokenized first", lines
     assert list((tmp_path / "store" / "tokens").glob("tokenizer=*/dataset=tiny/side=query/shard=*.parquet"))
