@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import click
@@ -33,7 +33,6 @@ from .display import (
     OutputFormat,
     console,
     help_text,
-    index_checks,
     library_output,
     log,
     out,
@@ -139,7 +138,9 @@ def _config(cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 
 def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
-    """Run a stage with ``config`` (Prefect or in-process), print its result line, return it."""
+    """Run a stage with ``config`` (Prefect or in-process; the stages it needs first before it), print its result
+    line and what the stage prints of its result (``Stage.shown`` to standard output, ``Stage.printed``, the
+    result's warnings), return it."""
     from diffret.stages import stages
 
     from .runner import run_stage, use_prefect
@@ -148,39 +149,27 @@ def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
     with _errors(), progress() as report:
         res = run_stage(stage, config, prefect=use_prefect(prefect), log=log, report=report)
     console.print(res.line(), highlight=False, soft_wrap=True)
+    if shown := stage.shown(res):
+        out.print(shown, highlight=False, markup=False, soft_wrap=True, end="")
+    for line in stage.printed(res):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    _print_warnings(res)
     return res
 
 
-def stage_command(stage_name: str, command: str | None = None,
-                  after: Callable[[Any], None] | None = None) -> None:  # fmt: skip
-    """Register ``diffret <command>``: the stage's config as options, then the stage, then ``after(result)``."""
+def stage_command(stage_name: str, command: str | None = None) -> None:
+    """Register ``diffret <command>``: the stage's config as options, then the stage (:func:`_run`)."""
     from diffret.stages import stages
 
     stage = stages()[stage_name]
     cls = stage.config
 
     def body(data: dict[str, Any], prefect: bool | None = None) -> None:
-        res = _run(stage_name, prefect, _config(cls, data))
-        if after is not None:
-            after(res)
+        _run(stage_name, prefect, _config(cls, data))
 
     body.__doc__ = stage.description.split("\n\n")[0]
     name = command or stage_name
     app.command(name, help=body.__doc__, cls=Command)(config_command(cls, body, name=name, extra=[PREFECT]))
-
-
-def _print_bot(res: Any) -> None:
-    s = res.details.get("stats") or {}
-    console.print(f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
-                  f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s", highlight=False)
-
-
-def _print_lines(key: str) -> Callable[[Any], None]:
-    def after(res: Any) -> None:
-        for line in res.details.get(key, []):
-            console.print(line, highlight=False, markup=False, soft_wrap=True)
-
-    return after
 
 
 def _print_warnings(res: Any) -> None:
@@ -190,45 +179,11 @@ def _print_warnings(res: Any) -> None:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
-def _print_shown(res: Any) -> None:
-    out.print(res.details.get("shown", ""), highlight=False, markup=False, soft_wrap=True, end="")
-    console.print(f"tables (md, csv, tex): {res.details.get('folder')}", highlight=False, soft_wrap=True)
-
-
-def _print_detail(text: str, key: str) -> Callable[[Any], None]:
-    def after(res: Any) -> None:
-        console.print(text.format(res.details.get(key)), highlight=False, soft_wrap=True)
-
-    return after
-
-
-def _encode(data: dict[str, Any], prefect: bool | None = None) -> None:
-    """Tokenize, then encode a dataset's queries / passages for every K: dense multi-vectors + sparse weights."""
-    from .compose import EncodeConfig, run_encode
-    from .runner import use_prefect
-
-    config = _config(EncodeConfig, data)
-    with _errors(), progress() as report:
-        res = run_encode(config, prefect=use_prefect(prefect), log=log, report=report)
-    console.print(res.line(), highlight=False, soft_wrap=True)
-
-
-def _bot(data: dict[str, Any], prefect: bool | None = None) -> None:
-    """Tokenize the passages (when not yet), then SIDR's binary bag-of-tokens index of them: no model."""
-    from .compose import BotConfig, run_bot
-    from .runner import use_prefect
-
-    config = _config(BotConfig, data)
-    with _errors(), progress() as report:
-        res = run_bot(config, prefect=use_prefect(prefect), log=log, report=report)
-    console.print(res.line(), highlight=False, soft_wrap=True)
-    _print_bot(res)
-
-
 def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool = False) -> None:
     """The whole zero-shot experiment: download, encode the grid, score every cell, BM25, evaluate, leaderboard."""
-    from .compose import PipelineConfig, pipeline_plan, run_pipeline
-    from .runner import prefect_api, use_prefect
+    from diffret.stages.pipeline import PipelineConfig, pipeline_plan
+
+    from .runner import prefect_api, run_pipeline_stages, use_prefect
 
     t0 = time.perf_counter()
     config = _config(PipelineConfig, data)
@@ -245,7 +200,7 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool =
                 res = pipeline_flow(config)
         else:
             with progress(transient=True) as report:
-                res = run_pipeline(config, log=log, report=report)
+                res = run_pipeline_stages(config, log=log, report=report)
     for sp, rows in res["leaderboards"].items():
         print_leaderboard(config.name(), sp, rows)
         console.print(f"summary, leaderboard and heatmaps: {res['folders'][sp]}", highlight=False, soft_wrap=True)
@@ -253,42 +208,16 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool =
     console.print(f"done in {time.perf_counter() - t0:,.1f} s", highlight=False)
 
 
-def _printers() -> dict[str, Callable[[Any], None]]:
-    """What a stage's command prints after its result line, by stage (default: nothing more)."""
-    return {
-        "download": _print_lines("report"),
-        "index": lambda res: out.print(index_checks(res.details["checks"]), highlight=False, markup=False),
-        "bot": _print_bot,
-        "train": _print_detail("model: {}", "model_dir"),
-        "train-reranker": _print_detail("model: {} (rerank with it: diffret rerank --model <it> --method <the same>)",
-                                        "model_dir"),  # fmt: skip
-        "compare": _print_shown,
-        "budget": _print_detail("adaptive runs: {} (evaluate them: diffret evaluate)", "adaptive_runs"),
-        "summary": _print_warnings,
-        "report": _print_detail("report written: {}/report.md", "folder"),
-        "latency": _print_detail("latency rows measured: {}", "rows"),
-    }
-
-
 def _register() -> None:
     """Every stage's command, generated from its config, in pipeline order (the whole experiment first); a stage
     registered with ``stages.register`` or the ``diffret.stages`` entry points gets its command the same way."""
     from diffret.stages import stages
-
-    from .compose import BotConfig, EncodeConfig, PipelineConfig
+    from diffret.stages.pipeline import PipelineConfig
 
     app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
                                                                            extra=[PREFECT, DRY_RUN]))
-    printers = _printers()
     for name, st in stages().items():
-        if name == "encode":  # tokenizes first, and can run on Dask
-            app.command("encode", help=_encode.__doc__, cls=Command)(config_command(EncodeConfig, _encode,
-                                                                                  name="encode", extra=[PREFECT]))
-        elif name == "bot":  # tokenizes first, as encode does
-            app.command("bot", help=_bot.__doc__, cls=Command)(config_command(BotConfig, _bot, name="bot",
-                                                                            extra=[PREFECT]))  # fmt: skip
-        else:
-            stage_command(name, st.command, after=printers.get(name))
+        stage_command(name, st.command)
 
 
 _register()

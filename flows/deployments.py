@@ -59,27 +59,10 @@ definitions:
 
 deployments:"""
 
-PIPELINE = {
-    "name": "pipeline",
-    "entrypoint": ("diffret.flows.pipeline", "pipeline_flow"),
-    "description": (
-        "The whole zero-shot experiment on one dataset: download, encode the (K_q, K_p) grid, (LanceDB index), "
-        "exact scoring of every cell in the five modes, BM25, pytrec_eval metrics, leaderboard + heatmaps + "
-        "summary under summaries/ in the store. Every stage skips what the store already holds, so "
-        "`prefect deployment run 'pipeline/pipeline'` after a failure resumes where it stopped."
-    ),
-    "example": {
-        "dataset": "scifact",
-        "source": None,
-        "splits": ["test"],
-        "kq": [1, 2, 4, 8, 16],
-        "kp": [1, 2, 4, 8, 16],
-        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "bm25": True,
-        "index": "skip",
-    },
-}
-FIRST = ("download", "encode", "pipeline")  # the deployments a new user starts with, first in the file
+def _pipeline() -> dict[str, Any]:
+    from diffret.stages.pipeline import DEPLOYMENT
+
+    return {"name": "pipeline", "entrypoint": ("diffret.flows.pipeline", "pipeline_flow"), **DEPLOYMENT}
 
 
 def _scalar(value: Any) -> str:
@@ -120,7 +103,6 @@ def _yaml(value: Any, indent: int) -> list[str]:
 def _deployment(name: str, entrypoint: tuple[str, str], description: str, example: dict[str, Any]) -> str:
     module, fn = entrypoint
     path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
-    path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
     folded = textwrap.wrap(" ".join(description.split()), 106, break_long_words=False, break_on_hyphens=False)
     lines = [f"- name: {name}", "  version: null", "  tags: *diffret_tags", "  description: >-",
              *(f"    {line}" for line in folded), f"  entrypoint: {path}.py:{fn}",
@@ -130,16 +112,14 @@ def _deployment(name: str, entrypoint: tuple[str, str], description: str, exampl
 
 
 def deployments() -> list[dict[str, Any]]:
-    """Every deployment as name, entrypoint (module, function), description and example parameters."""
+    """Every deployment as name, entrypoint (module, function), description and example parameters: the whole
+    pipeline first (where a new user starts), then every stage in pipeline order."""
     from diffret.stages import stages
 
     from .runner import flow_ref
 
-    out = [{"name": st.command, "entrypoint": flow_ref(st.name), "description": st.deployment, "example": st.example}
-           for st in stages().values()]  # fmt: skip
-    out.append(PIPELINE)
-    order = {name: i for i, name in enumerate(FIRST)}
-    return sorted(out, key=lambda d: order.get(d["name"], len(order)))
+    return [_pipeline()] + [{"name": st.command, "entrypoint": flow_ref(st.name), "description": st.deployment,
+                             "example": st.example} for st in stages().values()]  # fmt: skip
 
 
 def render() -> str:

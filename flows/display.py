@@ -154,15 +154,3 @@ def print_leaderboard(dataset: str, split: str, rows: list[dict]) -> None:
         p = "–" if r["p_vs_bm25"] is None else f"{r['p_vs_bm25']:.2g}"
         table.add_row(r["system"], r["mode"], kq, kp, *vals, str(r["queries"]), p)
     wide().print(table, crop=False)
-
-
-def index_checks(checks: dict[Any, dict[Any, dict]]) -> str:
-    """Recall of each index against exact search, per K_p and K_q, as a markdown table."""
-    lines = ["| K_p | K_q | recall@10 | recall@100 | mean ms | p95 ms |", "|---:|---:|---:|---:|---:|---:|"]
-    for kp, by_kq in sorted(checks.items(), key=lambda x: int(x[0])):
-        for kq, c in sorted(by_kq.items(), key=lambda x: int(x[0])):
-            lines.append(
-                f"| {kp} | {kq} | {c['recall_10']:.4f} | {c['recall_100']:.4f} | "
-                f"{c['latency_ms_mean']:.1f} | {c['latency_ms_p95']:.1f} |"
-            )
-    return "\n".join(lines)

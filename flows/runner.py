@@ -21,14 +21,6 @@ from diffret.stages.base import inline_figures, run_units
 from diffret.storage import ArtifactStore
 from diffret.tasks.keys import artifact_key
 
-# stages whose flow does more than run the stage: (module, function); every other stage's flow is generated in
-# flows/stage_flows.py from the registry
-CUSTOM: dict[str, tuple[str, str]] = {
-    "encode": ("diffret.flows.encode", "encode_flow"),  # tokenizes first
-    "bot": ("diffret.flows.bot", "bot_flow"),  # tokenizes first
-    "report": ("diffret.flows.report", "report_flow"),  # publishes its sections as artifacts
-}
-
 
 def flow_name(command: str) -> str:
     """The flow function's name of a stage's command: ``import-run`` -> ``import_run_flow``."""
@@ -36,10 +28,10 @@ def flow_name(command: str) -> str:
 
 
 def flow_ref(stage: str) -> tuple[str, str]:
-    """(module, function) of a stage's Prefect flow (the flow is named after the stage's command)."""
+    """(module, function) of a stage's Prefect flow (generated, named after the stage's command)."""
     from diffret.stages import stages
 
-    return CUSTOM.get(stage) or ("diffret.flows.stage_flows", flow_name(stages()[stage].command))
+    return ("diffret.flows.stage_flows", flow_name(stages()[stage].command))
 
 
 def flows() -> dict[str, tuple[str, str]]:
@@ -128,12 +120,19 @@ def run_stage(
     report: Callable[[str, int, int | None, str], None] | None = None,
 ) -> StageResult:
     """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress; its units on Dask when the
-    config asks for workers or a scheduler, :func:`flows.cluster.run_units`) or as its Prefect flow."""
+    config asks for workers or a scheduler, :func:`flows.cluster.run_units`) or as its Prefect flow. The stages it
+    needs first (``Stage.prerequisites``) run before it, the same way (in its flow, under Prefect)."""
     if prefect:
         module, name = flow_ref(stage.name)
         flow_fn = getattr(importlib.import_module(module), name)
         with prefect_api():
             return StageResult.model_validate(flow_fn(config))
+    from diffret.stages import stages
+
+    for name, first in stage.prerequisites(config):
+        res = run_stage(stages()[name], first, log=log, report=report)
+        if res.done:
+            log(f"{name}: {res.line()}")
     from .cluster import distributed
 
     if distributed(stage, config):
@@ -146,6 +145,20 @@ def run_stage(
 
         return execute(stage, config, log=log, report=report, units=on_dask)
     return execute(stage, config, log=log, report=report)
+
+
+def run_pipeline_stages(config: Any, *, prefect: bool = False, log: Callable[[str], None] = print,
+                        report: Callable[..., None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`diffret run`: :func:`stages.pipeline.run_pipeline` with each stage through :func:`run_stage` (as sub-flow
+    runs with ``prefect``), the local workers it asks for checked before anything is downloaded."""
+    from diffret.stages.pipeline import run_pipeline
+
+    from .cluster import check_placement
+
+    def run(stage: Stage, cfg: StageConfig) -> StageResult:
+        return run_stage(stage, cfg, prefect=prefect, log=log, report=report)
+
+    return run_pipeline(config, run, log=log, check=check_placement)
 
 
 # ------------------------------------------------------------------------------------------- Prefect
@@ -209,9 +222,10 @@ class ArtifactProgress:
 
 
 def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
-    """The body of every stage flow: ``stages.execute`` with its units as tasks of this run when the stage is
-    distributed, progress as an artifact, and the summary (what it did, where, the rows, the time, what is
-    next) published as a markdown artifact."""
+    """The body of every stage flow: the stages it needs first (``Stage.prerequisites``), then ``stages.execute``
+    with its units as tasks of this run when the stage is distributed, progress as an artifact, and the summary
+    (what it did, where, the rows, the time, what is next) published as a markdown artifact, with the stage's own
+    pages (``Stage.published``)."""
     from prefect import get_run_logger
     from prefect.artifacts import create_markdown_artifact
 
@@ -221,9 +235,16 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
             return _run_unit_tasks(stage, config, plan, ctx)
         return run_units(stage, plan, ctx)
 
+    from diffret.stages import stages
+
+    for name, first in stage.prerequisites(config):
+        run_in_flow(stages()[name], first)
     result = execute(stage, config, log=get_run_logger().info, report=ArtifactProgress(), units=units)
-    create_markdown_artifact(inline_figures(result.markdown(), ArtifactStore(config.root)), description=stage.name,
+    store = ArtifactStore(config.root)
+    create_markdown_artifact(inline_figures(result.markdown(), store), description=stage.name,
                              key=artifact_key(stage.name, result.system or "summary"))  # fmt: skip
+    for page in stage.published(result, store):
+        create_markdown_artifact(page.markdown, key=artifact_key(*page.key), description=page.description)
     return result.model_dump(mode="json")
 
 

@@ -1,9 +1,8 @@
 """Every stage's Prefect flow, generated from the stage registry at import: ``<command>_flow(config: <its
 config>)`` (``score_flow``, ``import_run_flow``, ``training_data_flow``, ...), named after the stage's command,
-described by its docstring, its body :func:`flows.runner.run_in_flow`. The config's class is the flow's typed
-signature, so the Prefect UI's run form shows the config's fields. A stage whose flow does more than run it
-(``encode`` tokenizes first, ``report`` publishes its sections) keeps a module of its own, named in
-:data:`flows.runner.CUSTOM`.
+described by its docstring, its body :func:`flows.runner.run_in_flow` (which runs the stages it needs first and
+publishes its pages). The config's class is the flow's typed signature, so the Prefect UI's run form shows the
+config's fields.
 
 Deployments point here: ``entrypoint: flows/stage_flows.py:score_flow`` (flows/deployments.py writes them).
 """
@@ -14,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from diffret.flows.runner import CUSTOM, flow_name, run_in_flow, run_name  # absolute: Prefect loads this file by path
+from diffret.flows.runner import flow_name, run_in_flow, run_name  # absolute: Prefect loads this file by path
 from diffret.stages import Stage, stages
 
 __all__: list[str] = []
@@ -35,9 +34,8 @@ def make_flow(stage: Stage) -> Any:
 
 def _generate() -> None:
     for st in stages().values():
-        if st.name not in CUSTOM:
-            globals()[flow_name(st.command)] = make_flow(st)
-            __all__.append(flow_name(st.command))
+        globals()[flow_name(st.command)] = make_flow(st)
+        __all__.append(flow_name(st.command))
 
 
 _generate()
@@ -46,7 +44,7 @@ _generate()
 def __getattr__(name: str) -> Any:
     """A flow of a stage registered after this module was imported."""
     for st in stages().values():
-        if flow_name(st.command) == name and st.name not in CUSTOM:
+        if flow_name(st.command) == name:
             globals()[name] = make_flow(st)
             return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -298,6 +298,16 @@ def inline_figures(markdown: str, store: ArtifactStore) -> str:
     return re.sub(r"(!\[[^\]]*\])\(([^)\s]+\.png)\)", embed, markdown)
 
 
+@dataclass(frozen=True)
+class Published:
+    """One markdown page a stage's flow run publishes (a Prefect artifact): its key's parts, its text (figures
+    already embedded) and a short description."""
+
+    key: tuple[str, ...]
+    markdown: str
+    description: str
+
+
 class Stage(Declared, ABC):
     """One pipeline stage. A subclass declares its traits as class keywords, its description as its docstring,
     and implements ``plan`` and ``run``: ``class Score(Stage, name="score", config=ScoreConfig, ...)``.
@@ -330,6 +340,26 @@ class Stage(Declared, ABC):
     @abstractmethod
     def run(self, unit: Any, ctx: Context) -> Any:
         """Do one unit. Units are picklable; with ``distributed`` they may run in another process."""
+
+    def prerequisites(self, config: Any) -> list[tuple[str, StageConfig]]:
+        """Stages run before this one, by name, each with its config: the command, the stage's flow and the pipeline
+        run them first through the same runner (encode and bot: ``tokenize`` what is missing). Default: none."""
+        return []
+
+    def printed(self, result: StageResult) -> list[str]:
+        """What the command prints after the result line, as lines of plain text (the stage's own figures: the
+        model it saved, the index's size, ...). Default: nothing more. A result's ``details["warnings"]`` are
+        printed as warnings for every stage."""
+        return []
+
+    def shown(self, result: StageResult) -> str:
+        """What the command writes to standard output after the result (a table to pipe; default: nothing)."""
+        return ""
+
+    def published(self, result: StageResult, store: ArtifactStore) -> list[Published]:
+        """Markdown pages a flow run publishes besides the result's summary (the report: one per section).
+        Default: none."""
+        return []
 
     def prepare(self, config: Any, plan: Plan, ctx: Context) -> None:
         """Work every unit needs first, done once in the planning process before the units run (late: encoding the

@@ -23,7 +23,7 @@ from diffret.retrieval.search.bot import bag_of_tokens
 from diffret.storage import IncompleteArtifactError, Manifest
 from diffret.storage.layout import BOT_FILE, BOT_SCHEMA, bot_dir, tokens_dir
 
-from .base import Context, Folder, Plan, Stage, StageConfig
+from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
 from .readers import tokens_manifest
 from .systems import tokenizer_of, tokens_slug, vocab_hash
 from .tokenize import TokenizeConfig
@@ -47,12 +47,13 @@ class BotConfig(StageConfig):
 
 
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
-    """SIDR's binary bag-of-tokens index of a corpus: a pass over its stored token ids, no model."""
+    """SIDR's binary bag-of-tokens index of a corpus (its passages tokenized first where they are not yet): a pass
+    over its stored token ids, no model."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
         "SIDR's binary bag-of-tokens index of a dataset's passages: their distinct token ids (special ids "
-        "dropped), built from the stored token ids with no model (run the tokenize stage first). Its manifest "
-        "records the build seconds, bytes and density (the bot_indexes view)."
+        "dropped), built from the stored token ids with no model (tokenized first where they are not yet). Its "
+        "manifest records the build seconds, bytes and density (the bot_indexes view)."
     )
     example = {
         "dataset": "scifact",
@@ -60,6 +61,15 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
     }  # the deployment's parameters, besides root
 
     next_step = "search it with a SIDR system: `diffret beta -d {dataset}` (the beta deployment)."
+
+    def printed(self, result: StageResult) -> list[str]:
+        s = result.details.get("stats") or {}
+        return [f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
+                f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s"]  # fmt: skip
+
+    def prerequisites(self, config: BotConfig) -> list[tuple[str, StageConfig]]:
+        """The passages' tokens, where they are missing."""
+        return [("tokenize", config.tokenize_config())]
 
     def plan(self, config: BotConfig, ctx: Context) -> Plan:
         corpus = corpus_of(config.dataset)

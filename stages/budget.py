@@ -36,7 +36,7 @@ from diffret.storage.layout import (
 )
 from diffret.storage.manifest import StoreError
 
-from .base import Context, Folder, Plan, Stage, StageConfig
+from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
 from .readers import split_queries
 from .runs import Cell, read_run, write_run
 from .systems import SystemRef, find_system
@@ -129,6 +129,9 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
     example = {"dataset": "scifact"}  # the deployment's parameters, besides root
 
     next_step = "evaluate them: `diffret evaluate`; compare: `diffret report` (section Adaptive budgets)."
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"adaptive runs: {result.details.get('adaptive_runs')} (evaluate them: diffret evaluate)"]
 
     def plan(self, config: BudgetConfig, ctx: Context) -> Plan:
         record = find_system(ctx.store, config.system)

@@ -21,7 +21,7 @@ from diffret.retrieval.fields import cli
 from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
 from diffret.storage.layout import METRICS_FILE, comparison_dir, metrics_dir, partition
 
-from .base import Context, Folder, Plan, Stage, StageConfig
+from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
 from .runs import PickedRun, pick_run
 
 FILES = {"markdown": "comparison.md", "csv": "comparison.csv", "latex": "comparison.tex"}
@@ -99,6 +99,13 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
     example = {"dataset": "scifact", "split": "test", "baseline": "bm25"}  # the deployment's parameters, besides root
 
     next_step = "put it in the paper: comparison.tex in the store folder above (or --out DIR)."
+
+    def shown(self, result: StageResult) -> str:
+        """The comparison table, as it was asked for (Markdown by default)."""
+        return str(result.details.get("shown", ""))
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"tables (md, csv, tex): {result.details.get('folder')}"]
 
     def plan(self, config: CompareConfig, ctx: Context) -> Plan:
         store = ctx.store

@@ -250,7 +250,8 @@ class Encode(
     Stage, name="encode", config=EncodeConfig, noun="shard(s)", verb="encoded", distributed=True,
     reports_progress=True, task_tags=("gpu",),
 ):
-    """Encode a dataset's queries and passages for every K of the grid."""
+    """Tokenize what is missing, then encode a dataset's queries and passages for every K of the grid: dense
+    multi-vectors + sparse weights."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
         "Encode a stored dataset's queries and passages for every K of the budget grid (dense multi-vectors + "
@@ -271,6 +272,10 @@ class Encode(
         "score the grid: `diffret score -d {dataset} --system {system}` (the score deployment), then `diffret "
         "evaluate`."
     )
+
+    def prerequisites(self, config: EncodeConfig) -> list[tuple[str, StageConfig]]:
+        """The texts' tokens, where they are missing."""
+        return [("tokenize", config.tokenize_config())]
 
     def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
         check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work

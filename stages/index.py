@@ -29,7 +29,7 @@ from diffret.retrieval.search.rules import ScoreRules
 from diffret.storage import ArtifactStore, FileEntry, Manifest
 from diffret.storage.layout import encodings_dir, index_dir
 
-from .base import ClusterConfig, Context, Folder, KList, Plan, Stage
+from .base import ClusterConfig, Context, Folder, KList, Plan, Stage, StageResult
 from .readers import budgets, corpus_size, encoding_manifest, iter_encodings, query_encodings, split_queries
 from .runs import QueriesConfig
 from .systems import SystemRef, find_system
@@ -129,6 +129,10 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         "-d {dataset} --system {system}`."
     )
 
+    def shown(self, result: StageResult) -> str:
+        """Each index's recall against exact search and its latency, as a markdown table."""
+        return index_checks(result.details["checks"]) + "\n"
+
     def plan(self, config: IndexConfig, ctx: Context) -> Plan:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
@@ -189,6 +193,23 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         checks = dict(plan.details["checks"])
         checks.update(dict(results))
         return {"checks": {kp: checks[kp] for kp in sorted(checks)}}
+
+
+def index_checks(checks: dict[Any, dict[Any, dict]]) -> str:
+    """Recall of each index against exact search, per K_p and K_q, as a markdown table.
+
+    >>> print(index_checks({16: {4: {"recall_10": 1.0, "recall_100": 0.99, "latency_ms_mean": 2.0,
+    ...                              "latency_ms_p95": 3.5}}}).splitlines()[-1])
+    | 16 | 4 | 1.0000 | 0.9900 | 2.0 | 3.5 |
+    """
+    lines = ["| K_p | K_q | recall@10 | recall@100 | mean ms | p95 ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for kp, by_kq in sorted(checks.items(), key=lambda x: int(x[0])):
+        for kq, c in sorted(by_kq.items(), key=lambda x: int(x[0])):
+            lines.append(
+                f"| {kp} | {kq} | {c['recall_10']:.4f} | {c['recall_100']:.4f} | "
+                f"{c['latency_ms_mean']:.1f} | {c['latency_ms_p95']:.1f} |"
+            )
+    return "\n".join(lines)
 
 
 stage = Index()

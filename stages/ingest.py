@@ -28,7 +28,7 @@ from diffret.retrieval.fields import cli
 from diffret.storage import ArtifactStore, Manifest, StageState, StoreError
 from diffret.storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
 
-from .base import Context, Plan, Stage, StageConfig
+from .base import Context, Plan, Stage, StageConfig, StageResult
 
 INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifacts then count as drift
 
@@ -189,6 +189,10 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         "encode it: `diffret encode -d {dataset} --model MODEL` (the encode deployment), or the whole grid: "
         "`diffret run -d {dataset} --model MODEL` (the pipeline deployment)."
     )
+
+    def printed(self, result: StageResult) -> list[str]:
+        """The collection's validation report, line by line."""
+        return list(result.details.get("report", []))
 
     def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
         if config.source is None and not config.force and (stored := self._stored(config, ctx)) is not None:

@@ -32,7 +32,7 @@ from diffret.storage.layout import (
 )
 from diffret.storage.manifest import config_hash
 
-from .base import Context, Folder, KList, Plan, Stage, StageConfig
+from .base import Context, Folder, KList, Plan, Stage, StageConfig, StageResult
 from .encode import reader_for
 from .systems import EncodeSettings, encoder_slug
 from .tokenize import default_backbone
@@ -127,6 +127,9 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
     example = {}  # the deployment's parameters, besides root
 
     next_step = "query them: `diffret sql \"SELECT * FROM encode_latency\"`; plot them: `diffret report`."
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"latency rows measured: {result.details.get('rows')}"]
 
     def plan(self, config: LatencyConfig, ctx: Context) -> Plan:
         every = config.settings()

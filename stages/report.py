@@ -14,11 +14,11 @@ from pydantic import Field
 
 from diffret.retrieval.analysis.report import Report, build_report
 from diffret.retrieval.fields import cli, like
-from diffret.storage import Manifest, StoreError
+from diffret.storage import ArtifactStore, Manifest, StoreError
 from diffret.storage.layout import report_dir
 from diffret.storage.sql import StoreSQL
 
-from .base import Context, Folder, Plan, Stage, StageConfig
+from .base import Context, Folder, Plan, Published, Stage, StageConfig, StageResult, inline_figures
 from .compare import CompareConfig
 from .systems import list_systems
 
@@ -60,6 +60,18 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         "query any number behind it: `diffret sql \"select * from best_cells\"`; `diffret views` lists the "
         "tables."
     )
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"report written: {result.details.get('folder')}/report.md"]
+
+    def published(self, result: StageResult, store: ArtifactStore) -> list[Published]:
+        """One page per section of the report, its figures embedded (their links point into the report's folder)."""
+        name, folder = str(result.details.get("name", "")), result.details["folder"]
+        pages = []
+        for title, body in result.details["sections"].items():
+            body = inline_figures(body.replace("](", f"]({folder}/").replace(f"]({folder}/#", "](#"), store)
+            pages.append(Published(("report", name, title), f"## {title}\n\n{body}", title))
+        return pages
 
     def plan(self, config: ReportConfig, ctx: Context) -> Plan:
         if config.out_dir:
@@ -113,7 +125,8 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
                 with open(os.path.join(config.out_dir, fname), "wb") as f:
                     f.write(data)
         sections = {t: body for t, body in results[0].sections} if results else {}
-        return {"folder": ctx.store.abspath(stage), "files": sorted(m.files), "sections": sections}
+        return {"name": config.name, "folder": ctx.store.abspath(stage), "files": sorted(m.files),
+                "sections": sections}
 
 
 stage = ReportStage()

@@ -50,7 +50,7 @@ from diffret.storage.layout import (
 )
 from diffret.storage.manifest import config_hash
 
-from .base import Context, Plan, Stage, StageConfig
+from .base import Context, Plan, Stage, StageConfig, StageResult
 from .readers import bot_index
 from .systems import SystemRef, find_system, slug_base, tokenizer_of, vocab_hash
 from .tokenize import default_backbone
@@ -106,6 +106,9 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         "encode and score with the fine-tuned model: `diffret run -d DATASET --model MODEL_FOLDER` (the "
         "pipeline deployment)."
     )
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"model: {result.details.get('model_dir')}"]
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work

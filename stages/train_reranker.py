@@ -35,7 +35,7 @@ from diffret.retrieval.training.loop import world
 from diffret.storage import StoreError
 from diffret.storage.store import sha256_file
 
-from .base import Context, Plan, StageConfig
+from .base import Context, Plan, StageConfig, StageResult
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries
 from .rerank import RerankConfig, first_stage_run
 from .runs import read_run
@@ -90,6 +90,10 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
     }  # the deployment's parameters, besides root
 
     next_step = "rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment)."
+
+    def printed(self, result: StageResult) -> list[str]:
+        return [f"model: {result.details.get('model_dir')} (rerank with it: diffret rerank --model <it> --method <the "
+                "same>)"]  # fmt: skip
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work

@@ -223,7 +223,8 @@ def test_report_flow_publishes_markdown_artifacts(store: ArtifactStore) -> None:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from diffret.flows.report import ReportConfig, report_flow
+    from diffret.flows.stage_flows import report_flow
+    from diffret.stages.report import ReportConfig
 
     with prefect_test_harness(server_startup_timeout=120):
         res = report_flow(ReportConfig(root=store.root, name="toy", n_boot=50))

@@ -18,12 +18,12 @@ from pydantic_core import PydanticUndefined
 from typer.testing import CliRunner
 
 from diffret.flows.cli import app
-from diffret.flows.pipeline import PipelineConfig
 from diffret.flows.runner import flows
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.models.readouts import SIDR_ONLY, ReadoutConfig
 from diffret.stages import stages
 from diffret.stages.encode import EncodeConfig
+from diffret.stages.pipeline import PipelineConfig
 from diffret.stages.systems import EncodeSettings, SystemRef, numeric_settings
 
 REPO = Path(__file__).resolve().parents[2]

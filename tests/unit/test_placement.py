@@ -149,14 +149,15 @@ def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp
     with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
         run_stage(probe, ProbeConfig(root=str(tmp_path), workers=64, **cpu), log=lambda _m: None)
     # `diffret run --workers 64`: refused before anything is downloaded
-    from diffret.flows.compose import PipelineConfig, run_pipeline
+    from diffret.flows.runner import run_pipeline_stages
     from diffret.stages import ingest
+    from diffret.stages.pipeline import PipelineConfig
 
     monkeypatch.setattr(ingest.stage, "plan", lambda *_: pytest.fail("a collection was downloaded"))
     pipeline = PipelineConfig(dataset="scifact", backbone={"model": str(tmp_path / "model"), "device": "cpu"},
                               workers=64, root=str(tmp_path / "store"))  # fmt: skip
     with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
-        run_pipeline(pipeline, log=lambda _m: None)
+        run_pipeline_stages(pipeline, log=lambda _m: None)
     assert not (tmp_path / "store").exists()
 
 

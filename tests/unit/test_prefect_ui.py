@@ -116,8 +116,7 @@ def test_flow_runs_and_unit_tasks_are_named_and_summarised(tiny: dict, tmp_path:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from diffret.flows.encode import encode_flow
-    from diffret.flows.stage_flows import download_flow
+    from diffret.flows.stage_flows import download_flow, encode_flow
 
     root = str(tmp_path / "store")
     bb = {"model": str(tiny["model"])}

@@ -73,8 +73,8 @@ def test_other_models_are_not_released_checkpoints(tmp_path):
 
 
 def test_encode_and_run_take_the_trained_budget_and_prompt(tmp_path):
-    from diffret.flows.compose import PipelineConfig
     from diffret.stages.encode import EncodeConfig
+    from diffret.stages.pipeline import PipelineConfig
     from diffret.stages.systems import EncodeSettings, encoder_slug
 
     folder = str(released(tmp_path / "ft", "org/base"))

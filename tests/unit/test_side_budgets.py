@@ -11,8 +11,8 @@ from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
 from diffret.flows.cli import app
-from diffret.flows.compose import PipelineConfig
 from diffret.stages.encode import EncodeConfig
+from diffret.stages.pipeline import PipelineConfig
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea and gardens"} for i in range(6)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]

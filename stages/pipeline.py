@@ -1,8 +1,8 @@
-"""The stages composed, without Prefect: ``run_encode`` (tokenize, then encode), ``run_bot`` (tokenize, then the
-bag of tokens) and ``run_pipeline`` (`diffret run`: download -> tokenize/encode the grid -> (index) -> score -> BM25
--> evaluate -> summary: leaderboard, heatmaps, summary page in the store), each stage through ``run_stage``: in this
-process, or, with ``prefect``, as the stage's flow run (flows/encode.py, flows/bot.py, flows/pipeline.py hold the
-flows; Prefect is imported only then).
+"""The pipeline: the stages composed into the whole zero-shot experiment on one dataset (`diffret run`: download ->
+tokenize/encode the grid -> (index) -> score -> BM25 -> evaluate -> summary: leaderboard, heatmaps, summary page in
+the store). Not a stage: one config (:class:`PipelineConfig`) that builds each stage's, and :func:`run_pipeline`, which
+runs them in order through the runner it is given (flows/runner.py's ``run_stage``: in this process, or each as its
+flow run under Prefect; flows/pipeline.py holds the pipeline's own flow).
 
 Every stage is idempotent over the store (a stage finds its finished artifacts by config hash and
 skips them), so re-running the pipeline, or `prefect deployment run` after a failure, resumes where
@@ -23,22 +23,41 @@ from diffret.retrieval.models.readouts import ReadoutConfig
 from diffret.retrieval.models.released import read_released
 from diffret.retrieval.search.bm25 import BM25Settings
 from diffret.retrieval.search.rules import ScoreRules
-from diffret.stages import bm25, evaluate, index, ingest, score, summary
-from diffret.stages import bot as bot_stage
-from diffret.stages import encode as encode_stage
-from diffret.stages import tokenize as tokenize_stage
-from diffret.stages.base import GRID_K, KList, ModeList, StageConfig, StageResult
-from diffret.stages.bm25 import BM25Config
-from diffret.stages.bot import BotConfig
-from diffret.stages.encode import EncodeConfig, check_head_stats, check_k_within
-from diffret.stages.evaluate import EvaluateConfig
-from diffret.stages.index import IndexConfig
-from diffret.stages.ingest import DownloadConfig
-from diffret.stages.score import ScoreConfig
-from diffret.stages.summary import SummaryConfig
-from diffret.stages.systems import SystemRef
 
-from .runner import prefect_api, run_stage
+from . import bm25, evaluate, index, ingest, score, summary
+from . import encode as encode_stage
+from .base import GRID_K, KList, ModeList, Stage, StageConfig, StageResult
+from .bm25 import BM25Config
+from .encode import EncodeConfig, check_head_stats, check_k_within
+from .evaluate import EvaluateConfig
+from .index import IndexConfig
+from .ingest import DownloadConfig
+from .score import ScoreConfig
+from .summary import SummaryConfig
+from .systems import SystemRef
+
+# runs one stage with its config and returns its result (flows.runner.run_stage, bound to how the pipeline runs)
+StageRunner = Callable[[Stage, StageConfig], StageResult]
+
+# the pipeline's Prefect deployment (flows/deployments.py): its description and default parameters
+DEPLOYMENT = {
+    "description": (
+        "The whole zero-shot experiment on one dataset: download, encode the (K_q, K_p) grid, (LanceDB index), "
+        "exact scoring of every cell in the five modes, BM25, pytrec_eval metrics, leaderboard + heatmaps + "
+        "summary under summaries/ in the store. Every stage skips what the store already holds, so "
+        "`prefect deployment run 'pipeline/pipeline'` after a failure resumes where it stopped."
+    ),
+    "example": {
+        "dataset": "scifact",
+        "source": None,
+        "splits": ["test"],
+        "kq": [1, 2, 4, 8, 16],
+        "kp": [1, 2, 4, 8, 16],
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "bm25": True,
+        "index": "skip",
+    },
+}
 
 # `diffret run --preset`: the paper's 5 x 5 grid, or for a CPU-only laptop a 3 x 3 grid and shorter texts
 # (pass --model for a small checkpoint too).
@@ -197,43 +216,6 @@ class PipelineConfig(StageConfig):
         return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())
 
 
-def _tokenize_then(stage: Any, flow_module: str, flow_name: str, config: Any, prefect: bool,
-                   log: Callable[[str], None], report: Callable | None) -> StageResult:  # fmt: skip
-    """Tokenize what ``config`` needs where its tokens are missing, then run ``stage``: through Prefect (the
-    stage's own flow, which does the same) or in this process."""
-    if prefect:
-        from importlib import import_module
-
-        with prefect_api():
-            return StageResult.model_validate(getattr(import_module(flow_module), flow_name)(config))
-    tok = run_stage(tokenize_stage.stage, config.tokenize_config(), log=log, report=report)
-    if tok.done:
-        log(f"tokenize: {tok.line()}")
-    return run_stage(stage, config, log=log, report=report)
-
-
-def run_encode(
-    config: EncodeConfig,
-    *,
-    prefect: bool = False,
-    log: Callable[[str], None] = print,
-    report: Callable | None = None,
-) -> StageResult:
-    """Tokenize what is missing, then encode: through Prefect (one flow run) or in this process."""
-    return _tokenize_then(encode_stage.stage, "diffret.flows.encode", "encode_flow", config, prefect, log, report)
-
-
-def run_bot(
-    config: BotConfig,
-    *,
-    prefect: bool = False,
-    log: Callable[[str], None] = print,
-    report: Callable | None = None,
-) -> StageResult:
-    """Tokenize the passages where their tokens are missing, then build the bag of tokens (as ``run_encode``)."""
-    return _tokenize_then(bot_stage.stage, "diffret.flows.bot", "bot_flow", config, prefect, log, report)
-
-
 def pipeline_plan(config: PipelineConfig) -> list[tuple[str, str]]:
     """The stages ``run_pipeline`` makes for ``config``, in order, each with the settings that differ from the
     stage's defaults (every stage config built and validated; nothing read, loaded or written). The encoder's
@@ -258,45 +240,41 @@ def pipeline_plan(config: PipelineConfig) -> list[tuple[str, str]]:
     return plan
 
 
-def run_pipeline(
-    config: PipelineConfig,
-    *,
-    prefect: bool = False,
-    log: Callable[[str], None] = print,
-    report: Callable | None = None,
-) -> dict[str, Any]:
-    """Every stage in order, each through ``run_stage`` (sub-flow runs under Prefect); the result lines,
-    the system, and the leaderboard and summary folder of each split."""
-    from .cluster import check_placement
-
+def run_pipeline(config: PipelineConfig, run: StageRunner, log: Callable[[str], None] = print,
+                 check: Callable[[Stage, StageConfig], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every stage in order, each through ``run`` (``flows.runner.run_stage``: sub-flow runs under Prefect); the
+    result lines, the system, and the leaderboard and summary folder of each split. ``check`` refuses, before
+    anything is downloaded, a placement of the distributed stages' units this machine cannot hold
+    (``flows.cluster.check_placement``)."""
     steps: list[str] = []
 
     def step(name: str, line: str) -> None:
         steps.append(f"{name}: {line}")
         log(steps[-1])
 
-    for e in config.encodes():  # the local workers asked for, checked before anything is downloaded
-        check_placement(encode_stage.stage, e)
-    check_placement(score.stage, config.score("<encoder>"))
+    if check is not None:  # the local workers asked for, checked before anything is downloaded
+        for e in config.encodes():
+            check(encode_stage.stage, e)
+        check(score.stage, config.score("<encoder>"))
     for d in config.downloads():
-        res = run_stage(ingest.stage, d, prefect=prefect, log=log, report=report)
+        res = run(ingest.stage, d)
         step(f"download {d.name}", res.details.get("status", "done"))
     system = ""
     for e in config.encodes():
-        res = run_encode(e, prefect=prefect, log=log, report=report)
+        res = run(encode_stage.stage, e)
         system = res.system or system
         step(f"encode {e.dataset} {'+'.join(e.sides)}", res.line())
     if config.index != "skip":
-        step("index", run_stage(index.stage, config.index_config(system), prefect=prefect, log=log).line())
-    step("score", run_stage(score.stage, config.score(system), prefect=prefect, log=log, report=report).line())
+        step("index", run(index.stage, config.index_config(system)).line())
+    step("score", run(score.stage, config.score(system)).line())
     bm25_system = None
     if config.bm25:
-        res = run_stage(bm25.stage, config.bm25_config(), prefect=prefect, log=log)
+        res = run(bm25.stage, config.bm25_config())
         bm25_system = res.system
         step("bm25", res.line())
     systems = [system] + ([bm25_system] if bm25_system else [])
-    ev = run_stage(evaluate.stage, config.evaluate(systems), prefect=prefect, log=log, report=report)
+    ev = run(evaluate.stage, config.evaluate(systems))
     step("evaluate", ev.line())
-    sm = run_stage(summary.stage, config.summary(system, bm25_system), prefect=prefect, log=log)
+    sm = run(summary.stage, config.summary(system, bm25_system))
     step("summary", sm.line())
     return {"system": system, "bm25": bm25_system, "steps": steps, **sm.details}
