@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import cli
 from diffret.retrieval.search.modes import MODE_NAMES, check_modes
@@ -92,17 +93,13 @@ def check_device(device: str, config: Any) -> None:
         resolve_device(device)
 
 
-_SHARED: dict[str, dict[str, Any]] = {}  # a stage run's shared settings by key, read once per process
+_SHARED: KeyedCache[str, dict[str, Any]] = KeyedCache(size=16)  # stage runs' shared settings by key
 
 
 def shared_settings(ctx: Context, key: str) -> dict[str, Any]:
     """A stage run's shared settings (``ArtifactStore.put_plan``), read from the store the first time a process
     needs them, not once per unit."""
-    if key not in _SHARED:
-        if len(_SHARED) > 16:
-            _SHARED.clear()
-        _SHARED[key] = ctx.store.read_plan(key)
-    return _SHARED[key]
+    return _SHARED.get(key, lambda: ctx.store.read_plan(key))
 
 
 def _ignore(_n: int) -> None:

@@ -10,11 +10,13 @@ K-mask sparse vectors and PromptReps' all search it the same way.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import Field
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.fields import like
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.search.bot import beta_search, bot_blocks
@@ -25,18 +27,8 @@ from diffret.retrieval.search.scoring import TopK
 from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
 from diffret.storage.layout import bot_dir, encodings_dir, run_dir
 
-from .base import ClusterConfig, Context, KList, Plan, Stage, shared_settings
-from .passes import (
-    PassTracker,
-    PassUnit,
-    close_passes,
-    merged_blocks,
-    merged_pass,
-    open_pass,
-    pass_queries,
-    unit_file,
-    write_unit,
-)
+from .base import ClusterConfig, Context, KList, shared_settings
+from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, merged_blocks, pass_queries, write_unit
 from .readers import bot_index, budgets, encoding_manifest, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .score import ScoreConfig
@@ -55,7 +47,20 @@ class BetaConfig(RetrievalConfig, ClusterConfig):
     unit_passages: int = like(ScoreConfig, "unit_passages")
 
 
-class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written", distributed=True):
+@dataclass
+class BetaMerge:
+    """What merging a beta pass's blocks into its runs needs."""
+
+    cells: list[Cell]
+    depth: int
+    ignore: bool
+    query_ids: list[str]
+    split_rows: dict[str, list[int]]
+    passages: int
+    bot_folder: str
+
+
+class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="written", distributed=True):
     """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -74,7 +79,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
         "`diffret late -d {dataset}`."
     )
 
-    def plan(self, config: BetaConfig, ctx: Context) -> Plan:
+    def plan(self, config: BetaConfig, ctx: Context) -> PassPlan:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         if not record.has_sparse:
@@ -100,7 +105,7 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
         _check_tokenizer(record, b_man.config)
         inputs = {"queries": q_hashes, "bot": b_man.config_hash}
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
-        plan = Plan(system=record.system, work=0, work_unit="passages")
+        plan = PassPlan(system=record.system, work=0, work_unit="passages")
         cells = []
         for split in config.splits:
             for kq in config.kq:
@@ -125,31 +130,14 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
                   "sparse_factor": factor}  # fmt: skip
         pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
             {"ids": query_ids}), "unit_passages": config.unit_passages, "inputs": inputs}  # fmt: skip
-        stage, chash, done = open_pass(ctx, record.system, config.dataset, 0, pass_cfg)
-        key = store.put_plan(shared)
         n_passages = b_man.total_rows()
-        waiting = []
-        blocks = [(a, min(a + config.unit_passages, n_passages)) for a in range(0, n_passages, config.unit_passages)]
-        for i, (a, b) in enumerate(blocks):
-            if unit_file(i) not in done:
-                plan.units.append(PassUnit(key, stage, unit_file(i), chash, a, b, label=f"passages {a:,}-{b - 1:,}"))
-                plan.work += b - a
-                waiting.append(unit_file(i))
-        tracker = PassTracker()
-        tracker.expect(stage, waiting)
-        plan.details.update(_tracker=tracker, _pass={"stage": stage, "plan": key, "cells": cells, "depth": depth,
-                                                     "ignore": ignore, "query_ids": query_ids, "split_rows": split_rows,
-                                                     "passages": n_passages, "bot_stage": b_stage})  # fmt: skip
+        blocks = even_blocks(n_passages, config.unit_passages, "passages")
+        merge = BetaMerge(cells, depth, ignore, query_ids, split_rows, n_passages, b_stage)
+        done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=0, config=pass_cfg,
+                             shared=shared, blocks=blocks, merge=merge)  # fmt: skip
         ctx.log(f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "
-                f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {len(blocks) - len(waiting)} "
-                "already done")  # fmt: skip
+                f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {done} already done")  # fmt: skip
         return plan
-
-    def unit_name(self, unit: PassUnit) -> str:
-        return unit.label
-
-    def work_of(self, unit: PassUnit) -> int:
-        return unit.end - unit.start
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """Every K_q's queries against a block of the bags: its top-k (corpus positions) to the pass's partials."""
@@ -166,45 +154,25 @@ class Beta(Stage, name="beta", config=BetaConfig, noun="run(s)", verb="written",
             tops[(kq, "beta")] = top
         return write_unit(store, unit, topk_table(tops), seconds)
 
-    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
-        assert ctx.plan is not None
-        if ctx.plan.details["_tracker"].done(ctx, unit, result):
-            self._merge(ctx)
-
-    def _merge(self, ctx: Context) -> None:
+    def merge(self, done: Pass, ctx: Context) -> None:
         """The pass's blocks merged (the top k of their top k), self hits dropped where asked, the runs written."""
-        assert ctx.plan is not None
-        info, store = ctx.plan.details["_pass"], ctx.store
-        tops, seconds = merged_blocks(store, info["stage"], info["depth"] + (1 if info["ignore"] else 0),
-                                      info["passages"])  # fmt: skip
-        doc_ids, _ = bot_index(store, info["bot_stage"])
+        info: BetaMerge = done.merge
+        store = ctx.store
+        tops, seconds = merged_blocks(store, done.folder, info.depth + (1 if info.ignore else 0), info.passages)
+        doc_ids, _ = bot_index(store, info.bot_folder)
         for (kq, mode), top in tops.items():
-            if info["ignore"]:
-                top = drop_self_hits(top, info["query_ids"], doc_ids, info["depth"])
-            cells = [c for c in info["cells"] if c.kq == kq]
-            write_runs(store, cells, {(kq, mode): top}, info["query_ids"], doc_ids, info["split_rows"], seconds)
-        merged_pass(ctx, info["stage"], info["plan"])
-
-    def finish(self, config: BetaConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        if "_tracker" in plan.details and plan.details["_tracker"].complete():
-            self._merge(ctx)
-        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
-
-    def abort(self, config: BetaConfig, plan: Plan, ctx: Context) -> None:
-        if "_pass" in plan.details:
-            close_passes(ctx, [plan.details["_pass"]["stage"]], [plan.details["_pass"]["plan"]])
+            if info.ignore:
+                top = drop_self_hits(top, info.query_ids, doc_ids, info.depth)
+            cells = [c for c in info.cells if c.kq == kq]
+            write_runs(store, cells, {(kq, mode): top}, info.query_ids, doc_ids, info.split_rows, seconds)
 
 
-_BAGS: dict[tuple[str, str], SparseFlat] = {}
+_BAGS: KeyedCache[tuple[str, str], SparseFlat] = KeyedCache()
 
 
-def _bags(ctx: Context, stage: str) -> SparseFlat:
+def _bags(ctx: Context, folder: str) -> SparseFlat:
     """A bag-of-tokens index, read once per process (the units of a pass each take a block of it)."""
-    key = (ctx.store.root, stage)
-    if key not in _BAGS:
-        _BAGS.clear()
-        _BAGS[key] = bot_index(ctx.store, stage)[1]
-    return _BAGS[key]
+    return _BAGS.get((ctx.store.root, folder), lambda: bot_index(ctx.store, folder)[1])
 
 
 def _check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, model_validator
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import (
     BackboneConfig,
@@ -195,7 +196,7 @@ class EncodeUnit:
     codebook: str | None = None  # its codebook folder, when the choice is trained
 
 
-_READERS: dict[str, Readout] = {}
+_READERS: KeyedCache[str, Readout] = KeyedCache()  # one loaded model at a time
 _LOAD_LOCK = threading.Lock()
 
 
@@ -207,11 +208,9 @@ def reader_for(settings: EncodeSettings) -> Readout:
     """
     settings = float16_settings(settings)  # how the vectors are stored does not change the model
     key = settings.model_dump_json()
-    with _LOAD_LOCK:
-        if key not in _READERS:
-            _READERS.clear()  # one model at a time: free the previous one's memory
-            _READERS[key] = make_reader(load_backbone(settings.backbone), settings.readout, settings.max_length)
-        return _READERS[key]
+    with _LOAD_LOCK:  # the previous model is let go before the next one loads
+        return _READERS.get(key, lambda: make_reader(load_backbone(settings.backbone), settings.readout,
+                                                     settings.max_length))  # fmt: skip
 
 
 def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens_stage: str, shard: str,
@@ -233,17 +232,17 @@ def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens
     )  # fmt: skip
 
 
-_CODECS: dict[str, Codec] = {}
+_CODECS: KeyedCache[str, Codec] = KeyedCache()
 
 
 def _codec(ctx: Context, unit: EncodeUnit) -> Codec:
     """The codec a passage unit codes with (its codebook read once per process)."""
-    key = f"{unit.store}|{unit.codebook}"
-    if key not in _CODECS:
+
+    def make() -> Codec:
         codebook, digest = read_codebook(ctx.store, unit.codebook) if unit.codebook else (None, None)
-        _CODECS.clear()
-        _CODECS[key] = make_codec(unit.store, codebook, digest)
-    return _CODECS[key]
+        return make_codec(unit.store, codebook, digest)
+
+    return _CODECS.get(f"{unit.store}|{unit.codebook}", make)
 
 
 class Encode(

@@ -16,6 +16,7 @@ manifest counts the passages it needed, the ones encoded by this run, and the co
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, field_validator
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.models.encoding import encode_rows
@@ -35,9 +37,9 @@ from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, t
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
-from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
+from .base import ClusterConfig, Context, Plan, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
-from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, stacked_slices, unit_file, write_unit
+from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, shard_ids, split_queries, tokens_manifest
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
@@ -113,7 +115,49 @@ def capped_depths(depths: list[int], first_depth: int | None, log: Any = print) 
     return sorted({min(m, int(first_depth)) for m in depths})
 
 
-class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
+@dataclass
+class Candidates:
+    """The folder of a system's passages encoded for late runs (used when its full encodings are not stored): its
+    config, and how to encode the passages it lacks."""
+
+    folder: str
+    config: dict[str, Any]
+    tokens: str  # the corpus's tokens folder
+    system: str
+    corpus: str
+    settings: dict[str, Any]  # the system's EncodeSettings
+    batch_size: int
+    verify: bool
+
+
+@dataclass
+class LateRepair:
+    """Every run is current but the passages they needed are damaged: encoded again (``prepare``)."""
+
+    candidates: Candidates
+    first_runs: dict[str, str]  # split -> the first stage's run folder
+    depth: int
+
+
+@dataclass
+class LateMerge:
+    """What writing a late pass's runs needs; ``first``, ``corpus_ids`` and ``stats`` are read by ``prepare``."""
+
+    cells: list[Cell]
+    query_ids: list[str]
+    full: bool  # the system's full encodings are stored (else the candidates folder is read)
+    candidates: Candidates
+    first: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    corpus_ids: pa.Array | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LatePlan(PassPlan):
+    repair: LateRepair | None = None
+
+
+class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
     """Late-parametric re-scoring: a first stage's top m per query, re-scored by a system's mode; only the passages
     some query needs are encoded."""
 
@@ -132,7 +176,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
 
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
-    def plan(self, config: LateConfig, ctx: Context) -> Plan:
+    def plan(self, config: LateConfig, ctx: Context) -> LatePlan:
         check_device(config.device, config)
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
@@ -150,7 +194,7 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         full_ok = f_man is not None and f_man.total_rows() == corpus_size(store, corpus)
         first = {s: first_stage_run(store, config.dataset, s, config.first_stage, config.first_kq, config.first_kp,
                                     config.first_mode) for s in config.splits}  # fmt: skip
-        plan = Plan(system=record.system, work=0, work_unit="queries")
+        plan = LatePlan(system=record.system, work=0, work_unit="queries")
         cells = []
         for split in config.splits:
             slug, src = first[split]
@@ -169,19 +213,17 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
         plan.count = len(cells)
         partial = partial_dir(record.system, corpus, config.kp)
-        partial_cfg = encodings_config(settings, tokens, t_man.config_hash, config.kp)
+        candidates = Candidates(partial, encodings_config(settings, tokens, t_man.config_hash, config.kp), t_stage,
+                                record.system, corpus, settings.model_dump(), config.batch_size, config.verify)
         if not cells:
-            damage = None if full_ok else store.shard_damage(partial, partial_cfg, config.verify)
+            damage = None if full_ok else store.shard_damage(partial, candidates.config, config.verify)
             if damage:  # every run is current, but the passages they needed are not: encoded again
                 ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
                 capped = [capped_depths(config.depths, store.require_manifest(first[s][1]).config.get("topk"),
                                         lambda _: None) for s in config.splits]  # fmt: skip
-                plan.details["_repair"] = {
-                    "partial": partial, "tokens_stage": t_stage, "system": record.system, "corpus": corpus,
-                    "settings": settings.model_dump(), "batch_size": config.batch_size, "partial_config": partial_cfg,
-                    "verify": True, "first_runs": {s: first[s][1] for s in config.splits},
-                    "depth": max(d for c in capped for d in c),
-                }  # fmt: skip
+                candidates.verify = True
+                plan.repair = LateRepair(candidates, {s: first[s][1] for s in config.splits},
+                                         max(d for c in capped for d in c))  # fmt: skip
             return plan
         splits = sorted({c.split for c in cells})
         query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
@@ -196,67 +238,54 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             {"ids": query_ids}), "unit_queries": config.unit_queries,
             "inputs": {"queries": q_man.config_hash, "tokens": t_man.config_hash,
                        "first": {s: store.require_manifest(first[s][1]).config_hash for s in splits}}}  # fmt: skip
-        stage, chash, done = open_pass(ctx, record.system, config.dataset, config.kp, pass_cfg)
-        key = store.put_plan(shared)
         grain = -(-config.unit_queries // QUERY_GRAIN) * QUERY_GRAIN
-        slices = [(a, min(a + grain, len(query_ids))) for a in range(0, len(query_ids), grain)]
-        waiting = []
-        for i, (a, b) in enumerate(slices):
-            if unit_file(i) not in done:
-                plan.units.append(PassUnit(key, stage, unit_file(i), chash, a, b, label=f"queries {a:,}-{b - 1:,}"))
-                plan.work += b - a
-                waiting.append(unit_file(i))
-        tracker = PassTracker()
-        tracker.expect(stage, waiting)
-        plan.details.update(_tracker=tracker, _pass={
-            "stage": stage, "plan": key, "cells": cells, "query_ids": query_ids, "full": full_ok,
-            "partial": partial, "tokens_stage": t_stage, "system": record.system, "corpus": corpus,
-            "settings": settings.model_dump(), "batch_size": config.batch_size,
-            "partial_config": partial_cfg, "verify": config.verify,
-        })  # fmt: skip
-        ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(slices)} unit(s), "
-                f"{len(slices) - len(waiting)} already done")  # fmt: skip
+        blocks = even_blocks(len(query_ids), grain, "queries")
+        merge = LateMerge(cells, query_ids, full_ok, candidates)
+        done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=config.kp, config=pass_cfg,
+                             shared=shared, blocks=blocks, merge=merge)  # fmt: skip
+        ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(blocks)} unit(s), {done} already "
+                "done")  # fmt: skip
         return plan
 
     def prepare(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
         """The candidates' encodings, once for every unit: from the system's full encodings when stored, else from
-        its partial folder after encoding what it lacks (one new part)."""
-        repair = plan.details.get("_repair")
-        if repair is not None:  # only the partial folder: its damaged parts dropped, their passages encoded again
-            corpus_ids = _corpus_ids(ctx.store, repair["tokens_stage"])
-            first = _first_tops(ctx.store, {"depths": [repair["depth"]], "first_runs": repair["first_runs"]},
-                                corpus_ids)  # fmt: skip
+        its candidates folder after encoding what it lacks (one new part)."""
+        assert isinstance(plan, LatePlan)
+        store = ctx.store
+        if plan.repair is not None:  # only the candidates folder: its damaged parts dropped, their passages encoded
+            repair = plan.repair
+            corpus_ids = _corpus_ids(store, repair.candidates.tokens)
+            first = _first_tops(store, {"depths": [repair.depth], "first_runs": repair.first_runs}, corpus_ids)
             needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
                                               + [np.zeros(0, np.int64)]))  # fmt: skip
-            encoded, _ = self._encode_missing(repair, ctx, needed, corpus_ids)
-            ctx.log(f"{ctx.store.abspath(repair['partial'])}: {encoded:,} passage(s) encoded again")
-        info = plan.details.get("_pass")
-        if info is None:
-            return
-        store = ctx.store
-        corpus_ids = _corpus_ids(store, info["tokens_stage"])
-        shared = store.read_plan(info["plan"])
-        first = _first_tops(store, shared, corpus_ids)
-        needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)]))
-        encoded, seconds = 0, 0.0
-        if not info["full"]:
-            encoded, seconds = self._encode_missing(info, ctx, needed, corpus_ids)
-        info["first"], info["corpus_ids"] = first, corpus_ids
-        info["stats"] = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
-                         "encode_seconds": round(seconds, 4)}  # fmt: skip
-        ctx.log(f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
-                f"{encoded:,} encoded now")  # fmt: skip
+            encoded, _ = self._encode_missing(repair.candidates, ctx, needed, corpus_ids)
+            ctx.log(f"{store.abspath(repair.candidates.folder)}: {encoded:,} passage(s) encoded again")
+        for done in plan.passes.values():
+            info: LateMerge = done.merge
+            corpus_ids = _corpus_ids(store, info.candidates.tokens)
+            shared = store.read_plan(done.plan_key)
+            first = _first_tops(store, shared, corpus_ids)
+            needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
+                                              + [np.zeros(0, np.int64)]))  # fmt: skip
+            encoded, seconds = 0, 0.0
+            if not info.full:
+                encoded, seconds = self._encode_missing(info.candidates, ctx, needed, corpus_ids)
+            info.first, info.corpus_ids = first, corpus_ids
+            info.stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
+                          "encode_seconds": round(seconds, 4)}  # fmt: skip
+            ctx.log(f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
+                    f"{encoded:,} encoded now")  # fmt: skip
 
-    def _encode_missing(self, info: dict[str, Any], ctx: Context, needed: np.ndarray,
+    def _encode_missing(self, candidates: Candidates, ctx: Context, needed: np.ndarray,
                         corpus_ids: pa.Array) -> tuple[int, float]:  # fmt: skip
-        """Encode the ``needed`` passages (global positions) the partial folder lacks, as one new part; how many, and
-        the seconds that took (the model's loading excluded)."""
-        store, stage = ctx.store, info["partial"]
-        ctx.hold(stage)
-        part = {"system": info["system"], "dataset": info["corpus"], "k": str(info["partial_config"]["k"])}
-        man, done = store.open_sharded(stage, "partial", part, info["partial_config"], verify=info.get("verify", False))
+        """Encode the ``needed`` passages (global positions) the candidates folder lacks, as one new part; how many,
+        and the seconds that took (the model's loading excluded)."""
+        store, folder = ctx.store, candidates.folder
+        ctx.hold(folder)
+        part = {"system": candidates.system, "dataset": candidates.corpus, "k": str(candidates.config["k"])}
+        man, done = store.open_sharded(folder, "partial", part, candidates.config, verify=candidates.verify)
         wanted = corpus_ids.take(pa.array(needed, pa.int64()))
-        held = [store.read_table(stage, name, columns=["id"]).column("id") for name in sorted(done)]
+        held = [store.read_table(folder, name, columns=["id"]).column("id") for name in sorted(done)]
         if held:
             held_ids = pa.chunked_array(held, pa.string()).combine_chunks()
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=held_ids)))
@@ -264,29 +293,23 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
         if len(miss) == 0:
             return 0, 0.0
         rows = []
-        t_man = store.require_manifest(info["tokens_stage"])
+        t_man = store.require_manifest(candidates.tokens)
         for name in sorted(t_man.files):
-            t = store.read_table(info["tokens_stage"], name, columns=["id", "token_ids", "text"])
+            t = store.read_table(candidates.tokens, name, columns=["id", "token_ids", "text"])
             rows.append(t.filter(pc.is_in(t.column("id"), value_set=miss)))
         todo = pa.concat_tables(rows)
-        reader = reader_for(EncodeSettings.model_validate(info["settings"]))
+        reader = reader_for(EncodeSettings.model_validate(candidates.settings))
         start = time.perf_counter()
         advance = ctx.progress("late: encoding the candidates", len(miss), "docs")
         new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
-                          todo.column("text").to_pylist(), "passage", int(info["partial_config"]["k"]),
-                          info["batch_size"], advance)  # fmt: skip
+                          todo.column("text").to_pylist(), "passage", int(candidates.config["k"]),
+                          candidates.batch_size, advance)  # fmt: skip
         seconds = time.perf_counter() - start
         name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)  # a dropped part's
         # name (damaged, its passages encoded again) or the next free number
-        store.record_shard(stage, name, store.write_shard(stage, name, new), man.config_hash)
-        store.compact_shards(stage)
+        store.record_shard(folder, name, store.write_shard(folder, name, new), man.config_hash)
+        store.compact_shards(folder)
         return len(miss), seconds
-
-    def unit_name(self, unit: PassUnit) -> str:
-        return unit.label
-
-    def work_of(self, unit: PassUnit) -> int:
-        return unit.end - unit.start
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """A slice of the queries: each one's first-stage top m re-scored, for every m, to the pass's partials."""
@@ -313,56 +336,41 @@ class Late(Stage, name="late", config=LateConfig, noun="run(s)", verb="written",
             tops[(kq, f"late_{mode}_m{m}")] = top
         return write_unit(store, unit, topk_table(tops, unit.start), time.perf_counter() - start)
 
-    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
-        assert ctx.plan is not None
-        if ctx.plan.details["_tracker"].done(ctx, unit, result):
-            self._merge(ctx)
-
-    def _merge(self, ctx: Context) -> None:
-        """The slices' rows in place, one run per cell (its split's queries, cut at its m); the partials removed."""
-        assert ctx.plan is not None
-        info, store = ctx.plan.details["_pass"], ctx.store
-        query_ids, corpus_ids, first = info["query_ids"], info["corpus_ids"], info["first"]
-        tops, seconds = stacked_slices(store, info["stage"], len(query_ids))
-        tops, doc_ids = retrieved_ids(tops, corpus_ids)  # the documents the runs hold, not the corpus
+    def merge(self, done: Pass, ctx: Context) -> None:
+        """The slices' rows in place, one run per cell (its split's queries, cut at its m)."""
+        info: LateMerge = done.merge
+        store = ctx.store
+        assert info.corpus_ids is not None  # read by prepare
+        query_ids, first = info.query_ids, info.first
+        tops, seconds = stacked_slices(store, done.folder, len(query_ids))
+        tops, doc_ids = retrieved_ids(tops, info.corpus_ids)  # the documents the runs hold, not the corpus
         lex = doc_order(doc_ids)
         row = {q: i for i, q in enumerate(query_ids)}
-        for cell in info["cells"]:
+        for cell in info.cells:
             m = int(cell.config["topk"])
             rows = [row[q] for q in split_queries(store, str(cell.config["dataset"]), cell.split)]
             t = run_table(tops[(cell.kq, cell.mode)], query_ids, doc_ids, rows, lex, depth=m)
             cands = [_first_top(first, query_ids[i], m) for i in rows]
             needed_m = int(len(np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))))
-            m_cells = sum(1 for c in info["cells"] if c.config["topk"] == cell.config["topk"])
-            write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info["stats"],
+            m_cells = sum(1 for c in info.cells if c.config["topk"] == cell.config["topk"])
+            write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info.stats,
                                        "needed_m": needed_m, **search_stats(seconds, len(query_ids), m_cells)})
-        merged_pass(ctx, info["stage"], info["plan"])
-
-    def finish(self, config: LateConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        if "_tracker" in plan.details and plan.details["_tracker"].complete():
-            self._merge(ctx)
-        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
 
     def abort(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the parts and units it finished; a partial folder it opened and never filled is
+        """A failed run keeps the parts and units it finished; a candidates folder it opened and never filled is
         removed."""
-        info = plan.details.get("_pass")
-        if info is not None:
-            remove_empty_sharded(ctx.store, [info["partial"]])
-            close_passes(ctx, [info["stage"]], [info["plan"]])
+        assert isinstance(plan, LatePlan)
+        remove_empty_sharded(ctx.store, [p.merge.candidates.folder for p in plan.passes.values()])
+        super().abort(config, plan, ctx)
 
 
-_CORPUS: dict[tuple[str, str], pa.Array] = {}
+_CORPUS: KeyedCache[tuple[str, str], pa.Array] = KeyedCache()
 
 
-def _corpus_ids(store: ArtifactStore, tokens_stage: str) -> pa.Array:
+def _corpus_ids(store: ArtifactStore, tokens: str) -> pa.Array:
     """A corpus's passage ids in order (its tokens folder's), as one Arrow array (no Python object per id), read
     once per process."""
-    key = (store.root, tokens_stage)
-    if key not in _CORPUS:
-        _CORPUS.clear()
-        _CORPUS[key] = shard_ids(store, tokens_stage, store.require_manifest(tokens_stage))
-    return _CORPUS[key]
+    return _CORPUS.get((store.root, tokens), lambda: shard_ids(store, tokens, store.require_manifest(tokens)))
 
 
 def _positions(corpus_ids: pa.Array, ids: pa.Array, where: str) -> np.ndarray:

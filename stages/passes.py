@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.search.encodings import Encodings
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import topk_from_table
@@ -30,7 +32,7 @@ from diffret.retrieval.search.scoring import TopK, merge_topk
 from diffret.storage import ArtifactStore, ChecksumError, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import partials_dir, unit_seconds_path
 
-from .base import Context
+from .base import Context, Plan, Stage
 from .readers import query_encodings
 
 
@@ -40,7 +42,7 @@ class PassUnit:
     query rows ``start:end``. What every unit of the pass shares is stored once and named by ``plan``."""
 
     plan: str  # key of the pass's shared settings (ArtifactStore.put_plan)
-    stage: str  # the pass's partials folder
+    folder: str  # the pass's partials folder
     name: str  # this unit's file there
     config_hash: str  # of that folder's manifest: the unit is recorded against it
     start: int
@@ -80,52 +82,51 @@ def open_pass(ctx: Context, system: str, dataset: str, kp: int, config: dict[str
     its manifest's config hash, and the unit files already done. The folders of passes over the same cells planned
     with other settings (a killed run's, left behind) are removed, unless another run holds them."""
     key = config_hash(config)[:16]
-    stage = partials_dir(system, dataset, kp, key)
-    parent = stage.rsplit("/", 1)[0]
+    folder = partials_dir(system, dataset, kp, key)
+    parent = folder.rsplit("/", 1)[0]
     for other in ctx.store.list_partitions(parent, "key"):
         if other != key:
             _remove_unheld(ctx.store, f"{parent}/key={other}")
-    ctx.hold(stage)
+    ctx.hold(folder)
     part = {"system": system, "dataset": dataset, "kp": str(kp), "key": key}
-    m, done = ctx.store.open_sharded(stage, "partials", part, config)
-    return stage, m.config_hash, done
+    m, done = ctx.store.open_sharded(folder, "partials", part, config)
+    return folder, m.config_hash, done
 
 
-def close_passes(ctx: Context, stages: list[str], plan_keys: list[str]) -> None:
+def close_passes(ctx: Context, folders: list[str], plan_keys: list[str]) -> None:
     """A failed run's passes: their partials folders kept where a unit finished (the next run resumes from them),
     removed where none did (nothing is left of a run refused before its first unit); their shared settings
     removed."""
-    for stage in remove_empty_sharded(ctx.store, stages):
-        prune_partials(ctx.store, stage)
+    for folder in remove_empty_sharded(ctx.store, folders):
+        prune_partials(ctx.store, folder)
     for key in plan_keys:
         ctx.store.remove_plan(key)
 
 
-def merged_pass(ctx: Context, stage: str, plan_key: str) -> None:
+def merged_pass(ctx: Context, folder: str, plan_key: str, tracker: PassTracker) -> None:
     """A pass whose runs are written: its partials folder removed with the folders above it that it leaves empty
     (up to ``partials/``: a finished run leaves nothing there), its shared settings removed, and the run's tracker
     told."""
-    ctx.store.remove_stage(stage)
-    prune_partials(ctx.store, stage)
+    ctx.store.remove_stage(folder)
+    prune_partials(ctx.store, folder)
     ctx.store.remove_plan(plan_key)
-    assert ctx.plan is not None
-    ctx.plan.details["_tracker"].merged.add(stage)
+    tracker.merged.add(folder)
 
 
-def prune_partials(store: ArtifactStore, stage: str) -> None:
+def prune_partials(store: ArtifactStore, folder: str) -> None:
     """The empty folders above a removed pass folder, up to and including ``partials/`` (local stores; a folder
     another pass still uses is not empty and stays)."""
     if not store.is_local:
         return
-    parts = stage.split("/")
+    parts = folder.split("/")
     for depth in range(len(parts) - 1, 0, -1):
         with contextlib.suppress(OSError):  # not empty (another pass), or already gone
             os.rmdir(store.abspath("/".join(parts[:depth])))
 
 
-def _remove_unheld(store: ArtifactStore, stage: str) -> None:
-    with contextlib.suppress(StoreError), store.lock(stage + "/_run"):
-        store.remove_stage(stage)
+def _remove_unheld(store: ArtifactStore, folder: str) -> None:
+    with contextlib.suppress(StoreError), store.lock(folder + "/_run"):
+        store.remove_stage(folder)
 
 
 def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table, seconds: float | None = None) -> FileEntry:
@@ -133,11 +134,11 @@ def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table, seconds: f
     planning process (:meth:`PassTracker.done`). ``table`` holds only what the unit's inputs decide (the same bytes
     each time it runs); ``seconds``, what its search cost, is written beside it (:func:`unit_seconds`)."""
     if seconds is not None:
-        store.write_bytes(unit_seconds_path(unit.stage, unit.name), json.dumps({"seconds": seconds}).encode())
-    return store.write_shard(unit.stage, unit.name, table)
+        store.write_bytes(unit_seconds_path(unit.folder, unit.name), json.dumps({"seconds": seconds}).encode())
+    return store.write_shard(unit.folder, unit.name, table)
 
 
-def unit_seconds(store: ArtifactStore, stage: str, name: str) -> float:
+def unit_seconds(store: ArtifactStore, folder: str, name: str) -> float:
     """The search seconds unit ``name`` of a pass recorded beside its file (:func:`write_unit`); 0 when it recorded
     none or the record is unreadable (a timing, never a reason to redo a unit).
 
@@ -150,54 +151,54 @@ def unit_seconds(store: ArtifactStore, stage: str, name: str) -> float:
     (1.25, 0.0)
     """
     try:
-        with store.fs.open(store.abspath(unit_seconds_path(stage, name)), "rb") as f:
+        with store.fs.open(store.abspath(unit_seconds_path(folder, name)), "rb") as f:
             return float(json.loads(f.read())["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0.0
 
 
-def read_units(store: ArtifactStore, stage: str) -> Iterator[tuple[str, pa.Table]]:
+def read_units(store: ArtifactStore, folder: str) -> Iterator[tuple[str, pa.Table]]:
     """The unit files of a complete pass, in order, each verified against its record."""
-    store.compact_shards(stage)
-    m = store.require_manifest(stage)
+    store.compact_shards(folder)
+    m = store.require_manifest(folder)
     for name in sorted(m.files):
-        yield name, store.read_table(stage, name)
+        yield name, store.read_table(folder, name)
 
 
-def merged_blocks(store: ArtifactStore, stage: str, k: int, columns: int) -> tuple[dict[tuple[int, str], TopK], float]:
+def merged_blocks(store: ArtifactStore, folder: str, k: int, columns: int) -> tuple[dict[tuple[int, str], TopK], float]:
     """The (K_q, mode) -> TopK of a pass cut into passage blocks: the top ``k`` of the blocks' top k (ties: the earlier
     passage), ``columns`` passages in all; and the blocks' search seconds, summed. Two blocks' top k in memory at once.
     """
     out: dict[tuple[int, str], TopK] = {}
     seconds = 0.0
-    for name, table in read_units(store, stage):
-        seconds += unit_seconds(store, stage, name)
+    for name, table in read_units(store, folder):
+        seconds += unit_seconds(store, folder, name)
         for key, top in topk_from_table(table).items():
             out[key] = top if key not in out else merge_topk([out[key], top], k)
     return {key: merge_topk([top], k, columns) for key, top in out.items()}, seconds
 
 
-def stacked_slices(store: ArtifactStore, stage: str, rows: int) -> tuple[dict[tuple[int, str], TopK], float]:
+def stacked_slices(store: ArtifactStore, folder: str, rows: int) -> tuple[dict[tuple[int, str], TopK], float]:
     """The (K_q, mode) -> TopK of a pass cut into query slices: each slice's rows in place, ``rows`` queries in all;
     and the slices' search seconds, summed."""
     tables, seconds = [], 0.0
-    for name, table in read_units(store, stage):
-        seconds += unit_seconds(store, stage, name)
+    for name, table in read_units(store, folder):
+        seconds += unit_seconds(store, folder, name)
         tables.append(table)
     return topk_from_table(pa.concat_tables(tables), rows=rows), seconds
 
 
 @dataclass
 class PassTracker:
-    """The planning process's view of its cut passes: which units each still waits for, and what to do when the last
-    one is in (``merge(stage)``, in this process)."""
+    """The planning process's view of its cut passes: which units each still waits for, which it merged, and the
+    bytes of each unit it recorded."""
 
     pending: dict[str, set[str]] = field(default_factory=dict)  # partials folder -> unit files not yet done
     merged: set[str] = field(default_factory=set)
     recorded: dict[tuple[str, str], str] = field(default_factory=dict)  # (folder, unit file) -> sha256, this run's
 
-    def expect(self, stage: str, names: list[str]) -> None:
-        self.pending[stage] = set(names)
+    def expect(self, folder: str, names: list[str]) -> None:
+        self.pending[folder] = set(names)
 
     def done(self, ctx: Context, unit: PassUnit, entry: FileEntry) -> bool:
         """Record a finished unit; True when its pass is now complete (and not yet merged).
@@ -205,36 +206,144 @@ class PassTracker:
         A unit whose result comes in twice (computed again after the worker that held its first result died) is
         recorded once: the same bytes are accepted as they are, other bytes are refused as damage (its file no
         longer is what its record says)."""
-        first = self.recorded.get((unit.stage, unit.name))
+        first = self.recorded.get((unit.folder, unit.name))
         if first is not None:
             if first != entry.sha256:
-                where = f"{ctx.store.abspath(unit.stage)}/{unit.name}"
+                where = f"{ctx.store.abspath(unit.folder)}/{unit.name}"
                 raise ChecksumError(f"{where}: computed twice with different bytes (sha256 {first[:12]}… recorded, "
                                     f"{entry.sha256[:12]}… now), so it is not trusted; run the same command again "
                                     "to redo it")  # fmt: skip
             return False
-        ctx.store.record_shard(unit.stage, unit.name, entry, unit.config_hash)
-        self.recorded[(unit.stage, unit.name)] = entry.sha256
-        waiting = self.pending.setdefault(unit.stage, set())
+        ctx.store.record_shard(unit.folder, unit.name, entry, unit.config_hash)
+        self.recorded[(unit.folder, unit.name)] = entry.sha256
+        waiting = self.pending.setdefault(unit.folder, set())
         waiting.discard(unit.name)
-        return not waiting and unit.stage not in self.merged
+        return not waiting and unit.folder not in self.merged
 
     def complete(self) -> list[str]:
         """The passes with nothing pending that are not merged yet (all their units done by an earlier run)."""
         return [s for s, waiting in self.pending.items() if not waiting and s not in self.merged]
 
 
-_QUERIES: dict[tuple[str, str, str], dict[int, Encodings]] = {}  # a pass's query sets, read once per process
+_QUERIES: KeyedCache[tuple[str, str, str], dict[int, Encodings]] = KeyedCache()  # one pass's query sets
 
 
 def pass_queries(ctx: Context, key: str, shared: dict[str, Any], device: str,
                  rules: ScoreRules | None = None) -> dict[int, Encodings]:  # fmt: skip
     """A pass's query encodings by K_q (``shared``: its ``query_stages``, ``query_ids`` and ``sparse_factor``) on
     ``device``: every unit of the pass a process runs reads them once."""
-    cache = (ctx.store.root, key, device)
-    if cache not in _QUERIES:
-        _QUERIES.clear()  # one pass's queries at a time
-        _QUERIES[cache] = {int(kq): query_encodings(ctx.store, st, shared["query_ids"], device, rules,
-                                                    float(shared["sparse_factor"]))
-                           for kq, st in shared["query_stages"].items()}  # fmt: skip
-    return _QUERIES[cache]
+    return _QUERIES.get((ctx.store.root, key, device), lambda: {
+        int(kq): query_encodings(ctx.store, folder, shared["query_ids"], device, rules, float(shared["sparse_factor"]))
+        for kq, folder in shared["query_stages"].items()})  # fmt: skip
+
+
+@dataclass
+class Pass:
+    """One cut pass of a run: its partials folder, the key of what its units share (``ArtifactStore.put_plan``),
+    and what its stage's :meth:`PassStage.merge` needs, as the stage's own record."""
+
+    folder: str
+    plan_key: str
+    merge: Any
+
+
+@dataclass
+class Block:
+    """One unit a pass is cut into, as its stage plans it: items ``start:end`` (passages or query rows), the shards
+    they are read from (a score pass's), how a person reads it."""
+
+    start: int
+    end: int
+    label: str
+    shards: list[str] = field(default_factory=list)
+
+
+def even_blocks(n: int, size: int, noun: str, prefix: str = "") -> list[Block]:
+    """``n`` items cut into blocks of ``size`` (the last one shorter).
+
+    >>> [(b.start, b.end, b.label) for b in even_blocks(5, 2, "queries")]
+    [(0, 2, 'queries 0-1'), (2, 4, 'queries 2-3'), (4, 5, 'queries 4-4')]
+    """
+    return [Block(a, min(a + size, n), f"{prefix}{noun} {a:,}-{min(a + size, n) - 1:,}") for a in range(0, n, size)]
+
+
+@dataclass
+class PassPlan(Plan):
+    """The plan of a pass stage: its units (:class:`PassUnit`) and, by partials folder, its passes and what each
+    still waits for."""
+
+    passes: dict[str, Pass] = field(default_factory=dict)
+    tracker: PassTracker = field(default_factory=PassTracker)
+
+
+class PassStage(Stage):
+    """A stage whose work is one or more passes cut into units (score's and beta's passage blocks, late's and
+    rerank's query slices), each unit writing a partial result of its pass. It owns the protocol: units named and
+    counted, each one's file recorded as it completes (a unit computed twice is recorded once), a pass merged into
+    its runs by the planning process when its last unit is in (or, resuming, when every unit was done before), its
+    partials and shared settings removed then, and a failed run's finished units kept for the next one.
+
+    A subclass plans its passes with :meth:`add_pass` on a :class:`PassPlan`, and implements :meth:`run` (one unit:
+    its partial result, through :func:`write_unit`) and :meth:`merge` (a complete pass: its runs).
+    """
+
+    distributed: ClassVar[bool] = True
+
+    def add_pass(self, ctx: Context, plan: PassPlan, *, system: str, dataset: str, kp: int, config: dict[str, Any],
+                 shared: dict[str, Any], blocks: list[Block], merge: Any) -> int:  # fmt: skip
+        """Plan one pass: its partials folder (named by ``config``; the units a killed run finished are kept), its
+        ``shared`` settings stored once, a unit per block not yet done, and ``merge``, what :meth:`merge` needs.
+        Returns how many blocks an earlier run finished."""
+        folder, chash, done = open_pass(ctx, system, dataset, kp, config)
+        key = ctx.store.put_plan(shared)
+        waiting = []
+        for i, block in enumerate(blocks):
+            name = unit_file(i)
+            if name in done:
+                continue
+            plan.units.append(PassUnit(key, folder, name, chash, block.start, block.end, block.shards, block.label))
+            plan.work = (plan.work or 0) + block.end - block.start
+            waiting.append(name)
+        plan.tracker.expect(folder, waiting)
+        plan.passes[folder] = Pass(folder, key, merge)
+        return len(blocks) - len(waiting)
+
+    @abstractmethod
+    def merge(self, done: Pass, ctx: Context) -> None:
+        """Write the runs of a pass whose units are all recorded (read them with :func:`merged_blocks` or
+        :func:`stacked_slices`)."""
+
+    def unit_name(self, unit: PassUnit) -> str:
+        return unit.label
+
+    def work_of(self, unit: PassUnit) -> int:
+        return unit.end - unit.start
+
+    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
+        plan = pass_plan(ctx)
+        if plan.tracker.done(ctx, unit, result):
+            self._merged(plan, plan.passes[unit.folder], ctx)
+
+    def _merged(self, plan: PassPlan, done: Pass, ctx: Context) -> None:
+        self.merge(done, ctx)
+        merged_pass(ctx, done.folder, done.plan_key, plan.tracker)
+
+    def finish(self, config: Any, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """Merge the passes whose units were all done before this run (a run killed after its last unit)."""
+        assert isinstance(plan, PassPlan)
+        for folder in plan.tracker.complete():
+            self._merged(plan, plan.passes[folder], ctx)
+        return plan.details
+
+    def abort(self, config: Any, plan: Plan, ctx: Context) -> None:
+        """A failed run keeps the units it finished (recorded in each pass's partials folder); a pass none of whose
+        units finished leaves nothing."""
+        assert isinstance(plan, PassPlan)
+        close_passes(ctx, list(plan.passes), [p.plan_key for p in plan.passes.values()])
+
+
+def pass_plan(ctx: Context) -> PassPlan:
+    """The plan of the pass stage ``ctx`` runs (in the planning process, where units are committed)."""
+    if not isinstance(ctx.plan, PassPlan):
+        raise TypeError(f"a pass stage's units are committed where it was planned, with its PassPlan, not {ctx.plan!r}")
+    return ctx.plan

@@ -11,12 +11,14 @@ kq = kp = 0). Documents below the depth are dropped (a run of the depth's length
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.data.collections import passage_text
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
@@ -25,8 +27,8 @@ from diffret.retrieval.rerank.training import RerankTrainSettings
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
 from diffret.storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
 
-from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
-from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, read_units, unit_file, write_unit
+from .base import ClusterConfig, Context, check_device, shared_settings
+from .passes import Block, Pass, PassPlan, PassStage, PassUnit, read_units, write_unit
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
@@ -137,7 +139,14 @@ def first_stage_system(store: ArtifactStore, system: str) -> str:
     return first.system
 
 
-class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True,
+@dataclass
+class RerankMerge:
+    """What writing a split's reranked run needs."""
+
+    cell: Cell
+
+
+class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True,
              distributed=True, task_tags=("gpu",)):  # fmt: skip
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
@@ -157,7 +166,7 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
 
     next_step = "evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
-    def plan(self, config: RerankConfig, ctx: Context) -> Plan:
+    def plan(self, config: RerankConfig, ctx: Context) -> PassPlan:
         check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         store = ctx.store
         settings = config.settings()
@@ -168,10 +177,9 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         corpus = config.corpus_name()
         inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
                   "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip
-        plan = Plan(system=slug, work=0, work_unit="queries")
+        plan = PassPlan(system=slug, work=0, work_unit="queries")
         record = SystemRecord(system=slug, kind="reranker", model=config.backbone.model, readout=config.method,
                               settings={**settings, "first_stage": first_ref})  # fmt: skip
-        tracker, passes = PassTracker(), {}
         for split in config.splits:
             _, src = first_stage_run(store, config.dataset, split, config.first_stage, config.first_kq,
                                      config.first_kp, config.first_mode)  # fmt: skip
@@ -186,28 +194,15 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
             sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
             cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
             shared = {"config": config.model_dump(mode="json"), "first": src, "record": record.model_dump(mode="json")}
-            p_stage, chash, done = open_pass(ctx, slug, config.dataset, 0, {**cfg, "unit_queries": config.unit_queries})
-            key = store.put_plan(shared)
-            waiting = []
-            for i, (a, b) in enumerate(_slices(len(sizes), config.unit_queries, cuts)):
-                if unit_file(i) not in done:
-                    plan.units.append(PassUnit(key, p_stage, unit_file(i), chash, a, b,
-                                               label=f"{split} queries {a:,}-{b - 1:,}"))  # fmt: skip
-                    plan.work += b - a
-                    waiting.append(unit_file(i))
-            tracker.expect(p_stage, waiting)
-            passes[p_stage] = {"cell": cell, "plan": key}
-        plan.count = len(passes)
-        if passes:
+            blocks = [Block(a, b, f"{split} queries {a:,}-{b - 1:,}")
+                      for a, b in _slices(len(sizes), config.unit_queries, cuts)]  # fmt: skip
+            self.add_pass(ctx, plan, system=slug, dataset=config.dataset, kp=0,
+                          config={**cfg, "unit_queries": config.unit_queries}, shared=shared, blocks=blocks,
+                          merge=RerankMerge(cell))  # fmt: skip
+        plan.count = len(plan.passes)
+        if plan.passes:
             register(store, record, write=False)  # refuses a slug registered with other settings, before any work
-        plan.details.update(_tracker=tracker, _passes=passes)
         return plan
-
-    def unit_name(self, unit: PassUnit) -> str:
-        return unit.label
-
-    def work_of(self, unit: PassUnit) -> int:
-        return unit.end - unit.start
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """A slice of a split's queries reranked (in the first stage's query order): its run rows to the partials."""
@@ -228,35 +223,19 @@ class Rerank(Stage, name="rerank", config=RerankConfig, noun="run(s)", verb="rer
         meta = {b"stats": json.dumps(stats).encode()}
         return write_unit(store, unit, table.replace_schema_metadata(meta))
 
-    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
-        assert ctx.plan is not None
-        if ctx.plan.details["_tracker"].done(ctx, unit, result):
-            self._merge(unit.stage, ctx)
-
-    def _merge(self, stage: str, ctx: Context) -> None:
-        """A split's slices in order: its reranked run, with their stats summed; the partials removed."""
-        assert ctx.plan is not None
-        info, store = ctx.plan.details["_passes"][stage], ctx.store
+    def merge(self, done: Pass, ctx: Context) -> None:
+        """A split's slices in order: its reranked run, with their stats summed."""
+        store = ctx.store
         tables, stats = [], {"queries": 0, "rows": 0, "forward_passes": 0, "invalid_without_constraint": 0}
-        for _, table in read_units(store, stage):
+        for _, table in read_units(store, done.folder):
             for k, v in json.loads((table.schema.metadata or {}).get(b"stats", b"{}")).items():
                 stats[k] = stats.get(k, 0) + v
             tables.append(table.replace_schema_metadata(None))
         table = pa.concat_tables(tables) if tables else RUN_SCHEMA.empty_table()
-        cell = info["cell"]
+        cell = done.merge.cell
         ctx.log(f"reranked {cell.config['dataset']}/{cell.split}: {stats['queries']:,} queries, "
                 f"{stats['forward_passes']:,} forward passes")  # fmt: skip
         write_run(store, cell, table, stats)
-        merged_pass(ctx, stage, info["plan"])
-
-    def finish(self, config: RerankConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        for stage in plan.details["_tracker"].complete():
-            self._merge(stage, ctx)
-        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
-
-    def abort(self, config: RerankConfig, plan: Plan, ctx: Context) -> None:
-        passes = plan.details.get("_passes", {})
-        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
 
 
 def _candidates(first: pa.Table, depth: int) -> list[int]:
@@ -299,20 +278,17 @@ def _texts(store: ArtifactStore, dataset: str, side: str, ids: pa.Array) -> dict
     return out
 
 
-_RERANKERS: dict[str, Reranker] = {}
+_RERANKERS: KeyedCache[str, Reranker] = KeyedCache()  # one loaded model at a time
 
 
 def _reranker(cfg: RerankConfig) -> Reranker:
     """One loaded reranker per process and settings (a worker keeps it across units)."""
     key = cfg.model_dump_json(include={"method", "backbone", "prompt", "doc_tokens", "window", "step", "steps",
                                        "batch_size"})  # fmt: skip
-    if key not in _RERANKERS:
-        _RERANKERS.clear()  # one model at a time
-        _RERANKERS[key] = make_reranker(
-            cfg.method, load_backbone(cfg.backbone), prompt=cfg.prompt, doc_tokens=cfg.doc_tokens, window=cfg.window,
-            step=cfg.step, batch_size=cfg.batch_size, steps=cfg.steps,
-        )  # fmt: skip
-    return _RERANKERS[key]
+    return _RERANKERS.get(key, lambda: make_reranker(
+        cfg.method, load_backbone(cfg.backbone), prompt=cfg.prompt, doc_tokens=cfg.doc_tokens, window=cfg.window,
+        step=cfg.step, batch_size=cfg.batch_size, steps=cfg.steps,
+    ))  # fmt: skip
 
 
 def rerank_run(reranker: Reranker, first: pa.Table, query_text: dict[str, str], doc_text: dict[str, str],

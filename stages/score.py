@@ -16,7 +16,8 @@ all done is not planned (no encoding is read).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -30,19 +31,8 @@ from diffret.retrieval.search.runs import retrieved_ids, topk_table
 from diffret.storage import FileEntry, StoreError, config_hash
 from diffret.storage.layout import encodings_dir, run_dir
 
-from .base import ClusterConfig, Context, KList, ModeList, Plan, Stage, check_device, shared_settings
-from .passes import (
-    PassTracker,
-    PassUnit,
-    close_passes,
-    cut,
-    merged_blocks,
-    merged_pass,
-    open_pass,
-    pass_queries,
-    unit_file,
-    write_unit,
-)
+from .base import ClusterConfig, Context, KList, ModeList, check_device, shared_settings
+from .passes import Block, Pass, PassPlan, PassStage, PassUnit, cut, merged_blocks, pass_queries, write_unit
 from .readers import (
     budgets,
     corpus_size,
@@ -82,7 +72,21 @@ class ScoreConfig(RetrievalConfig, ClusterConfig):
                                "finished ones; the runs are the same whatever the cut.")  # fmt: skip
 
 
-class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored", distributed=True,
+@dataclass
+class ScoreMerge:
+    """What merging a K_p pass's blocks into its runs needs."""
+
+    cells: list[Cell]
+    passages: int  # the corpus's
+    query_ids: list[str]
+    split_rows: dict[str, list[int]]
+    topk: int
+    fusion_depth: int
+    rules: ScoreRules
+    passage_folder: str
+
+
+class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored", distributed=True,
             task_tags=("gpu",)):  # fmt: skip
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
@@ -106,7 +110,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
 
     next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
-    def plan(self, config: ScoreConfig, ctx: Context) -> Plan:
+    def plan(self, config: ScoreConfig, ctx: Context) -> PassPlan:
         check_device(config.device, config)  # a device this machine lacks: refused before any work
         store = ctx.store
         record = find_system(store, config.system)
@@ -123,7 +127,7 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         p_stages = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
         q_man = {kq: encoding_manifest(store, s) for kq, s in q_stages.items()}
         p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_stages.items()}
-        plan = Plan(system=record.system, work=0, work_unit="passages")
+        plan = PassPlan(system=record.system, work=0, work_unit="passages")
         todo: list[Cell] = []
         for kp in config.kp:
             for split in config.splits:
@@ -146,7 +150,6 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
         factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
-        tracker, passes = PassTracker(), {}
         for kp in sorted({c.kp for c in todo}):
             cells = [c for c in todo if c.kp == kp]
             kqs = sorted({c.kq for c in cells})
@@ -161,35 +164,20 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
                         "query_ids": config_hash({"ids": query_ids}), "unit_passages": config.unit_passages,
                         "inputs": {"query_encodings": {str(kq): q_man[kq].config_hash for kq in kqs},
                                    "passage_encodings": p_man[kp].config_hash}}  # fmt: skip
-            stage, chash, done = open_pass(ctx, record.system, config.dataset, kp, pass_cfg)
-            key = store.put_plan(shared)
             shards = sorted(p_man[kp].files)
             sizes = [int(p_man[kp].files[n].rows or 0) for n in shards]
-            blocks = cut(sizes, config.unit_passages)
-            waiting = []
-            for i, (a, b) in enumerate(blocks):
-                name, start = unit_file(i), sum(sizes[:a])
-                if name in done:
-                    continue
+            blocks = []
+            for a, b in cut(sizes, config.unit_passages):
+                start = sum(sizes[:a])
                 end = start + sum(sizes[a:b])
-                plan.units.append(PassUnit(key, stage, name, chash, start, end, shards[a:b],
-                                           f"K_p={kp} passages {start:,}-{end - 1:,}"))  # fmt: skip
-                plan.work += end - start
-                waiting.append(name)
-            tracker.expect(stage, waiting)
-            passes[stage] = {"cells": cells, "plan": key, "passages": n_passages, "query_ids": query_ids,
-                             "split_rows": split_rows, "topk": shared["topk"], "fusion_depth": config.fusion_depth,
-                             "rules": config.rules, "passage_stage": p_stages[kp]}  # fmt: skip
+                blocks.append(Block(start, end, f"K_p={kp} passages {start:,}-{end - 1:,}", shards[a:b]))
+            merge = ScoreMerge(cells, n_passages, query_ids, split_rows, shared["topk"], config.fusion_depth,
+                               config.rules, p_stages[kp])  # fmt: skip
+            done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=kp, config=pass_cfg,
+                                 shared=shared, blocks=blocks, merge=merge)  # fmt: skip
             ctx.log(f"K_p={kp}: {len(cells)} cell(s) over {n_passages:,} passages in {len(blocks)} unit(s), "
-                    f"{len(blocks) - len(waiting)} already done")  # fmt: skip
-        plan.details.update(_tracker=tracker, _passes=passes)
+                    f"{done} already done")  # fmt: skip
         return plan
-
-    def unit_name(self, unit: PassUnit) -> str:
-        return unit.label
-
-    def work_of(self, unit: PassUnit) -> int:
-        return unit.end - unit.start
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """One block of a pass's passages against every query set and base mode: its top-k, written to the pass's
@@ -214,34 +202,16 @@ class Score(Stage, name="score", config=ScoreConfig, noun="cell(s)", verb="score
             top.index[top.index >= 0] += unit.start
         return write_unit(store, unit, topk_table(tops), seconds)
 
-    def commit(self, unit: PassUnit, result: FileEntry, ctx: Context) -> None:
-        assert ctx.plan is not None
-        if ctx.plan.details["_tracker"].done(ctx, unit, result):
-            self._merge(unit.stage, ctx)
-
-    def _merge(self, stage: str, ctx: Context) -> None:
-        """A complete pass: its units' top-k merged, the fusions built, the runs written; its partials removed."""
-        assert ctx.plan is not None
-        info = ctx.plan.details["_passes"][stage]
+    def merge(self, done: Pass, ctx: Context) -> None:
+        """A complete pass: its units' top-k merged, the fusions built, the runs written."""
+        info: ScoreMerge = done.merge
         store = ctx.store
         start = time.perf_counter()
-        tops, seconds = merged_blocks(store, stage, info["topk"], info["passages"])
-        runs = all_modes(tops, info["fusion_depth"], info["rules"])
-        runs, doc_ids = retrieved_ids(runs, passage_ids(store, info["passage_stage"]))  # the documents retrieved
-        write_runs(store, info["cells"], runs, info["query_ids"], doc_ids, info["split_rows"],
+        tops, seconds = merged_blocks(store, done.folder, info.topk, info.passages)
+        runs = all_modes(tops, info.fusion_depth, info.rules)
+        runs, doc_ids = retrieved_ids(runs, passage_ids(store, info.passage_folder))  # the documents retrieved
+        write_runs(store, info.cells, runs, info.query_ids, doc_ids, info.split_rows,
                    seconds + time.perf_counter() - start)  # fmt: skip
-        merged_pass(ctx, stage, info["plan"])
-
-    def finish(self, config: ScoreConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        """Merge the passes whose units were all done before this run (a run killed after its last unit)."""
-        for stage in plan.details["_tracker"].complete():
-            self._merge(stage, ctx)
-        return {k: v for k, v in plan.details.items() if not k.startswith("_")}
-
-    def abort(self, config: ScoreConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the units it finished (recorded in each pass's partials folder)."""
-        passes = plan.details.get("_passes", {})
-        close_passes(ctx, list(passes), [info["plan"] for info in passes.values()])
 
 
 stage = Score()

@@ -232,7 +232,7 @@ def twice(results_seen: dict[str, list[str]]):  # noqa: ANN201
     def runner(stage, plan, ctx):  # noqa: ANN001, ANN202
         out = []
         for unit in plan.units:
-            path = Path(ctx.store.abspath(f"{unit.stage}/{unit.name}"))
+            path = Path(ctx.store.abspath(f"{unit.folder}/{unit.name}"))
             first = stage.run(unit, ctx)
             data = path.read_bytes()
             again = stage.run(unit, ctx)
