@@ -214,7 +214,7 @@ def load_beir(folder: str | Path, name: str | None = None) -> Collection:
     import tempfile
 
     from diffret.stages import execute, stages
-    from diffret.stages.ingest import DownloadConfig
+    from diffret.stages.download import DownloadConfig
 
     folder = Path(folder)
     with tempfile.TemporaryDirectory() as root:

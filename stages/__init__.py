@@ -17,7 +17,7 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "ingest", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "import_run", "fuse",
+    "download", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "import_run", "fuse",
     "rerank", "training_data", "train", "train_reranker", "evaluate", "compare", "budget", "summary", "report",
     "latency",
 )  # fmt: skip

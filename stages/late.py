@@ -35,7 +35,7 @@ from diffret.retrieval.search.modes import MODE_NAMES, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, topk_table
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
-from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
+from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir, tokens_dir
 
 from .base import ClusterConfig, Context, Plan, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
@@ -212,7 +212,7 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
         plan.count = len(cells)
-        partial = partial_dir(record.system, corpus, config.kp)
+        partial = partial_encodings_dir(record.system, corpus, config.kp)
         candidates = Candidates(partial, encodings_config(settings, tokens, t_man.config_hash, config.kp), t_stage,
                                 record.system, corpus, settings.model_dump(), config.batch_size, config.verify)
         if not cells:

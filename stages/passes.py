@@ -30,7 +30,7 @@ from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import topk_from_table
 from diffret.retrieval.search.scoring import TopK, merge_topk
 from diffret.storage import ArtifactStore, ChecksumError, FileEntry, StoreError, config_hash, remove_empty_sharded
-from diffret.storage.layout import partials_dir, unit_seconds_path
+from diffret.storage.layout import pass_units_dir, unit_seconds_path
 
 from .base import Context, Plan, Stage
 from .readers import query_encodings
@@ -82,7 +82,7 @@ def open_pass(ctx: Context, system: str, dataset: str, kp: int, config: dict[str
     its manifest's config hash, and the unit files already done. The folders of passes over the same cells planned
     with other settings (a killed run's, left behind) are removed, unless another run holds them."""
     key = config_hash(config)[:16]
-    folder = partials_dir(system, dataset, kp, key)
+    folder = pass_units_dir(system, dataset, kp, key)
     parent = folder.rsplit("/", 1)[0]
     for other in ctx.store.list_partitions(parent, "key"):
         if other != key:

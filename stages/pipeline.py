@@ -24,14 +24,14 @@ from diffret.retrieval.models.released import read_released
 from diffret.retrieval.search.bm25 import BM25Settings
 from diffret.retrieval.search.rules import ScoreRules
 
-from . import bm25, evaluate, index, ingest, score, summary
+from . import bm25, download, evaluate, index, score, summary
 from . import encode as encode_stage
 from .base import GRID_K, KList, ModeList, Stage, StageConfig, StageResult
 from .bm25 import BM25Config
+from .download import DownloadConfig
 from .encode import EncodeConfig, check_head_stats, check_k_within
 from .evaluate import EvaluateConfig
 from .index import IndexConfig
-from .ingest import DownloadConfig
 from .score import ScoreConfig
 from .summary import SummaryConfig
 from .systems import SystemRef
@@ -257,7 +257,7 @@ def run_pipeline(config: PipelineConfig, run: StageRunner, log: Callable[[str], 
             check(encode_stage.stage, e)
         check(score.stage, config.score("<encoder>"))
     for d in config.downloads():
-        res = run(ingest.stage, d)
+        res = run(download.stage, d)
         step(f"download {d.name}", res.details.get("status", "done"))
     system = ""
     for e in config.encodes():

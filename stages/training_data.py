@@ -95,10 +95,9 @@ class TrainingUnit:
     run: str | None  # the run folder negatives come from
 
 
-class TrainingData(Stage, name="training", config=TrainingDataConfig, noun="set(s)", verb="written"):
+class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun="set(s)", verb="written"):
     """Training groups (query, positives, hard negatives) from a Tevatron file or mined from a stored run."""
 
-    command = "training-data"
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
         "Contrastive training groups in Tevatron's format (query, positive and hard-negative passages) as "
         "`training/set=<name>/groups.parquet`: from a Tevatron file (config.source) or mined from a stored run on "

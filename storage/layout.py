@@ -160,13 +160,13 @@ def filters_dir(tokenizer: str, dataset: str, side: str, kind: str) -> str:
     return partition("filters", tokenizer=tokenizer, dataset=dataset, side=side, filter=kind)
 
 
-def partial_dir(system: str, dataset: str, k: int) -> str:
+def partial_encodings_dir(system: str, dataset: str, k: int) -> str:
     """The passages of a corpus that late re-scoring needed, encoded by one system at K (``part=NNNNN.parquet``
     in the encodings schema; each run adds the ones still missing)."""
     return partition("partial", system=system, dataset=dataset, k=k)
 
 
-def partials_dir(system: str, dataset: str, kp: int, key: str) -> str:
+def pass_units_dir(system: str, dataset: str, kp: int, key: str) -> str:
     """The partial results of one search pass cut into units (``block=NNNNN.parquet``, one per unit: the top-k
     (``TOPK_SCHEMA``) of a score or beta pass's passage blocks or a late pass's query slices, a rerank pass's run
     rows), named by the pass's settings (``key``); merged into its run folders, then removed, when its last unit is

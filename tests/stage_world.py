@@ -21,12 +21,12 @@ from diffret.stages.bm25 import BM25Config
 from diffret.stages.bot import BotConfig
 from diffret.stages.compare import CompareConfig
 from diffret.stages.compress import CompressConfig
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
 from diffret.stages.evaluate import EvaluateConfig
 from diffret.stages.fuse import FuseConfig
 from diffret.stages.import_run import ImportRunConfig
 from diffret.stages.index import IndexConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.late import LateConfig
 from diffret.stages.latency import LatencyConfig
 from diffret.stages.report import ReportConfig
@@ -72,7 +72,7 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "late": LateConfig(dataset="tiny", system=ref, kq=1, kp=2, depths=[3, 5], **common),
         "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
                                prompt=TINY_PROMPT, **common),  # fmt: skip
-        "training": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
+        "training-data": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
         "train": TrainConfig(training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2,
                              **common),  # fmt: skip
         "train-reranker": TrainRerankerConfig(dataset="tiny", backbone=bb, name="tiny-rr", settings=RERANK_TRAIN,

@@ -20,8 +20,8 @@ def main(shared: Path, out: Path) -> dict[str, str]:
 
     from diffret.retrieval.models.backbones import BackboneConfig
     from diffret.stages import execute, stages
+    from diffret.stages.download import DownloadConfig
     from diffret.stages.encode import EncodeConfig
-    from diffret.stages.ingest import DownloadConfig
 
     torch.set_num_threads(1)
     mini = shared / "fixtures" / "reference-parity" / "scifact-mini"

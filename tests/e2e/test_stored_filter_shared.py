@@ -23,8 +23,8 @@ from conftest import REPO, SHARED
 
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.stages import execute, stages
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
-from diffret.stages.ingest import DownloadConfig
 
 MINI = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
 MODELS = ["splade-tiny-mlm", "tiny-dream-random", "tiny-llada-random"]

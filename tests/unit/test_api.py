@@ -16,9 +16,9 @@ from tiny_models import save_tiny_mlm
 import diffret
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.stages import execute, stages
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
 from diffret.stages.evaluate import EvaluateConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.score import ScoreConfig
 from diffret.stages.systems import SystemRef
 

@@ -54,7 +54,7 @@ def test_usage_error_and_unexpected_exception(tmp_path: Path) -> None:
     # an error the CLI does not expect still prints its traceback and exits 1
     write_beir(tmp_path / "bad", None, [{"_id": "q1", "text": "x"}], {"test": [("q1", "d1", 1)]})
     prelude = "import diffret.flows.cli as c; c._known_errors = lambda: (KeyError,)\n" \
-        "import diffret.stages.ingest as d\n" \
+        "import diffret.stages.download as d\n" \
         "def boom(*a, **k): raise RuntimeError('unexpected failure')\nd.materialise = boom"  # fmt: skip
     p = main_with(tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")],
                   prelude)  # fmt: skip

@@ -27,7 +27,7 @@ from diffret.stages.pipeline import PipelineConfig
 from diffret.stages.systems import EncodeSettings, SystemRef, numeric_settings
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = {stage: stage for stage in stages()} | {"training": "training-data", "encode": "encode"}
+COMMANDS = {stage: stage for stage in stages()}
 CONFIGS = {name: st.config for name, st in stages().items()} | {"encode": EncodeConfig, "run": PipelineConfig}
 
 

@@ -15,10 +15,10 @@ from tiny_models import save_tiny_mlm
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.stages import execute, stages
 from diffret.stages.compress import CompressConfig
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
 from diffret.stages.evaluate import EvaluateConfig
 from diffret.stages.index import IndexConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.readers import read_codebook, read_encodings
 from diffret.stages.report import ReportConfig
 from diffret.stages.score import ScoreConfig

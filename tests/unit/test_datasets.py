@@ -13,19 +13,19 @@ from conftest import write_beir
 
 from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.sources import resolve_source
-from diffret.stages.ingest import materialise
+from diffret.stages.download import materialise
 from diffret.storage import ArtifactStore, ConfigDriftError, StoreError
 from diffret.storage.sql import StoreSQL
 
 
-def _ingest(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False,
+def _download(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False,
             unknown: str = "error"):  # fmt: skip
     files = resolve_source(name, str(folder), tmp_path / "cache")
     return materialise(ArtifactStore(root or tmp_path / "store"), name, files, force=force, unknown_judgments=unknown)
 
 
 def test_tiny_collection_tables(tmp_path, tiny_beir):
-    res = _ingest(tmp_path, tiny_beir)
+    res = _download(tmp_path, tiny_beir)
     assert res.status == "written"
     base = tmp_path / "store" / "datasets" / "dataset=tiny"
     corpus = pq.read_table(base / "corpus.parquet").to_pylist()
@@ -50,28 +50,28 @@ def test_tiny_collection_tables(tmp_path, tiny_beir):
 
 
 def test_second_run_is_a_no_op(tmp_path, tiny_beir):
-    _ingest(tmp_path, tiny_beir)
+    _download(tmp_path, tiny_beir)
     manifest = (tmp_path / "store" / "datasets" / "dataset=tiny" / "_manifest.json").read_bytes()
-    res = _ingest(tmp_path, tiny_beir)
+    res = _download(tmp_path, tiny_beir)
     assert res.status == "unchanged" and "nothing to do" in res.report_lines[0]
     assert (tmp_path / "store" / "datasets" / "dataset=tiny" / "_manifest.json").read_bytes() == manifest
 
 
 def test_changed_source_is_config_drift_until_forced(tmp_path, tiny_beir):
-    _ingest(tmp_path, tiny_beir)
+    _download(tmp_path, tiny_beir)
     with open(tiny_beir / "queries.jsonl", "a") as f:
         f.write(json.dumps({"_id": "q9", "text": "new"}) + "\n")
     with pytest.raises(ConfigDriftError) as err:
-        _ingest(tmp_path, tiny_beir)
+        _download(tmp_path, tiny_beir)
     assert [f for f, _, _ in err.value.differences] == ["source_files.queries.jsonl"]
     assert "--force" in str(err.value)
-    assert _ingest(tmp_path, tiny_beir, force=True).status == "written"
+    assert _download(tmp_path, tiny_beir, force=True).status == "written"
 
 
 def test_damaged_copy_is_rebuilt(tmp_path, tiny_beir):
-    _ingest(tmp_path, tiny_beir)
+    _download(tmp_path, tiny_beir)
     (tmp_path / "store" / "datasets" / "dataset=tiny" / "qrels.parquet").write_bytes(b"garbage")
-    res = _ingest(tmp_path, tiny_beir)
+    res = _download(tmp_path, tiny_beir)
     assert res.status == "written" and any("failed its checksums" in line for line in res.report_lines)
     ArtifactStore(tmp_path / "store").verify("datasets/dataset=tiny")
 
@@ -94,7 +94,7 @@ def test_malformed_corpus_names_file_line_field(tmp_path, corpus_lines, message)
     folder = write_beir(tmp_path / "bad", None, [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]})
     (folder / "corpus.jsonl").write_text("\n".join(corpus_lines) + "\n")
     with pytest.raises(DatasetError, match=message):
-        _ingest(tmp_path, folder, name="bad")
+        _download(tmp_path, folder, name="bad")
     assert not (tmp_path / "store" / "datasets" / "dataset=bad").exists()
 
 
@@ -105,7 +105,7 @@ def test_invalid_utf8_names_line(tmp_path):
     with open(folder / "queries.jsonl", "ab") as f:
         f.write(b'{"_id": "q2", "text": "caf\xe9"}\n')
     with pytest.raises(DatasetError, match=r"queries.jsonl:2: invalid UTF-8"):
-        _ingest(tmp_path, folder, name="bad")
+        _download(tmp_path, folder, name="bad")
 
 
 def test_duplicate_query_id_in_one_file(tmp_path):
@@ -116,7 +116,7 @@ def test_duplicate_query_id_in_one_file(tmp_path):
         {"test": [("q", "a", 1)]},
     )
     with pytest.raises(DatasetError, match=r"queries.jsonl:2: duplicate query id 'q' \(first at .*queries.jsonl:1\)"):
-        _ingest(tmp_path, folder, name="bad")
+        _download(tmp_path, folder, name="bad")
 
 
 def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
@@ -128,9 +128,9 @@ def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
     )
     # by default a judgment of a document the corpus lacks is an error, and nothing is stored
     with pytest.raises(DatasetError, match=r"test.tsv: 1 judgment\(s\) name documents not in the corpus \(e.g. zzz\)"):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
     assert not (tmp_path / "store" / "datasets" / "dataset=c").exists()
-    res = _ingest(tmp_path, folder, name="c", unknown="drop")
+    res = _download(tmp_path, folder, name="c", unknown="drop")
     rep = res.manifest.stats["report"]["splits"]["test"]
     assert (rep["rows"], rep["unknown_doc_rows"], rep["unknown_query_rows"], rep["duplicate_rows"]) == (2, 1, 1, 1)
     assert rep["unknown_doc_examples"] == ["zzz"] and rep["unknown_query_examples"] == ["nope"]
@@ -138,8 +138,8 @@ def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
     assert "1 naming unknown queries" in line and "1 naming unknown documents" in line
     # keep (BEIR's evaluation keeps them: they count in the ideal DCG) is another config: drift unless forced
     with pytest.raises(ConfigDriftError):
-        _ingest(tmp_path, folder, name="c", unknown="keep")
-    res = _ingest(tmp_path, folder, name="c", unknown="keep", force=True)
+        _download(tmp_path, folder, name="c", unknown="keep")
+    res = _download(tmp_path, folder, name="c", unknown="keep", force=True)
     qrels = pq.read_table(tmp_path / "store" / "datasets" / "dataset=c" / "qrels.parquet")
     assert sorted(qrels.column("doc_id").to_pylist()) == ["a", "b", "zzz"]
     line = next(x for x in res.report_lines if x.startswith("qrels[test]"))
@@ -154,7 +154,7 @@ def test_empty_corpus_or_queries_file_is_an_error(tmp_path, empty, message):
     )
     (folder / empty).write_bytes(b"" if empty == "corpus.jsonl" else b"\n  \n")  # 0 bytes; blank lines only
     with pytest.raises(DatasetError, match=message):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
     assert not (tmp_path / "store" / "datasets" / "dataset=c").exists()
 
 
@@ -166,13 +166,13 @@ def test_qrels_conflicting_grades_and_bad_rows(tmp_path):
         {"test": [("q", "a", 1), ("q", "a", 2)]},
     )
     with pytest.raises(DatasetError, match=r"test.tsv:3: query 'q' / document 'a' judged 2 here and 1 at line 2"):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
     (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\thigh\n")
     with pytest.raises(DatasetError, match=r"test.tsv:2: field 'score' must be an integer"):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
     (folder / "qrels" / "test.tsv").write_text("q\ta\n")
     with pytest.raises(DatasetError, match=r"test.tsv:1: expected"):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
 
 
 def test_split_with_no_known_ids_is_an_error(tmp_path):
@@ -180,7 +180,7 @@ def test_split_with_no_known_ids_is_an_error(tmp_path):
         tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "other", 1)]}
     )
     with pytest.raises(DatasetError, match="right corpus"):
-        _ingest(tmp_path, folder, name="c")
+        _download(tmp_path, folder, name="c")
 
 
 def test_trec_and_tsv_formats_and_gzip(tmp_path):
@@ -219,7 +219,7 @@ def test_sql_views_see_only_complete_stages(tmp_path, tiny_beir):
     with StoreSQL(ArtifactStore(root)) as db:  # empty store: views exist, zero rows
         assert db.query("select count(*) from corpus")[1] == [(0,)]
         assert db.query("select count(*) from manifests")[1] == [(0,)]
-    _ingest(tmp_path, tiny_beir, root=root)
+    _download(tmp_path, tiny_beir, root=root)
     # a folder of files without a manifest is damage: the view that would read it fails, naming it; others work
     stray = root / "datasets" / "dataset=stray"
     stray.mkdir(parents=True)

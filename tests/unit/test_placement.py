@@ -150,10 +150,10 @@ def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp
         run_stage(probe, ProbeConfig(root=str(tmp_path), workers=64, **cpu), log=lambda _m: None)
     # `diffret run --workers 64`: refused before anything is downloaded
     from diffret.flows.runner import run_pipeline_stages
-    from diffret.stages import ingest
+    from diffret.stages import download
     from diffret.stages.pipeline import PipelineConfig
 
-    monkeypatch.setattr(ingest.stage, "plan", lambda *_: pytest.fail("a collection was downloaded"))
+    monkeypatch.setattr(download.stage, "plan", lambda *_: pytest.fail("a collection was downloaded"))
     pipeline = PipelineConfig(dataset="scifact", backbone={"model": str(tmp_path / "model"), "device": "cpu"},
                               workers=64, root=str(tmp_path / "store"))  # fmt: skip
     with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):

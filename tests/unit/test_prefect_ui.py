@@ -21,8 +21,8 @@ from diffret.retrieval.models.backbones import FAMILIES, BackboneConfig, Family
 from diffret.retrieval.search.modes import MODE_NAMES
 from diffret.stages import execute, stages
 from diffret.stages.base import Context
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.tokenize import TokenizeConfig
 from diffret.storage import ArtifactStore
 

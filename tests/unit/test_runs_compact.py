@@ -116,8 +116,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     depth = {"topk": 10, "train_topk": 4}
     cfgs["score"] = cfgs["score"].model_copy(update=depth)
     cfgs["bm25"] = cfgs["bm25"].model_copy(update=depth)
-    cfgs["training"] = cfgs["training"].model_copy(update={"depth": 3})
-    for name in ("download", "tokenize", "encode", "score", "bm25", "evaluate", "training"):
+    cfgs["training-data"] = cfgs["training-data"].model_copy(update={"depth": 3})
+    for name in ("download", "tokenize", "encode", "score", "bm25", "evaluate", "training-data"):
         execute(stages()[name], cfgs[name], log=lambda _: None)
     deep_root = str(base / "deep")
     shutil.copytree(root, deep_root)

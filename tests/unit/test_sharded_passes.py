@@ -22,8 +22,8 @@ from diffret.stages.base import run_units
 from diffret.stages.beta import BetaConfig
 from diffret.stages.bm25 import BM25Config
 from diffret.stages.bot import BotConfig
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.late import LateConfig
 from diffret.stages.rerank import RerankConfig
 from diffret.stages.score import ScoreConfig

@@ -25,9 +25,9 @@ from diffret.retrieval.search.encodings import SparseFlat
 from diffret.stages import execute, stages
 from diffret.stages.beta import BetaConfig
 from diffret.stages.bot import BotConfig
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
 from diffret.stages.evaluate import EvaluateConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.systems import SystemRef, tokenizer_of, tokens_slug
 from diffret.stages.tokenize import TokenizeConfig
 from diffret.storage import ArtifactStore, IncompleteArtifactError, StoreError

@@ -15,7 +15,7 @@ import pytest
 from diffret.retrieval.data import sources
 from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.sources import resolve_source
-from diffret.stages.ingest import materialise
+from diffret.stages.download import materialise
 from diffret.storage import ArtifactStore
 
 

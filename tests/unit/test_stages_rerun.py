@@ -71,7 +71,7 @@ DRIFT = {  # stage -> (change of a setting, the field the error names)
     "bm25": (lambda w: {"topk": 10}, "topk"),
     "beta": (lambda w: {"topk": 10}, "topk"),
     "late": (lambda w: {"self_hits": "drop"}, "ignore_identical_ids"),
-    "training": (lambda w: {"depth": 4}, "depth"),
+    "training-data": (lambda w: {"depth": 4}, "depth"),
     "train": (lambda w: {"settings": TRAIN.model_copy(update={"lr": 2e-3})}, "settings.lr"),
     "train-reranker": (lambda w: {"settings": RERANK_TRAIN.model_copy(update={"loss": "ranknet"})}, "settings.loss"),
     "evaluate": (lambda w: {"relevance_level": 2}, "relevance_level"),

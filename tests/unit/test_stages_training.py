@@ -41,14 +41,14 @@ def test_training_groups_mined_from_the_bm25_train_run(world: dict) -> None:
 
 
 def test_training_needs_a_split_and_a_run(world: dict) -> None:
-    cfg = world["configs"]["training"]
+    cfg = world["configs"]["training-data"]
     with pytest.raises(ValueError, match="has no split 'dev'"):
-        execute(stages()["training"], cfg.model_copy(update={"split": "dev"}), log=lambda _: None)
+        execute(stages()["training-data"], cfg.model_copy(update={"split": "dev"}), log=lambda _: None)
     with pytest.raises(StoreError, match="no system named 'nosuch'"):
-        execute(stages()["training"], cfg.model_copy(update={"negatives": "nosuch"}), log=lambda _: None)
+        execute(stages()["training-data"], cfg.model_copy(update={"negatives": "nosuch"}), log=lambda _: None)
     enc = find_system(ArtifactStore(world["root"]), SystemRef(model=str(world["model"]))).system
     with pytest.raises(StoreError, match="choose one with --kq, --kp and --mode"):
-        execute(stages()["training"], cfg.model_copy(update={"negatives": enc}), log=lambda _: None)
+        execute(stages()["training-data"], cfg.model_copy(update={"negatives": enc}), log=lambda _: None)
 
 
 def test_training_budget_defaults_to_the_zero_shot_train_selection(world: dict, tmp_path: Path) -> None:

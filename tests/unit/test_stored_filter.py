@@ -16,8 +16,8 @@ from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.models.sparse import ContentFilter
 from diffret.stages import execute, stages
 from diffret.stages.base import Context, Plan
+from diffret.stages.download import DownloadConfig
 from diffret.stages.encode import EncodeConfig
-from diffret.stages.ingest import DownloadConfig
 from diffret.stages.systems import tokenizer_of
 from diffret.storage import ArtifactStore
 

@@ -97,7 +97,7 @@ def test_mining_takes_the_top_depth_minus_positives_and_counts_every_gap():
 def test_stage_from_a_tevatron_file_and_a_malformed_one(tmp_path):
     root = str(tmp_path / "store")
     good = write_jsonl(tmp_path / "good.jsonl", [record("1", ["a"], ["b"]), record("2", ["c"], ["d", "e"])])
-    res = execute(stages()["training"], TrainingDataConfig(root=root, source=str(good)), log=lambda _: None)
+    res = execute(stages()["training-data"], TrainingDataConfig(root=root, source=str(good)), log=lambda _: None)
     assert res.done == 1
     store = ArtifactStore(root)
     m = store.read_manifest(training_dir("good"))
@@ -105,11 +105,11 @@ def test_stage_from_a_tevatron_file_and_a_malformed_one(tmp_path):
     with StoreSQL(store) as db:
         _, rows = db.query('select "set", query_id, n_positives, n_negatives from training_groups order by 2')
     assert rows == [("good", "1", 1, 1), ("good", "2", 1, 2)]
-    again = execute(stages()["training"], TrainingDataConfig(root=root, source=str(good)), log=lambda _: None)
+    again = execute(stages()["training-data"], TrainingDataConfig(root=root, source=str(good)), log=lambda _: None)
     assert (again.done, again.skipped) == (0, 1)
     bad = write_jsonl(tmp_path / "bad.jsonl", [record("1", ["a"], ["b"]), "{oops"])
     with pytest.raises(DatasetError, match="bad.jsonl:2: malformed JSON"):
-        execute(stages()["training"], TrainingDataConfig(root=root, source=str(bad)), log=lambda _: None)
+        execute(stages()["training-data"], TrainingDataConfig(root=root, source=str(bad)), log=lambda _: None)
     assert store.read_manifest(training_dir("bad")) is None and not store.exists(f"{training_dir('bad')}/{GROUPS_FILE}")
     with pytest.raises(ValueError, match="exactly one of source"):
         TrainingDataConfig(root=root)

@@ -1,4 +1,4 @@
-"""The ingest stage (``diffret download``): a collection into ``datasets/dataset=<name>/*.parquet``.
+"""The download stage (``diffret download``): a collection into ``datasets/dataset=<name>/*.parquet``.
 
 The three tables and the manifest are built in a staging folder and moved into place together, so
 a collection is either entirely there (with checksums) or not there at all. The config names the source
@@ -69,7 +69,7 @@ class DownloadConfig(StageConfig):
 
 
 @dataclass
-class IngestResult:
+class DownloadResult:
     dataset: str
     status: str  # "written" | "unchanged"
     manifest: Manifest
@@ -116,7 +116,7 @@ def _doc_ids_of(store: ArtifactStore, dataset: str) -> DocIds | None:
 def materialise(
     store: ArtifactStore, name: str, files: SourceFiles, force: bool = False, state: StageState | None = None,
     unknown_judgments: str = "error",
-) -> IngestResult:
+) -> DownloadResult:
     """Validate and store a collection's files (unless the same source is already stored)."""
     stage = dataset_dir(name)  # validates the name as a partition value
     config = artifact_config(name, files, unknown_judgments)
@@ -124,7 +124,8 @@ def materialise(
         state = store.state(stage, config, force=force, hint=DRIFT_HINT.format(name=name))
     if state is StageState.CURRENT:
         m = store.require_manifest(stage)
-        return IngestResult(name, "unchanged", m, [f"{name}: already in the store with the same source; nothing to do"])
+        return DownloadResult(name, "unchanged", m,
+                              [f"{name}: already in the store with the same source; nothing to do"])  # fmt: skip
     report = DatasetReport(dataset=name, notes=list(files.notes))
     if state is StageState.DAMAGED:
         report.notes.append("the stored copy failed its checksums and was rebuilt")
@@ -163,18 +164,18 @@ def materialise(
         w.write_parquet("qrels.parquet", QRELS_SCHEMA, [qrels])
         w.write_parquet("queries.parquet", QUERIES_SCHEMA, [build_queries(queries, judged, report)])
         manifest.stats = {"report": report.to_dict()}
-    return IngestResult(name, "written", manifest, report.summary_lines())
+    return DownloadResult(name, "written", manifest, report.summary_lines())
 
 
 @dataclass
-class IngestUnit:
+class DownloadUnit:
     name: str
     files: SourceFiles
     state: StageState
     unknown_judgments: str = "error"
 
 
-class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
+class Download(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
     """Materialise a retrieval test collection into the artifact store."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -216,7 +217,7 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         if st is StageState.CURRENT:
             lines = [f"{name}: already in the store with the same source; nothing to do"]
             return Plan(skipped=1, details={"dataset": name, "status": "unchanged", "report": lines})
-        return Plan(units=[IngestUnit(name, files, st, config.unknown_judgments)])
+        return Plan(units=[DownloadUnit(name, files, st, config.unknown_judgments)])
 
     def _stored(self, config: DownloadConfig, ctx: Context) -> Plan | None:
         """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
@@ -242,10 +243,10 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         unknown = m.config.get("unknown_judgments", config.unknown_judgments)
         return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)
 
-    def run(self, unit: IngestUnit, ctx: Context) -> IngestResult:
+    def run(self, unit: DownloadUnit, ctx: Context) -> DownloadResult:
         return materialise(ctx.store, unit.name, unit.files, state=unit.state, unknown_judgments=unit.unknown_judgments)
 
-    def finish(self, config: DownloadConfig, plan: Plan, results: list[IngestResult], ctx: Context) -> dict[str, Any]:
+    def finish(self, config: DownloadConfig, plan: Plan, results: list[DownloadResult], ctx: Context) -> dict[str, Any]:
         """What was stored (or found stored), with the rows of each table and the source (``markdown``)."""
         details = results[0].summary() if results else dict(plan.details)
         m = ctx.store.require_manifest(dataset_dir(config.dataset))
@@ -260,4 +261,4 @@ class Ingest(Stage, name="download", config=DownloadConfig, noun="collection(s)"
         return []  # its own table names each table's rows (a sum over corpus, queries and qrels would mislead)
 
 
-stage = Ingest()
+stage = Download()

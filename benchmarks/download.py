@@ -1,7 +1,7 @@
-"""Collection ingest throughput: diffret's validated, checksummed, atomic ingest vs a bare
+"""Collection download throughput: diffret's validated, checksummed, atomic ingest vs a bare
 json.loads -> pyarrow -> Parquet loop over the same file, in one process.
 
-    python benchmarks/ingest.py [--docs 200000]
+    python benchmarks/download.py [--docs 200000]
 
 Prints docs/s for both and the ratio (the price of validation + sha256 + staging; target >= 0.7x).
 """
