@@ -35,7 +35,7 @@ from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, t
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import encodings_dir, partial_dir, run_dir, tokens_dir
 
-from .base import ClusterConfig, Context, Plan, Stage, check_device, shared_settings
+from .base import ClusterConfig, Context, Plan, Positive, Stage, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import PassTracker, PassUnit, close_passes, merged_pass, open_pass, stacked_slices, unit_file, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, shard_ids, split_queries, tokens_manifest
@@ -58,7 +58,7 @@ class LateConfig(QueriesConfig, ClusterConfig):
     kq: int = Field(default=1, ge=1, description="The re-scoring system's query budget K_q.")
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
-    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
+    depths: list[Positive] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
                               "stage's top (one run each).", json_schema_extra=cli(flag="--depth",
                                                                                    deprecated=["--m"]))  # fmt: skip
     first_stage: str = like(RerankConfig, "first_stage")

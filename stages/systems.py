@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from diffret.retrieval.fields import Settings
 from diffret.retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from diffret.retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
@@ -29,7 +30,7 @@ from .readers import TITLE_SEP
 SYSTEMS_STAGE = "systems"
 
 
-class EncodeSettings(BaseModel):
+class EncodeSettings(Settings):
     """Everything that determines the numbers of an encoder system (its slug hashes :func:`numeric_settings`).
 
     The readout's ``auto`` settings are resolved here (:meth:`ReadoutConfig.resolved`), the encode path from the
@@ -342,7 +343,7 @@ def _known(store: ArtifactStore) -> str:
     return f"systems in the store: {', '.join(names)}" + note
 
 
-class SystemRef(BaseModel):
+class SystemRef(Settings):
     """Which stored system a stage reads: its slug, or its model plus the settings that tell it apart.
 
     With neither, the store's only encoder system is used.
