@@ -94,7 +94,7 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
         settings = {"runs": refs, "weights": config.weight_list(), "depth": config.depth, "norm": "minmax"}
         slug = f"{slug_base(config.name)}-{config_hash(settings)[:10]}"
         record = SystemRecord(system=slug, kind="fusion", settings=settings)
-        register(store, record, write=False)
+        register(store, record, write=False, named=True)
         plan = Plan(system=slug)
         cells, inputs = [], {}
         for split, ps in picked.items():

@@ -268,14 +268,15 @@ def encoder_record(s: EncodeSettings) -> SystemRecord:
 
 
 def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None,
-             write: bool = True) -> None:  # fmt: skip
+             write: bool = True, named: bool = False) -> None:  # fmt: skip
     """Write the record unless the registry holds it already (a record never changes: its slug is its hash).
 
     ``weights`` (:func:`weights_of`) are recorded with it; when the registry holds the system with other
     weights, the folder now holds another checkpoint than the one its artifacts came from (retrained or
     replaced in place): refused, so that its results are never reported as the new model's. ``write=False``
     only checks (a stage plans with it and registers once its first unit is done, so a failed run leaves no
-    system without artifacts)."""
+    system without artifacts). ``named``: the slug is a name the user gave (``--name``), so another system
+    registered under it is refused with the advice to choose another name."""
     stage = system_dir(record.system)
     config = record.model_dump()
     try:
@@ -292,6 +293,9 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
                 "another model's; save the new model under another path (it is then a system of its own)"
             )  # fmt: skip
         return
+    if old is not None and named:  # the name is the user's: another one, not the other system's folder
+        raise StoreError(f"{record.system!r} is the name of another system in {store.root} (a {old.config.get('kind')} "
+                         f"system); choose another name for this one (--name NEW)")  # fmt: skip
     if old is not None:
         raise StoreError(
             f"{store.abspath(stage)}: another system is registered under {record.system!r} "
