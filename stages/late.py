@@ -81,6 +81,13 @@ class LateConfig(QueriesConfig, ClusterConfig):
         """Whether a document whose id is the query's is dropped (``self_hits="drop"``)."""
         return self.self_hits == "drop"
 
+    @field_validator("depths", mode="before")
+    @classmethod
+    def _positive_first(cls, v: Any) -> Any:  # its own message before the items' bound answers
+        if isinstance(v, list) and any(isinstance(m, int) and m <= 0 for m in v):
+            raise ValueError(f"m must be positive integers, got {v}")
+        return v
+
     @field_validator("depths")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
@@ -340,7 +341,8 @@ def list_systems(store: ArtifactStore) -> list[tuple[SystemRecord, dict[str, Any
 def _known(store: ArtifactStore) -> str:
     names = [r.system for r, _ in list_systems(store)]
     damaged = sorted(set(store.list_partitions(SYSTEMS_STAGE, "system")) - set(names))
-    note = (f"; damaged registry record(s): {', '.join(damaged)} (diffret verify names the repair)"
+    root = f" --root {shlex.quote(at)}" if (at := store.printed_root()) else ""
+    note = (f"; damaged registry record(s): {', '.join(damaged)} (`diffret verify{root}` names the repair)"
             if damaged else "")  # fmt: skip
     if not names:
         return "the store has no systems yet (diffret encode)" + note

@@ -49,7 +49,7 @@ class IntegrityMixin:
         Reads what it can and never raises (it names the repair inside another error).
 
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test").replace(root, "ROOT")
         'repair: run `diffret summary --root ROOT` again with the settings that made it'
@@ -160,7 +160,7 @@ class IntegrityMixin:
         gives none we can read).
 
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     store.write_bytes("a/b.bin", b"abc")
@@ -229,7 +229,7 @@ class IntegrityMixin:
         (:meth:`verify_file`); :class:`ChecksumError` names what differs and the repair.
 
         >>> import tempfile, pyarrow as pa
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     entry = store.write_shard("t", "a.parquet", pa.table({"x": [1]}))
@@ -270,7 +270,7 @@ class IntegrityMixin:
         Examples
         --------
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     ArtifactStore(root).verify_all()
         (0, [])

@@ -106,7 +106,7 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tu
     """
     folder_glob, name_glob = pattern.rsplit("/", 1) if "/" in pattern else ("", pattern)
     skip = (layout.STAGING_DIR + "/", layout.LOCKS_DIR + "/")
-    if name_glob == layout.MANIFEST_NAME or "**" in folder_glob:
+    if name_glob == layout.MANIFEST_NAME:
         return [p for p in sorted(store.fs.glob(store.abspath(pattern))) if not store.relpath(p).startswith(skip)], {}
     on_disk: dict[str, set[str]] = {}  # folder -> its files matching the pattern
     for path in store.fs.glob(store.abspath(pattern)):

@@ -20,7 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -304,6 +304,10 @@ def test_one_poisoned_manifest_and_one_deleted_file_take_down_only_their_folders
     code, out = invoke("evaluate", root=root)
     assert code == 0 and "1 run(s) evaluated" in out, out  # the other systems: evaluated
     assert all(str(f) in out for f in (fused, scored)) and out.count("repair: ") == 2, out  # the damaged: named
+    for command in (["summary", "-d", "c", "--system", s["f16"]], ["report", *world["made"]["report"]]):
+        code, out = invoke(*command, root=root)  # what reads many folders through the views: rebuilt without them
+        warned = [ln for ln in out.splitlines() if ln.startswith("warning:") and "damaged folder" in ln]
+        assert code == 0 and all(str(fused) in w or str(scored) in w for w in warned), (command, out)
     code, out = invoke("verify", root=root)
     lines = [ln for ln in out.splitlines() if ln.startswith("damaged:")]
     assert code == 1 and len(lines) == 3, out
@@ -319,29 +323,44 @@ def test_one_poisoned_manifest_and_one_deleted_file_take_down_only_their_folders
     assert count(root, "runs") == world["counts"]["runs"] - fused_rows["files"]["run.parquet"]["rows"]  # removed
 
 
-def test_printed_repairs_and_advice_work_as_printed(world: dict, tmp_path: Path) -> None:
-    """A repair names the store root when a command would not find it without (--root given, $DIFFRET_ROOT unset);
-    a name another system holds is refused with the advice to choose another, not to remove its folder; an unknown
-    measure names the measures there are; a measure not evaluated yet prints an evaluate that keeps the stored ones."""
-    root = tmp_path / "store"
-    shutil.copytree(world["root"], root, symlinks=True)
+def _elsewhere(root: Path) -> Callable[..., tuple[int, str]]:
+    """The CLI as a user types it away from the store: --root given, no $DIFFRET_ROOT."""
 
-    def cli(*args: str) -> tuple[int, str]:  # --root given, no $DIFFRET_ROOT: the way a user types it elsewhere
+    def cli(*args: str) -> tuple[int, str]:
         res = CliRunner().invoke(app, [*args, "--root", str(root)], env={"DIFFRET_ROOT": None, "COLUMNS": "400"})
         assert "Traceback" not in res.output, res.output
         return res.exit_code, res.output
 
+    return cli
+
+
+def test_a_repair_names_the_store_root_when_a_command_would_not_find_it(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    cli = _elsewhere(root)
     folder = root / KINDS["bm25 runs"][0].format(**world["slugs"])
     damage(folder, "delete file")
     code, out = cli("verify")
     (line,) = [ln for ln in out.splitlines() if str(folder) in ln]
     assert code == 1 and f"--root {root}" in line, line
-    res = CliRunner().invoke(app, repair(line, world["made"]), env={"DIFFRET_ROOT": None})  # no --root added
+    res = CliRunner().invoke(app, repair(line, world["made"]), env={"DIFFRET_ROOT": None})  # as printed
     assert res.exit_code == 0, res.output
     assert cli("verify")[0] == 0
-    code, out = cli("import-run", str(world["root"].parent / "ext.trec"), "-d", "c", "--name", world["slugs"]["f16"])
+
+
+def test_a_name_another_system_holds_is_refused_with_advice_to_choose_another(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    code, out = _elsewhere(root)("import-run", str(world["root"].parent / "ext.trec"), "-d", "c", "--name",
+                                 world["slugs"]["f16"])  # an encoder's slug  # fmt: skip
     assert code == 2 and "choose another name" in out and "remove" not in out, out
-    code, out = cli("compare", "-d", "c", "--measure", "nosuch")
+
+
+def test_a_measure_unknown_or_not_evaluated_gets_advice_that_works(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    cli = _elsewhere(root)
+    code, out = cli("compare", "-d", "c", "--measure", "nosuch")  # the measures there are, not a repair that fails
     assert code == 2 and "unknown measure 'nosuch'" in out and "ndcg_cut" in out and "`diffret" not in out, out
     code, out = cli("compare", "-d", "c", "--measure", "P_5", "--name", "p5")
     command = re.search(r"run `diffret ([^`]*)`", out)
