@@ -172,11 +172,16 @@ def stage_command(stage_name: str, command: str | None = None) -> None:
     app.command(name, help=body.__doc__, cls=Command)(config_command(cls, body, name=name, extra=[PREFECT]))
 
 
+def _warning(line: str) -> None:
+    """One warning line on stderr (a damaged folder a query leaves out, with its repair)."""
+    console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+
 def _print_warnings(res: Any) -> None:
     """The summaries' warnings (a system near chance), after the leaderboard."""
     details = res if isinstance(res, dict) else res.details
     for line in details.get("warnings", []):
-        console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        _warning(line)
 
 
 def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool = False) -> None:
@@ -264,7 +269,8 @@ def sql(
     """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
 
     Queries read the store and nothing else: COPY, CREATE, ATTACH, INSTALL, SET and reading files outside the
-    store root are refused."""
+    store root are refused. A damaged or incomplete folder is left out of its views, with a warning naming it and
+    its repair."""
     import duckdb
 
     from diffret.storage import ArtifactStore
@@ -272,7 +278,7 @@ def sql(
 
     with _errors():
         try:
-            with StoreSQL(ArtifactStore(root), verify=verify) as db:
+            with StoreSQL(ArtifactStore(root), verify=verify, warn=_warning) as db:
                 if out:
                     n = db.export(query, out)
                 else:
@@ -307,7 +313,7 @@ def views(root: Root = DEFAULT_ROOT) -> None:
     from diffret.storage import ArtifactStore
     from diffret.storage.sql import StoreSQL
 
-    with _errors(), StoreSQL(ArtifactStore(root)) as db:
+    with _errors(), StoreSQL(ArtifactStore(root), warn=lambda _: None) as db:  # a folder left out changes no column
         for name in db.views:
             _, rows = db.query(f"DESCRIBE {name}")
             out.print(f"[bold]{name}[/]: " + ", ".join(f"{r[0]} {r[1]}" for r in rows), highlight=False)

@@ -1,12 +1,34 @@
 """Declaring a config field once: its command-line spelling (``cli``) beside its default, bounds and description,
-and a field that passes another config's setting on (``like``) instead of restating it."""
+and a field that passes another config's setting on (``like``) instead of restating it; :class:`Settings`, the base
+of every config a stage takes (its nested settings too), which refuses a number that is not finite."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
+
+SEED_MAX = 2**32 - 1  # the largest seed every generator takes (NumPy's, scikit-learn's folds)
+
+
+class Settings(BaseModel):
+    """The base of every stage config and of the settings nested in one (backbone, readout, BM25, training): a number
+    that is not finite (NaN, +-inf, as a float or as the text ``nan`` / ``inf``) is refused, in a list too, before
+    anything is written. Each numeric field declares its range on itself (``ge``, ``gt``, ``le``, ``lt``).
+
+    >>> class S(Settings):
+    ...     w: list[float] = [1.0]
+    >>> S(w=[0.5, 1]).w
+    [0.5, 1.0]
+    >>> try:
+    ...     S(w=[float("nan")])
+    ... except ValueError as e:
+    ...     print(e.errors()[0]["msg"])
+    Input should be a finite number
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
 
 def cli(**declared: Any) -> dict[str, Any]:

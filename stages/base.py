@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field
 
 from diffret.caching import KeyedCache
 from diffret.retrieval.devices import resolve_device
-from diffret.retrieval.fields import cli
+from diffret.retrieval.fields import Settings, cli
 from diffret.retrieval.search.modes import MODE_NAMES, check_modes
 from diffret.retrieval.traits import Declared
 from diffret.storage import ArtifactStore, StageState, StoreError
@@ -49,7 +49,15 @@ def sorted_positive_ks(v: list[int]) -> list[int]:
     return sorted(v)
 
 
-KList = Annotated[list[int], AfterValidator(sorted_positive_ks)]
+def _budgets_first(v: Any) -> Any:
+    """A budget list's own refusal of a K below 1 (:func:`sorted_positive_ks`), before the items' bound answers."""
+    if isinstance(v, list) and any(isinstance(k, int) and k <= 0 for k in v):
+        sorted_positive_ks(v)
+    return v
+
+
+Positive = Annotated[int, Field(ge=1)]  # an item of a list of counts, sizes or depths
+KList = Annotated[list[Positive], BeforeValidator(_budgets_first), AfterValidator(sorted_positive_ks)]
 # a dropdown of the modes in the Prefect UI; check_modes refuses an empty list
 ModeList = Annotated[list[Literal[MODE_NAMES]], AfterValidator(check_modes)]  # type: ignore[valid-type]
 
@@ -58,7 +66,7 @@ ModeList = Annotated[list[Literal[MODE_NAMES]], AfterValidator(check_modes)]  # 
 ProgressFn = Callable[[str, int, int | None, str, str], None]
 
 
-class StageConfig(BaseModel):
+class StageConfig(Settings):
     """Fields every stage config has: where the store is, and whether to replace artifacts of other settings."""
 
     root: str = Field(default=DEFAULT_ROOT, description="Artifact store root: a local folder or an fsspec URL.",
@@ -68,7 +76,7 @@ class StageConfig(BaseModel):
     )
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(Settings):
     """Where a distributed stage's units run: in this process, on a local Dask cluster, or on one joined by address
     (flows/cluster.py). Runs do not depend on it."""
 

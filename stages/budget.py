@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
 from diffret.retrieval.analysis.budgets import SELECTORS, Grid, encoding_features, first_pass_features, text_features
-from diffret.retrieval.fields import cli
+from diffret.retrieval.fields import SEED_MAX, cli
 from diffret.storage import Manifest
 from diffret.storage.layout import (
     FEATURES_FILE,
@@ -70,7 +70,7 @@ class BudgetConfig(StageConfig):
                             "split itself, k-fold cross-fitted (each query's budget chosen by selectors learned on the "
                             "other folds, never on itself); over joint only. Its runs' modes end in _cf.")  # fmt: skip
     measure: str = Field(default="ndcg_cut_10", description="The per-query measure the selectors maximise.")
-    seed: int = Field(default=0, description="Seed of the folds and the learners.")
+    seed: int = Field(default=0, ge=0, le=SEED_MAX, description="Seed of the folds and the learners.")
     folds: int = Field(default=5, ge=2, description="Cross-validation folds on the train split.")
 
     @model_validator(mode="after")

@@ -11,12 +11,14 @@ The table is rebuilt when any run's metrics change.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+import shlex
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from diffret.retrieval.evaluation import DEFAULT_MEASURES
 from diffret.retrieval.evaluation.compare import Comparison, compare_runs
+from diffret.retrieval.evaluation.measures import check_measures
 from diffret.retrieval.fields import cli
 from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
 from diffret.storage.layout import METRICS_FILE, comparison_dir, metrics_dir, partition
@@ -37,8 +39,10 @@ class CompareConfig(StageConfig):
                             "runs). Default: every run of the dataset and split.",
                             json_schema_extra=cli(flag="--run"))  # fmt: skip
     baseline: str = Field(default="bm25", description="The run every other is tested against (SYSTEM[:MODE[:KQ:KP]]).")
-    measures: list[str] = Field(default=list(DEFAULT_MEASURES), description="Measures (as evaluate stored them).",
-                                json_schema_extra=cli(flag="--measure"))  # fmt: skip
+    measures: Annotated[list[str], AfterValidator(check_measures)] = Field(
+        default=list(DEFAULT_MEASURES), description="Measures (as evaluate stored them).",
+        json_schema_extra=cli(flag="--measure"),
+    )
     test: Literal["t", "wilcoxon"] = Field(default="t", description="Paired test on the per-query scores: t "
                                            "(scipy's ttest_rel) or wilcoxon (signed-rank).")  # fmt: skip
     correction: Literal["holm", "bonferroni", "none"] = Field(
@@ -63,27 +67,46 @@ class CompareConfig(StageConfig):
         return self.name or f"{self.dataset}-{self.split}-{config_hash(self.settings())[:8]}"
 
 
-def all_runs(store: ArtifactStore, dataset: str, split: str) -> list[str]:
-    """``SYSTEM:MODE:KQ:KP`` of every run of ``dataset``/``split`` in the store."""
+def all_runs(store: ArtifactStore, dataset: str, split: str, damaged: dict[str, str] | None = None) -> list[str]:
+    """``SYSTEM:MODE:KQ:KP`` of every run of ``dataset``/``split`` in the store; a run folder whose manifest is damaged
+    is left out and named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
     for stage in store.stage_dirs("runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"):
-        m = store.read_manifest(stage)
+        try:
+            m = store.read_manifest(stage)
+        except StoreError as exc:
+            if damaged is None:
+                raise
+            damaged[stage] = str(exc)
+            continue
         if m is not None:
             p = m.partition
             out.append(f"{p['system']}:{p['mode']}:{p['kq']}:{p['kp']}")
     return sorted(out)
 
 
-def _metrics(store: ArtifactStore, run: PickedRun, dataset: str, split: str, measures: list[str]) -> Manifest:
+def _metrics(store: ArtifactStore, run: PickedRun, dataset: str, split: str, measures: list[str],
+             damaged: dict[str, str] | None = None) -> Manifest | None:  # fmt: skip
+    """The metrics manifest of ``run``, holding ``measures``; a damaged one is named in ``damaged`` (None returned)
+    when given, else its error is raised; none, or one without a measure: refused with the command that makes it."""
     stage = metrics_dir(run.system, dataset, split, run.kq, run.kp, run.mode)
-    m = store.read_manifest(stage)
+    try:
+        m = store.read_manifest(stage)
+    except StoreError as exc:
+        if damaged is None:
+            raise
+        damaged[stage] = str(exc)
+        return None
+    at = store.printed_root()
+    root = f" --root {shlex.quote(at)}" if at else ""
     if m is None:
-        raise StoreError(f"run {run.label!r} has no metrics on {dataset}/{split}: run `diffret evaluate -d {dataset}` "
-                         "first")  # fmt: skip
-    missing = [x for x in measures if x not in m.config.get("measures", [])]
-    if missing:
+        raise StoreError(f"run {run.label!r} has no metrics on {dataset}/{split}: run `diffret evaluate -d {dataset}"
+                         f"{root}` first")  # fmt: skip
+    stored = list(m.config.get("measures", []))
+    missing = [x for x in measures if x not in stored]
+    if missing:  # evaluated again with the measures it has and those asked for (--force replaces them all)
         raise StoreError(f"run {run.label!r} was evaluated without {missing}: run `diffret evaluate -d {dataset} "
-                         + " ".join(f"--measure {x}" for x in measures) + " --force`")  # fmt: skip
+                         + " ".join(f"--measure {x}" for x in stored + missing) + f" --force{root}`")  # fmt: skip
     return m
 
 
@@ -114,7 +137,8 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
             if os.path.exists(out) and not os.path.isdir(out):
                 raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the tables into")
         base = pick_run(store, config.baseline, config.dataset, config.split)
-        names = config.runs or [r for r in all_runs(store, config.dataset, config.split)
+        damaged: dict[str, str] | None = None if config.runs else {}  # every run: a damaged one is left out, named
+        names = config.runs or [r for r in all_runs(store, config.dataset, config.split, damaged)
                                 if r != f"{base.system}:{base.mode}:{base.kq}:{base.kp}"]  # fmt: skip
         runs = [base] + [pick_run(store, r, config.dataset, config.split) for r in names]
         seen: dict[str, str] = {}
@@ -126,7 +150,15 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
         if len(runs) < 2:
             raise StoreError(f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give "
                              "--run")  # fmt: skip
-        inputs = {r.label: _metrics(store, r, config.dataset, config.split, config.measures).config_hash for r in runs}
+        metrics = {r.label: _metrics(store, r, config.dataset, config.split, config.measures,
+                                     None if r is base else damaged) for r in runs}  # fmt: skip
+        runs = [r for r in runs if metrics[r.label] is not None]
+        for why in (damaged or {}).values():
+            ctx.log(f"warning: a damaged folder is left out of the comparison: {why}")
+        if len(runs) < 2:
+            raise StoreError(f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give "
+                             "--run")  # fmt: skip
+        inputs = {r.label: metrics[r.label].config_hash for r in runs}  # type: ignore[union-attr]
         cfg = {**config.settings(), "picked": [{"label": r.label, **r.ref()} for r in runs], "inputs": inputs}
         stage = comparison_dir(config.folder_name())
         plan = Plan()

@@ -24,7 +24,7 @@ from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, remo
 from diffret.storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
 from diffret.storage.layout import codebook_dir, encodings_dir
 
-from .base import ClusterConfig, Context, Plan, Stage, StageConfig
+from .base import ClusterConfig, Context, KList, Plan, Stage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
 from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
@@ -44,7 +44,7 @@ class CompressConfig(StageConfig, ClusterConfig):
     store_seed: int = like(EncodeConfig, "store_seed", validation_alias=AliasChoices("store_seed", "seed"),
                            json_schema_extra=cli(deprecated=["--seed"]))  # fmt: skip
     verify: bool = like(EncodeConfig, "verify")
-    k: list[int] | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
+    k: KList | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
                                 "dataset; its queries are copied as they are).")  # fmt: skip
     codebook_sample: int = like(EncodeConfig, "codebook_sample")
 

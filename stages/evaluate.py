@@ -13,15 +13,16 @@ equal to its recall_100 (the train split selects budgets by NDCG@10, which it do
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pyarrow as pa
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from diffret.retrieval.evaluation import DEFAULT_MEASURES
 from diffret.retrieval.evaluation.arrays import evaluate_tables
+from diffret.retrieval.evaluation.measures import check_measures
 from diffret.retrieval.fields import cli
-from diffret.storage import ArtifactStore, Manifest
+from diffret.storage import ArtifactStore, Manifest, StoreError, layout
 from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
 
 from .base import ClusterConfig, Context, Folder, Plan, Stage, StageConfig
@@ -45,7 +46,7 @@ class EvaluateConfig(StageConfig, ClusterConfig):
                                        json_schema_extra=cli(flag="--dataset", short="-d"))  # fmt: skip
     splits: list[str] | None = Field(default=None, description="Splits to evaluate (default: all).",
                                      json_schema_extra=cli(flag="--split"))  # fmt: skip
-    measures: list[str] = Field(
+    measures: Annotated[list[str], AfterValidator(check_measures)] = Field(
         default=list(DEFAULT_MEASURES), description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10.",
         json_schema_extra=cli(flag="--measure"),
     )
@@ -71,21 +72,32 @@ def list_runs(
     systems: list[str] | None = None,
     datasets: list[str] | None = None,
     splits: list[str] | None = None,
+    damaged: dict[str, str] | None = None,
 ) -> list[RunRef]:
-    """Complete run folders in the store, optionally filtered."""
+    """Complete run folders in the store, optionally filtered. A damaged one (its manifest unreadable or edited by
+    hand, its run file missing or changed: the cheap checks of :meth:`ArtifactStore.check_file`) is left out and
+    named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
     for stage in store.stage_dirs("runs/*/*/*/*/*/*"):
-        m = store.read_manifest(stage)
-        if m is None or RUN_FILE not in m.files:
-            continue
-        p = m.partition
+        p = dict(part.split("=", 1) for part in stage.split("/")[1:])  # the folder's partition, as it was written
         if systems and p.get("system") not in systems:
             continue
         if datasets and p.get("dataset") not in datasets:
             continue
         if splits and p.get("split") not in splits:
             continue
-        out.append(RunRef(stage, p, m))
+        try:
+            m = store.read_manifest(stage)
+            if m is None or RUN_FILE not in m.files:
+                continue
+            written = store.file_stat(layout.manifest_path(stage))  # its files are written before it
+            store.check_file(stage, RUN_FILE, m.files[RUN_FILE], written[1] if written else None)
+        except StoreError as exc:
+            if damaged is None:
+                raise
+            damaged[stage] = str(exc)
+            continue
+        out.append(RunRef(stage, m.partition, m))
     return out
 
 
@@ -135,7 +147,14 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         store = ctx.store
         plan = Plan(work_unit="runs")
         qrels_sha: dict[str, str] = {}
-        for run in list_runs(store, config.systems, config.datasets, config.splits):
+        damaged: dict[str, str] = {}
+        runs = list_runs(store, config.systems, config.datasets, config.splits, damaged)
+        if damaged and config.systems:  # a system asked for by name: its damaged run is refused, not skipped
+            more = f" (and {len(damaged) - 1} more damaged run folder(s))" if len(damaged) > 1 else ""
+            raise StoreError(next(iter(damaged.values())) + more)
+        for why in damaged.values():  # every run: the others are evaluated, the damaged ones named with their repair
+            ctx.log(f"warning: a damaged run folder is left out: {why}")
+        for run in runs:
             p = run.partition
             ds = p["dataset"]
             level = config.relevance_level if config.relevance_level is not None else default_relevance_level(ds)

@@ -11,7 +11,7 @@ cell, another fusion); the slug hashes them with the weights and depth, so anoth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -36,8 +36,10 @@ class FuseConfig(QueriesConfig):
                             json_schema_extra=cli(flag="--run"))  # fmt: skip
     splits: list[str] = Field(default=["test"], description="Query splits to fuse.",
                               json_schema_extra=cli(flag="--split"))  # fmt: skip
-    weights: list[float] | None = Field(default=None, description="A weight per run (default: equal, summing to 1).",
-                                       json_schema_extra=cli(flag="--weight"))  # fmt: skip
+    weights: list[Annotated[float, Field(ge=0)]] | None = Field(
+        default=None, description="A weight per run: finite, 0 or more, not all 0 (default: equal, summing to 1).",
+        json_schema_extra=cli(flag="--weight"),
+    )
     depth: int = Field(default=1000, ge=1, description="Top documents of each run normalised, and documents kept.")
     name: str = Field(default="fusion", description="The fused system's name (its slug adds a hash of the inputs).")
 
@@ -47,6 +49,9 @@ class FuseConfig(QueriesConfig):
             raise ValueError(f"fusion takes two or more runs (--run twice or more), got {len(self.runs)}")
         if self.weights is not None and len(self.weights) != len(self.runs):
             raise ValueError(f"{len(self.weights)} weights for {len(self.runs)} runs: give one --weight per --run")
+        if self.weights is not None and not any(self.weights):
+            raise ValueError(f"the weights {self.weights} are all 0: the fused run would score every document 0; give "
+                             "at least one --weight above 0")  # fmt: skip
         return self
 
     def weight_list(self) -> list[float]:
@@ -89,7 +94,7 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
         settings = {"runs": refs, "weights": config.weight_list(), "depth": config.depth, "norm": "minmax"}
         slug = f"{slug_base(config.name)}-{config_hash(settings)[:10]}"
         record = SystemRecord(system=slug, kind="fusion", settings=settings)
-        register(store, record, write=False)
+        register(store, record, write=False, named=True)
         plan = Plan(system=slug)
         cells, inputs = [], {}
         for split, ps in picked.items():

@@ -103,7 +103,7 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
         stage = run_dir(slug, config.dataset, config.split, 0, 0, IMPORTED_MODE)
         plan = Plan(system=slug)
         record = SystemRecord(system=slug, kind="run", settings={"imported": True})
-        register(store, record, write=False)  # a name another kind of system holds: refused here
+        register(store, record, write=False, named=True)  # a name another kind of system holds: refused here
         if plan.needs_folder(ctx, stage, cfg, config.force, hint=f"The store holds run {slug!r} of {config.dataset}/"
                              f"{config.split} from another file; pass --force to replace it, or --name NEW."):
             plan.units.append(ImportUnit(Cell(config.split, 0, 0, IMPORTED_MODE, stage, cfg), str(path), fmt,

@@ -37,7 +37,7 @@ from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, t
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir, tokens_dir
 
-from .base import ClusterConfig, Context, Plan, check_device, shared_settings
+from .base import ClusterConfig, Context, Plan, Positive, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
 from .readers import corpus_size, encoding_manifest, query_encodings, shard_ids, split_queries, tokens_manifest
@@ -60,7 +60,7 @@ class LateConfig(QueriesConfig, ClusterConfig):
     kq: int = Field(default=1, ge=1, description="The re-scoring system's query budget K_q.")
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
-    depths: list[int] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
+    depths: list[Positive] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
                               "stage's top (one run each).", json_schema_extra=cli(flag="--depth",
                                                                                    deprecated=["--m"]))  # fmt: skip
     first_stage: str = like(RerankConfig, "first_stage")
@@ -82,6 +82,13 @@ class LateConfig(QueriesConfig, ClusterConfig):
     def ignore_ids(self) -> bool:
         """Whether a document whose id is the query's is dropped (``self_hits="drop"``)."""
         return self.self_hits == "drop"
+
+    @field_validator("depths", mode="before")
+    @classmethod
+    def _positive_first(cls, v: Any) -> Any:  # its own message before the items' bound answers
+        if isinstance(v, list) and any(isinstance(m, int) and m <= 0 for m in v):
+            raise ValueError(f"m must be positive integers, got {v}")
+        return v
 
     @field_validator("depths")
     @classmethod

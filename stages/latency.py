@@ -32,7 +32,7 @@ from diffret.storage.layout import (
 )
 from diffret.storage.manifest import config_hash
 
-from .base import Context, Folder, KList, Plan, Stage, StageConfig, StageResult
+from .base import Context, Folder, KList, Plan, Positive, Stage, StageConfig, StageResult
 from .encode import reader_for
 from .systems import EncodeSettings, encoder_slug
 from .tokenize import default_backbone
@@ -56,13 +56,13 @@ class LatencyConfig(StageConfig):
     kinds: list[Literal["encode", "search"]] = Field(default=["encode", "search"], description="What to time.")
     sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.",
                                                      json_schema_extra=cli(flag="--side", deprecated=["--sides"]))
-    lengths: list[int] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
+    lengths: list[Positive] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
                                "tokens, before the prompt).")  # fmt: skip
-    batch_sizes: list[int] = Field(default=[1], description="Texts per forward pass (1: one query's latency).",
+    batch_sizes: list[Positive] = Field(default=[1], description="Texts per forward pass (1: one query's latency).",
                                    json_schema_extra=cli(flag="--batch-size", deprecated=["--batch-sizes"]))
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
-    search_sizes: list[int] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to search; "
-                                    "synthetic, held in memory: documents x K_p x hidden x 4 bytes.")
+    search_sizes: list[Positive] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to "
+                                         "search; synthetic, held in memory: documents x K_p x hidden x 4 bytes.")
     search_k: list[str] = Field(default=["1x1", "4x16"], description="K_qxK_p budgets to search (1x1: one vector "
                                 "per text, single-vector; the others multi-vector).")  # fmt: skip
     engines: list[Literal["exact", "lance"]] = Field(default=["exact", "lance"], description="Search engines to "

@@ -103,7 +103,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
 
     def run(self, unit: Folder, ctx: Context) -> Report:
         c = unit.config
-        with StoreSQL(ctx.store) as db:
+        with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
             rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
                                c["settings"], c.get("test", "t"), c.get("correction", "holm"))  # fmt: skip
         m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections]})

@@ -192,12 +192,13 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
         store, SystemRef(system=parts[0]))  # fmt: skip
     found = []
     for stage in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
-        m = store.read_manifest(stage)
+        p = dict(part.split("=", 1) for part in stage.split("/")[1:])  # the folder's partition, as it was written
+        if not ((mode is None or p["mode"] == mode) and (kq is None or (int(p["kq"]), int(p["kp"])) == (kq, kp))):
+            continue  # another cell of the system: not read (a damaged one does not stand in the way)
+        m = store.read_manifest(stage)  # damaged: its error names the repair
         if m is None or RUN_FILE not in m.files:
             continue
-        p = m.partition
-        if (mode is None or p["mode"] == mode) and (kq is None or (int(p["kq"]), int(p["kp"])) == (kq, kp)):
-            found.append(PickedRun(ref, record.system, int(p["kq"]), int(p["kp"]), p["mode"], stage))
+        found.append(PickedRun(ref, record.system, int(p["kq"]), int(p["kp"]), p["mode"], stage))
     if len(found) == 1:
         return found[0]
     if not found:

@@ -76,7 +76,7 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
 
     def run(self, unit: Folder, ctx: Context) -> None:
         c = unit.config
-        with StoreSQL(ctx.store) as db:
+        with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
             s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"])
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
         board = [r.as_dict() for r in s.rows]

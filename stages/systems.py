@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from diffret.retrieval.fields import Settings
 from diffret.retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from diffret.retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
@@ -29,7 +31,7 @@ from .readers import TITLE_SEP
 SYSTEMS_STAGE = "systems"
 
 
-class EncodeSettings(BaseModel):
+class EncodeSettings(Settings):
     """Everything that determines the numbers of an encoder system (its slug hashes :func:`numeric_settings`).
 
     The readout's ``auto`` settings are resolved here (:meth:`ReadoutConfig.resolved`), the encode path from the
@@ -267,14 +269,15 @@ def encoder_record(s: EncodeSettings) -> SystemRecord:
 
 
 def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None,
-             write: bool = True) -> None:  # fmt: skip
+             write: bool = True, named: bool = False) -> None:  # fmt: skip
     """Write the record unless the registry holds it already (a record never changes: its slug is its hash).
 
     ``weights`` (:func:`weights_of`) are recorded with it; when the registry holds the system with other
     weights, the folder now holds another checkpoint than the one its artifacts came from (retrained or
     replaced in place): refused, so that its results are never reported as the new model's. ``write=False``
     only checks (a stage plans with it and registers once its first unit is done, so a failed run leaves no
-    system without artifacts)."""
+    system without artifacts). ``named``: the slug is a name the user gave (``--name``), so another system
+    registered under it is refused with the advice to choose another name."""
     stage = system_dir(record.system)
     config = record.model_dump()
     try:
@@ -291,6 +294,9 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
                 "another model's; save the new model under another path (it is then a system of its own)"
             )  # fmt: skip
         return
+    if old is not None and named:  # the name is the user's: another one, not the other system's folder
+        raise StoreError(f"{record.system!r} is the name of another system in {store.root} (a {old.config.get('kind')} "
+                         f"system); choose another name for this one (--name NEW)")  # fmt: skip
     if old is not None:
         raise StoreError(
             f"{store.abspath(stage)}: another system is registered under {record.system!r} "
@@ -335,14 +341,15 @@ def list_systems(store: ArtifactStore) -> list[tuple[SystemRecord, dict[str, Any
 def _known(store: ArtifactStore) -> str:
     names = [r.system for r, _ in list_systems(store)]
     damaged = sorted(set(store.list_partitions(SYSTEMS_STAGE, "system")) - set(names))
-    note = (f"; damaged registry record(s): {', '.join(damaged)} (diffret verify names the repair)"
+    root = f" --root {shlex.quote(at)}" if (at := store.printed_root()) else ""
+    note = (f"; damaged registry record(s): {', '.join(damaged)} (`diffret verify{root}` names the repair)"
             if damaged else "")  # fmt: skip
     if not names:
         return "the store has no systems yet (diffret encode)" + note
     return f"systems in the store: {', '.join(names)}" + note
 
 
-class SystemRef(BaseModel):
+class SystemRef(Settings):
     """Which stored system a stage reads: its slug, or its model plus the settings that tell it apart.
 
     With neither, the store's only encoder system is used.

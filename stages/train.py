@@ -374,7 +374,7 @@ def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
         system = find_system(ctx.store, ref).system
     except StoreError as exc:
         raise StoreError(f"no training budget given and {exc}; {hint}") from None
-    with StoreSQL(ctx.store) as db:
+    with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
         found = rows(db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?",
                      [system])  # fmt: skip
     if not found:

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.sources import corpus_of
 from diffret.retrieval.data.training import Group, drop_repeated_negatives, groups_table, mine_groups, read_tevatron
-from diffret.retrieval.fields import cli
+from diffret.retrieval.fields import SEED_MAX, cli
 from diffret.storage import Manifest, StoreError
 from diffret.storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
 from diffret.storage.store import sha256_file
@@ -45,12 +45,12 @@ class TrainingDataConfig(StageConfig):
                                 json_schema_extra=cli(short="-d"))  # fmt: skip
     split: str = Field(default="train", description="The split whose judged queries become groups.")
     negatives: str = Field(default="bm25", description="The stored system whose run gives the hard negatives.")
-    kq: int | None = Field(default=None, description="The run's K_q (when the system has several runs).")
-    kp: int | None = Field(default=None, description="The run's K_p (when the system has several runs).")
+    kq: int | None = Field(default=None, ge=0, description="The run's K_q (when the system has several runs).")
+    kp: int | None = Field(default=None, ge=0, description="The run's K_p (when the system has several runs).")
     mode: str | None = Field(default=None, description="The run's mode (when the system has several runs).")
     depth: int = Field(default=30, ge=1, description="Negatives are drawn from the run's top depth.")
     n_negatives: int = Field(default=15, ge=1, description="Hard negatives per group.")
-    seed: int = Field(default=0, description="Seed of the negative sampling.")
+    seed: int = Field(default=0, ge=0, le=SEED_MAX, description="Seed of the negative sampling.")
 
     @model_validator(mode="after")
     def _one_origin(self) -> TrainingDataConfig:

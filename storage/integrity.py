@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import shlex
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -48,10 +49,10 @@ class IntegrityMixin:
         Reads what it can and never raises (it names the repair inside another error).
 
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
-        ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test")
-        'repair: run `diffret summary` again with the settings that made it'
+        ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test").replace(root, "ROOT")
+        'repair: run `diffret summary --root ROOT` again with the settings that made it'
         """
         facts: dict[str, Any] = {}
         parts = rel.lstrip("/").split("/")
@@ -63,9 +64,54 @@ class IntegrityMixin:
                 facts = {"task": self._model_task("/".join(parts[:2]))}
             elif parts[0] == "summaries" and len(parts) > 3:
                 facts = {"bm25": self._summary_bm25("/".join(parts[:4]))}
+            elif parts[0] == "systems" and len(parts) > 1:
+                facts = {"kind": (self._raw_config("/".join(parts[:2])) or ({}, {}))[0].get("kind")}
         except Exception:  # noqa: BLE001  (a hint never hides the error it is part of)
             facts = {}
-        return layout.repair_hint(rel, facts)
+        return layout.repair_hint(rel, facts, root=self.printed_root())
+
+    def printed_root(self) -> str:
+        """The store root a command printed for this store must be given (``--root ROOT``; absolute), or ``""`` when
+        a command run without ``--root`` finds this store: its root is ``$DIFFRET_ROOT``, or else the default
+        (:data:`storage.layout.DEFAULT_ROOT`, from the current folder).
+
+        >>> import tempfile
+        >>> from diffret.storage import ArtifactStore
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     ArtifactStore(root).printed_root() == root
+        True
+        """
+        default = os.environ.get("DIFFRET_ROOT") or layout.DEFAULT_ROOT
+        if self.is_local:
+            return "" if os.path.abspath(os.path.expanduser(default)) == self.base else self.base
+        return "" if default.rstrip("/") == self.root.rstrip("/") else self.root
+
+    def removal_hint(self, stage_dir: str) -> str:
+        """The repair of a folder no command can build again as it was: remove it (``rm -r``, the path quoted).
+
+        >>> from diffret.storage import ArtifactStore
+        >>> ArtifactStore("/data/s").removal_hint("runs/system=a b")
+        "repair: remove the folder: `rm -r '/data/s/runs/system=a b'`"
+        """
+        path = self.abspath(stage_dir)
+        return f"repair: remove the folder: `rm -r {shlex.quote(path)}`" if self.is_local else (
+            f"repair: remove the folder {path}")  # fmt: skip
+
+    def edited_problem(self, stage_dir: str, m: Manifest, subject: str = "") -> str | None:
+        """The damage line of a manifest edited by hand (``subject``: what it names first; default its folder), with
+        its repair; ``None`` when it is as written. A config that holds a number that is not finite (written as null,
+        :meth:`Manifest.non_finite`) was no edit: its settings are refused now, so no command builds the folder again
+        as it was, and the repair removes it."""
+        what = m.edited()
+        if what is None:
+            return None
+        subject = subject or self.abspath(stage_dir)
+        if what == "its config" and (fields := m.non_finite()):
+            return (f"{subject}: its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, "
+                    "written as null), which every setting refuses now, so no command builds the folder again as it "
+                    f"was; {self.removal_hint(stage_dir)}")  # fmt: skip
+        return (f"{subject}: manifest edited by hand ({what}), so the folder is not trusted; "
+                f"{self.repair_hint(stage_dir)}")  # fmt: skip
 
     def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(config, stats) of a folder's manifest as written, or None (missing, unreadable): no checks, no hints."""
@@ -114,7 +160,7 @@ class IntegrityMixin:
         gives none we can read).
 
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     store.write_bytes("a/b.bin", b"abc")
@@ -183,7 +229,7 @@ class IntegrityMixin:
         (:meth:`verify_file`); :class:`ChecksumError` names what differs and the repair.
 
         >>> import tempfile, pyarrow as pa
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     entry = store.write_shard("t", "a.parquet", pa.table({"x": [1]}))
@@ -224,7 +270,7 @@ class IntegrityMixin:
         Examples
         --------
         >>> import tempfile
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     ArtifactStore(root).verify_all()
         (0, [])
@@ -244,9 +290,8 @@ class IntegrityMixin:
                 continue
             if m is None:
                 continue
-            if what := m.edited():
-                problems.append(f"{self.abspath(folder)}: manifest edited by hand ({what}); "
-                                f"{self.repair_hint(folder)}")  # fmt: skip
+            if line := self.edited_problem(folder, m):
+                problems.append(line)
             files = dict(m.files)
             for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
                 if isinstance(rec, StoreError):

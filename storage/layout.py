@@ -9,6 +9,7 @@ by its slug, the ``system=`` partition of every folder it produced.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,30 +455,38 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
 }
 _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta",
                  "imported": "diffret import-run", "fusion": "diffret fuse"}  # fmt: skip
+# the command that registers each kind of system (a registry record is written again by its next run)
+_SYSTEM_COMMANDS = {"bm25": "diffret bm25", "run": "diffret import-run", "fusion": "diffret fuse",
+                    "reranker": "diffret rerank"}  # fmt: skip
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
 
 
-def repair_hint(rel: str, facts: dict[str, Any] | None = None) -> str:
+def repair_hint(rel: str, facts: dict[str, Any] | None = None, root: str = "") -> str:
     """How to rebuild the stage folder holding ``rel`` (a path relative to the root): the command that made it, to run
     again. ``facts`` are what the store tells beyond the path (:meth:`storage.ArtifactStore.repair_hint`):
     ``compressed`` (a compressed system's ``{"store", "seed", "float16_system"}``; ``float16_system`` only when its
     float16 folders are stored, so that ``diffret compress`` can rebuild it), ``task`` (a model's: ``reranker``),
-    ``bm25`` (a summary's BM25 system: its command is then complete, no setting left to add).
+    ``bm25`` (a summary's BM25 system: its command is then complete, no setting left to add), ``kind`` (a registry
+    record's: the command that registers that kind of system). ``root``: the store root the command must be given
+    (``--root``), when it is not the one a command finds without it.
 
     >>> repair_hint("encodings/system=s/dataset=d/side=query/k=1/shard=00000.parquet")
     'repair: run `diffret encode --verify` again with the settings that made it'
-    >>> repair_hint("runs/system=b/dataset=d/split=test/kq=0/kp=0/mode=bm25")
-    'repair: run `diffret bm25` again with the settings that made it'
+    >>> repair_hint("runs/system=b/dataset=d/split=test/kq=0/kp=0/mode=bm25", root="/data/my store")
+    "repair: run `diffret bm25 --root '/data/my store'` again with the settings that made it"
     >>> repair_hint("runs/system=s/dataset=d/split=test/kq=1/kp=1/mode=late_sparse_max_m10")
     'repair: run `diffret late` again with the settings that made it'
     >>> repair_hint("summaries/system=s/dataset=d/split=test", {"bm25": "bm25-1f"})
     'repair: run `diffret summary --system s -d d --split test --bm25 bm25-1f` again'
+    >>> repair_hint("systems/system=f", {"kind": "fusion"})
+    'repair: run `diffret fuse` again with the settings that made it'
     """
     facts = facts or {}
+    at = f" --root {shlex.quote(root)}" if root else ""
     parts = rel.lstrip("/").split("/")
     entry = STAGE_FOLDERS.get(parts[0])
     if entry is None:
-        return "repair: run the stage that wrote it again"
+        return "repair: run the stage that wrote it again" + (f" (with{at})" if at else "")
     command = entry[1]
     keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
     kind = parts[0]
@@ -498,8 +507,10 @@ def repair_hint(rel: str, facts: dict[str, Any] | None = None) -> str:
         command += f"{seed} --verify"
     elif kind == "models" and facts.get("task") == "reranker":
         command = "diffret train-reranker"
+    elif kind == "systems" and facts.get("kind") in _SYSTEM_COMMANDS:
+        command = _SYSTEM_COMMANDS[facts["kind"]]
     elif kind == "summaries" and "bm25" in facts and {"system", "dataset", "split"} <= keys.keys():
         bm25 = f" --bm25 {facts['bm25']}" if facts["bm25"] else ""
         return (f"repair: run `diffret summary --system {keys['system']} -d {keys['dataset']} --split "
-                f"{keys['split']}{bm25}` again")  # fmt: skip
-    return f"repair: run `{command}` again with the settings that made it"
+                f"{keys['split']}{bm25}{at}` again")  # fmt: skip
+    return f"repair: run `{command}{at}` again with the settings that made it"

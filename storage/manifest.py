@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import platform
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -167,6 +170,35 @@ class Manifest(BaseModel):
             return "its file list (sha256, bytes or rows)"
         return None
 
+    def non_finite(self, tries: int = 4096) -> list[str]:
+        """The config's fields that held a number that is not finite (NaN, +-inf) when it was written: JSON writes one
+        as null, so the config no longer gives its hash; putting NaN or an infinity back where a null is gives it
+        again. Settings refuse such numbers now, so the folder cannot be built again as it was. ``[]`` when the config
+        gives its hash, or when no choice of at most ``tries`` puts it back (an edit by hand).
+
+        >>> m = Manifest.new("runs", {}, {"fusion": {"weights": [float("nan"), 1.0]}, "corpus": None})
+        >>> Manifest.from_json(m.to_json()).non_finite(), m.non_finite()
+        (['fusion.weights[0]'], [])
+        """
+        if self.config_hash == config_hash(self.config):
+            return []
+        config = json.loads(json.dumps(self.config))  # a copy to fill in
+        nulls = list(_nulls(config))
+        for k in range(1, len(nulls) + 1):
+            for where in itertools.combinations(nulls, k):
+                for values in itertools.product(_NON_FINITE, repeat=k):
+                    tries -= 1
+                    if tries < 0:
+                        return []
+                    for (parent, key, _), value in zip(where, values, strict=True):
+                        parent[key] = value
+                    found = config_hash(config) == self.config_hash
+                    for parent, key, _ in where:
+                        parent[key] = None
+                    if found:
+                        return [name for _, _, name in where]
+        return []
+
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
@@ -183,6 +215,20 @@ class Manifest(BaseModel):
 
     def total_bytes(self) -> int:
         return sum(e.bytes for e in self.files.values())
+
+
+_NON_FINITE = (math.nan, math.inf, -math.inf)
+
+
+def _nulls(obj: Any, name: str = "") -> Iterator[tuple[Any, Any, str]]:
+    """(container, key, dotted name) of every null in a JSON value, in order."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        sub = f"{name}[{key}]" if isinstance(obj, list) else f"{name}.{key}" if name else str(key)
+        if value is None:
+            yield obj, key, sub
+        else:
+            yield from _nulls(value, sub)
 
 
 def canonical_json(obj: Any) -> str:

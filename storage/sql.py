@@ -17,10 +17,13 @@ Parquet, written atomically by Python) or ``diffret export-run``. A store on ano
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
 import tempfile
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -31,7 +34,7 @@ import pyarrow.parquet as pq
 
 from . import layout
 from .files import FILE_MODE
-from .manifest import Manifest, StoreError
+from .manifest import StoreError
 from .store import ArtifactStore
 
 _HEADER = re.compile(r"^--\s*(view|files):\s*(.+?)\s*$")
@@ -68,55 +71,79 @@ def load_view_defs() -> list[ViewDef]:
 
 
 class DamagedView(StoreError):
-    """A view whose files are damaged (a failed checksum, a deleted manifest): the view fails alone, naming the
-    file and the repair; every other view works."""
+    """A query that cannot be answered because a file it reads is damaged (DuckDB failed on bytes that passed the
+    cheap checks): it names the file and the repair; every other query works."""
 
 
-def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> list[str]:
-    """Absolute paths matching ``pattern`` that a complete manifest in their folder lists, each checked first: its
-    size and mtime against the manifest (:meth:`ArtifactStore.check_file`, what re-run planning trusts; a file
-    touched since is hashed), or with ``verify`` its sha256.
+class DamagedFolderWarning(UserWarning):
+    """A folder a view leaves out: damaged or incomplete (a file missing, changed or unreadable, a manifest edited by
+    hand or deleted). The message names the folder and its repair."""
+
+
+def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(the absolute paths matching ``pattern`` that a complete, sound manifest in their folder lists, the folders left
+    out with why). Each folder counts as a whole: a manifest's files are checked first, their size and mtime against
+    the manifest (:meth:`ArtifactStore.check_file`, what re-run planning trusts; a file touched since is hashed), or
+    with ``verify`` their sha256, and a file it lists that is not on disk is damage, not rows silently gone.
 
     Manifests themselves (``_manifest.json``) are listed as they are; staging and lock folders never are. A local
-    folder holding matching files but no manifest (a deleted one), an unreadable / hand-edited manifest or a file
-    that fails its check is damage: :class:`DamagedView` names it and its repair (a view would otherwise lose its
-    rows silently, or read changed bytes).
+    folder holding matching files but no manifest (a deleted one), an unreadable or hand-edited manifest or a file
+    that fails its check leaves its folder out, with the line that names it and its repair; the other folders are
+    read.
+
+    >>> import tempfile, pyarrow as pa
+    >>> from diffret.storage import Manifest
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = ArtifactStore(root)
+    ...     for d in ("a", "b"):
+    ...         m = Manifest.new("t", {}, {"d": d})
+    ...         with store.stage_writer(f"t/d={d}", m) as w:
+    ...             _ = w.write_parquet("x.parquet", pa.schema([("x", pa.int64())]), [pa.table({"x": [1]})])
+    ...     os.remove(store.abspath("t/d=b/x.parquet"))
+    ...     files, left_out = listed_files(store, "t/d=*/x.parquet")
+    ...     [store.relpath(f) for f in files], {k: "but missing" in why for k, why in left_out.items()}
+    (['t/d=a/x.parquet'], {'t/d=b': True})
     """
-    matches = store.fs.glob(store.abspath(pattern))
+    folder_glob, name_glob = pattern.rsplit("/", 1) if "/" in pattern else ("", pattern)
+    skip = (layout.STAGING_DIR + "/", layout.LOCKS_DIR + "/")
+    if name_glob == layout.MANIFEST_NAME:
+        return [p for p in sorted(store.fs.glob(store.abspath(pattern))) if not store.relpath(p).startswith(skip)], {}
+    on_disk: dict[str, set[str]] = {}  # folder -> its files matching the pattern
+    for path in store.fs.glob(store.abspath(pattern)):
+        folder, _, name = store.relpath(path).rpartition("/")
+        on_disk.setdefault(folder, set()).add(name)
+    for path in store.fs.glob(store.abspath(f"{folder_glob}/{layout.MANIFEST_NAME}" if folder_glob else
+                                            layout.MANIFEST_NAME)):  # fmt: skip
+        on_disk.setdefault(store.relpath(path).rpartition("/")[0], set())
     out: list[str] = []
-    manifests: dict[str, Manifest | None] = {}
-    written: dict[str, int | None] = {}  # folder -> its manifest's mtime (files are written before it)
-    for path in sorted(matches):
-        rel = store.relpath(path)
-        if rel.startswith((layout.STAGING_DIR + "/", layout.LOCKS_DIR + "/")):
-            continue
-        folder, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
-        if name == layout.MANIFEST_NAME:
-            out.append(path)
-            continue
-        if folder not in manifests:
-            try:
-                manifests[folder] = store.read_manifest(folder)
-            except StoreError as exc:
-                raise DamagedView(str(exc)) from None
-            if manifests[folder] is None and store.is_local:
-                raise DamagedView(f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
-                                  f"trusted; {store.repair_hint(folder)}")  # fmt: skip
-        m = manifests[folder]
-        if m is None or name not in m.files:
+    left_out: dict[str, str] = {}
+    for folder in sorted(on_disk):
+        if (folder + "/").startswith(skip):
             continue
         try:
-            if verify:
-                store.verify_file(folder, name, m.files[name])
-            else:
-                if folder not in written:
-                    stat = store.file_stat(layout.manifest_path(folder))
-                    written[folder] = stat[1] if stat else None
-                store.check_file(folder, name, m.files[name], written[folder])
+            m = store.read_manifest(folder)
         except StoreError as exc:
-            raise DamagedView(str(exc)) from None
-        out.append(path)
-    return out
+            left_out[folder] = str(exc)
+            continue
+        if m is None:
+            if on_disk[folder] and store.is_local:
+                left_out[folder] = (f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
+                                    f"trusted; {store.repair_hint(folder)}")  # fmt: skip
+            continue
+        names = sorted(n for n in m.files if fnmatch.fnmatchcase(n, name_glob))
+        try:
+            if verify:
+                for name in names:
+                    store.verify_file(folder, name, m.files[name])
+            elif names:
+                stat = store.file_stat(layout.manifest_path(folder))  # files are written before their manifest
+                for name in names:
+                    store.check_file(folder, name, m.files[name], stat[1] if stat else None)
+        except StoreError as exc:
+            left_out[folder] = str(exc)
+            continue
+        out += [store.abspath(f"{folder}/{name}") for name in names]
+    return out, left_out
 
 
 def damaged_files(store: ArtifactStore, paths: list[str]) -> list[str]:
@@ -135,6 +162,10 @@ def damaged_files(store: ArtifactStore, paths: list[str]) -> list[str]:
         except StoreError as exc:
             problems.append(str(exc))
     return problems
+
+
+def _python_warning(line: str) -> None:
+    warnings.warn(line, DamagedFolderWarning, stacklevel=4)
 
 
 def measure_columns() -> str:
@@ -177,31 +208,40 @@ def _placeholder(pattern: str, tmp: str) -> str:
 
 
 class StoreSQL:
-    """An in-memory DuckDB connection with every view of ``queries/`` defined over one store."""
+    """An in-memory DuckDB connection with every view of ``queries/`` defined over one store.
 
-    def __init__(self, store: ArtifactStore, verify: bool = False):
+    A damaged or incomplete folder is left out of its views (:func:`listed_files`), so that one bad folder never
+    takes the store down; a query that reads such a view calls ``warn`` once per folder left out, with the line naming
+    it and its repair (default: a :class:`DamagedFolderWarning`). ``left_out`` lists them by view."""
+
+    def __init__(self, store: ArtifactStore, verify: bool = False, warn: Callable[[str], None] | None = None):
         store.require_root()
         self.store = store
+        self.warn = warn or _python_warning
         self._tmp = tempfile.TemporaryDirectory(prefix="diffret-sql-")
         self.con = duckdb.connect()
         url = (lambda p: p) if store.is_local else store.fs.unstrip_protocol
         if not store.is_local:
             self.con.register_filesystem(store.fs)
         self.views: list[str] = []
-        self.damaged: dict[str, str] = {}  # view -> why it fails (damaged files, or a damaged view it reads)
+        self.damaged: dict[str, str] = {}  # view -> why it fails (a view DuckDB cannot define, or one it reads)
         self.view_files: dict[str, list[str]] = {}  # view -> the files it reads, its own and its views'
+        self.left_out: dict[str, dict[str, str]] = {}  # view -> the folders of its own files it leaves out, and why
+        self._view_reads: dict[str, list[str]] = {}  # view -> the views it reads
+        self._warned: set[str] = set()
         for view in load_view_defs():
             sql = view.sql.replace("@measure_columns", measure_columns())
             files: list[str] = []
             try:
                 if view.files:
-                    files = listed_files(store, view.files, verify=verify)
+                    files, self.left_out[view.name] = listed_files(store, view.files, verify=verify)
                     sql = sql.replace("@files", _sql_list([url(p) for p in files] or [_placeholder(view.files,
                                                                                                    self._tmp.name)]))
                 self.con.execute(sql)
-            except (DamagedView, duckdb.Error, StoreError) as exc:
+            except (duckdb.Error, StoreError) as exc:
                 self._fail_alone(view, exc, files)
-            self.view_files[view.name] = files + [f for v in self._reads(view.sql) for f in self.view_files[v]]
+            self._view_reads[view.name] = self._reads(view.sql)
+            self.view_files[view.name] = files + [f for v in self._view_reads[view.name] for f in self.view_files[v]]
             self.views.append(view.name)
         allowed = [url(store.abspath("")).rstrip("/") + "/", self._tmp.name + "/"]
         self.con.execute(f"SET allowed_directories = {_sql_list(allowed)}")
@@ -211,6 +251,31 @@ class StoreSQL:
     def _reads(self, sql: str) -> list[str]:
         """The views defined so far that ``sql`` names."""
         return [v for v in self.view_files if re.search(rf"\b{re.escape(v)}\b", sql)]
+
+    def leaves_out(self, sql: str) -> list[str]:
+        """One line per folder that a query over ``sql``'s views (and the views they read) leaves out: the view, the
+        folder's damage and its repair.
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
+        ...     db.leaves_out("select * from cells")
+        []
+        """
+        seen, todo, lines = set(), self._reads(sql), []
+        while todo:
+            view = todo.pop(0)
+            if view in seen:
+                continue
+            seen.add(view)
+            lines += [f"view {view} leaves out a damaged folder: {why}" for why in self.left_out.get(view, {}).values()]
+            todo += self._view_reads.get(view, [])
+        return lines
+
+    def _warn_left_out(self, sql: str) -> None:
+        for line in self.leaves_out(sql):
+            if line not in self._warned:
+                self._warned.add(line)
+                self.warn(line)
 
     def _fail_alone(self, view: ViewDef, exc: Exception, files: list[str]) -> None:
         """Define ``view`` as one that raises why it cannot be read, so that only queries that read it fail."""
@@ -254,6 +319,7 @@ class StoreSQL:
                              "them)")  # fmt: skip
         try:
             rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
+            self._warn_left_out(sql)
             return rel
         except duckdb.PermissionException as exc:
             what = str(exc).splitlines()[0].replace("Permission Error: ", "")
@@ -277,6 +343,13 @@ class StoreSQL:
                 more = f" (and {len(found) - 1} more damaged file(s))" if len(found) > 1 else ""
                 return DamagedView(found[0] + more)
         return StoreError(f"SQL error: {text}")
+
+    def execute(self, sql: str, params: list | None = None) -> duckdb.DuckDBPyConnection:
+        """A query of diffret's own (the analyses: with ``params``, unchecked) on the connection, warning of the
+        folders its views leave out as :meth:`query` does; DuckDB's result (``fetchall``, ``description``)."""
+        result = self.con.execute(sql, params or [])
+        self._warn_left_out(sql)
+        return result
 
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Columns and rows of a read-only query (:class:`SQLRefused` for anything else).

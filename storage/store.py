@@ -239,9 +239,8 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
             m = Manifest.from_json(text, where=path)
         except StoreError as exc:
             raise StoreError(f"{exc}; {self.repair_hint(stage_dir)}") from None
-        if trusted and (what := m.edited()):
-            raise StoreError(f"{path}: manifest edited by hand ({what}), so the folder is not trusted; "
-                             f"{self.repair_hint(stage_dir)}")  # fmt: skip
+        if trusted and (line := self.edited_problem(stage_dir, m, subject=path)):
+            raise StoreError(line)
         return m
 
     def require_manifest(self, stage_dir: str) -> Manifest:
@@ -339,12 +338,18 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
     def fingerprint(self, *patterns: str) -> str:
         """A hash of every stage folder matching ``patterns``: their config hashes and file checksums.
 
-        A stage built from those folders records it among its inputs, so it is rebuilt when they change.
+        A stage built from those folders records it among its inputs, so it is rebuilt when they change. A folder whose
+        manifest is unreadable or edited by hand counts as damaged (the views leave it out), so that its repair changes
+        the hash too.
         """
         parts = []
         for pattern in patterns:
             for stage in self.stage_dirs(pattern):
-                m = self.read_manifest(stage)
+                try:
+                    m = self.read_manifest(stage)
+                except StoreError:
+                    parts.append([stage, "damaged"])
+                    continue
                 if m is not None:
                     parts.append([stage, m.config_hash, sorted((k, e.sha256) for k, e in m.files.items())])
         return config_hash({"folders": parts})

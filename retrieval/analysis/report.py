@@ -192,7 +192,7 @@ def section_comparisons(db: StoreSQL, rep: Report, refs: list[str], test: Test =
     ref = _resolve_system(db, refs[0])
     measures = [m.pytrec for m in MEASURES[:2]]
     body = []
-    for (dataset,) in db.con.execute("select distinct dataset from best_cells where split = 'test' "
+    for (dataset,) in db.execute("select distinct dataset from best_cells where split = 'test' "
                                      "order by 1").fetchall():  # fmt: skip
         cells = rows(db, "select system, mode, kq, kp from best_cells where split = 'test' and dataset = ? "
                          "order by system = ? desc, ndcg_10 desc, system, mode, kq, kp", [dataset, ref])  # fmt: skip

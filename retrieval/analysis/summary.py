@@ -137,12 +137,12 @@ def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str
     def row(sys_: str, r: tuple) -> Row:
         return Row(sys_, r[0], r[1], r[2], dict(zip(SHORT, r[3 : 3 + len(SHORT)], strict=True)), r[-1])
 
-    best = db.con.execute(
+    best = db.execute(
         f"select {cols} from best_cells where {where} order by {SHORT[0]} desc, mode", [system, dataset, split]
     )
     rows = [row(system, r) for r in best.fetchall()]
     if bm25:
-        b = db.con.execute(
+        b = db.execute(
             f"select {cols} from cells where {where} and mode = 'bm25'", [bm25, dataset, split]
         ).fetchall()
         rows += [row(bm25, r) for r in b]
@@ -154,7 +154,7 @@ def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str
                 r.p_vs_bm25 = paired_ttest_values(a, base).p_value
     s.rows = sorted(rows, key=lambda r: -(r.values[SHORT[0]] or 0.0))
     for mode in MODE_NAMES:
-        cells = db.con.execute(
+        cells = db.execute(
             f"select kq, kp, {SHORT[0]} from cells where {where} and mode = ?", [system, dataset, split, mode]
         ).fetchall()
         if not cells:

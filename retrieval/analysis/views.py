@@ -14,7 +14,7 @@ class Rows(list):
 
 def rows(db: StoreSQL, sql: str, params: list | None = None) -> Rows:
     """The rows of a query as dicts (``.columns``: its column names, even without rows)."""
-    rel = db.con.execute(sql, params or [])
+    rel = db.execute(sql, params or [])
     cols = [d[0] for d in rel.description]
     out = Rows(dict(zip(cols, r, strict=True)) for r in rel.fetchall())
     out.columns = cols
@@ -25,7 +25,7 @@ def rows(db: StoreSQL, sql: str, params: list | None = None) -> Rows:
 def per_query(db: StoreSQL, system: str, dataset: str, split: str, mode: str, kq: int, kp: int,
               measure: str = PRIMARY.pytrec) -> dict[str, float]:  # fmt: skip
     """{query_id: value} of one cell and measure (view ``metrics``; default NDCG@10): the t-tests' input."""
-    r = db.con.execute(
+    r = db.execute(
         "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
         "and kq = ? and kp = ? and measure = ?",
         [system, dataset, split, mode, kq, kp, measure],

@@ -49,10 +49,30 @@ def _check_measure(measure: str) -> None:
         raise ValueError(f"measure {measure!r} is not numeric")
     try:
         out = pytrec_eval.RelevanceEvaluator({"q": {"d": 1}}, [measure]).evaluate({"q": {"d": 1.0}})["q"]
-    except ValueError as e:
-        raise ValueError(f"unknown measure {measure!r} ({e}); use pytrec_eval names such as ndcg_cut_10") from None
+    except ValueError:
+        names = sorted(set(pytrec_eval.supported_measures) - set(_NON_NUMERIC), key=str.lower)
+        raise ValueError(f"unknown measure {measure!r}: measures are pytrec_eval's ({', '.join(names)}; those with "
+                         "a cutoff as NAME_<k>, e.g. ndcg_cut_10, recall_100, P_5) and mrr_<k>") from None
     if measure not in out:
         raise ValueError(f"pytrec_eval reports measure {measure!r} as {sorted(out)}; ask for one of those names")
+
+
+def check_measures(measures: list[str]) -> list[str]:
+    """``measures`` when each is one pytrec_eval reports (or ``mrr_<k>``), else a ValueError naming the measures there
+    are: a config's measures are checked before anything is read or written.
+
+    >>> check_measures(["ndcg_cut_10", "mrr_10"])
+    ['ndcg_cut_10', 'mrr_10']
+    >>> check_measures(["nosuch"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown measure 'nosuch': measures are pytrec_eval's (11pt_avg, binG, bpref, G, ..., utility; those ...
+    """
+    if not measures:
+        raise ValueError("no measures: give one or more (--measure ndcg_cut_10)")
+    for m in measures:
+        _check_measure(m)
+    return measures
 
 
 def measure_depth(measure: str) -> int | None:

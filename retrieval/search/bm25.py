@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from ..fields import Settings
 from .scoring import NEG, TopK
 
 
-class BM25Settings(BaseModel):
+class BM25Settings(Settings):
     method: str = Field(default="lucene", description="bm25s scoring variant (lucene, robertson, atire, bm25l, bm25+)")
     k1: float = Field(default=0.9, gt=0, description="BM25's term-frequency saturation k1 (Lucene / Pyserini: 0.9).")
     b: float = Field(default=0.4, ge=0, le=1, description="BM25's length normalisation b (Lucene / Pyserini: 0.4).")

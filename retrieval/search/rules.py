@@ -24,7 +24,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from ..fields import Settings
 
 # the modes each rule changes (a run records only the rules of its mode)
 _RULES_OF_MODE: dict[str, tuple[str, ...]] = {
@@ -34,7 +36,7 @@ _RULES_OF_MODE: dict[str, tuple[str, ...]] = {
 }
 
 
-class ScoreRules(BaseModel):
+class ScoreRules(Settings):
     """How each mode scores (defaults: the reference evaluator's; see the module docstring).
 
     >>> ScoreRules().for_mode("multi_dense")

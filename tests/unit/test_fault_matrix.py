@@ -1,20 +1,26 @@
-"""Issues 22 and 44, issue 45 item 5: every kind of stage folder (dataset, tokens, filters, encodings, a compressed
-system's encodings and codebooks, runs of score / bm25 / beta / late / rerank / budget / import-run / fuse, metrics,
-features, index, bag of tokens, partial/, summaries, reports, comparisons, training sets, models, reranker models,
-latency) x three faults (manifest deleted, a file truncated, a byte flipped; some kinds also a manifest edited by
-hand): `diffret verify`
-names the damage with its repair, SQL on the views that do not read it keeps working meanwhile, and the repair it
-prints (the command that made the folder, with the settings that made it where the line says so), run as printed,
-leaves `verify` clean and the folder's outputs as they were. The CLI runs in this process (typer's runner, the
-store root from $DIFFRET_ROOT as a user would have it) to keep the cases fast.
+"""Every kind of stage folder (dataset, tokens, filters, encodings, a compressed system's encodings and codebooks, runs
+of score / bm25 / beta / late / rerank / budget / import-run / fuse, metrics, features, index, bag of tokens, partial/,
+summaries, reports, comparisons, training sets, models, reranker models, latency) x four faults (manifest deleted, a
+file truncated, a byte flipped, a data file deleted with its manifest kept; some kinds also a manifest edited by hand,
+and a manifest holding a value every setting refuses now: a NaN an earlier version wrote as null): `diffret verify`
+names the damage with its repair, SQL reads the other folders meanwhile (the damaged one's view leaves it out with a
+warning naming it and its repair; the other views are untouched), and the repair it prints (the command that made the
+folder, with the settings that made it where the line says so; removing a folder no command can build again), run as
+printed, leaves `verify` clean and the folder's outputs as they were. One store with a poisoned fusion and a deleted
+run file: SQL and evaluate of the other systems work, both are named with their repairs. Printed repairs and advice
+work as printed (--root when the root is not the default, a name another system holds, measures). The CLI runs in
+this process (typer's runner, the store root from $DIFFRET_ROOT as a user would have it) to keep the cases fast.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +28,11 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 from typer.testing import CliRunner
 
+from diffret.api import Store
 from diffret.flows.cli import app
 from diffret.storage.layout import STAGE_FOLDERS, TRAIN_LOG_FILE
+from diffret.storage.manifest import config_hash
+from diffret.storage.sql import DamagedFolderWarning
 
 CORPUS = [{"_id": f"d{i}", "title": f"t{i}", "text": f"passage {i} about cats dogs tea and gardens"} for i in range(8)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(3)]
@@ -60,17 +69,28 @@ KINDS = {
     "reranker": ("models/model=*-rr-*", "train_log", "train-reranker"),
     "latency": ("latency/system={f16}/kind=encode/*", "encode_latency", "latency"),
 }
-FAULTS = ("delete manifest", "truncate", "flip byte")
+FAULTS = ("delete manifest", "truncate", "flip byte", "delete file")
 # a manifest edited by hand: the folders of issue 22's matrix and a sharded cache (the other kinds read their
 # manifest the same way)
 EDITED = ("dataset", "tokens", "encodings", "runs", "metrics", "index", "models", "summaries", "partial")
-CASES = [(k, f) for k in KINDS for f in FAULTS] + [(k, "edit manifest") for k in EDITED]
+# a manifest holding a value every setting refuses now: a NaN an earlier version took and wrote as null (its config no
+# longer gives its hash), in the kinds whose config holds a float setting
+REFUSED = ("bm25 runs", "fused runs", "comparisons", "models", "reranker")
+CASES = ([(k, f) for k in KINDS for f in FAULTS] + [(k, "edit manifest") for k in EDITED]
+         + [(k, "refused value") for k in REFUSED])  # fmt: skip
 
 
 def invoke(*args: str, root: Path | str) -> tuple[int, str]:
     res = CliRunner().invoke(app, list(args), env={"DIFFRET_ROOT": str(root), "COLUMNS": "400"})
     assert "Traceback" not in res.output, res.output
     return res.exit_code, res.output
+
+
+def invoke_sql(query: str, *args: str, root: Path | str) -> tuple[int, list[str], list[str]]:
+    """``diffret sql --format csv``: its exit code, the result's lines (stdout) and its warnings (stderr)."""
+    res = CliRunner().invoke(app, ["sql", "--format", "csv", *args, query], env={"DIFFRET_ROOT": str(root)})
+    assert "Traceback" not in res.output, res.output
+    return res.exit_code, res.stdout.splitlines(), [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +172,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def damage(folder: Path, fault: str) -> None:
     manifest = folder / "_manifest.json"
     m = json.loads(manifest.read_text())
-    name = sorted(m["files"], key=lambda n: (not n.endswith(".parquet"), n))[0]
+    name = min(m["files"] or [""], key=lambda n: (not n.endswith(".parquet"), n))  # a registry record has none
     target = folder / name
     if fault == "delete manifest":
         manifest.unlink()
@@ -162,15 +182,33 @@ def damage(folder: Path, fault: str) -> None:
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0xFF
         target.write_bytes(bytes(data))
+    elif fault == "delete file":
+        target.unlink()
+    elif fault == "refused value":  # a NaN setting, written as null with the hash of the config that held it
+        parent, key = next(_floats(m["config"]))
+        parent[key] = math.nan
+        m["config_hash"] = config_hash(m["config"])
+        parent[key] = None
+        manifest.write_text(json.dumps(m, indent=2))
     else:
         m["files"][name]["sha256"] = "f" * 64
         manifest.write_text(json.dumps(m))
 
 
+def _floats(obj: object) -> Iterator[tuple[object, object]]:
+    """(container, key) of every float setting of a manifest's config (not its inputs' fingerprints)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(value, float):
+            yield obj, key
+        elif key != "inputs":
+            yield from _floats(value)
+
+
 def count(root: Path, view: str) -> int:
-    code, out = invoke("sql", "--format", "csv", f"select count(*) from {view}", root=root)
-    assert code == 0, out
-    return int(out.splitlines()[1])
+    code, lines, warned = invoke_sql(f"select count(*) from {view}", root=root)
+    assert code == 0 and not warned, (lines, warned)
+    return int(lines[1])
 
 
 def outputs(folder: Path, kind: str) -> object:
@@ -212,13 +250,21 @@ def test_damage_is_named_isolated_and_repaired_as_printed(world: dict, tmp_path:
     damage(folder, fault)
     code, out = invoke("verify", root=root)
     lines = [line for line in out.splitlines() if str(folder) in line]
-    assert code == 1 and lines and "repair: run `diffret" in lines[0], out
+    assert code == 1 and lines and "repair: " in lines[0], out
     other = "runs" if kind == "dataset" else "corpus"
     assert count(root, other) == world["counts"][other]  # every other view keeps working
-    if view is not None:  # its view fails alone, naming it (a flipped byte DuckDB may read through: --verify)
-        verify = ["--verify"] if fault == "flip byte" else []
-        code, out = invoke("sql", *verify, f"select count(*) from {view}", root=root)
-        assert code == 2 and "repair:" in out and str(folder) in out, out
+    if view is not None:  # its view reads the other folders and leaves this one out, naming it and its repair (a
+        verify = ["--verify"] if fault == "flip byte" else []  # flipped byte DuckDB may read through: --verify)
+        code, _, warned = invoke_sql(f"select count(*) from {view}", *verify, root=root)
+        assert code == 0 and len(warned) == 1 and str(folder) in warned[0] and "repair: " in warned[0], warned
+    if fault == "refused value":  # no command builds it again as it was: the repair removes it
+        assert "not finite" in lines[0] and "repair: remove the folder: `rm -r" in lines[0], lines[0]
+        command = re.search(r"repair: remove the folder: `([^`]*)`", lines[0]).group(1)
+        subprocess.run(shlex.split(command), check=True)
+        assert not folder.exists()
+        code, out = invoke("verify", root=root)
+        assert code == 0, (command, out)
+        return
     args = repair(lines[0], world["made"])
     assert args[0] == maker, (lines[0], maker)  # the command that made it
     code, out = invoke(*args, root=root)
@@ -226,3 +272,98 @@ def test_damage_is_named_isolated_and_repaired_as_printed(world: dict, tmp_path:
     code, out = invoke("verify", root=root)
     assert code == 0, (args, out)
     assert outputs(folder, kind) == before  # as they were
+
+
+def test_one_poisoned_manifest_and_one_deleted_file_take_down_only_their_folders(world: dict, tmp_path: Path) -> None:
+    """A fusion an earlier version made with a NaN weight (its run and registry record hold null where the NaN was) and
+    a run whose file was deleted under its manifest: SQL and evaluate work over the other systems, naming both with
+    their repairs, and the repairs run as printed leave `verify` clean."""
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    s = world["slugs"]
+    (fused,) = root.glob(KINDS["fused runs"][0])
+    fusion = fused.parts[-6].removeprefix("system=")
+    scored = root / KINDS["runs"][0].format(**s)
+    for folder, fault in ((fused, "refused value"), (root / "systems" / f"system={fusion}", "refused value"),
+                          (scored, "delete file")):  # fmt: skip
+        damage(folder, fault)
+    query = "select system, mode, count(*) from runs group by all order by all"
+    code, rows, warned = invoke_sql(query, root=root)
+    before = {tuple(r.split(",")[:2]) for r in invoke_sql(query, root=world["root"])[1][1:]}
+    assert code == 0 and {tuple(r.split(",")[:2]) for r in rows[1:]} == before - {(fusion, "fusion"),
+                                                                                    (s["f16"], "single_dense")}
+    assert len(warned) == 2, warned  # each damaged folder named once, with its repair
+    for folder in (fused, scored):
+        assert [w for w in warned if str(folder) in w and "repair: " in w], warned
+    with pytest.warns(DamagedFolderWarning) as caught:  # the Python API: the same rows, the same warnings
+        assert Store(root).sql(query).num_rows == len(rows) - 1
+    api = sorted(str(w.message).replace(f" --root {root}", "") for w in caught)  # no $DIFFRET_ROOT: its root named
+    assert api == sorted(w.removeprefix("warning: ") for w in warned)
+    for metrics in root.glob(f"metrics/system={s['bm25']}/*/*/*/*/*"):  # BM25's metrics to compute again
+        shutil.rmtree(metrics)
+    code, out = invoke("evaluate", root=root)
+    assert code == 0 and "1 run(s) evaluated" in out, out  # the other systems: evaluated
+    assert all(str(f) in out for f in (fused, scored)) and out.count("repair: ") == 2, out  # the damaged: named
+    for command in (["summary", "-d", "c", "--system", s["f16"]], ["report", *world["made"]["report"]]):
+        code, out = invoke(*command, root=root)  # what reads many folders through the views: rebuilt without them
+        warned = [ln for ln in out.splitlines() if ln.startswith("warning:") and "damaged folder" in ln]
+        assert code == 0 and all(str(fused) in w or str(scored) in w for w in warned), (command, out)
+    code, out = invoke("verify", root=root)
+    lines = [ln for ln in out.splitlines() if ln.startswith("damaged:")]
+    assert code == 1 and len(lines) == 3, out
+    for line in lines:  # each repair, as printed
+        if removal := re.search(r"repair: remove the folder: `([^`]*)`", line):
+            subprocess.run(shlex.split(removal.group(1)), check=True)
+        else:
+            code, out = invoke(*repair(line, world["made"]), root=root)
+            assert code == 0, (line, out)
+    code, out = invoke("verify", root=root)
+    assert code == 0, out
+    fused_rows = json.loads((world["root"] / fused.relative_to(root) / "_manifest.json").read_text())
+    assert count(root, "runs") == world["counts"]["runs"] - fused_rows["files"]["run.parquet"]["rows"]  # removed
+
+
+def _elsewhere(root: Path) -> Callable[..., tuple[int, str]]:
+    """The CLI as a user types it away from the store: --root given, no $DIFFRET_ROOT."""
+
+    def cli(*args: str) -> tuple[int, str]:
+        res = CliRunner().invoke(app, [*args, "--root", str(root)], env={"DIFFRET_ROOT": None, "COLUMNS": "400"})
+        assert "Traceback" not in res.output, res.output
+        return res.exit_code, res.output
+
+    return cli
+
+
+def test_a_repair_names_the_store_root_when_a_command_would_not_find_it(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    cli = _elsewhere(root)
+    folder = root / KINDS["bm25 runs"][0].format(**world["slugs"])
+    damage(folder, "delete file")
+    code, out = cli("verify")
+    (line,) = [ln for ln in out.splitlines() if str(folder) in ln]
+    assert code == 1 and f"--root {root}" in line, line
+    res = CliRunner().invoke(app, repair(line, world["made"]), env={"DIFFRET_ROOT": None})  # as printed
+    assert res.exit_code == 0, res.output
+    assert cli("verify")[0] == 0
+
+
+def test_a_name_another_system_holds_is_refused_with_advice_to_choose_another(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    code, out = _elsewhere(root)("import-run", str(world["root"].parent / "ext.trec"), "-d", "c", "--name",
+                                 world["slugs"]["f16"])  # an encoder's slug  # fmt: skip
+    assert code == 2 and "choose another name" in out and "remove" not in out, out
+
+
+def test_a_measure_unknown_or_not_evaluated_gets_advice_that_works(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+    cli = _elsewhere(root)
+    code, out = cli("compare", "-d", "c", "--measure", "nosuch")  # the measures there are, not a repair that fails
+    assert code == 2 and "unknown measure 'nosuch'" in out and "ndcg_cut" in out and "`diffret" not in out, out
+    code, out = cli("compare", "-d", "c", "--measure", "P_5", "--name", "p5")
+    command = re.search(r"run `diffret ([^`]*)`", out)
+    assert code == 2 and command and "--measure ndcg_cut_10" in out and f"--root {root}" in out, out
+    assert CliRunner().invoke(app, shlex.split(command.group(1)), env={"DIFFRET_ROOT": None}).exit_code == 0
+    assert cli("compare", "-d", "c", "--measure", "P_5", "--measure", "ndcg_cut_10", "--name", "p5")[0] == 0

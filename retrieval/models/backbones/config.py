@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
+from ...fields import Settings
 from .families import Family
 
 
-class BackboneConfig(BaseModel):
+class BackboneConfig(Settings):
     """Which model to load and how."""
 
     model: str = Field(description="HF hub id or local folder.")

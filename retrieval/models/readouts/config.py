@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from ...fields import Settings
 
 ReadoutName = Literal["diffretriever", "promptreps", "diffembed", "repllama", "sidr"]
 SIDR_TOPK = 768  # SIDR's top-k at index and search time
 SIDR_ONLY = ("sidr_head", "sidr_act")  # settings only the sidr readout reads (not in other systems' slugs)
 
 
-class ReadoutConfig(BaseModel):
+class ReadoutConfig(Settings):
     """How a text becomes vectors: the readout and its settings.
 
     The defaults are the reference encoder's (ielab/diffretriever, whose code produced the paper's numbers);

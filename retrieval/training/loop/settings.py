@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from ...fields import like
+from ...fields import SEED_MAX, Settings, like
 
 
-class LoopSettings(BaseModel):
+class LoopSettings(Settings):
     """The optimisation settings every training task shares (the contrastive trainer, the rerankers)."""
 
     adapter: Literal["lora", "full"] = Field(
@@ -22,7 +22,7 @@ class LoopSettings(BaseModel):
     )
     lora_r: int = Field(default=16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(default=64, ge=1, description="LoRA scaling alpha.")
-    lora_dropout: float = Field(default=0.05, ge=0.0, description="Dropout on the LoRA layers' input.")
+    lora_dropout: float = Field(default=0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA layers' input.")
     lr: float = Field(default=1e-4, gt=0, description="Peak learning rate (AdamW).")
     warmup_ratio: float = Field(default=0.06, ge=0.0, le=1.0, description="Share of the steps spent warming up.")
     weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW weight decay.")
@@ -37,7 +37,7 @@ class LoopSettings(BaseModel):
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="auto: bf16 mixed precision on CUDA, fp32 on CPU (Table 7); or either one."
     )
-    seed: int = Field(default=0, description="Seed of the data order, sampling and initialisation.")
+    seed: int = Field(default=0, ge=0, le=SEED_MAX, description="Seed of the data order, sampling and initialisation.")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps (default: epochs).")
 
     def step_items(self, world: int = 1) -> int:
