@@ -78,15 +78,42 @@ def list_runs(
         m = store.read_manifest(stage)
         if m is None or RUN_FILE not in m.files:
             continue
-        p = m.partition
-        if systems and p.get("system") not in systems:
+        out.append(RunRef(stage, m.partition, m))
+    return select_runs(out, systems, datasets, splits)
+
+
+def select_runs(runs: list[RunRef], systems: list[str] | None = None, datasets: list[str] | None = None,
+                splits: list[str] | None = None) -> list[RunRef]:  # fmt: skip
+    """The runs of the given systems, datasets and splits (None: any)."""
+    wanted = (("system", systems), ("dataset", datasets), ("split", splits))
+    return [r for r in runs if all(not values or r.partition.get(key) in values for key, values in wanted)]
+
+
+def check_selectors(runs: list[RunRef], systems: list[str] | None, datasets: list[str] | None,
+                    splits: list[str] | None) -> None:  # fmt: skip
+    """Refuse a selector value (``--system``, ``-d``, ``--split``) that none of the stored ``runs`` has: a typo
+    would otherwise evaluate nothing and succeed. The error names what the store holds.
+
+    >>> run = RunRef("runs/x", {"system": "bm25-1", "dataset": "scifact", "split": "test"}, None)
+    >>> check_selectors([run], None, ["scifact"], ["test"])
+    >>> check_selectors([run], None, ["nosuch"], None)
+    Traceback (most recent call last):
+    ...
+    ValueError: no stored run has dataset 'nosuch' (-d); the stored runs' datasets: scifact (`diffret sql "select \
+distinct dataset from runs"` lists them)
+    """
+    for key, flag, given in (("system", "--system", systems), ("dataset", "-d", datasets),
+                             ("split", "--split", splits)):  # fmt: skip
+        stored = {r.partition.get(key, "") for r in runs}
+        missing = [v for v in given or [] if v not in stored]
+        if not missing:
             continue
-        if datasets and p.get("dataset") not in datasets:
-            continue
-        if splits and p.get("split") not in splits:
-            continue
-        out.append(RunRef(stage, p, m))
-    return out
+        if not runs:
+            raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}): the store holds no run yet (`diffret "
+                             "score`, `diffret bm25` or `diffret import-run` make them)")  # fmt: skip
+        raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}); the stored runs' {key}s: "
+                         f"{', '.join(sorted(stored))} (`diffret sql \"select distinct {key} from runs\"` lists "
+                         "them)")  # fmt: skip
 
 
 def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int,
@@ -135,7 +162,9 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         store = ctx.store
         plan = Plan(work_unit="runs")
         qrels_sha: dict[str, str] = {}
-        for run in list_runs(store, config.systems, config.datasets, config.splits):
+        runs = list_runs(store)
+        check_selectors(runs, config.systems, config.datasets, config.splits)
+        for run in select_runs(runs, config.systems, config.datasets, config.splits):
             p = run.partition
             ds = p["dataset"]
             level = config.relevance_level if config.relevance_level is not None else default_relevance_level(ds)

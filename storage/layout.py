@@ -443,6 +443,9 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
 }
 _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta",
                  "imported": "diffret import-run", "fusion": "diffret fuse"}  # fmt: skip
+# The names a store root holds (every stage folder, and the store's own bookkeeping): a folder holding none of them
+# (beside hidden entries) is not a store (:meth:`storage.ArtifactStore.require_root`)
+STORE_TOP_FOLDERS = frozenset([*STAGE_FOLDERS, STAGING_DIR, LOCKS_DIR, PLANS_DIR, "checkpoints"])
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
 
 
