@@ -148,11 +148,11 @@ def _hub_snapshot(repo: str) -> Path | None:
     copy. The hub is asked only for a repository whose name says so (``*diffretriever*``, as the released ones are
     named) or whose settings file is in the hub cache already: every other hub id (a base model) costs no network
     round trip. An unreachable hub is asked again after a minute, not at every call of one command."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.file_download import _CACHED_NO_EXIST
+    from huggingface_hub import file_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo, RELEASED_CONFIG)
-    if cached is _CACHED_NO_EXIST or (not isinstance(cached, str) and "diffretriever" not in repo.lower()):
+    known_absent = cached is getattr(file_download, "_CACHED_NO_EXIST", object())  # the cache recorded: no such file
+    if known_absent or (not isinstance(cached, str) and "diffretriever" not in repo.lower()):
         return None
     failed = _UNREADABLE.get(repo)
     if failed is not None and time.monotonic() - failed[0] < _UNREADABLE_TTL:
