@@ -86,12 +86,14 @@ class Retriever:
         return Encoded(table, side, k, self.sparse_factor, self.settings.readout.readout)
 
     def encode_queries(self, texts: Texts, k: int = 1, batch_size: int | None = None) -> Encoded:
-        """Queries at budget ``k`` (K_q): ``{id: text}``, or a list of texts (ids "0", "1", ...)."""
+        """Queries at budget ``k`` (K_q): ``{id: text}``, or a list of texts (ids "0", "1", ...); none give an empty
+        Encoded (and :func:`search` an empty run)."""
         return self._encode(texts, "query", k, batch_size)
 
     def encode_passages(self, texts: Texts, k: int = 1, batch_size: int | None = None) -> Encoded:
         """Passages at budget ``k`` (K_p): ``{id: text}`` or ``{id: (title, text)}`` (joined as the tokenize stage
-        joins them), or a list; passages keep their order, which breaks score ties (the earlier first)."""
+        joins them), or a list; passages keep their order, which breaks score ties (the earlier first). None give an
+        empty Encoded."""
         return self._encode(texts, "passage", k, batch_size)
 
 
@@ -149,6 +151,11 @@ def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = 
     blocks = [passages] if isinstance(passages, Encoded) else list(passages)
     if queries.side != "query" or any(b.side != "passage" for b in blocks):
         raise ValueError("search(queries, passages): encode_queries' output first, then encode_passages'")
+    blocks = [b for b in blocks if len(b)]
+    if not len(queries) or not blocks:  # no queries, or no passages: no results
+        from diffret.storage.layout import RUN_SCHEMA
+
+        return RUN_SCHEMA.empty_table()
     rules = rules or ScoreRules()
     q = encodings_from_table(queries.table, device, rules, queries.sparse_factor)
     stream = (encodings_from_table(b.table, device, rules, b.sparse_factor) for b in blocks)
@@ -178,14 +185,39 @@ def evaluate_per_query(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str
                        measures: Sequence[str] | None = None, relevance_level: int = 1,
                        ties: str = "trec") -> pa.Table:  # fmt: skip
     """Per-query metrics (query_id, measure, value) of a run table against qrels (a table with query_id, doc_id,
-    relevance, or ``{query_id: {doc_id: grade}}``)."""
+    relevance, or ``{query_id: {doc_id: grade}}``). A run that answers none of the judged queries is refused (a
+    ValueError), as `diffret import-run` refuses one: the qrels of another split or collection would otherwise
+    score every query 0 without a word.
+
+    >>> run = pa.table({"query_id": ["q1"], "doc_id": ["d1"], "rank": [1], "score": [1.0]})
+    >>> evaluate_per_query(run, {"q1": {"d1": 1}}, ["ndcg_cut_10"]).column("value").to_pylist()
+    [1.0]
+    >>> evaluate_per_query(run, {"7": {"d1": 1}})
+    Traceback (most recent call last):
+    ...
+    ValueError: no query in common: the run answers 1 query (e.g. 'q1'), the qrels judge 1 (e.g. '7'); are these \
+the qrels of its split and collection?
+    """
+    import pyarrow.compute as pc
+
     from diffret.retrieval.evaluation import DEFAULT_MEASURES
     from diffret.retrieval.evaluation.arrays import evaluate_tables
 
     if isinstance(qrels, Mapping):
         rows = [(q, d, int(g)) for q, docs in qrels.items() for d, g in docs.items()]
-        qrels = pa.table({"query_id": [r[0] for r in rows], "doc_id": [r[1] for r in rows],
+        qrels = pa.table({"query_id": pa.array([r[0] for r in rows], pa.string()),
+                          "doc_id": pa.array([r[1] for r in rows], pa.string()),
                           "relevance": pa.array([r[2] for r in rows], pa.int32())})  # fmt: skip
+    asked = pc.unique(run.column("query_id")).to_pylist()
+    judged = pc.unique(qrels.column("query_id")).to_pylist()
+    if not set(asked) & set(judged):
+
+        def some(ids: list[Any]) -> str:
+            return f" (e.g. {sorted(ids)[0]!r})" if ids else ""
+
+        raise ValueError(f"no query in common: the run answers {len(asked):,} quer{'y' if len(asked) == 1 else 'ies'}"
+                         f"{some(asked)}, the qrels judge {len(judged):,}{some(judged)}; are these the qrels of its "
+                         "split and collection?")  # fmt: skip
     return evaluate_tables(qrels, run, list(measures or DEFAULT_MEASURES), relevance_level, ties=ties)  # type: ignore[arg-type]
 
 
@@ -233,7 +265,8 @@ def load_beir(folder: str | Path, name: str | None = None) -> Collection:
 
 class Store:
     """An artifact store (a folder or an fsspec URL) read from Python: its tables as Arrow (or pandas), through the
-    same verified readers and SQL views the CLI uses.
+    same verified readers and SQL views the CLI uses. A folder that does not exist, or holds files but none of a
+    store's folders, is refused (a :class:`diffret.storage.StoreError`): an empty folder is an empty store.
 
     >>> s = Store("/tmp/r")                                      # doctest: +SKIP
     >>> s.sql("select mode, kq, kp, ndcg_10 from best_cells")    # doctest: +SKIP
@@ -244,6 +277,7 @@ class Store:
 
         self.root = str(root)
         self.store = ArtifactStore(self.root)
+        self.store.require_root()  # a missing folder, or one that is not a store (TREC files), is refused here
 
     def sql(self, query: str) -> pa.Table:
         """A read-only DuckDB query over the store's views (``diffret views`` lists them) as an Arrow table."""

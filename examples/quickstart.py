@@ -1,14 +1,18 @@
-"""diffret from Python, as a notebook uses it: SciFact's test queries and corpus encoded in memory by splade-tiny
-at (K_q, K_p) = (4, 4), searched in three modes and evaluated: the numbers `diffret run --max-length 128` stores
-for that cell (tests/e2e/test_pipeline_shared.py checks it). Run from the repository root:
+"""diffret from Python, as a notebook uses it: SciFact's test queries and corpus encoded in memory by splade-tiny at
+(K_q, K_p) = (4, 4), searched and evaluated, then the store of the README's offline demo read with SQL. The settings
+are the demo's (`diffret run --preset laptop`: the CLI's defaults, 256 tokens), so the means printed first are the
+ones the demo stored for its (4, 4) fusion_multi_sparse_max cell, to the last bit. This file is the README's "From
+Python" block (tests/e2e/test_readme_commands.py checks both). Run it from the repository root after the demo:
 ``python examples/quickstart.py``."""
 
 import diffret
 
-data = diffret.load_beir("../shared/data/scifact")
-retriever = diffret.load("../shared/models/splade-tiny-mlm", max_length=128)
-queries = retriever.encode_queries(data.queries("test"), k=4)
+data = diffret.load_beir("../shared/data/scifact")                  # or any BEIR-layout folder
+retriever = diffret.load("../shared/models/splade-tiny-mlm")        # hub id or path, any readout; 256 tokens
+queries = retriever.encode_queries(data.queries("test"), k=4)       # in memory, no store
 passages = retriever.encode_passages(data.corpus, k=4)
-for mode in ["multi_dense", "sparse_max", "fusion_multi_sparse_max"]:
-    run = diffret.search(queries, passages, mode)
-    print(mode, diffret.evaluate(run, data.qrels("test")))
+run = diffret.search(queries, passages, "fusion_multi_sparse_max")  # any of the five modes
+print(diffret.evaluate(run, data.qrels("test")))                    # {'ndcg_cut_10': ..., 'mrr_10': ..., ...}
+
+store = diffret.Store("/tmp/r")                                     # a store the CLI or Prefect wrote
+print(store.sql("select mode, kq, kp, ndcg_10 from best_cells where split = 'test'"))   # an Arrow table

@@ -191,12 +191,20 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool =
     from .runner import prefect_api, run_pipeline_stages, use_prefect
 
     t0 = time.perf_counter()
-    config = _config(PipelineConfig, data)
-    if dry_run:
-        with _errors():
-            for stage, settings in pipeline_plan(config):
-                out.print(f"{stage}: {settings}", highlight=False, markup=False, soft_wrap=True)
+    if dry_run:  # a checkpoint whose settings cannot be read (offline) is planned on the defaults, saying so
+        from diffret.retrieval.models.released import assume_unreadable_not_released
+
+        with _errors(), assume_unreadable_not_released() as unread:
+            config = PipelineConfig(**data)
+            plan = pipeline_plan(config)
+        for note in unread:
+            console.print(f"[bold yellow]note:[/] {escape(note)}. This plan assumes it is not a released checkpoint: "
+                          f"the grid K_q in {config.kq}, K_p in {config.kp} and the readout's default prompt; `diffret "
+                          "run` refuses until its settings can be read.", highlight=False, soft_wrap=True)  # fmt: skip
+        for stage, settings in plan:
+            out.print(f"{stage}: {settings}", highlight=False, markup=False, soft_wrap=True)
         return
+    config = _config(PipelineConfig, data)
     with _errors():
         if use_prefect(prefect):
             from .pipeline import pipeline_flow

@@ -101,6 +101,40 @@ def list_runs(
     return out
 
 
+def select_runs(runs: list[RunRef], systems: list[str] | None = None, datasets: list[str] | None = None,
+                splits: list[str] | None = None) -> list[RunRef]:  # fmt: skip
+    """The runs of the given systems, datasets and splits (None: any)."""
+    wanted = (("system", systems), ("dataset", datasets), ("split", splits))
+    return [r for r in runs if all(not values or r.partition.get(key) in values for key, values in wanted)]
+
+
+def check_selectors(runs: list[RunRef], systems: list[str] | None, datasets: list[str] | None,
+                    splits: list[str] | None) -> None:  # fmt: skip
+    """Refuse a selector value (``--system``, ``-d``, ``--split``) that none of the stored ``runs`` has: a typo
+    would otherwise evaluate nothing and succeed. The error names what the store holds.
+
+    >>> run = RunRef("runs/x", {"system": "bm25-1", "dataset": "scifact", "split": "test"}, None)
+    >>> check_selectors([run], None, ["scifact"], ["test"])
+    >>> check_selectors([run], None, ["nosuch"], None)
+    Traceback (most recent call last):
+    ...
+    ValueError: no stored run has dataset 'nosuch' (-d); the stored runs' datasets: scifact (`diffret sql "select \
+distinct dataset from runs"` lists them)
+    """
+    for key, flag, given in (("system", "--system", systems), ("dataset", "-d", datasets),
+                             ("split", "--split", splits)):  # fmt: skip
+        stored = {r.partition.get(key, "") for r in runs}
+        missing = [v for v in given or [] if v not in stored]
+        if not missing:
+            continue
+        if not runs:
+            raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}): the store holds no run yet (`diffret "
+                             "score`, `diffret bm25` or `diffret import-run` make them)")  # fmt: skip
+        raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}); the stored runs' {key}s: "
+                         f"{', '.join(sorted(stored))} (`diffret sql \"select distinct {key} from runs\"` lists "
+                         "them)")  # fmt: skip
+
+
 def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int,
                    ties: str = "trec") -> dict[str, Any]:  # fmt: skip
     return {
@@ -148,13 +182,17 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         plan = Plan(work_unit="runs")
         qrels_sha: dict[str, str] = {}
         damaged: dict[str, str] = {}
-        runs = list_runs(store, config.systems, config.datasets, config.splits, damaged)
+        runs = list_runs(store, damaged=damaged)
+        partitions = [RunRef(st, dict(part.split("=", 1) for part in st.split("/")[1:]), None) for st in damaged]
+        check_selectors(runs + partitions, config.systems, config.datasets, config.splits)
+        damaged = {r.stage: damaged[r.stage] for r in select_runs(partitions, config.systems, config.datasets,
+                                                                    config.splits)}  # fmt: skip
         if damaged and config.systems:  # a system asked for by name: its damaged run is refused, not skipped
             more = f" (and {len(damaged) - 1} more damaged run folder(s))" if len(damaged) > 1 else ""
             raise StoreError(next(iter(damaged.values())) + more)
         for why in damaged.values():  # every run: the others are evaluated, the damaged ones named with their repair
             ctx.log(f"warning: a damaged run folder is left out: {why}")
-        for run in runs:
+        for run in select_runs(runs, config.systems, config.datasets, config.splits):
             p = run.partition
             ds = p["dataset"]
             level = config.relevance_level if config.relevance_level is not None else default_relevance_level(ds)

@@ -129,7 +129,8 @@ class PipelineConfig(StageConfig):
         if isinstance(data, dict):
             preset = dict(PRESETS.get(data.get("preset") or "paper", {}))
             backbone = data.get("backbone")
-            model = backbone.get("model") if isinstance(backbone, dict) else getattr(backbone, "model", None)
+            bb = backbone if isinstance(backbone, dict) else vars(backbone) if backbone is not None else {}
+            model = bb.get("adapter") or bb.get("model")  # a released checkpoint given as --adapter too
             if isinstance(model, str) and (ckpt := read_released(model)) is not None:
                 preset.update(kq=[ckpt.kq], kp=[ckpt.kp])
             data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()

@@ -259,9 +259,30 @@ class IntegrityMixin:
         return m
 
     def require_root(self) -> None:
-        """Refuse a root that does not exist (a reader of a mistyped --root would otherwise see an empty store)."""
+        """Refuse a root that does not exist, or a folder that is not a store: one with entries but none of a store's
+        folders (``layout.STORE_TOP_FOLDERS``; hidden entries aside), such as a folder of TREC files. A reader of a
+        mistyped --root would otherwise see an empty store. An empty folder is an empty store.
+
+        >>> import os, tempfile
+        >>> from diffret.storage import ArtifactStore, StoreError
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     ArtifactStore(root).require_root()                  # empty: a new store
+        ...     open(os.path.join(root, "run.trec"), "w").close()
+        ...     try:
+        ...         ArtifactStore(root).require_root()
+        ...     except StoreError as exc:
+        ...         print(str(exc).replace(root, "ROOT")[:64])
+        ROOT is not a diffret store: it holds run.trec but none of a sto
+        """
         if not self.fs.exists(self.base):
             raise StoreError(f"no store at {self.root}: check --root (stages create it when they first write)")
+        names = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.base, detail=False))
+                       if not n.startswith("."))  # fmt: skip
+        if names and not set(names) & layout.STORE_TOP_FOLDERS:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
+            raise StoreError(f"{self.root} is not a diffret store: it holds {shown} but none of a store's folders "
+                             "(datasets/, runs/, metrics/, ...): check --root (a TREC run file enters a store with "
+                             "`diffret import-run`)")  # fmt: skip
 
     def verify_all(self) -> tuple[int, list[str]]:
         """Check every file of every stage folder against its manifest (full sha256, no cache): the number

@@ -458,6 +458,9 @@ _RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "di
 # the command that registers each kind of system (a registry record is written again by its next run)
 _SYSTEM_COMMANDS = {"bm25": "diffret bm25", "run": "diffret import-run", "fusion": "diffret fuse",
                     "reranker": "diffret rerank"}  # fmt: skip
+# The names a store root holds (every stage folder, and the store's own bookkeeping): a folder holding none of them
+# (beside hidden entries) is not a store (:meth:`storage.ArtifactStore.require_root`)
+STORE_TOP_FOLDERS = frozenset([*STAGE_FOLDERS, STAGING_DIR, LOCKS_DIR, PLANS_DIR, "checkpoints"])
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
 
 

@@ -31,15 +31,19 @@ def tokenize_texts(tokenizer: Any, texts: list[str], max_length: int) -> pa.Tabl
     The texts are tokenized whole on purpose (to record ``n_tokens``), so transformers' warning that a
     sequence is longer than the model's maximum would mislead: nothing that long reaches the model. It is
     marked as already shown on this tokenizer (transformers' own once-per-tokenizer flag; no global state).
+    No texts give an empty table (a tokenizer called on none raises).
+
+    >>> tokenize_texts(None, [], 8).num_rows
+    0
     """
     quiet_length_warning(tokenizer)
-    enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"]
+    enc = tokenizer(texts, add_special_tokens=False, truncation=False)["input_ids"] if texts else []  # none: no call
     lengths = [len(e) for e in enc]
     return pa.table(
         {
-            "token_ids": [e[:max_length] for e in enc],
-            "n_tokens": lengths,
-            "truncated": [n > max_length for n in lengths],
+            "token_ids": pa.array([e[:max_length] for e in enc], pa.list_(pa.int64())),
+            "n_tokens": pa.array(lengths, pa.int64()),
+            "truncated": pa.array([n > max_length for n in lengths], pa.bool_()),
         }
     )
 

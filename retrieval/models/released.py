@@ -19,10 +19,14 @@ the trained K, so ``--model ielabgroup/diffretriever-llada-8b-single`` needs no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,34 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 class ReleasedError(ValueError):
     """A released-layout folder that cannot be read as one; the message names the file and what is wrong."""
+
+
+class ReleasedUnreadable(ReleasedError):
+    """A hub id that may be a released checkpoint whose settings cannot be read: the hub cannot be reached and the hub
+    cache holds no copy. Its trained budget and prompt are unknown, so nothing is assumed silently."""
+
+
+_UNREADABLE_TTL = 60.0  # seconds an unreachable hub answer is reused before the hub is asked again
+_UNREADABLE: dict[str, tuple[float, str]] = {}  # repo -> (when, why): one wait on an unreachable hub per command
+_ASSUMED: ContextVar[list[str] | None] = ContextVar("released_assumed", default=None)
+
+
+@contextlib.contextmanager
+def assume_unreadable_not_released() -> Iterator[list[str]]:
+    """Within this block a checkpoint whose settings cannot be read (:class:`ReleasedUnreadable`) counts as not a
+    released one, and each such message is collected in the list it yields: for a plan that loads and writes nothing
+    (``diffret run --dry-run``) and says what it assumed. Everywhere else the error is raised.
+
+    >>> with assume_unreadable_not_released() as unread:
+    ...     read_released("org/some-base") is None, unread
+    (True, [])
+    """
+    notes: list[str] = []
+    token = _ASSUMED.set(notes)
+    try:
+        yield notes
+    finally:
+        _ASSUMED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,8 @@ def released_folder(model: str | None) -> Path | None:
 
     A hub id is looked up once per process (:func:`_hub_snapshot`): its ``retriever_config.json`` first (a base model
     has none, and is left alone), then the whole repository (adapter, settings, tokenizer: small beside the base).
+    A hub id the hub cannot be asked about (offline, no cached copy) raises :class:`ReleasedUnreadable`, except
+    within :func:`assume_unreadable_not_released`.
 
     >>> released_folder("org/not-a-released-model") is None or True
     True
@@ -96,25 +130,76 @@ def released_folder(model: str | None) -> Path | None:
         return local if local.is_dir() and is_released_folder(local) else None
     if not _HUB_ID.match(model):
         return None
-    return _hub_snapshot(model)
+    try:
+        return _hub_snapshot(model)
+    except ReleasedUnreadable as exc:
+        assumed = _ASSUMED.get()
+        if assumed is None:
+            raise
+        if str(exc) not in assumed:
+            assumed.append(str(exc))
+        return None
+
+
+def _hub_snapshot(repo: str) -> Path | None:
+    """The repository's snapshot when it is a released checkpoint, None when it is not one (the hub says the
+    repository or its ``retriever_config.json`` does not exist; the cache holds the repository's ``config.json``: a
+    full model); :class:`ReleasedUnreadable` when the hub cannot tell (offline, unreachable) and the cache holds no
+    copy. The hub is asked only for a repository whose name says so (``*diffretriever*``, as the released ones are
+    named) or whose settings file is in the hub cache already: every other hub id (a base model) costs no network
+    round trip. An unreachable hub is asked again after a minute, not at every call of one command."""
+    from huggingface_hub import file_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, RELEASED_CONFIG)
+    known_absent = cached is getattr(file_download, "_CACHED_NO_EXIST", object())  # the cache recorded: no such file
+    if known_absent or (not isinstance(cached, str) and "diffretriever" not in repo.lower()):
+        return None
+    failed = _UNREADABLE.get(repo)
+    if failed is not None and time.monotonic() - failed[0] < _UNREADABLE_TTL:
+        raise ReleasedUnreadable(failed[1])
+    try:
+        return _hub_fetch(repo)
+    except ReleasedUnreadable as exc:
+        _UNREADABLE[repo] = (time.monotonic(), str(exc))
+        raise
 
 
 @functools.lru_cache(maxsize=32)
-def _hub_snapshot(repo: str) -> Path | None:
-    """The repository's snapshot when it is a released checkpoint. The hub is asked only for a repository whose
-    name says so (``*diffretriever*``, as the released ones are named) or whose settings file is in the hub cache
-    already: every other hub id (a base model) costs no network round trip."""
-    try:
-        from huggingface_hub import hf_hub_download, snapshot_download, try_to_load_from_cache
+def _hub_fetch(repo: str) -> Path | None:
+    """:func:`_hub_snapshot`'s download (its answers kept for the process; an unreachable hub's is not)."""
+    from huggingface_hub import constants, errors, hf_hub_download, snapshot_download, try_to_load_from_cache
 
-        cached = try_to_load_from_cache(repo, RELEASED_CONFIG)
-        if not isinstance(cached, str) and "diffretriever" not in repo.lower():
-            return None
+    not_there = (getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError),
+                 errors.RepositoryNotFoundError, errors.RevisionNotFoundError)  # fmt: skip
+
+    try:
         hf_hub_download(repo, RELEASED_CONFIG)
         folder = Path(snapshot_download(repo))
-    except Exception:  # noqa: BLE001 - no such file or repository, or no hub: not a released checkpoint
-        return None
+    except errors.LocalEntryNotFoundError as exc:  # offline or unreachable, and not in the cache
+        if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            return None  # a full model in the cache (a released checkpoint has no config.json)
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else f"the Hugging Face hub cannot be reached ({_first_line(exc.__cause__ or exc)})")  # fmt: skip
+        raise ReleasedUnreadable(
+            f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}: a released checkpoint's trained K_q, K_p and "
+            f"prompt): {why} and the hub cache ({constants.HF_HUB_CACHE}) holds no copy; connect once (it is then "
+            f"cached), or give a local copy as --model (`hf download {repo} --local-dir DIR` where the hub is "
+            "reachable)"
+        ) from None
+    except not_there as exc:
+        if isinstance(exc, errors.GatedRepoError):  # there, but not readable with this token
+            raise ReleasedUnreadable(f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}): the repository is "
+                                     "gated; log in (`hf auth login`) with access to it") from None  # fmt: skip
+        return None  # the hub says: no such repository, or no settings file in it
+    except Exception as exc:  # noqa: BLE001 - any other hub failure (refused, server error): cannot tell
+        raise ReleasedUnreadable(f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}) from the Hugging Face "
+                                 f"hub: {_first_line(exc)}") from None  # fmt: skip
     return folder if is_released_folder(folder) else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
 def read_released(model: str | None) -> ReleasedCheckpoint | None:

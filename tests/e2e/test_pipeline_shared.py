@@ -253,23 +253,3 @@ def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Pat
     run("report", "--root", str(pipeline_root), "--name", "adaptive", "--out", str(out), "--n-boot", "50")
     assert "## Adaptive budgets" in (out / "report.md").read_text()
     assert len((out / "adaptive_budgets.csv").read_text().splitlines()) == 3
-
-
-def test_the_python_quickstart_gives_the_runs_metrics(pipeline_root: Path, wheel_env) -> None:
-    """examples/quickstart.py (the README's Python example: in memory, no store), run from the wheel that
-    ``pip install .`` installs (a fresh environment outside the checkout), at (K_q, K_p) = (4, 4) prints, per mode,
-    the means `diffret run` stored for its (4, 4) test cell, to the last bit (so to 4 decimals): one sparse scale,
-    one evaluator, for the API and the stages."""
-    from conftest import REPO
-
-    p = wheel_env.run("import runpy; runpy.run_path('examples/quickstart.py', run_name='__main__')", cwd=REPO)
-    assert p.returncode == 0, p.stderr[-2000:]
-    printed = {}
-    for line in p.stdout.splitlines():
-        mode, _, means = line.partition(" ")
-        printed[mode] = eval(means)  # noqa: S307 (a dict of floats printed by the example)
-    assert set(printed) == {"multi_dense", "sparse_max", "fusion_multi_sparse_max"}
-    for mode, means in printed.items():
-        stored = sql(pipeline_root, "select measure, avg(value) as v from metrics where split = 'test' and kq = 4 "
-                     f"and kp = 4 and mode = '{mode}' and system not like 'bm25%' group by measure")  # fmt: skip
-        assert means == pytest.approx({r["measure"]: r["v"] for r in stored}, abs=1e-12), mode

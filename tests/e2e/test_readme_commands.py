@@ -2,9 +2,12 @@
 in a fresh environment (no NLTK_DATA, no Prefect API, a home folder of its own: nothing this machine set up).
 
 - the offline block (`# offline:`): its first command and its `diffret sql` as written, then the Python example
-  over the store they made; only the store root (`/tmp/r`) moves into the test's temporary folder;
+  (`examples/quickstart.py`, the same code) over the store they made, from the wheel `pip install .` builds: its
+  means are the demo's stored cell to the last bit; only the store root (`/tmp/r`) moves into the test's temporary
+  folder;
 - every other `diffret run ...` line needs a hub (a model, a collection) this machine cannot reach: each runs as
-  written with `--dry-run`, so its options parse and every stage's settings validate;
+  written with `--dry-run`, so its options parse and every stage's settings validate (offline, a released
+  checkpoint's plan says that its settings could not be read and what it assumes);
 - the Prefect block against a server of the test's own (its port in place of 4200; the worker polls once);
 - the install and the test command are what `.ci/run` runs (checked against it).
 
@@ -13,6 +16,7 @@ Skipped when ../shared is absent (the commands read ../shared/data and ../shared
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -71,7 +75,8 @@ def offline_block() -> list[str]:
 def fresh_env(home: Path) -> dict[str, str]:
     """What a new user's shell has: a PATH with this environment's `diffret`, a home, nothing diffret-specific."""
     bin_dir = str(Path(sys.executable).parent)
-    keep = {k: os.environ[k] for k in ("LANG", "LC_ALL", "TMPDIR") if k in os.environ}
+    # PYTHONPATH where the test runner sets one: the checkout under test, in place of another's editable install
+    keep = {k: os.environ[k] for k in ("LANG", "LC_ALL", "TMPDIR", "PYTHONPATH") if k in os.environ}
     return {**keep, "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "COLUMNS": "200"}
 
 
@@ -100,14 +105,29 @@ def test_every_readme_command_is_run_by_this_module() -> None:
     assert test == "pytest -q" and ci.rstrip().endswith("\npytest -q")
 
 
-def test_the_readme_offline_commands_and_python_example_work_as_written(tmp_path: Path) -> None:
+def quickstart_code() -> list[str]:
+    """examples/quickstart.py without its docstring: the README's Python block, line for line."""
+    text = (REPO / "examples" / "quickstart.py").read_text()
+    lines = text.splitlines()[ast.parse(text).body[0].end_lineno :]  # after the docstring
+    return lines[1:] if lines and not lines[0].strip() else lines
+
+
+def test_the_readme_python_block_is_the_quickstart() -> None:
+    (python,) = blocks("python")
+    assert python == quickstart_code()
+
+
+def test_the_readme_offline_commands_and_python_example_work_as_written(tmp_path: Path, wheel_env) -> None:
+    """The demo and its SQL as written; then the Python block over the store they made, from the wheel: the means it
+    prints are those the demo stored for the same cell (same checkpoint, collection, K and settings), to the last
+    bit, and its last line prints the store's best cells. The corpus is encoded once here, by the Python block."""
     needs_shared()
     root = tmp_path / "r"
     env = fresh_env(tmp_path / "home")
     (tmp_path / "home").mkdir()
     assert "NLTK_DATA" not in env and "PREFECT_API_URL" not in env
     first, sql = offline_block()
-    assert "--root /tmp/r" in first
+    assert "--root /tmp/r" in first and "--preset laptop" in first
     run_out = shell(re.sub(r"/tmp/r\b", str(root), first), env)
     sql_out = shell(re.sub(r"/tmp/r\b", str(root), sql), env)
     assert "NDCG@10" in run_out and "bm25" in run_out  # the leaderboard
@@ -116,12 +136,23 @@ def test_the_readme_offline_commands_and_python_example_work_as_written(tmp_path
     assert not (root / "_locks").exists() and not (root / "_staging").exists()  # nothing left behind
 
     (python,) = blocks("python")
-    code = re.sub(r"/tmp/r\b", str(root), "\n".join(python))
-    code += "\nprint('ROWS', store.sql(\"select mode, kq, kp, ndcg_10 from best_cells where split = 'test'\").num_rows)"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "NLTK_DATA": str(SHARED / "nltk_data")},
-                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert 'diffret.Store("/tmp/r")' in "\n".join(python) and 'search(queries, passages, "fusion_multi_sparse_max")' \
+        in "\n".join(python) and "k=4)" in "\n".join(python)  # fmt: skip
+    p = wheel_env.run(re.sub(r"/tmp/r\b", str(root), "\n".join(python)), cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "ndcg_cut_10" in p.stdout and int(p.stdout.split("ROWS")[-1]) > 0, p.stdout
+    means_line, *table = p.stdout.splitlines()
+    means = ast.literal_eval(means_line)  # the dict the block prints: repr of floats, exact
+    from diffret.storage import ArtifactStore
+    from diffret.storage.sql import StoreSQL
+
+    with StoreSQL(ArtifactStore(root)) as db:
+        cols, rows = db.query("select ndcg_10, mrr_10, recall_100, recall_1000 from cells where split = 'test' and "
+                              "kq = 4 and kp = 4 and mode = 'fusion_multi_sparse_max' and system not like 'bm25%'")
+    ((ndcg, mrr, r100, r1000),) = rows
+    assert means["ndcg_cut_10"] == ndcg, (means, rows)  # to the last bit
+    assert (means["mrr_10"], means["recall_100"], means["recall_1000"]) == (mrr, r100, r1000), (means, rows)
+    printed = "\n".join(table)  # store.sql(...) printed: the best cell per mode
+    assert printed.startswith("pyarrow.Table") and "fusion_multi_sparse_max" in printed and "ndcg_10" in printed
 
 
 def test_the_readme_online_runs_parse_and_validate_with_dry_run(tmp_path: Path) -> None:
@@ -133,7 +164,11 @@ def test_the_readme_online_runs_parse_and_validate_with_dry_run(tmp_path: Path) 
     before = (REPO / "diffret-store").exists()
     for command in online:
         line = command if "--dry-run" in command else f"{command} --dry-run"
-        out = shell(line, env, timeout=300)
+        p = subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, f"{line}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        out = p.stdout
+        if "diffretriever" in command:  # a released checkpoint: offline its settings are unread, and it says so
+            assert "cannot read the settings of" in p.stderr and "This plan assumes" in p.stderr, p.stderr
         stages = [row.split(":")[0].split(" ")[0] for row in out.splitlines() if row.strip()]
         assert stages[0] == "download" and "encode" in stages and "score" in stages, out
         assert stages[-1] == "summary", out

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from conftest import write_beir
@@ -84,3 +85,48 @@ def test_bad_calls_say_what_to_do(tmp_path: Path) -> None:
         diffret.search(p, q)
     with pytest.raises(ValueError, match="not \\(title, text\\) pairs"):
         r.encode_queries({"q": ("a", "b")})
+
+
+def test_no_texts_give_empty_encodings_and_an_empty_run(tmp_path: Path) -> None:
+    model = save_tiny_mlm(tmp_path / "model")
+    r = diffret.load(str(model), max_length=48)
+    q, p = r.encode_queries(["cats"], k=2), r.encode_passages({"d": ("T", "cats purr")}, k=2)
+    none_q, none_p = r.encode_queries([], k=2), r.encode_passages({}, k=2)
+    assert (len(none_q), len(none_p)) == (0, 0) and none_q.ids == []
+    assert none_q.table.schema.equals(q.table.schema) and none_p.table.schema.equals(p.table.schema)
+    for mode in MODES:
+        for queries, passages, rows in ((none_q, p, 0), (q, none_p, 0), (none_q, none_p, 0), (q, [none_p, p], 1)):
+            run = diffret.search(queries, passages, mode)
+            assert run.column_names == ["query_id", "doc_id", "rank", "score"] and run.num_rows == rows, mode
+
+
+def test_evaluate_refuses_qrels_that_share_no_query_with_the_run(tmp_path: Path) -> None:
+    run = pa.table({"query_id": ["q1", "q1"], "doc_id": ["d1", "d2"], "rank": [1, 2], "score": [2.0, 1.0]})
+    assert diffret.evaluate(run, {"q1": {"d2": 1}, "q2": {"d1": 1}})["recall_100"] == 0.5  # q2 unanswered: 0
+    for qrels in ({"7": {"d1": 1}}, {}, pa.table({"query_id": ["x"], "doc_id": ["d1"], "relevance": [1]})):
+        with pytest.raises(ValueError, match="no query in common"):
+            diffret.evaluate(run, qrels)
+        with pytest.raises(ValueError, match="no query in common"):
+            diffret.evaluate_per_query(run, qrels)
+    with pytest.raises(ValueError, match="the run answers 0 queries"):
+        diffret.evaluate(run.slice(0, 0), {"q1": {"d1": 1}})
+
+
+def test_a_folder_that_is_not_a_store_is_refused_and_an_empty_one_is_an_empty_store(tmp_path: Path) -> None:
+    from diffret.storage import StoreError
+
+    trec = tmp_path / "runs-made-elsewhere"
+    trec.mkdir()
+    (trec / "bm25.trec").write_text("q1 Q0 d1 1 1.0 x\n")
+    (trec / ".hidden").write_text("")
+    with pytest.raises(StoreError, match=f"{trec} is not a diffret store: it holds bm25.trec"):
+        diffret.Store(trec)
+    with pytest.raises(StoreError, match="no store at .*typo"):
+        diffret.Store(tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()
+    empty = tmp_path / "new"
+    empty.mkdir()
+    assert diffret.Store(empty).sql("select count(*) n from runs").to_pylist() == [{"n": 0}]
+    (empty / "notes.txt").write_text("a store may hold other files beside its folders")
+    (empty / "runs").mkdir()
+    assert diffret.Store(empty).runs().num_rows == 0

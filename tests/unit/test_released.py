@@ -92,3 +92,75 @@ def test_encode_and_run_take_the_trained_budget_and_prompt(tmp_path):
     assert encoder_slug(s).startswith("ft-diffretriever-")
     with pytest.raises(ValueError, match="released checkpoint"):
         EncodeSettings(backbone={"model": "org/base"}, readout={"prompt": "checkpoint"})
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """The hub offline (HF_HUB_OFFLINE=1) with an empty hub cache, in this process."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
+def test_offline_a_released_hub_id_is_planned_saying_what_is_assumed_and_run_refuses(offline, tmp_path):
+    """A released checkpoint named by hub id, offline with nothing cached: its trained K and prompt cannot be read.
+    The dry run plans on the defaults and says so (stderr); the run refuses in one line before anything is done."""
+    from typer.testing import CliRunner
+
+    from diffret.flows.cli import app
+
+    model = ["--model", "ielabgroup/diffretriever-llada-8b-single"]
+    plan = CliRunner().invoke(app, ["run", "-d", "beir/nq", *model, "--dry-run"], env={"COLUMNS": "300"})
+    assert plan.exit_code == 0, plan.output
+    assert "cannot read the settings of 'ielabgroup/diffretriever-llada-8b-single'" in plan.stderr, plan.stderr
+    assert "HF_HUB_OFFLINE is set" in plan.stderr and "This plan assumes it is not a released checkpoint" in plan.stderr
+    assert '"kq": [1, 2, 4, 8, 16]' in plan.stdout and plan.stdout.startswith("download")  # the plan, on stdout
+    run = CliRunner().invoke(app, ["run", "-d", "beir/nq", *model, "--root", str(tmp_path / "store")],
+                             env={"COLUMNS": "300"})  # fmt: skip
+    lines = [ln for ln in run.output.splitlines() if ln.strip()]
+    assert run.exit_code == 2 and len(lines) == 1, run.output
+    assert "cannot read the settings of 'ielabgroup/diffretriever-llada-8b-single'" in lines[0]
+    assert "retriever_config.json" in lines[0] and "--model" in lines[0], lines[0]
+    assert not (tmp_path / "store").exists()
+
+
+def test_unreadable_settings_are_an_error_and_other_hub_ids_are_not_asked(offline):
+    from diffret.retrieval.models.released import ReleasedUnreadable, assume_unreadable_not_released
+
+    with pytest.raises(ReleasedUnreadable, match="HF_HUB_OFFLINE is set"):
+        read_released("someone/diffretriever-test-not-cached")
+    with pytest.raises(BackboneError, match="cannot read the settings"):  # through the loader: one clear line
+        with_adapter(BackboneConfig(model="someone/diffretriever-test-not-cached"))
+    with assume_unreadable_not_released() as unread:  # a plan that writes nothing: assumed, and said
+        assert read_released("someone/diffretriever-test-not-cached") is None
+    assert len(unread) == 1 and "someone/diffretriever-test-not-cached" in unread[0]
+    assert read_released("org/some-base") is None  # not named like a released one, not cached: no hub asked
+
+
+@pytest.mark.parametrize(("recorded", "base"), [
+    ("/cluster/scratch/Dream-v0-Instruct-7B", MODEL_TYPES["dream"][1]),  # a training machine's path: the family's
+    ("nosuch-org/nosuch-base", "nosuch-org/nosuch-base"),  # a hub id it records
+])  # fmt: skip
+def test_a_released_folder_whose_base_is_missing_names_the_base_and_where_it_was_looked_for(
+        tmp_path, offline, recorded, base):  # fmt: skip
+    from diffret.retrieval.models.backbones import raw_config
+
+    folder = released(tmp_path / "ft", recorded)
+    with pytest.raises(BackboneError) as err:
+        raw_config(BackboneConfig(model=str(folder)))
+    says = str(err.value)
+    assert f"cannot load the base model {base!r} of {folder.resolve()}" in says, says
+    assert "HF_HUB_OFFLINE is set" in says and f"--adapter {folder.resolve()}" in says, says
+    if recorded != base:  # a recorded path not on this machine is named beside the hub id used instead
+        assert f"records the base {recorded!r}, not a folder on this machine" in says, says
+
+
+def test_a_released_checkpoint_given_as_adapter_runs_at_its_trained_budget(tmp_path):
+    from diffret.flows.compose import PipelineConfig
+
+    base = tmp_path / "base"
+    base.mkdir()
+    folder = str(released(tmp_path / "ft", str(base)))
+    run = PipelineConfig(dataset="d", backbone={"model": str(base), "adapter": folder})
+    assert (run.kq, run.kp) == ([4], [16])

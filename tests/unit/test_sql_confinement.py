@@ -107,6 +107,52 @@ def test_a_missing_root_is_refused_not_read_as_an_empty_store(tmp_path: Path) ->
     assert not (tmp_path / "typo").exists()
 
 
+def test_a_folder_that_is_not_a_store_is_refused_by_sql_views_and_verify(tmp_path: Path) -> None:
+    """A folder of TREC files given as --root is refused naming it (not read as an empty store); an empty folder is an
+    empty store; a store root holding other files beside its folders is a store, local or on memory://."""
+    trec = tmp_path / "trec-files"
+    trec.mkdir()
+    for name in ("bm25.trec", "dense.trec", "fused.trec", "x.trec"):
+        (trec / name).write_text("q1 Q0 d1 1 1.0 x\n")
+    with pytest.raises(StoreError, match=f"{trec} is not a diffret store: it holds bm25.trec, dense.trec, fused.trec "
+                                         "and 1 more"):  # fmt: skip
+        StoreSQL(ArtifactStore(trec))
+    with pytest.raises(StoreError, match="is not a diffret store"):
+        ArtifactStore(trec).verify_all()
+    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(trec), "select count(*) from "
+                        "runs"], capture_output=True, text=True, cwd=REPO,
+                       env={"PATH": "/usr/bin:/bin", "COLUMNS": "300", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "is not a diffret store" in p.stderr and not p.stdout, (p.stdout, p.stderr)
+    with pytest.raises(StoreError, match="it holds trec-files but"):  # the folder above: not a store either
+        StoreSQL(ArtifactStore(tmp_path))
+    mem = ArtifactStore(f"memory://diffret-top-{uuid.uuid4().hex}")
+    put_metrics(mem)
+    mem.fs.pipe(mem.abspath("notes.txt"), b"beside the store's folders")
+    with StoreSQL(mem) as db:
+        assert db.query("select count(*) from metrics")[1] == [(2,)]
+
+
+def test_every_folder_the_layout_names_marks_a_store() -> None:
+    """Every path function of storage/layout.py starts with a folder ``STORE_TOP_FOLDERS`` lists: a store holding
+    only that folder is never refused as "not a store"."""
+    import inspect
+
+    from diffret.storage import layout
+
+    checked = 0
+    for name, fn in vars(layout).items():
+        if not inspect.isfunction(fn) or not name.endswith(("_dir", "_path")) or fn.__module__ != layout.__name__:
+            continue
+        params = inspect.signature(fn).parameters
+        if "stage_dir" in params:
+            continue
+        path = fn(*[1 if p.annotation in ("int", int) else "x" for p in params.values()])
+        assert path.split("/")[0] in layout.STORE_TOP_FOLDERS, (name, path)
+        checked += 1
+    assert checked >= 15
+    assert set(layout.STAGE_FOLDERS) <= layout.STORE_TOP_FOLDERS
+
+
 def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path) -> None:
     target = tmp_path / "x.csv"
     p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(store.root),

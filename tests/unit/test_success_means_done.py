@@ -170,6 +170,19 @@ def test_a_summary_of_nothing_is_refused_and_writes_nothing(world: dict) -> None
     assert files_of(root) == before
 
 
+def test_evaluate_of_a_dataset_system_or_split_no_run_has_is_refused_naming_the_stored_ones(world: dict) -> None:
+    root = world["root"]
+    before = files_of(root)
+    line = refused("evaluate", "-d", "nosuch", "--root", str(root))
+    assert "no stored run has dataset 'nosuch' (-d); the stored runs' datasets: c " in line, line
+    line = refused("evaluate", "--system", "nosuch", "--root", str(root))
+    assert "system 'nosuch' (--system)" in line and world["system"] in line and world["bm25"] in line, line
+    line = refused("evaluate", "-d", "c", "--split", "dev", "--root", str(root))  # judged, never scored
+    assert "split 'dev' (--split); the stored runs' splits: test, train " in line, line
+    assert files_of(root) == before
+    assert "0 run(s) evaluated" in ok("evaluate", "-d", "c", "--split", "test", "--root", str(root))
+
+
 def test_a_summary_rebuilt_without_its_manifest_keeps_bm25_and_p_values(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     ok("summary", "-d", "c", "--bm25", world["bm25"], "--root", str(root))

@@ -22,9 +22,13 @@ from .files import _check_tokenizer_files, check_model_files
 
 def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
     """The path or hub id to load, and the gguf_file argument; clear errors for missing files."""
-    cfg = with_adapter(cfg)
+    given, cfg = cfg, with_adapter(cfg)
     local = Path(cfg.model).expanduser()
     if not local.exists() and cfg.model.startswith((".", "/", "~")):
+        if cfg.adapter and not given.adapter:  # the base an adapter folder records
+            raise BackboneError(f"model path {cfg.model!r} does not exist: it is the base model that the adapter "
+                                f"{cfg.adapter} records (adapter_config.json); give a local copy of the base: --model "
+                                f"BASE_FOLDER --adapter {cfg.adapter}")  # fmt: skip
         raise BackboneError(f"model path {cfg.model!r} does not exist")
     ref = str(local) if local.exists() else cfg.model
     extra: dict[str, Any] = {}
