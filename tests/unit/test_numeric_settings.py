@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
 from diffret.flows.cli import app
-from diffret.flows.pipeline import PipelineConfig
+from diffret.stages.pipeline import PipelineConfig
 from diffret.flows.runner import flows
 from diffret.stages import stages
 

@@ -157,7 +157,7 @@ def test_a_released_folder_whose_base_is_missing_names_the_base_and_where_it_was
 
 
 def test_a_released_checkpoint_given_as_adapter_runs_at_its_trained_budget(tmp_path):
-    from diffret.flows.compose import PipelineConfig
+    from diffret.stages.pipeline import PipelineConfig
 
     base = tmp_path / "base"
     base.mkdir()
