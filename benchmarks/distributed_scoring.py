@@ -34,17 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffret.flows.cluster import WORKER_ENV, local_cluster  # noqa: E402
 from diffret.flows.runner import run_stage  # noqa: E402
+from diffret.schemas import encodings_schema  # noqa: E402
 from diffret.stages import stages  # noqa: E402
 from diffret.stages.score import ScoreConfig  # noqa: E402
 from diffret.stages.systems import SystemRecord, SystemRef, register  # noqa: E402
 from diffret.storage import ArtifactStore, Manifest  # noqa: E402
-from diffret.storage.layout import (  # noqa: E402
-    DATASET_TABLES,
-    dataset_dir,
-    encodings_dir,
-    encodings_schema,
-    shard_name,
-)
+from diffret.storage.layout import DATASET_TABLES, dataset_dir, encodings_dir, shard_name  # noqa: E402
 
 SYSTEM = "synthetic-diffretriever-h128"
 VOCAB = 150_000

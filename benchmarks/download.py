@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from diffret.retrieval.data.collections import DatasetReport, DocIds, read_corpus
+from diffret.schemas import CORPUS_SCHEMA
 from diffret.storage import ArtifactStore, Manifest
-from diffret.storage.layout import CORPUS_SCHEMA
 
 
 def make_corpus(path: Path, n: int, seed: int = 0) -> None:

@@ -153,7 +153,7 @@ def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = 
         raise ValueError("search(queries, passages): encode_queries' output first, then encode_passages'")
     blocks = [b for b in blocks if len(b)]
     if not len(queries) or not blocks:  # no queries, or no passages: no results
-        from diffret.storage.layout import RUN_SCHEMA
+        from diffret.schemas import RUN_SCHEMA
 
         return RUN_SCHEMA.empty_table()
     rules = rules or ScoreRules()

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from diffret.storage.layout import MEASURES
+from diffret.schemas import MEASURES
 
 console = Console(stderr=True, emoji=False)  # logs, progress, result lines
 out = Console(emoji=False)  # results
@@ -144,7 +144,7 @@ def print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat) -> None:
 
 
 def print_leaderboard(dataset: str, split: str, rows: list[dict]) -> None:
-    """The best cell per mode and BM25, with the headline measures (``storage.layout.MEASURES``)."""
+    """The best cell per mode and BM25, with the headline measures (``storage.schemas.MEASURES``)."""
     table = Table(title=f"{dataset} / {split}: best (K_q, K_p) per mode by {MEASURES[0].label}", title_justify="left")
     for c in ("system", "mode", "K_q", "K_p", *(m.label for m in MEASURES), "queries", "p vs BM25"):
         table.add_column(c, justify="left" if c in ("system", "mode") else "right", no_wrap=True)

@@ -25,8 +25,9 @@ from diffret.retrieval.data.collections import (
 )
 from diffret.retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
 from diffret.retrieval.fields import cli
+from diffret.schemas import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
 from diffret.storage import ArtifactStore, Manifest, StageState, StoreError
-from diffret.storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA, dataset_dir
+from diffret.storage.layout import dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig, StageResult
 

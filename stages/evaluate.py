@@ -22,8 +22,9 @@ from diffret.retrieval.evaluation import DEFAULT_MEASURES
 from diffret.retrieval.evaluation.arrays import evaluate_tables
 from diffret.retrieval.evaluation.measures import check_measures
 from diffret.retrieval.fields import cli
+from diffret.schemas import METRICS_SCHEMA
 from diffret.storage import ArtifactStore, Manifest, StoreError, layout
-from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, RUN_FILE, metrics_dir
+from diffret.storage.layout import METRICS_FILE, RUN_FILE, metrics_dir
 
 from .base import ClusterConfig, Context, Folder, Plan, Stage, StageConfig
 from .readers import dataset_manifest, qrels_table

@@ -24,8 +24,9 @@ from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
 from diffret.retrieval.rerank.rerankers import Reranker, RerankerName, batch_cuts, load_rerank_prompt, make_reranker
 from diffret.retrieval.rerank.training import RerankTrainSettings
+from diffret.schemas import RUN_SCHEMA
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
-from diffret.storage.layout import FUSION_MODE, IMPORTED_MODE, RUN_SCHEMA, dataset_dir, run_dir
+from diffret.storage.layout import FUSION_MODE, IMPORTED_MODE, dataset_dir, run_dir
 
 from .base import ClusterConfig, Context, check_device, shared_settings
 from .passes import Block, Pass, PassPlan, PassStage, PassUnit, read_units, write_unit

@@ -18,8 +18,9 @@ from diffret.retrieval.search.modes import FUSIONS
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import run_file_bytes
 from diffret.retrieval.search.scoring import TopK
+from diffret.schemas import RUN_SCHEMA
 from diffret.storage import ArtifactStore, Manifest, StoreError
-from diffret.storage.layout import RUN_FILE, RUN_SCHEMA
+from diffret.storage.layout import RUN_FILE
 
 from .base import StageConfig
 

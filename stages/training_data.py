@@ -25,8 +25,9 @@ from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.sources import corpus_of
 from diffret.retrieval.data.training import Group, drop_repeated_negatives, groups_table, mine_groups, read_tevatron
 from diffret.retrieval.fields import SEED_MAX, cli
+from diffret.schemas import GROUPS_SCHEMA
 from diffret.storage import Manifest, StoreError
-from diffret.storage.layout import GROUPS_FILE, GROUPS_SCHEMA, dataset_dir, training_dir
+from diffret.storage.layout import GROUPS_FILE, dataset_dir, training_dir
 from diffret.storage.store import sha256_file
 
 from .base import Context, Plan, Stage, StageConfig

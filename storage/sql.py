@@ -4,7 +4,7 @@ A view reads exactly the files that complete stage manifests list (``@files`` in
 replaced by that list), so an interrupted write or a stray file never reaches a query. When no file
 exists yet, the view reads a zero-row placeholder with the right schema, so every view always
 exists and ``SELECT count(*) FROM corpus`` on an empty store answers 0. ``@measure_columns`` becomes
-one mean column per headline measure (``storage.layout.MEASURES``).
+one mean column per headline measure (``storage.schemas.MEASURES``).
 
 The connection is confined once the views exist: DuckDB may read files under the store root only
 (``allowed_directories``, ``enable_external_access = false``, then ``lock_configuration``), so no query
@@ -31,6 +31,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from diffret import schemas
 
 from . import layout
 from .files import FILE_MODE
@@ -171,7 +173,7 @@ def _python_warning(line: str) -> None:
 def measure_columns() -> str:
     """``avg(value) FILTER (WHERE measure = 'ndcg_cut_10') AS ndcg_10, ...`` for the headline measures."""
     return ",\n       ".join(
-        f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in layout.MEASURES
+        f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in schemas.MEASURES
     )
 
 

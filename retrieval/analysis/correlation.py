@@ -9,9 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from diffret.storage.sql import StoreSQL
-
-from .views import rows
+from .views import Views, rows
 
 
 @dataclass
@@ -72,7 +70,7 @@ def rank_correlation(x: list[float], y: list[float], n_boot: int = 1000, seed: i
     return Correlation(n, spearman(xa, ya), ci(spearman), kendall(xa, ya), ci(kendall))
 
 
-def feature_correlations(db: StoreSQL, n_boot: int = 1000) -> list[dict[str, Any]]:
+def feature_correlations(db: Views, n_boot: int = 1000) -> list[dict[str, Any]]:
     """Per (system, dataset, split, mode): peak K_q against query length and entropy (view ``query_peaks``)."""
     data = rows(db, "select * from query_peaks order by system, dataset, split, mode, query_id")
     groups: dict[tuple, list[dict]] = {}

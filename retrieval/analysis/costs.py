@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffret.storage.sql import StoreSQL
-
 from .figures import compression_png, cost_effect_png, encode_latency_png, search_latency_png
 from .footprint import footprint_projection, human_bytes
 from .markdown import Report, _dicts_csv, _md_table
-from .views import rows
+from .views import Views, rows
 
 
-def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
+def section_footprint(db: Views, rep: Report, hidden: int, backbones: int, settings: int) -> None:
     # the artifacts, not the reports (a report's own earlier copy would make rebuilding it change it)
     fp = rows(
         db,
@@ -54,7 +52,7 @@ def section_footprint(db: StoreSQL, rep: Report, hidden: int, backbones: int, se
     rep.sections.append(("Footprint", body))
 
 
-def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, settings: int) -> None:
+def section_compression(db: Views, rep: Report, hidden: int, backbones: int, settings: int) -> None:
     """Compressed systems against their float16 systems (views ``vector_bytes``, ``compression_effect``): bytes
     per vector and per passage measured on disk, the MS MARCO projection per storage choice, and the NDCG@10 /
     MRR@10 change per mode over the grid (a table and a figure)."""
@@ -125,7 +123,7 @@ def section_compression(db: StoreSQL, rep: Report, hidden: int, backbones: int, 
 QUERY_LENGTH = 32  # the synthetic length Figure 1 reads a query's encoding latency at (the nearest measured)
 
 
-def section_latency(db: StoreSQL, rep: Report) -> None:
+def section_latency(db: Views, rep: Report) -> None:
     """The paper's cost figures from the stored latency rows (views ``encode_latency_latest``,
     ``search_latency_latest``): Figure 3's two rows, the autoregressive / one-pass ratio of one checkpoint read both
     ways, and Figure 1."""
@@ -177,7 +175,7 @@ def section_latency(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Latency (Figures 1 and 3)", body))
 
 
-def cost_points(db: StoreSQL) -> list[dict[str, Any]]:
+def cost_points(db: Views) -> list[dict[str, Any]]:
     """Figure 1's points: per system with latency rows and test metrics, (1, 1) and its multi budget."""
     out = []
     for sys_row in rows(db, "select distinct system from encode_latency_latest order by system"):

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from diffret.storage.layout import MEASURES
-from diffret.storage.sql import StoreSQL
+from diffret.schemas import MEASURES
 
 from ..evaluation.compare import Correction, Test, compare_runs
 from ..search.modes import MODE_NAMES
@@ -21,7 +20,7 @@ from .costs import QUERY_LENGTH, cost_points, section_compression, section_footp
 from .figures import correlation_png, heatmap_png, oracle_png
 from .markdown import Report, _csv, _dicts_csv, _fmt, _md_table, _safe
 from .tables import paper_table
-from .views import per_query, rows
+from .views import Views, per_query, rows
 
 __all__ = [
     "QUERY_LENGTH",
@@ -49,7 +48,7 @@ CORRELATION_COLUMNS = ["system", "dataset", "split", "mode", "feature", "n", "of
 
 
 # ---------------------------------------------------------------------------------------- sections
-def section_selection(db: StoreSQL, rep: Report) -> None:
+def section_selection(db: Views, rep: Report) -> None:
     sel = rows(db, "select * from budget_selection order by system")
     test = rows(
         db,
@@ -74,7 +73,7 @@ def section_selection(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Budget selection", body))
 
 
-def section_landscapes(db: StoreSQL, rep: Report) -> None:
+def section_landscapes(db: Views, rep: Report) -> None:
     cells = rows(db, "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' "
                  "and mode not in ('bm25', 'rerank')")  # fmt: skip
     sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
@@ -114,7 +113,7 @@ def section_landscapes(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Landscapes", "\n".join(lines) + "\n"))
 
 
-def section_oracle(db: StoreSQL, rep: Report, finetuned: dict[str, str]) -> None:
+def section_oracle(db: Views, rep: Report, finetuned: dict[str, str]) -> None:
     data = rows(db, "select * from oracle order by system, dataset, split, mode")
     sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
     for r in data:
@@ -145,7 +144,7 @@ def section_oracle(db: StoreSQL, rep: Report, finetuned: dict[str, str]) -> None
     rep.sections.append(("Per-query oracle", body))
 
 
-def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
+def section_correlation(db: Views, rep: Report, n_boot: int) -> None:
     corr = feature_correlations(db, n_boot)
     rep.files["feature_correlation.csv"] = _dicts_csv(corr, CORRELATION_COLUMNS)
     peaks = rows(db, "select * from query_peaks order by system, dataset, split, mode, query_id")
@@ -174,7 +173,7 @@ def section_correlation(db: StoreSQL, rep: Report, n_boot: int) -> None:
     rep.sections.append(("Feature correlation", body))
 
 
-def section_tables(db: StoreSQL, rep: Report, refs: list[str], finetuned: dict[str, str], test: Test = "t",
+def section_tables(db: Views, rep: Report, refs: list[str], finetuned: dict[str, str], test: Test = "t",
                    correction: Correction = "holm") -> None:  # fmt: skip
     resolved = [_resolve_system(db, r) for r in refs]
     t = paper_table(db, resolved, finetuned=finetuned, test=test, correction=correction)
@@ -182,7 +181,7 @@ def section_tables(db: StoreSQL, rep: Report, refs: list[str], finetuned: dict[s
     rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
 
 
-def section_comparisons(db: StoreSQL, rep: Report, refs: list[str], test: Test = "t",
+def section_comparisons(db: Views, rep: Report, refs: list[str], test: Test = "t",
                         correction: Correction = "holm") -> None:  # fmt: skip
     """Per test dataset: each system's best cell per mode (view ``best_cells``: an imported run, a fusion, a
     reranker's run too) against the first reference's, on NDCG@10 and MRR@10, the p-values corrected across the
@@ -217,7 +216,7 @@ def section_comparisons(db: StoreSQL, rep: Report, refs: list[str], test: Test =
         rep.sections.append((f"Runs against {ref}", "\n".join(body)))
 
 
-def _resolve_system(db: StoreSQL, name: str) -> str:
+def _resolve_system(db: Views, name: str) -> str:
     """A system slug, or `bm25` for the store's one BM25 system."""
     systems = [r["system"] for r in rows(db, "select distinct system from cells order by 1")]
     if name in systems:
@@ -228,7 +227,7 @@ def _resolve_system(db: StoreSQL, name: str) -> str:
     raise ValueError(f"unknown reference system {name!r}; systems with metrics: {systems}")
 
 
-def section_reranking(db: StoreSQL, rep: Report) -> None:
+def section_reranking(db: Views, rep: Report) -> None:
     """DiffuRank rerankers against the first-stage runs they reordered (view ``rerank_gains``)."""
     gains = rows(db, "select system, method, dataset, split, depth, first_stage, first_mode, ndcg_10, first_ndcg_10, "
                      "ndcg_10_gain, queries from rerank_gains order by dataset, split, ndcg_10 desc")  # fmt: skip
@@ -240,7 +239,7 @@ def section_reranking(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Reranking", body))
 
 
-def section_late(db: StoreSQL, rep: Report) -> None:
+def section_late(db: Views, rep: Report) -> None:
     """Late-parametric re-scoring (SIDR's full / beta / beta(m) against BM25; view ``late_gains``) and what each
     pipeline costs: bag-of-tokens builds (view ``bot_indexes``) and passages encoded (view ``late_runs``)."""
     gains = rows(db, "select system, dataset, split, rescore, m, first_system, first_mode, first_ndcg_10, ndcg_10, "
@@ -273,7 +272,7 @@ def section_late(db: StoreSQL, rep: Report) -> None:
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
 
-def section_adaptive(db: StoreSQL, rep: Report) -> None:
+def section_adaptive(db: Views, rep: Report) -> None:
     """Adaptive budgets (``diffret budget``; view ``adaptive_runs``): per system, dataset, split, base mode, axis
     and feature set, each selector's NDCG@10 against the fixed train-selected budget and the per-query oracle over
     the same cells, the share of the gap it closes, a paired t-test against fixed, the cells chosen and the
@@ -348,7 +347,7 @@ def section_adaptive(db: StoreSQL, rep: Report) -> None:
 
 
 def build_report(
-    db: StoreSQL,
+    db: Views,
     name: str = "default",
     refs: list[str] | None = None,
     finetuned: dict[str, str] | None = None,

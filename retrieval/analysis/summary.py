@@ -2,7 +2,7 @@
 
 Every number comes from the SQL views of ``queries/`` (``cells``, ``best_cells``, ``metrics``), so
 ``diffret sql`` shows exactly what the summary prints. Columns follow the measure table
-(``storage.layout.MEASURES``).
+(``storage.schemas.MEASURES``).
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from diffret.storage.layout import MEASURES
-from diffret.storage.sql import StoreSQL
+from diffret.schemas import MEASURES
 
 from ..evaluation import paired_ttest_values
 from ..search.modes import MODE_NAMES
 from .figures import heatmap_png
-from .views import per_query
+from .views import Views, per_query
 
 SHORT = tuple(m.short for m in MEASURES)
 NEAR_CHANCE = 0.1  # a best cell under this share of BM25's headline measure is flagged as near chance
@@ -128,7 +127,7 @@ class Summary:
         return out
 
 
-def build_summary(db: StoreSQL, system: str, dataset: str, split: str, bm25: str | None = None) -> Summary:
+def build_summary(db: Views, system: str, dataset: str, split: str, bm25: str | None = None) -> Summary:
     """The best cell per mode (view ``best_cells``), BM25, paired t-tests against it, and the grids per mode."""
     s = Summary(system, dataset, split)
     cols = f"mode, kq, kp, {', '.join(SHORT)}, queries"

@@ -8,10 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from diffret.storage.sql import StoreSQL
-
 from ..evaluation.compare import CORRECTION_NAMES, TEST_NAMES, Correction, Test, correct, paired_test
-from .views import per_query, rows
+from .views import Views, per_query, rows
 
 D, S, H = "multi_dense", "sparse_max", "fusion_multi_sparse_max"
 TABLE_MODES = {"D": D, "S": S, "H": H}
@@ -82,7 +80,7 @@ class PaperTable:
         return out
 
 
-def system_budgets(db: StoreSQL) -> dict[str, tuple[int, int]]:
+def system_budgets(db: Views) -> dict[str, tuple[int, int]]:
     """The budget at which each system enters the tables: its train selection; a system with one cell
     per mode (BM25, single-vector readouts) uses that cell; systems with a grid but no train split are left out."""
     out = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
@@ -97,7 +95,7 @@ def system_budgets(db: StoreSQL) -> dict[str, tuple[int, int]]:
 
 
 def paper_table(
-    db: StoreSQL, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None,
+    db: Views, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None,
     test: Test = "t", correction: Correction = "holm",
 ) -> PaperTable:
     """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, significance markers: a

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from diffret.storage.layout import PRIMARY
-from diffret.storage.sql import StoreSQL
+from typing import Any, Protocol
+
+from diffret.schemas import PRIMARY
+
+
+class Views(Protocol):
+    """The store's SQL views as the analyses read them: ``execute`` runs a query (``?`` parameters) over views named
+    as ``queries/*.sql`` names them and returns DuckDB's result (``description``, ``fetchall``).
+    ``storage.sql.StoreSQL`` is one (it also warns of the folders its views leave out)."""
+
+    def execute(self, sql: str, params: list | None = None) -> Any: ...
 
 
 class Rows(list):
@@ -12,7 +21,7 @@ class Rows(list):
     columns: list[str]
 
 
-def rows(db: StoreSQL, sql: str, params: list | None = None) -> Rows:
+def rows(db: Views, sql: str, params: list | None = None) -> Rows:
     """The rows of a query as dicts (``.columns``: its column names, even without rows)."""
     rel = db.execute(sql, params or [])
     cols = [d[0] for d in rel.description]
@@ -22,7 +31,7 @@ def rows(db: StoreSQL, sql: str, params: list | None = None) -> Rows:
 
 
 
-def per_query(db: StoreSQL, system: str, dataset: str, split: str, mode: str, kq: int, kp: int,
+def per_query(db: Views, system: str, dataset: str, split: str, mode: str, kq: int, kp: int,
               measure: str = PRIMARY.pytrec) -> dict[str, float]:  # fmt: skip
     """{query_id: value} of one cell and measure (view ``metrics``; default NDCG@10): the t-tests' input."""
     r = db.execute(

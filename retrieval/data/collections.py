@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from diffret.storage.layout import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
+from diffret.schemas import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
 
 BATCH_ROWS = 50_000
 TITLE_SEP = ". "  # the reference encoder's passage text: title + ". " + text

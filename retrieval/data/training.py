@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from diffret.storage.layout import GROUPS_SCHEMA
+from diffret.schemas import GROUPS_SCHEMA
 
 from .collections import DatasetError, _parse_json_object, iter_lines
 
@@ -203,7 +203,7 @@ def groups_from_table(table: pa.Table) -> list[Group]:
 
 
 def groups_table(groups: Sequence[Group]) -> pa.Table:
-    """Groups as a table of ``storage.layout.GROUPS_SCHEMA``."""
+    """Groups as a table of ``diffret.schemas.GROUPS_SCHEMA``."""
     return pa.table(
         {
             "query_id": [g.query_id for g in groups],

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from diffret.storage.layout import METRICS_SCHEMA
+from diffret.schemas import METRICS_SCHEMA
 
 Ties = Literal["rank", "trec", "score"]
 

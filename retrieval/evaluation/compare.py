@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from diffret.storage.layout import MEASURES
+from diffret.schemas import MEASURES
 
 from .significance import paired_ttest_values
 

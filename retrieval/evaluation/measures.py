@@ -21,11 +21,11 @@ from itertools import islice
 import pyarrow as pa
 import pytrec_eval
 
-from diffret.storage.layout import MEASURES, METRICS_SCHEMA
+from diffret.schemas import MEASURES, METRICS_SCHEMA
 
 from .trec import _rows
 
-# What evaluate computes by default: the headline measures (storage.layout.MEASURES).
+# What evaluate computes by default: the headline measures (storage.schemas.MEASURES).
 DEFAULT_MEASURES: tuple[str, ...] = tuple(m.pytrec for m in MEASURES)
 
 _MRR_RE = re.compile(r"^mrr_([1-9][0-9]*)$")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from diffret.storage.layout import RUN_SCHEMA
+from diffret.schemas import RUN_SCHEMA
 
 Qrels = dict[str, dict[str, int]]
 Run = dict[str, dict[str, float]]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from diffret.storage.layout import encodings_schema
+from diffret.schemas import encodings_schema
 
 from .readouts import Encoded, Prepared, Readout
 

@@ -1,5 +1,5 @@
-"""Runs: a top-k result as a table (storage.layout.RUN_SCHEMA), ranked by score then doc_id, and its file bytes; a
-unit's partial top-k as a table (storage.layout.TOPK_SCHEMA) and back."""
+"""Runs: a top-k result as a table (diffret.schemas.RUN_SCHEMA), ranked by score then doc_id, and its file bytes; a
+unit's partial top-k as a table (diffret.schemas.TOPK_SCHEMA) and back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from diffret.storage.layout import RUN_PARQUET_OPTIONS, RUN_SCHEMA, TOPK_SCHEMA
+from diffret.schemas import RUN_PARQUET_OPTIONS, RUN_SCHEMA, TOPK_SCHEMA
 
 from .scoring import NEG, TopK
 
@@ -91,7 +91,7 @@ def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: l
 
 
 def run_file_bytes(table: pa.Table) -> bytes:
-    """A run table (RUN_SCHEMA) as the bytes of its ``run.parquet`` (``storage.layout.RUN_PARQUET_OPTIONS``).
+    """A run table (RUN_SCHEMA) as the bytes of its ``run.parquet`` (``diffret.schemas.RUN_PARQUET_OPTIONS``).
 
     Lossless: reading the bytes back gives the same table (doc ids as strings, the same ranks and float32
     scores); only the file is smaller (dictionary ids, delta ranks, byte-stream-split scores).

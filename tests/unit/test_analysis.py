@@ -20,11 +20,12 @@ from diffret.retrieval.analysis.footprint import footprint_projection
 from diffret.retrieval.analysis.report import build_report
 from diffret.retrieval.analysis.tables import paper_table
 from diffret.retrieval.analysis.views import rows
+from diffret.schemas import METRICS_SCHEMA
 from diffret.stages import execute
 from diffret.stages.report import ReportConfig
 from diffret.stages.report import stage as report_stage
 from diffret.storage import ArtifactStore, Manifest
-from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, TOKENS_SCHEMA, encodings_dir, metrics_dir, tokens_dir
+from diffret.storage.layout import METRICS_FILE, TOKENS_SCHEMA, encodings_dir, metrics_dir, tokens_dir
 from diffret.storage.sql import StoreSQL
 
 GRID = (1, 2, 4)

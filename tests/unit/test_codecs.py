@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from diffret.schemas import encodings_schema
 from diffret.storage.codecs import (
     Codebook,
     CodebookError,
@@ -19,7 +20,6 @@ from diffret.storage.codecs import (
     train_codebook,
     vectors_of,
 )
-from diffret.storage.layout import encodings_schema
 
 
 def clustered(n: int, dim: int, clusters: int = 32, noise: float = 0.15, seed: int = 0) -> np.ndarray:

@@ -25,7 +25,7 @@ from diffret.retrieval.evaluation import (
     trec_order,
     write_trec_run,
 )
-from diffret.storage.layout import METRICS_SCHEMA, RUN_SCHEMA
+from diffret.schemas import METRICS_SCHEMA, RUN_SCHEMA
 
 
 def run_table(rows: list[tuple[str, str, int, float]]) -> pa.Table:

@@ -23,9 +23,9 @@ from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
 from diffret.flows.cli import app
-from diffret.stages.pipeline import PipelineConfig
 from diffret.flows.runner import flows
 from diffret.stages import stages
+from diffret.stages.pipeline import PipelineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {name: st.config for name, st in stages().items()} | {"run": PipelineConfig}

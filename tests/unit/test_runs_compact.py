@@ -19,10 +19,11 @@ from typer.testing import CliRunner
 from diffret.retrieval.search.modes import fuse_minmax
 from diffret.retrieval.search.runs import doc_order, run_file_bytes, run_table
 from diffret.retrieval.search.scoring import TopK
+from diffret.schemas import RUN_SCHEMA
 from diffret.stages import execute, stages
 from diffret.stages.runs import Cell, RetrievalConfig, read_run, search_depth
 from diffret.storage import ArtifactStore, Manifest, StoreError
-from diffret.storage.layout import RUN_FILE, RUN_SCHEMA
+from diffret.storage.layout import RUN_FILE
 from diffret.storage.sql import StoreSQL
 
 DOC_IDS = ["7", "007", "d-1", "D-1", "é-ü", "MED-10", "a b", "x" * 60, "10", "9", "2", "1"]

@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
+from diffret.schemas import METRICS_SCHEMA
 from diffret.storage import ArtifactStore, Manifest, StoreError
-from diffret.storage.layout import METRICS_FILE, METRICS_SCHEMA, metrics_dir
+from diffret.storage.layout import METRICS_FILE, metrics_dir
 from diffret.storage.sql import SQLRefused, StoreSQL
 
 

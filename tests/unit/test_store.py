@@ -8,6 +8,7 @@ import os
 import pyarrow as pa
 import pytest
 
+from diffret.schemas import CORPUS_SCHEMA
 from diffret.storage import (
     ArtifactStore,
     ChecksumError,
@@ -19,7 +20,7 @@ from diffret.storage import (
     config_hash,
     diff_configs,
 )
-from diffret.storage.layout import CORPUS_SCHEMA, dataset_dir, partition
+from diffret.storage.layout import dataset_dir, partition
 
 STAGE = "datasets/dataset=toy"
 

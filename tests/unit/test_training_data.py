@@ -12,10 +12,11 @@ import pytest
 
 from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.training import groups_table, mine_groups, read_tevatron
+from diffret.schemas import GROUPS_SCHEMA
 from diffret.stages import execute, stages
 from diffret.stages.training_data import TrainingDataConfig
 from diffret.storage import ArtifactStore
-from diffret.storage.layout import GROUPS_FILE, GROUPS_SCHEMA, training_dir
+from diffret.storage.layout import GROUPS_FILE, training_dir
 from diffret.storage.sql import StoreSQL
 
 
