@@ -163,8 +163,8 @@ def bot_index(store: ArtifactStore, stage: str) -> tuple[list[str], SparseFlat]:
     """A stored bag-of-tokens index (the bot stage's folder): its passage ids and their bags, in corpus order.
 
     >>> import tempfile
-    >>> from storage import Manifest
-    >>> from storage.layout import BOT_FILE, BOT_SCHEMA
+    >>> from diffret.storage import Manifest
+    >>> from diffret.storage.layout import BOT_FILE, BOT_SCHEMA
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = ArtifactStore(root)
     ...     with store.stage_writer("bot/x", Manifest.new("bot", {}, {})) as w:
@@ -182,7 +182,7 @@ def stored_budgets(store: ArtifactStore, system: str, dataset: str, side: str) -
     """The K of a system's stored encodings of one side of a dataset (folders with a manifest), ascending.
 
     >>> import tempfile
-    >>> from storage import Manifest
+    >>> from diffret.storage import Manifest
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = ArtifactStore(root)
     ...     for k in (16, 4):

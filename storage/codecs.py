@@ -329,7 +329,7 @@ def compress_table(table: pa.Table, codec: Codec) -> pa.Table:
     """An encodings table with its float16 ``dense`` column replaced by ``codes``: per text, one
     fixed-size binary code per vector (the other columns as they are).
 
-    >>> from storage.layout import encodings_schema
+    >>> from diffret.storage.layout import encodings_schema
     >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 1, "dense": [[0.0, 4.0]], "n_tokens": 3}],
     ...                          schema=encodings_schema(2))
     >>> c = compress_table(t, Codec("int8", 2))

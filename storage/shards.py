@@ -64,7 +64,7 @@ class ShardsMixin:
         Examples
         --------
         >>> import tempfile, pyarrow as pa
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     m, done = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
@@ -110,7 +110,7 @@ class ShardsMixin:
         ``verify``, or its mtime moved) of another sha256; None when whole (or absent, or of other settings).
 
         >>> import tempfile, pyarrow as pa
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     m, _ = store.open_sharded("t/k=1", "t", {"k": "1"}, {"n": 1})
@@ -229,7 +229,7 @@ class ShardsMixin:
         killed half-way through compacts again on its next open.
 
         >>> import tempfile, pyarrow as pa
-        >>> from storage import ArtifactStore
+        >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
         ...     store = ArtifactStore(root)
         ...     m, _ = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
@@ -319,7 +319,7 @@ def remove_empty_sharded(store: ArtifactStore, stage_dirs: Iterable[str]) -> lis
     record): what a failed run opened and never filled. The removed folders.
 
     >>> import tempfile
-    >>> from storage import ArtifactStore
+    >>> from diffret.storage import ArtifactStore
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = ArtifactStore(root)
     ...     _ = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})

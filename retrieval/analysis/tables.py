@@ -108,7 +108,8 @@ def paper_table(
     Examples
     --------
     >>> import tempfile
-    >>> from storage import ArtifactStore
+    >>> from diffret.storage import ArtifactStore
+    >>> from diffret.storage.sql import StoreSQL
     >>> with tempfile.TemporaryDirectory() as root, StoreSQL(ArtifactStore(root)) as db:
     ...     paper_table(db, finetuned={"base-0123456789": "ft-0123456789"}).rows  # an empty store: no rows
     {}

@@ -119,7 +119,7 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", ru
     table (a ``codes`` column) is decoded with ``codec`` (storage/codecs.py).
 
     >>> import pyarrow as pa
-    >>> from storage.layout import encodings_schema
+    >>> from diffret.storage.layout import encodings_schema
     >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 2, "dense": [[3.0, 4.0], [0.0, 1.0]],
     ...     "sparse_ids": [7], "sparse_weights": [0.69]}], schema=encodings_schema(2))
     >>> e = encodings_from_table(t, sparse_factor=100.0)

@@ -48,7 +48,7 @@ def search_pass(
 
     Examples
     --------
-    >>> from retrieval.search.encodings import SparseFlat
+    >>> from diffret.retrieval.search.encodings import SparseFlat
     >>> def enc(ids, vecs):
     ...     v = torch.tensor(vecs)[:, None, :]
     ...     return Encodings(ids, v, torch.ones(len(ids), 1, dtype=torch.bool), v[:, 0], [], [],

@@ -43,7 +43,7 @@ class RetrievedNegatives:
     queries whose top ``depth`` held nothing but judged-relevant passages (they keep the training set's own).
 
     >>> import pyarrow as pa
-    >>> from retrieval.search.bot import binary_flat
+    >>> from diffret.retrieval.search.bot import binary_flat
     >>> bags = binary_flat(pa.array([[3], [3, 4], [5]], pa.list_(pa.int32())))
     >>> docs = [{"docid": d, "title": "", "text": d} for d in ("a", "b", "c")]
     >>> r = RetrievedNegatives(bags, ["a", "b", "c"], lambda rows: [docs[i] for i in rows], depth=2)

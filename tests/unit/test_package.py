@@ -41,8 +41,8 @@ def test_the_wheel_holds_every_module_and_installs_outside_the_checkout(wheel_en
 def test_the_code_imports_itself_through_diffret_only() -> None:
     names = "|".join(OLD_NAMES)
     # `from stages...`, `import diffret.stages...`, and old names in an import list (`import os, stages.encode as e`),
-    # at a line's start or inside a string (the preludes of subprocesses)
-    pattern = re.compile(rf"(?:^|\\n|[;\"'])\s*(?:from ({names})[. ]|import (?:[\w.]+(?: as \w+)?, )*({names})\b)",
+    # at a line's start, inside a string (the preludes of subprocesses) or in a docstring's example (`>>> from ...`)
+    pattern = re.compile(rf"(?:^|\\n|[;\"']|>>> )\s*(?:from ({names})[. ]|import (?:[\w.]+(?: as \w+)?, )*({names})\b)",
                          re.M)
     found = []
     for folder in (*OLD_NAMES, "diffret", "tests", "benchmarks", "examples"):
@@ -51,3 +51,4 @@ def test_the_code_imports_itself_through_diffret_only() -> None:
                 found.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
     assert found == []
     assert pattern.search("x = 'import os, time, stages.encode as enc'") and not pattern.search("import os, time")
+    assert pattern.search("  >>> from storage import X") and not pattern.search(">>> from diffret.storage import X")

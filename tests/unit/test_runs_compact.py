@@ -172,9 +172,9 @@ def test_train_runs_feed_training_groups_and_a_deeper_request_is_refused(tiny: d
         top = [r["doc_id"] for r in sorted((r for r in run if r["query_id"] == q), key=lambda r: r["rank"])][:3]
         ids = [n["docid"] for n in negatives]
         assert len(ids) == len(set(ids)) and sorted(ids) == sorted(d for d in top if d not in positives), q
-    cfg = tiny["configs"]["training"].model_copy(update={"depth": 5, "name": "deeper"})
+    cfg = tiny["configs"]["training-data"].model_copy(update={"depth": 5, "name": "deeper"})
     with pytest.raises(StoreError, match="keeps 4 documents per query, fewer than the negatives' depth 5"):
-        execute(stages()["training"], cfg, log=lambda _: None)
+        execute(stages()["training-data"], cfg, log=lambda _: None)
 
 
 def test_views_and_export_show_doc_ids_as_strings(tiny: dict, tmp_path: Path, monkeypatch) -> None:

@@ -26,7 +26,7 @@ def lora_targets(bb: Backbone, head: bool | None = None) -> tuple[str, ...]:
     reference's names as they are.
 
     >>> from types import SimpleNamespace as NS
-    >>> from retrieval.models.backbones import FAMILIES
+    >>> from diffret.retrieval.models.backbones import FAMILIES
     >>> lora_targets(NS(spec=FAMILIES["llada"], loader="native"))[-1], "lm_head" in lora_targets(NS(
     ...     spec=FAMILIES["dream"], loader="native"))
     ('lm_head', False)
