@@ -241,47 +241,127 @@ def projection(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def render(result: dict[str, Any], quality: dict[str, Any] | None) -> str:
+def _index_bytes(result: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Measured index bytes a passage: {"float16 table" | "float32 table" | "IVF_PQ over the table" | "codes
+    (<spec>)": {K_p: bytes}}."""
+    out: dict[str, dict[int, float]] = {}
+    for r in result["rows"]:
+        if not r["artifact"].startswith("index K_p="):
+            continue
+        kp = int(r["artifact"].split("=")[1].split()[0])
+        kind = r["artifact"].split("(", 1)[1].rstrip(")")
+        if kind == "codes":
+            out.setdefault(f"codes index ({r['choice']})", {})[kp] = r["bytes_per"]
+        else:
+            dtype = "float32" if "float32" in r["choice"] else "float16"
+            out.setdefault(f"{dtype} table" + (f" + {kind}" if kind != "none" else ""), {})[kp] = r["bytes_per"]
+    return out
+
+
+def plans(result: dict[str, Any], plan_store: str) -> dict[str, list[tuple[str, float]]]:
+    """Each plan's terms (name, bytes at MS MARCO) for one 7B model over the grid: HEAD's, the defaults', and the
+    recommended one (encodings under ``plan_store`` + the codes index at the operating point)."""
+    proj = _proj(result)
+    idx = _index_bytes(result)
+    h, hi, lo = result["hidden"], max(result["kp"]), min(result["kp"])
+    # an IVF_PQ index's own bytes a vector, from the smallest K_p (table with and without it)
+    ivf = (idx["float16 table + IVF_PQ"][lo] - idx["float16 table"][lo]) / lo
+    vec16 = idx["float16 table"][hi] / hi
+    vec32 = idx["float32 table"][hi] / hi
+    queries = 6_980 * sum(GRID) * 2 * h  # the dev queries' float16 vectors, every K_q pass (never compressed)
+    runs = 8.72e8 * 3.4  # the grid's runs (docs/scale.md, MS MARCO projection)
+    codebooks = sum(colbert_centroids(MSMARCO * k) * h * 4 for k in GRID)
+    head = [("encodings, float16, 5 passage passes", proj["float16"]["grid"]),
+            ("index: float32 LanceDB tables at every K_p, with IVF_PQ", MSMARCO * sum(GRID) * (vec32 + ivf)),
+            ("query encodings (6,980 dev queries, 5 passes)", queries), ("runs of the grid", runs)]
+    default = [("encodings, float16, 5 passage passes", proj["float16"]["grid"]),
+               (f"index: a float16 LanceDB table at the operating point (K_p = {hi}), with IVF_PQ",
+                MSMARCO * hi * (vec16 + ivf)),
+               ("query encodings (6,980 dev queries, 5 passes)", queries), ("runs of the grid", runs)]
+    spec = next(c for c in proj if c.startswith(plan_store))
+    codes = next((v for k, v in idx.items() if k == f"codes index ({spec})"), None)
+    rec = [(f"encodings, {spec} (`diffret compress --store {plan_store}`), 5 passage passes", proj[spec]["grid"]),
+           ("codebooks, one a K_p (ColBERTv2's centroid count at MS MARCO, float32)", codebooks),
+           (f"index: the codes index at the operating point (K_p = {hi}; `diffret index`; at most 4 B a vector, "
+            f"{codes[hi] / hi if codes else 0:.1f} measured)", MSMARCO * hi * 4),
+           ("query encodings (6,980 dev queries, 5 passes)", queries), ("runs of the grid", runs)]
+    return {"head": head, "default": default, "recommended": rec}
+
+
+def quality_table(quality: dict[str, Any], hidden: int) -> list[str]:
+    """codes_search.json's rows as a table: each choice's NDCG@10 against exact float16 and its search's speed."""
+    out = []
+    for label, q in quality.items():
+        out += [f"Quality and search latency of every lossy choice on the fine-tuned proxy ({label}: "
+                f"`benchmarks/codes_search.py`; {q['passages']:,} passages x K_p {q['kp']}, H {q['hidden']}, "
+                f"{q['queries']} {q['split']} queries; one process, {q['threads']} thread(s), best of {q['repeats']}; "
+                "ms a query: exact search, the pass's time (reading and decoding the shards included) over its "
+                "queries; over the codes, each query's own search, the codes and the index loaded once; speed: exact "
+                "float16 multi_dense's ms a query over this row's, measured in the same run):", "",
+                "| K_q | store | search | B a vector (H = 3,584) | multi_dense NDCG@10 | change | hybrid NDCG@10 | "
+                "change | recall@10 vs float16 | ms a query | speed vs exact float16 |",
+                "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in q["rows"]:
+            from diffret.storage.codecs import code_bytes
+
+            try:
+                wide = f"{code_bytes(r['store'], hidden):,}"
+            except ValueError:  # a pq:M whose M does not divide H
+                wide = "-"
+            out.append(f"| {r['kq']} | {r['store']} | {r['search']} | {wide} | {r['ndcg_multi']:.4f} | "
+                       f"{r['delta_multi']:+.4f} | {r['ndcg_fused']:.4f} | {r['delta_fused']:+.4f} | "
+                       f"{r['recall_10']:.3f} | {r['ms_per_query']:.2f} | {r['speedup']:.2f}x |")
+        out.append("")
+    return out
+
+
+def _proj(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return projection(result)
+
+
+def render(result: dict[str, Any], quality: dict[str, Any] | None, plan_store: str = "residual:4") -> str:
     """The footprint section of docs/scale.md from a width.json entry (and codes_search.json's table)."""
     proj = projection(result)
     hi = max(result["kp"])
     h = result["hidden"]
+    sp = result["spectrum"]
     lines = [f"## Footprint at H = {h:,} (Dream-7B), and the plan that fits MS MARCO in 1 TB", "",
              f"Measured by `benchmarks/width.py --n {result['n']:,}` on this machine: a synthetic store of "
              f"{result['n']:,} passages (tests/synthetic_store.py: vectors from a low-rank plus noise model, singular "
-             f"values s_i = c i^-{result['spectrum']['alpha']} over rank {result['spectrum']['rank']} (s_1 = "
-             f"{result['spectrum']['s_1']:.3f}, s_r = {result['spectrum']['s_r']:.4f}) carrying "
-             f"{result['spectrum']['signal']:.0%} of a vector's energy, the rest isotropic noise; 128 sparse terms a "
-             f"passage) at K_p 1 and {hi}, {result['queries']} queries at K_q {result['kq']}, through the encode-less "
-             "stages (compress, index, score, late). Bytes are the files the manifests list, a passage = bytes / "
-             f"{result['n']:,}. Projection: a choice's bytes a passage at K_p = k are a + b k (a: the id, the sparse "
-             "terms and the other per-passage columns; b: a vector), fitted on the two K_p measured; MS MARCO's "
-             f"grid for one model is {MSMARCO:,} passages x its five passage passes (K_p 1, 2, 4, 8, 16: 5 a + 31 b "
-             f"a passage); the operating point is one pass at K_p = {hi}.", ""]
+             f"values s_i = c i^-{sp['alpha']} over rank {sp['rank']} (s_1 = {sp['s_1']:.3f}, s_r = {sp['s_r']:.4f}) "
+             f"carrying {sp['signal']:.0%} of a vector's expected squared norm, the rest isotropic noise; a passage's "
+             f"vectors share its topic at weight {sp['topic']}; 128 sparse terms a passage) at K_p 1 and {hi}, "
+             f"{result['queries']} queries at K_q {result['kq']}, through the encode-less stages (compress, index, "
+             f"score, late). Bytes are the files the manifests list; a passage = bytes / {result['n']:,}. Projection: "
+             "a choice's bytes a passage at K_p = k are a + b k (a: the id, the sparse terms and the other columns; b: "
+             "a vector), fitted on the two K_p measured; MS MARCO's grid for one model is "
+             f"{MSMARCO:,} passages x its five passage passes (K_p 1, 2, 4, 8, 16: 5 a + 31 b a passage); the "
+             f"operating point is one pass at K_p = {hi}.", ""]
     lines += ["| artifact | storage choice | B a passage, K_p = 1 | B a passage, K_p = 16 | MS MARCO, the grid "
               "(5 passes) | MS MARCO, K_p = 16 only |", "|---|---|---:|---:|---:|---:|"]
     for choice, p in proj.items():
         lines.append(f"| encodings (passages) | {choice} | {p['k1']:,.0f} | {p['k16']:,.0f} | {_tb(p['grid'])} | "
                      f"{_tb(p['op'])} |")
-    idx: dict[tuple[str, str], dict[int, float]] = {}
-    for r in result["rows"]:
-        if r["artifact"].startswith("index K_p="):
-            kp = int(r["artifact"].split("=")[1].split()[0])
-            kind = r["artifact"].split("(", 1)[1].rstrip(")")
-            idx.setdefault((kind, r["choice"]), {})[kp] = r["bytes_per"]
-    for (kind, choice), by in idx.items():
+    for kind, by in _index_bytes(result).items():
         k1, k16 = by.get(1), by.get(hi)
-        grid = (MSMARCO * ((k1 or 0) * 5 + ((k16 or 0) - (k1 or 0)) / (hi - 1) * (sum(GRID) - 5))
-                if k1 is not None and k16 is not None else None)  # fmt: skip
-        lines.append(f"| index ({kind}) | {choice} | {k1 or 0:,.0f} | {k16 or 0:,.0f} | "
+        grid = MSMARCO * (k1 * 5 + (k16 - k1) / (hi - 1) * (sum(GRID) - 5)) if k1 is not None and k16 else None
+        lines.append(f"| index | {kind} | {k1 or 0:,.0f} | {'-' if k16 is None else f'{k16:,.0f}'} | "
                      f"{_tb(grid) if grid else '-'} | {_tb(MSMARCO * k16) if k16 else '-'} |")
     for r in result["rows"]:
         if r["artifact"].startswith("codebook K_p="):
             kp = int(r["artifact"].split("=")[1])
-            cents = colbert_centroids(result["n"] * kp)
             ms = colbert_centroids(MSMARCO * kp) * h * 4
-            lines.append(f"| {r['artifact']} | {r['choice']} | {r['bytes'] / 2**20:,.1f} MiB in all ({cents:,} "
-                         f"centroids) | | | {_tb(ms)} ({colbert_centroids(MSMARCO * kp):,} centroids) |")
+            lines.append(f"| codebook, K_p = {kp} | {r['choice']} | {r['bytes'] / 2**20:,.1f} MiB in all | | | "
+                         f"{_tb(ms)} ({colbert_centroids(MSMARCO * kp):,} centroids) |")
+    for r in result["rows"]:
+        if r["per"] == "query":
+            lines.append(f"| {r['artifact']} | {r['choice']} | | {r['bytes_per']:,.0f} B a query | | |")
+    lines.append("")
+    if quality is not None:
+        lines += quality_table(quality, h)
+    for name, terms in plans(result, plan_store).items():
+        total = sum(b for _, b in terms)
+        lines.append(f"- **{name}**: " + " + ".join(f"{t} {_tb(b)}" for t, b in terms) + f" = **{_tb(total)}**")
     lines.append("")
     return "\n".join(lines)
 

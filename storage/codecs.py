@@ -297,8 +297,11 @@ def decode(codes: np.ndarray, spec: str, codebook: Codebook | None = None, dim: 
     if s.kind == "pq":
         return _pq(codebook).decode(c)
     ids = c[:, :ID_BYTES].copy().view("<u4")[:, 0]
-    residual = byte_table(codebook.arrays["values"], s.bits)[c[:, ID_BYTES:]].reshape(n, -1)[:, : codebook.dim]
-    return _unit(codebook.arrays["centroids"][ids] + residual)
+    if "bytes" not in codebook._cache:  # each table row as one element: a gather of whole rows is a plain take
+        table = byte_table(codebook.arrays["values"], s.bits)
+        codebook._cache["bytes"] = table.view(f"V{table.shape[1] * 4}").ravel()
+    residual = np.take(codebook._cache["bytes"], c[:, ID_BYTES:]).view(np.float32).reshape(n, -1)[:, : codebook.dim]
+    return _unit(np.take(codebook.arrays["centroids"], ids, axis=0) + residual)
 
 
 def byte_table(values: np.ndarray, bits: int) -> np.ndarray:

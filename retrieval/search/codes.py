@@ -35,6 +35,7 @@ from .scoring import NEG, TopK, maxsim
 
 DEFAULT_PROBES = 2  # PLAID's nprobe for k = 100 (ColBERTv2's PLAID settings: 1 / 2 / 4 for k = 10 / 100 / 1000)
 DEFAULT_CANDIDATES = 1024  # PLAID's candidates re-ranked for k = 100
+CENTROID_SCORES = 16 << 20  # the most (query vector, centroid) scores held at once (64 MiB of float32)
 IVF_SCHEMA = pa.schema([pa.field("centroid", pa.int32(), nullable=False),
                         pa.field("passages", pa.list_(pa.int32()), nullable=False)])  # fmt: skip
 
@@ -192,36 +193,47 @@ def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex,
     out_s = np.full((len(queries), width), NEG, np.float32)
     out_i = np.full((len(queries), width), -1, np.int64)
     cells = passages.cells
-    for qi in range(len(queries)):
+    kq_max = queries.multi.shape[1] if len(queries) else 1
+    step = max(1, CENTROID_SCORES // max(1, kq_max * index.n_centroids))  # queries whose centroid scores are held
+    for a in range(0, len(queries), step):
         t0 = time.perf_counter()
-        q = queries.multi[qi][queries.mask[qi]]  # the real query vectors [kq, H]
-        s = (q.float() @ cents.T).numpy()  # [kq, C]: each query vector against each centroid
-        top = np.argpartition(-s, probes - 1, axis=1)[:, :probes] if probes < s.shape[1] else np.arange(s.shape[1])
-        probed = np.unique(top)
-        cand = np.unique(np.concatenate([index.cell(int(c)) for c in probed])).astype(np.int64)
-        n_probed = len(cand)
-        if len(cand) > candidates:  # centroid interaction: MaxSim against the candidates' vectors' centroids
-            starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
-            vals = s[:, cells[_ranges(starts, ends)]]  # [kq, vectors of the candidates]
-            seg = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
-            approx = np.maximum.reduceat(vals, seg, axis=1).sum(axis=0)
-            cand = cand[np.lexsort((cand, -approx))[:candidates]]
-            cand.sort()
-        if len(cand):
-            starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
-            vecs = decode(passages.codes[_ranges(starts, ends)], passages.codec.spec, passages.codec.codebook,
-                          passages.codec.dim)  # fmt: skip
-            lengths = torch.from_numpy(ends - starts)
-            kp = int(lengths.max())
-            mask = torch.arange(kp)[None, :] < lengths[:, None]
-            multi = torch.zeros(len(cand), kp, vecs.shape[1])
-            multi[mask] = normalised(torch.from_numpy(vecs), rules)
-            sc = maxsim(queries.multi[qi : qi + 1].float(), queries.mask[qi : qi + 1], multi, mask,
-                        clamp=rules.maxsim_clamp, reduce=rules.maxsim_reduce, bf16=rules.bf16)[0].numpy()  # fmt: skip
-            order = np.lexsort((cand, -sc))[:width]
-            out_s[qi, : len(order)], out_i[qi, : len(order)] = sc[order], cand[order]
-        if stats is not None:
-            stats.latencies_ms.append((time.perf_counter() - t0) * 1000.0)
-            stats.probed.append(n_probed)
-            stats.decoded.append(len(cand))
+        b = min(a + step, len(queries))
+        scores = torch.matmul(queries.multi[a:b].float(), cents.T)  # [queries, K_q, C]: every centroid's score
+        nearest = torch.topk(scores, probes, dim=2).indices.numpy() if probes < index.n_centroids else None
+        scores = scores.numpy()
+        shared = (time.perf_counter() - t0) / (b - a)  # the block's product, shared by its queries
+        for qi in range(a, b):
+            t0 = time.perf_counter()
+            real = queries.mask[qi].numpy()
+            s = scores[qi - a][real]  # [kq, C]: the real query vectors
+            probed = np.unique(nearest[qi - a][real]) if nearest is not None else np.arange(index.n_centroids)
+            cand = np.unique(index.passages[_ranges(index.offsets[probed], index.offsets[probed + 1])]).astype(
+                np.int64)  # fmt: skip
+            n_probed = len(cand)
+            if len(cand) > candidates:  # centroid interaction: MaxSim against the candidates' vectors' centroids
+                starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
+                vals = s[:, cells[_ranges(starts, ends)]]  # [kq, vectors of the candidates]
+                seg = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
+                approx = np.maximum.reduceat(vals, seg, axis=1).sum(axis=0)
+                cand = np.sort(cand[np.lexsort((cand, -approx))[:candidates]])
+            if len(cand):
+                starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
+                vecs = normalised(torch.from_numpy(decode(passages.codes[_ranges(starts, ends)], passages.codec.spec,
+                                                          passages.codec.codebook, passages.codec.dim)), rules)
+                lengths = ends - starts
+                kp = int(lengths.max())
+                if (lengths == kp).all():  # every candidate has K_p vectors: a view, as exact search reads them
+                    multi, mask = vecs.view(len(cand), kp, -1), torch.ones(len(cand), kp, dtype=torch.bool)
+                else:
+                    mask = torch.arange(kp)[None, :] < torch.from_numpy(lengths)[:, None]
+                    multi = torch.zeros(len(cand), kp, vecs.shape[1])
+                    multi[mask] = vecs
+                sc = maxsim(queries.multi[qi : qi + 1].float(), queries.mask[qi : qi + 1], multi, mask,
+                            clamp=rules.maxsim_clamp, reduce=rules.maxsim_reduce, bf16=rules.bf16)[0].numpy()
+                order = np.lexsort((cand, -sc))[:width]
+                out_s[qi, : len(order)], out_i[qi, : len(order)] = sc[order], cand[order]
+            if stats is not None:
+                stats.latencies_ms.append((time.perf_counter() - t0 + shared) * 1000.0)
+                stats.probed.append(n_probed)
+                stats.decoded.append(len(cand))
     return TopK(out_s, out_i)
