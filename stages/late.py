@@ -40,7 +40,15 @@ from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir
 from .base import ClusterConfig, Context, Plan, Positive, check_device, shared_settings
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
-from .readers import corpus_size, encoding_manifest, query_encodings, shard_ids, split_queries, tokens_manifest
+from .readers import (
+    codec_for,
+    corpus_size,
+    encoding_manifest,
+    query_encodings,
+    shard_ids,
+    split_queries,
+    tokens_manifest,
+)
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
 from .systems import EncodeSettings, SystemRef, find_system, settings_of
@@ -331,7 +339,10 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         table = _encodings_of(store, shared["passages"], corpus_ids.take(pa.array(needed, pa.int64())))
         rules = ScoreRules.model_validate(shared["rules"])
         settings = SearchSettings(rules=rules, ignore_identical_ids=bool(shared["ignore"]))
-        passages = encodings_from_table(table, "cpu", rules, float(shared["sparse_factor"]))
+        codec = None  # a compressed system's full encodings are codes (late's own parts are float16)
+        if "codes" in table.column_names:
+            codec = codec_for(store, shared["passages"], store.require_manifest(shared["passages"]))
+        passages = encodings_from_table(table, "cpu", rules, float(shared["sparse_factor"]), codec)
         p_index = _positions(corpus_ids, pa.array(passages.ids, pa.string()), shared["passages"])
         order = np.argsort(p_index, kind="stable")
         passages, p_index = take(passages, order), p_index[order]

@@ -7,17 +7,19 @@ first-appearance order, an encoding is complete only with every text) is written
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from diffret.retrieval.data.collections import TITLE_SEP, passage_text
 from diffret.retrieval.search.bot import binary_flat
+from diffret.retrieval.search.codes import CodedPassages, CodesIndex
 from diffret.retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
-from diffret.storage.codecs import FLOAT16, Codebook, Codec, parse_store
-from diffret.storage.layout import BOT_FILE, CODEBOOK_FILE, codebook_dir, dataset_dir
+from diffret.storage.codecs import FLOAT16, Codebook, Codec, codes_of, parse_store
+from diffret.storage.layout import BOT_FILE, CODEBOOK_FILE, CODES_INDEX_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")
 READ_ROWS = 256  # an encodings shard is decoded from Parquet this many rows at a time (bounded scratch)
@@ -291,6 +293,40 @@ def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
     except ValueError as exc:
         raise StoreError(f"{store.abspath(cb_stage)}: {exc}") from None
     return Codec(spec, codebook.dim, codebook, digest)
+
+
+def iter_codes(store: ArtifactStore, stage: str, m: Manifest) -> Iterator[tuple[Any, Any]]:
+    """(codes [v, B] uint8 as stored, vectors per passage) of a compressed passage folder's shards in order, each
+    verified against the manifest; only those two columns are read, nothing is decoded."""
+    for name in sorted(m.files):
+        table = store.read_table(stage, name, columns=["n_reps", "codes"])
+        yield codes_of(table), table.column("n_reps").to_numpy().astype("int64")
+
+
+def coded_passages(store: ArtifactStore, stage: str, m: Manifest) -> CodedPassages:
+    """A ``residual:B`` passage folder's codes, as stored, with the codec they decode with (the search over codes
+    reads its candidates' vectors from them)."""
+    codec = codec_for(store, stage, m)
+    if codec is None or parse_store(codec.spec).kind != "residual":
+        raise StoreError(f"{store.abspath(stage)}: search over codes needs a residual:B system's passages, not "
+                         f"{m.config.get('store', FLOAT16)}")  # fmt: skip
+    return CodedPassages.from_blocks(list(iter_codes(store, stage, m)), codec)
+
+
+def codes_index_manifest(store: ArtifactStore, stage: str) -> Manifest:
+    """The manifest of a codes index folder (``diffret index`` of a residual:B system); a clear error naming the
+    command when it holds none (absent, or a LanceDB table built with ``--vectors float16``)."""
+    m = store.read_manifest(stage)
+    if m is None or CODES_INDEX_FILE not in m.files:
+        raise IncompleteArtifactError(f"{store.abspath(stage)}: no codes index; run `diffret index` for this system "
+                                      "and K_p first (`--kp K`, `--vectors store`)")  # fmt: skip
+    return m
+
+
+def codes_index(store: ArtifactStore, stage: str, n_passages: int) -> CodesIndex:
+    """A stored codes index, its file verified against its manifest (:func:`codes_index_manifest`)."""
+    codes_index_manifest(store, stage)
+    return CodesIndex.from_table(store.read_table(stage, CODES_INDEX_FILE), n_passages)
 
 
 def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu",

@@ -17,24 +17,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.codes import DEFAULT_CANDIDATES, DEFAULT_PROBES, search_codes
 from diffret.retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from diffret.retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import retrieved_ids, topk_table
 from diffret.storage import FileEntry, StoreError, config_hash
-from diffret.storage.layout import encodings_dir, run_dir
+from diffret.storage.codecs import FLOAT16, parse_store
+from diffret.storage.layout import encodings_dir, index_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, ModeList, check_device, shared_settings
 from .passes import Block, Pass, PassPlan, PassStage, PassUnit, cut, merged_blocks, pass_queries, write_unit
 from .readers import (
     budgets,
+    coded_passages,
+    codes_index,
+    codes_index_manifest,
     corpus_size,
     dataset_manifest,
     encoding_manifest,
@@ -70,6 +75,17 @@ class ScoreConfig(RetrievalConfig, ClusterConfig):
     unit_passages: int = Field(default=DEFAULT_UNIT_PASSAGES, ge=1, description="Passages per unit of a K_p pass "
                                "(whole shards, at least one): the units run on the workers and a killed run keeps the "
                                "finished ones; the runs are the same whatever the cut.")  # fmt: skip
+    search: Literal["exact", "codes"] = Field(default="exact", description="exact: every passage scored (the "
+                                              "reference's, the ground truth); codes: a residual:B system searched "
+                                              "over its codes in PLAID's order (each query vector's --probes nearest "
+                                              "centroids give the candidates, ranked by centroid interaction; the "
+                                              "best --candidates re-scored by exact MaxSim over their decoded "
+                                              "vectors) through the codes index `diffret index` built for the K_p: "
+                                              "multi_dense only, at most --candidates documents a query.")
+    probes: int = Field(default=DEFAULT_PROBES, ge=1, description="--search codes: the nearest centroids (cells) "
+                        "each query vector takes its candidates from.")  # fmt: skip
+    candidates: int = Field(default=DEFAULT_CANDIDATES, ge=1, description="--search codes: candidates a query "
+                            "re-scored by exact MaxSim (with --probes, the quality / speed knob).")  # fmt: skip
 
 
 @dataclass
@@ -120,6 +136,9 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         config = config.model_copy(update={
             "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
             "kp": budgets(store, config.kp, record.system, corpus, "passage", ctx.log)})  # fmt: skip
+        search = None
+        if config.search == "codes":
+            modes, search = self._codes_search(config, ctx, record, modes, corpus)
         ds_hash = dataset_manifest(store, config.dataset).config_hash
         n_passages = corpus_size(store, corpus)
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
@@ -134,10 +153,14 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                 for kq in config.kq:
                     inputs = {"queries": ds_hash, "query_encodings": q_man[kq].config_hash,
                               "passage_encodings": p_man[kp].config_hash}  # fmt: skip
+                    if search is not None:  # the run of a search over codes: its settings, and its index
+                        inputs = {**inputs, "index": search["index_hashes"][kp]}
                     for mode in cell_modes(modes, kq, kp, config.q1p1_multi):
                         cfg = cell_config(record.system, config.dataset, corpus, split, kq, kp, mode,
                                           config.depth(split), config.fusion_depth, ignore, inputs,
                                           config.rules)  # fmt: skip
+                        if search is not None:
+                            cfg["search"] = search["settings"]
                         stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
                         if plan.needs(ctx, stage, cfg, config.force):
                             todo.append(Cell(split, kq, kp, mode, stage, cfg))
@@ -160,6 +183,8 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                 "ignore": ignore, "block_bytes": int(config.block_mb * (1 << 20)),
                 "rules": config.rules.model_dump(mode="json"), "sparse_factor": factor, "device": config.device,
             }  # fmt: skip
+            if search is not None:
+                shared["search"] = {**search["settings"], "index_stage": index_dir(record.system, corpus, kp)}
             pass_cfg = {**{k: v for k, v in shared.items() if k not in ("query_ids", "block_bytes")},
                         "query_ids": config_hash({"ids": query_ids}), "unit_passages": config.unit_passages,
                         "inputs": {"query_encodings": {str(kq): q_man[kq].config_hash for kq in kqs},
@@ -167,7 +192,8 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
             shards = sorted(p_man[kp].files)
             sizes = [int(p_man[kp].files[n].rows or 0) for n in shards]
             blocks = []
-            for a, b in cut(sizes, config.unit_passages):
+            cuts = cut(sizes, config.unit_passages) if search is None else [(0, len(shards))]  # codes: one unit
+            for a, b in cuts:
                 start = sum(sizes[:a])
                 end = start + sum(sizes[a:b])
                 blocks.append(Block(start, end, f"K_p={kp} passages {start:,}-{end - 1:,}", shards[a:b]))
@@ -179,6 +205,27 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                     f"{done} already done")  # fmt: skip
         return plan
 
+    def _codes_search(self, config: ScoreConfig, ctx: Context, record: Any, modes: list[str],
+                      corpus: str) -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+        """``--search codes``: the modes it scores (multi_dense) and its settings, with the codes index of each K_p
+        (its config hash: a rebuilt index makes the runs stale); refused for a system without residual codes."""
+        spec = record.flat_settings().get("store", FLOAT16)
+        if spec == FLOAT16 or parse_store(spec).kind != "residual":
+            raise StoreError(f"--search codes searches a residual:B system's codes; {record.system} stores "
+                             f"{spec} (`diffret compress --store residual:B` makes one; --search exact scores any)")
+        if config.ignore_ids():
+            raise ValueError("--search codes keeps a document whose id is the query's; score --self-hits drop with "
+                             "--search exact")  # fmt: skip
+        if "multi_dense" not in modes:
+            raise ValueError("--search codes scores multi_dense (MaxSim over the codes); add it to --mode")
+        if modes != ["multi_dense"]:
+            ctx.log(f"--search codes scores multi_dense only: {', '.join(m for m in modes if m != 'multi_dense')} "
+                    "not scored (--search exact scores them)")  # fmt: skip
+        hashes = {kp: codes_index_manifest(ctx.store, index_dir(record.system, corpus, kp)).config_hash
+                  for kp in config.kp}  # fmt: skip
+        settings = {"engine": "codes", "probes": config.probes, "candidates": config.candidates}
+        return ["multi_dense"], {"settings": settings, "index_hashes": hashes}
+
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """One block of a pass's passages against every query set and base mode: its top-k, written to the pass's
         partials folder (indices: corpus positions)."""
@@ -186,6 +233,8 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         shared = shared_settings(ctx, unit.plan)
         device = resolve_device(shared["device"])
         rules, factor = ScoreRules.model_validate(shared["rules"]), float(shared["sparse_factor"])
+        if shared.get("search"):  # on the CPU: numpy over the codes
+            return self._run_codes(unit, ctx, shared, pass_queries(ctx, unit.plan, shared, "cpu", rules), rules)
         queries = pass_queries(ctx, unit.plan, shared, str(device), rules)
         p_stage = shared["passage_stage"]
         passages = iter_encodings(store, p_stage, encoding_manifest(store, p_stage), str(device), rules, factor,
@@ -201,6 +250,23 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         for top in tops.values():
             top.index[top.index >= 0] += unit.start
         return write_unit(store, unit, topk_table(tops), seconds)
+
+    @staticmethod
+    def _run_codes(unit: PassUnit, ctx: Context, shared: dict[str, Any], queries: dict[int, Any],
+                   rules: ScoreRules) -> FileEntry:  # fmt: skip
+        """A whole K_p pass searched over its codes (retrieval/search/codes.py): multi_dense per K_q."""
+        store, search = ctx.store, shared["search"]
+        p_stage = shared["passage_stage"]
+        start = time.perf_counter()  # reading the codes and the index included
+        coded = coded_passages(store, p_stage, encoding_manifest(store, p_stage))
+        if len(coded) != unit.end - unit.start:
+            raise StoreError(f"{store.abspath(p_stage)}: {len(coded):,} passages, planned {unit.end - unit.start:,} "
+                             "(re-encoded while scoring?); run the score again")  # fmt: skip
+        index = codes_index(store, search["index_stage"], len(coded))
+        tops = {(kq, "multi_dense"): search_codes(q, coded, index, int(shared["topk"]), int(search["probes"]),
+                                                  int(search["candidates"]), rules)
+                for kq, q in queries.items()}  # fmt: skip
+        return write_unit(store, unit, topk_table(tops), time.perf_counter() - start)
 
     def merge(self, done: Pass, ctx: Context) -> None:
         """A complete pass: its units' top-k merged, the fusions built, the runs written."""

@@ -297,9 +297,24 @@ def decode(codes: np.ndarray, spec: str, codebook: Codebook | None = None, dim: 
     if s.kind == "pq":
         return _pq(codebook).decode(c)
     ids = c[:, :ID_BYTES].copy().view("<u4")[:, 0]
-    bits = np.unpackbits(c[:, ID_BYTES:], axis=1)[:, : codebook.dim * s.bits].reshape(n, codebook.dim, s.bits)
-    buckets = (bits * (1 << np.arange(s.bits - 1, -1, -1, dtype=np.uint8))).sum(axis=2)
-    return _unit(codebook.arrays["centroids"][ids] + codebook.arrays["values"][buckets])
+    if "bytes" not in codebook._cache:  # each table row as one element: a gather of whole rows is a plain take
+        table = byte_table(codebook.arrays["values"], s.bits)
+        codebook._cache["bytes"] = table.view(f"V{table.shape[1] * 4}").ravel()
+    residual = np.take(codebook._cache["bytes"], c[:, ID_BYTES:]).view(np.float32).reshape(n, -1)[:, : codebook.dim]
+    return _unit(np.take(codebook.arrays["centroids"], ids, axis=0) + residual)
+
+
+def byte_table(values: np.ndarray, bits: int) -> np.ndarray:
+    """The residual values one packed byte holds: [256, 8 / bits], for each byte value its 8 / bits dimensions'
+    bucket values in order (each dimension's bits high first, as :func:`encode` packs them), so decoding a code is
+    one lookup per byte instead of unpacking its bits.
+
+    >>> byte_table(np.array([-1.0, -0.5, 0.5, 1.0], np.float32), 2)[0b11_00_10_01].tolist()
+    [1.0, -1.0, 0.5, -0.5]
+    """
+    per = 8 // bits
+    v = np.arange(256)[:, None] >> (bits * np.arange(per - 1, -1, -1))[None, :]
+    return np.asarray(values, np.float32)[v & (2**bits - 1)]
 
 
 def _pq(codebook: Codebook) -> Any:
@@ -349,6 +364,30 @@ def compress_table(table: pa.Table, codec: Codec) -> pa.Table:
     col = pa.ListArray.from_arrays(offsets, values)
     i = table.schema.get_field_index("dense")
     return table.set_column(i, pa.field("codes", pa.list_(pa.binary(size)), nullable=False), col)
+
+
+def codes_of(table: pa.Table) -> np.ndarray:
+    """The codes of a compressed encodings table as stored, one row per vector in text order ([sum n_reps, B] uint8,
+    a view of the column's buffer: nothing decoded).
+
+    >>> from storage.layout import encodings_schema
+    >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 1, "dense": [[0.0, 4.0]], "n_tokens": 3}],
+    ...                          schema=encodings_schema(2))
+    >>> codes_of(compress_table(t, Codec("int8", 2))).shape
+    (1, 6)
+    """
+    if "codes" not in table.column_names:
+        raise CodebookError("these encodings are not compressed (no codes column)")
+    column = table.column("codes")
+    size = column.type.value_type.byte_width
+    parts = []
+    for chunk in column.chunks:
+        inner = chunk.flatten()
+        raw = np.frombuffer(inner.buffers()[1], np.uint8)[inner.offset * size : (inner.offset + len(inner)) * size]
+        parts.append(raw.reshape(len(inner), size))
+    if not parts:
+        return np.zeros((0, size), np.uint8)
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
 def vectors_of(table: pa.Table, codec: Codec | None = None) -> np.ndarray:

@@ -153,6 +153,7 @@ def encodings_dir(system: str, dataset: str, side: str, k: int) -> str:
 
 
 CODEBOOK_FILE = "codebook.npz"
+CODES_INDEX_FILE = "ivf.parquet"  # a residual:B system's codes index: the passages of each centroid's cell
 
 
 def codebook_dir(system: str, dataset: str, k: int) -> str:
@@ -193,7 +194,8 @@ def metrics_dir(system: str, dataset: str, split: str, kq: int, kp: int, mode: s
 
 
 def index_dir(system: str, dataset: str, kp: int) -> str:
-    """A LanceDB database folder holding one multivector table (``docs``) of a passage encoding."""
+    """A passage encoding's index: a LanceDB database folder holding one multivector table (``docs``), or a
+    ``residual:B`` system's codes index (``CODES_INDEX_FILE``)."""
     return partition("index", system=system, dataset=dataset, kp=kp)
 
 

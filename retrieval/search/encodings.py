@@ -89,6 +89,19 @@ def normalise(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x / x.norm(dim=dim, keepdim=True).clamp_min(1e-12)
 
 
+def normalised(vecs: torch.Tensor, rules: ScoreRules) -> torch.Tensor:
+    """Rows of ``vecs`` [n, H] float32 L2-normalised as exact search scores them: in place (a shard's vectors are
+    decoded with one float32 copy), or in bfloat16 under ``rules.bf16`` (the released evaluator's norm and division).
+
+    >>> normalised(torch.tensor([[3.0, 4.0]]), ScoreRules()).tolist()
+    [[0.6000000238418579, 0.800000011920929]]
+    """
+    if rules.bf16:
+        b = vecs.to(torch.bfloat16)
+        return (b / torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp(min=1e-12)).float()
+    return vecs.div_(vecs.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
+
+
 def padded(vectors: list[np.ndarray], device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-text [n_i, H] arrays -> ([N, max n, H] float32 zero-padded, [N, max n] bool mask of real vectors).
 
@@ -138,12 +151,7 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", ru
         bad = ids[int(np.argmin(n_reps))]
         raise ValueError(f"encodings: text {bad!r} has no vector (n_reps = 0)")
     kmax = int(n_reps.max()) if n else 1
-    vecs = torch.from_numpy(flat)
-    if rules.bf16:  # the released evaluator: norm and division in bfloat16
-        b = vecs.to(torch.bfloat16)
-        vecs = (b / torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp(min=1e-12)).float()
-    else:  # in place (the same arithmetic as normalise): a shard's vectors are decoded with one float32 copy
-        vecs.div_(vecs.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
+    vecs = normalised(torch.from_numpy(flat), rules)
     mask = torch.arange(kmax)[None, :] < torch.from_numpy(n_reps)[:, None]
     if n and bool((n_reps == kmax).all()):  # every text has K vectors (no slot cut): a view, no second copy
         multi = vecs.view(n, kmax, hidden)

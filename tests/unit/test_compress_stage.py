@@ -268,13 +268,14 @@ def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_comp
 
 
 def test_a_lancedb_index_is_built_from_the_decoded_codes(world: dict, tmp_path: Path) -> None:
-    """LanceDB tables of a compressed system hold its decoded vectors, and a flat table finds what exact search
-    over the codes finds (up to the near ties of a random tiny model)."""
+    """LanceDB tables of a compressed system (`--vectors float32`: its codes index is the default) hold its decoded
+    vectors, and a flat table finds what exact search over the codes finds (up to the near ties of a random tiny
+    model)."""
     root = _copy(world, tmp_path)
     ref = SystemRef(system=world["f16"])
     system = _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="residual:2")).system
     res = _run("index", IndexConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=[1, 4], kp=[4],
-                                    index_type="none"))  # fmt: skip
+                                    index_type="none", vectors="float32"))  # fmt: skip
     checks = res.details["checks"][4]
     assert res.done == 1 and len(checks) == 2 and all(c["recall_10"] >= 0.9 for c in checks.values()), checks
     import lancedb
