@@ -20,7 +20,7 @@ from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
 from .compare import CompareConfig
-from .systems import list_systems
+from .systems import list_systems, random_weights_note
 
 REPORT_FORMAT = 2  # 2: significance corrected across the tables, the section of runs against the baseline
 
@@ -91,10 +91,12 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
 
     def run(self, unit: Folder, ctx: Context) -> Report:
         c = unit.config
+        notes = {r.system: n for r, _ in list_systems(ctx.store) if (n := random_weights_note(r.settings))}
         with StoreSQL(ctx.store) as db:
             rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
-                               c["settings"], c.get("test", "t"), c.get("correction", "holm"))  # fmt: skip
-        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections]})
+                               c["settings"], c.get("test", "t"), c.get("correction", "holm"), notes)  # fmt: skip
+        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections],
+                                                                     "warnings": rep.warnings})  # fmt: skip
         with ctx.store.stage_writer(unit.stage, m) as w:
             for fname, data in sorted(rep.files.items()):
                 w.write_file(fname, data)
@@ -113,7 +115,8 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
                 with open(os.path.join(config.out_dir, fname), "wb") as f:
                     f.write(data)
         sections = {t: body for t, body in results[0].sections} if results else {}
-        return {"folder": ctx.store.abspath(stage), "files": sorted(m.files), "sections": sections}
+        return {"folder": ctx.store.abspath(stage), "files": sorted(m.files), "sections": sections,
+                "warnings": m.stats.get("warnings", [])}  # fmt: skip
 
 
 stage = ReportStage()

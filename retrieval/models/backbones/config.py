@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from .families import Family
 
@@ -33,6 +33,47 @@ class BackboneConfig(BaseModel):
                                 "--model; refused when it was trained on another base model.")  # fmt: skip
     merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
                                 "float rounding differs).")  # fmt: skip
+    load_format: Literal["checkpoint", "random"] = Field(
+        default="checkpoint", description="checkpoint (the model's weights) or random: no weight file, the network "
+        "built on the device with seeded random weights (throughput and plumbing checks; the system's slug, `diffret "
+        "systems`, summaries and reports say so)."
+    )
+    shape: str | None = Field(default=None, description="With --load-format random: a published shape instead of "
+                              "the folder's own config (dream-7b, llada-8b; NAME:key=value,... changes fields); the "
+                              "tokenizer comes from --model, a folder of the same family.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _random_only(self) -> BackboneConfig:
+        if self.load_format == "random":
+            for flag, value in (("--adapter", self.adapter), ("--gguf-file", self.gguf_file)):
+                if value:
+                    raise ValueError(f"--load-format random builds the network without weights: {flag} has none to "
+                                     "apply (leave it out, or load the checkpoint)")  # fmt: skip
+            if self.loader == "remote":
+                raise ValueError("--load-format random builds the network with transformers' own classes: use "
+                                 "loader native")  # fmt: skip
+            if self.shape is not None:
+                from .shapes import shape_config
+
+                shape_config(self.shape)  # an unknown preset or field: refused here
+        elif self.shape is not None:
+            raise ValueError(f"--shape {self.shape} is a shape for random weights: add --load-format random")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _checkpoint_fields_only(self, handler: Any) -> Any:
+        """A checkpoint's config dumps as it did before random weights existed (without ``load_format`` and
+        ``shape``), so that every hash of a stored config that holds it is unchanged."""
+        data = handler(self)
+        if self.load_format == "checkpoint" and isinstance(data, dict):
+            data.pop("load_format", None)
+            data.pop("shape", None)
+        return data
+
+    @property
+    def random_weights(self) -> bool:
+        """Built with random weights (``load_format`` random): its numbers measure speed, not retrieval."""
+        return self.load_format == "random"
 
     @field_validator("model", "adapter")
     @classmethod
