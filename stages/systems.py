@@ -115,6 +115,7 @@ def slug_base(model: str) -> str:
 
 # a system's storage settings when it stores float16 (left out of its settings: float16 slugs are unchanged)
 STORED = {"store": FLOAT16, "store_seed": 0}
+CHECKPOINT = {"load_format": "checkpoint", "shape": None}  # likewise its weights' when they are a checkpoint's
 
 
 def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
@@ -281,7 +282,7 @@ class SystemRecord(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # exactly what the slug's hash covers
 
     def flat_settings(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(STORED) if self.kind == "encoder" else {}
+        out: dict[str, Any] = {**STORED, **CHECKPOINT} if self.kind == "encoder" else {}
         for key, value in self.settings.items():
             if isinstance(value, dict):
                 out.update({f"{key}.{k}": v for k, v in value.items()})
