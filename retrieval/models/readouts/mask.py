@@ -90,15 +90,18 @@ class MaskReadout(
             b = self._mask_batch(out.token_ids, side, k, host)
             out.mask_batch = _Batch(staged(b.input_ids, dev), staged(b.attention_mask, dev), staged(b.positions, dev),
                                     b.lengths)  # fmt: skip
-            cands = self._candidates(texts, len(out.token_ids), host)
-            width = max(1, max(c.numel() for c in cands))
+            # numpy, not torch, in this thread: torch's intra-op threads would contend with the model's
+            cands = [c.numpy() for c in self._candidates(texts, len(out.token_ids), host)]
+            width = max(1, max(len(c) for c in cands))
             step = max(1, HEAD_CHUNK_BYTES // (k * width * 4))  # a bounded number of texts' candidate logits at once
             out.chunks = []
             for s in range(0, len(cands), step):
                 chunk = cands[s : s + step]
-                union = torch.unique(torch.cat(chunk))  # sorted
-                ids = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)  # [b, C], -1: none
-                out.chunks.append((s, staged(union, dev), staged(ids, dev)))
+                union = np.unique(np.concatenate(chunk))  # sorted
+                ids = np.full((len(chunk), max(len(c) for c in chunk)), -1, dtype=np.int64)  # [b, C], -1: none
+                for j, c in enumerate(chunk):
+                    ids[j, : len(c)] = c
+                out.chunks.append((s, staged(torch.from_numpy(union), dev), staged(torch.from_numpy(ids), dev)))
         return out
 
     @torch.inference_mode()
