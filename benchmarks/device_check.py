@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -230,8 +231,9 @@ def encode_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 row = encode_case(bb, reader, old, before, rows, batch, args.repeats)
                 rows_out.append({"model": family, "params": n_params, "tokens": target, **row})
                 log(f"encode {rows_out[-1]}")
-        del bb
+        del bb, reader, rows  # the network is freed before the next one is built
         _BARE.clear()
+        gc.collect()
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
     return {"rows": rows_out}

@@ -34,13 +34,12 @@ class BackboneConfig(BaseModel):
     merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
                                 "float rounding differs).")  # fmt: skip
     load_format: Literal["checkpoint", "random"] = Field(
-        default="checkpoint", description="checkpoint (the model's weights) or random: no weight file, the network "
-        "built on the device with seeded random weights (throughput and plumbing checks; the system's slug, `diffret "
-        "systems`, summaries and reports say so)."
+        default="checkpoint", description="checkpoint, or random: seeded random weights built on the device, no "
+        "weight file (speed checks; labelled as random everywhere)."
     )
-    shape: str | None = Field(default=None, description="With --load-format random: a published shape instead of "
-                              "the folder's own config (dream-7b, llada-8b; NAME:key=value,... changes fields); the "
-                              "tokenizer comes from --model, a folder of the same family.")  # fmt: skip
+    shape: str | None = Field(default=None, description="With --load-format random: dream-7b or llada-8b, the "
+                              "published configs (NAME:key=value,... changes fields); --model gives the "
+                              "tokenizer.")  # fmt: skip
 
     @model_validator(mode="after")
     def _random_only(self) -> BackboneConfig:
