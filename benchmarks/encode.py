@@ -15,6 +15,8 @@ mask readout at K = 1 on the same model                                         
 
     python benchmarks/encode.py [--model ../shared/models/splade-tiny-mlm] [--docs 1000] [--device auto]
     python benchmarks/encode.py --readout sidr --docs 300
+    python benchmarks/encode.py --model ../shared/models/tiny-dream-random --load-format random --shape dream-7b \
+        --device cuda --dtype bfloat16     # a Dream-7B-shaped network of random weights (a GPU; no download)
     python benchmarks/encode.py --model ../shared/models/smollm2-135m-instruct-gguf --skip full,in-encode \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --mask-token '<|im_start|>' --docs 96 --batch-size 16 \
         --max-length 512        # the model's compute dominates (a causal LM read through masks, bidirectionally)
@@ -81,13 +83,17 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out: full (the full-logits loop), "
                     "in-encode (filtering while encoding)")
     ap.add_argument("--readout", default="diffretriever", choices=["diffretriever", "sidr"])
+    ap.add_argument("--load-format", default="checkpoint", choices=["checkpoint", "random"],
+                    help="random: the network of --model's config (or --shape) with random weights, no weight file")
+    ap.add_argument("--shape", default=None, help="with --load-format random: dream-7b, llada-8b (NAME:key=value,...)")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
     if args.readout == "sidr":
         return sidr(args)
 
     bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                      gguf_file=args.gguf_file, mask_token=args.mask_token))  # fmt: skip
+                                      gguf_file=args.gguf_file, mask_token=args.mask_token,
+                                      load_format=args.load_format, shape=args.shape))  # fmt: skip
     reader = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
     tok = bb.tokenizer
     texts = load_texts(Path(args.corpus), args.docs)
@@ -178,7 +184,8 @@ def sidr(args: argparse.Namespace) -> None:
     """SIDR's readout: the pipeline (one head product per batch, padding left out) against the per-text product it
     replaced (the code before: ``weights`` one text at a time, kept here as the baseline), on the same batches; the
     vectors compared byte for byte."""
-    bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype))
+    bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                      load_format=args.load_format, shape=args.shape))  # fmt: skip
     reader = make_reader(bb, ReadoutConfig(readout="sidr"), args.max_length)
     texts = load_texts(Path(args.corpus), args.docs)
     ids = [str(i) for i in range(len(texts))]

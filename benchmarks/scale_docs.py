@@ -44,17 +44,22 @@ def projection(results: list[dict], eval_rows_per_s: float | None) -> list[str]:
         f"prompt and K masks); exact scoring sustains {GPU_TFLOPS:.0f} TFLOP/s on one H100 and reads the "
         f"encodings at {READ_GB_S:.0f} GB/s; CPU stages scale linearly from the measured N (their fitted exponents "
         "above) on the same 2 cores; 8 GPUs divide the GPU stages by 8 (units are independent shards).", "",
+        "**Awaiting the GPU run**: the two GPU rates above (marked *assumed* in the table) are to be replaced by "
+        "the device check's measurements on a lent H100 or H200 (`benchmarks/device_check.py`, docs/operations.md, "
+        "\"The device check\"): diffret's docs/s at Dream-7B shape on 115-token rows (MS MARCO's length) for encode, "
+        "and `search_pass`'s time at H = 3,584, K_q = K_p = 16 for score. No figure here was measured on a GPU.", "",
         "| stage | where | 1 GPU (or this CPU) | 8 GPUs | how |", "|---|---|---|---|---|",
     ]
     for name in ("download", "tokenize", "bm25"):
         t = st[name]["seconds"] * scale
         lines.append(f"| {name} | CPU | {_fmt_s(t)} | {_fmt_s(t)} | measured s/passage x {MSMARCO_PASSAGES:,} |")
     lines.append(f"| encode, whole grid (5 passage passes) | GPU | {_fmt_s(enc_1)} | {_fmt_s(enc_1 / 8)} | "
-                 f"{MSMARCO_PASSAGES:,} x 5 / {GPU_PASSAGES_PER_S:.0f} per s |")
+                 f"{MSMARCO_PASSAGES:,} x 5 / {GPU_PASSAGES_PER_S:.0f} per s (*assumed*) |")
     lines.append(f"| encode, one operating point (`--kq 4 --kp 16`: one passage pass) | GPU | {_fmt_s(op_1)} | "
                  f"{_fmt_s(op_1 / 8)} | per-side budgets: the K = 4 passage pass is not made |")
     lines.append(f"| score, whole grid | GPU | {_fmt_s(score_1)} | {_fmt_s(score_1 / 8)} | {flops:.2e} FLOPs "
-                 f"(2 x queries x sum K_q x passages x sum K_p x H) + the encodings read once per K_p pass |")
+                 f"(2 x queries x sum K_q x passages x sum K_p x H) at {GPU_TFLOPS:.0f} TFLOP/s (*assumed*) + the "
+                 "encodings read once per K_p pass |")
     if eval_rows_per_s:
         t = rows / eval_rows_per_s
         lines.append(f"| evaluate, whole grid | CPU | {_fmt_s(t)} | {_fmt_s(t / 8)} (8 workers) | {rows:.2e} rows "

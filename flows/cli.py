@@ -178,7 +178,8 @@ def _warning(line: str) -> None:
 
 
 def _print_warnings(res: Any) -> None:
-    """The summaries' warnings (a system near chance), after the leaderboard."""
+    """The summaries' and reports' warnings (a system near chance, or built with random weights), after the
+    leaderboard."""
     details = res if isinstance(res, dict) else res.details
     for line in details.get("warnings", []):
         _warning(line)
@@ -330,14 +331,14 @@ def views(root: Root = DEFAULT_ROOT) -> None:
 @app.command(cls=Command)
 def systems(root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table) -> None:
     """List the systems in the store (the registry) with every setting that made them."""
-    from diffret.stages.systems import list_systems
+    from diffret.stages.systems import list_systems, weights_label
     from diffret.storage import ArtifactStore
 
     with _errors():
         recs = list_systems(ArtifactStore(root))
-    cols = ["system", "kind", "model", "readout", "settings", "model_path"]
-    rows = [(r.system, r.kind, r.model, r.readout, json.dumps(r.settings, sort_keys=True), st.get("model_path"))
-            for r, st in recs]  # fmt: skip
+    cols = ["system", "kind", "model", "readout", "settings", "model_path", "weights"]
+    rows = [(r.system, r.kind, r.model, r.readout, json.dumps(r.settings, sort_keys=True), st.get("model_path"),
+             weights_label(r)) for r, st in recs]  # fmt: skip
     print_rows(cols, rows, fmt)
 
 

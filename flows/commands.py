@@ -201,6 +201,7 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
 def _numeric_paths() -> list[str]:
     """The settings that tell stored encoder systems apart: "backbone.dtype", "readout.prompt", "max_length", ..."""
     keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
+    keys |= numeric_settings(EncodeSettings(backbone={"model": "x", "load_format": "random"}))  # and its shape
     out = [f"backbone.{k}" for k in keys if k not in ("readout", "model", *EncodeSettings.model_fields)]
     sidr = numeric_settings(EncodeSettings(backbone={"model": "x"}, readout=ReadoutConfig(readout="sidr")))["readout"]
     out += [f"readout.{k}" for k in dict.fromkeys([*keys["readout"], *sidr])]  # the SIDR-only settings too

@@ -20,7 +20,7 @@ from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Published, Stage, StageConfig, StageResult, inline_figures
 from .compare import CompareConfig
-from .systems import list_systems
+from .systems import list_systems, random_weights_note
 
 REPORT_FORMAT = 2  # 2: significance corrected across the tables, the section of runs against the baseline
 
@@ -103,10 +103,12 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
 
     def run(self, unit: Folder, ctx: Context) -> Report:
         c = unit.config
+        notes = {r.system: n for r, _ in list_systems(ctx.store) if (n := random_weights_note(r.settings))}
         with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
             rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
-                               c["settings"], c.get("test", "t"), c.get("correction", "holm"))  # fmt: skip
-        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections]})
+                               c["settings"], c.get("test", "t"), c.get("correction", "holm"), notes)  # fmt: skip
+        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections],
+                                                                     "warnings": rep.warnings})  # fmt: skip
         with ctx.store.stage_writer(unit.stage, m) as w:
             for fname, data in sorted(rep.files.items()):
                 w.write_file(fname, data)
@@ -126,7 +128,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
                     f.write(data)
         sections = {t: body for t, body in results[0].sections} if results else {}
         return {"name": config.name, "folder": ctx.store.abspath(stage), "files": sorted(m.files),
-                "sections": sections}
+                "sections": sections, "warnings": m.stats.get("warnings", [])}
 
 
 stage = ReportStage()

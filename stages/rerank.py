@@ -32,7 +32,7 @@ from .base import ClusterConfig, Context, check_device, shared_settings
 from .passes import Block, Pass, PassPlan, PassStage, PassUnit, read_units, write_unit
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
-from .systems import SystemRecord, SystemRef, backbone_settings, find_system, register, slug_base
+from .systems import SystemRecord, SystemRef, backbone_settings, find_system, model_name, register, slug_base
 from .tokenize import default_backbone
 
 RERANK_MODE = "rerank"
@@ -174,7 +174,8 @@ class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb=
         first = first_stage_system(store, config.first_stage)
         first_ref = {"system": first, "kq": config.first_kq, "kp": config.first_kp,
                      "mode": first_stage_mode(store, config.first_stage, config.first_mode)}  # fmt: skip
-        slug = reranker_slug(config.backbone.model, config.method, settings, first_ref)
+        name = model_name(config.backbone) if config.backbone.random_weights else config.backbone.model
+        slug = reranker_slug(name, config.method, settings, first_ref)
         corpus = config.corpus_name()
         inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
                   "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip

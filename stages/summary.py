@@ -20,7 +20,7 @@ from diffret.storage.layout import summary_dir
 from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
-from .systems import SystemRef, find_system, list_systems
+from .systems import SystemRef, find_system, list_systems, load, random_weights_note
 
 
 class SummaryConfig(StageConfig):
@@ -76,8 +76,9 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
 
     def run(self, unit: Folder, ctx: Context) -> None:
         c = unit.config
+        note = random_weights_note(load(ctx.store, c["system"]).settings)  # a slug's record never changes
         with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
-            s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"])
+            s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"], note)
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
         board = [r.as_dict() for r in s.rows]
         m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board,

@@ -117,6 +117,7 @@ def slug_base(model: str) -> str:
 
 # a system's storage settings when it stores float16 (left out of its settings: float16 slugs are unchanged)
 STORED = {"store": FLOAT16, "store_seed": 0}
+CHECKPOINT = {"load_format": "checkpoint", "shape": None}  # likewise its weights' when they are a checkpoint's
 
 
 def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
@@ -143,13 +144,61 @@ def backbone_settings(b: BackboneConfig) -> dict[str, Any]:
         "mask_token": b.mask_token,
         "turn_end": b.turn_end,
         **({"adapter": b.adapter, "merge_adapter": b.merge_adapter} if b.adapter else {}),
+        **({"load_format": b.load_format, "shape": b.shape} if b.random_weights else {}),  # checkpoints: as before
     }
+
+
+def model_name(b: BackboneConfig) -> str:
+    """The model part of a system's slug: its folder's (or hub id's) last part, an adapter's folder; ``random-`` and
+    the shape (or the folder) for random weights, so that such a system is never taken for a trained one.
+
+    >>> model_name(BackboneConfig(model="org/tiny-bert"))
+    'tiny-bert'
+    >>> model_name(BackboneConfig(model="org/tiny-dream", load_format="random", shape="dream-7b:num_hidden_layers=2"))
+    'random-dream-7b'
+    """
+    if b.random_weights:
+        return slug_base(f"random-{b.shape.partition(':')[0] if b.shape else slug_base(b.model)}")
+    return slug_base(b.adapter or b.model)  # an adapter is named by its folder
+
+
+def weights_label(record: SystemRecord) -> str:
+    """What ``diffret systems`` says of a system's weights: RANDOM (and the shape) for random weights, checkpoint for
+    a model's, nothing for a system without a model (BM25, an imported run, a fusion).
+
+    >>> weights_label(SystemRecord(system="s", kind="encoder", settings={"load_format": "random", "shape": None}))
+    "RANDOM (the folder's shape)"
+    """
+    settings = record.settings.get("backbone") if isinstance(record.settings.get("backbone"), dict) else record.settings
+    if settings.get("load_format") == "random":
+        shape = settings.get("shape") or "the folder's shape"
+        return f"RANDOM ({shape})"
+    return "checkpoint" if record.kind in ("encoder", "reranker") else ""
+
+
+def random_weights_note(settings: dict[str, Any]) -> str | None:
+    """What a system's settings (its registry record's) say about random weights, as the summaries and reports print
+    it; None for a trained checkpoint.
+
+    >>> random_weights_note({"model": "m", "load_format": "random", "shape": "dream-7b"})[:68]
+    'RANDOM WEIGHTS (load format random, shape dream-7b, tokenizer of m):'
+    """
+    if isinstance(settings.get("backbone"), dict):  # a reranker's record holds its backbone's settings apart
+        settings = settings["backbone"]
+    if settings.get("load_format") != "random":
+        return None
+    shape = f"shape {settings['shape']}" if settings.get("shape") else "the folder's own shape"
+    return (f"RANDOM WEIGHTS (load format random, {shape}, tokenizer of {settings.get('model')}): its numbers measure "
+            "speed and plumbing, not retrieval")
 
 
 def weights_of(b: BackboneConfig) -> dict[str, str]:
     """Content fingerprints of a local model (and adapter) folder's weights, when they are there (hub ids: none).
-    Recorded in the registry, not hashed into the slug: a re-run with every artifact current needs no weights."""
-    out = {}
+    Recorded in the registry, not hashed into the slug: a re-run with every artifact current needs no weights. Random
+    weights: none (no file is read; the slug's load format and shape say what they are)."""
+    out: dict[str, str] = {}
+    if b.random_weights:
+        return out
     if released := released_fingerprint(b.adapter or b.model):  # its adapter and settings (a hub id's snapshot too)
         out["adapter_weights"] = released
         if b.adapter and (fp := weights_fingerprint(b.model, b.gguf_file)):
@@ -169,8 +218,10 @@ def encoder_slug(s: EncodeSettings) -> str:
     'tiny-bert-diffretriever-49546d2856'
     >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert"), store="residual:2"))[:32]
     'tiny-bert-diffretriever-residual'
+    >>> encoder_slug(EncodeSettings(backbone=BackboneConfig(model="org/tiny-bert", load_format="random")))[:31]
+    'random-tiny-bert-diffretriever-'
     """
-    name = slug_base(s.backbone.adapter or s.backbone.model)  # an adapter is named by its folder
+    name = model_name(s.backbone)
     tag = f"{store_tag(s.store)}-" if s.store != FLOAT16 else ""
     return f"{name}-{s.readout.readout}-{tag}{config_hash(numeric_settings(s))[:10]}"
 
@@ -233,7 +284,7 @@ class SystemRecord(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # exactly what the slug's hash covers
 
     def flat_settings(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(STORED) if self.kind == "encoder" else {}
+        out: dict[str, Any] = {**STORED, **CHECKPOINT} if self.kind == "encoder" else {}
         for key, value in self.settings.items():
             if isinstance(value, dict):
                 out.update({f"{key}.{k}": v for k, v in value.items()})

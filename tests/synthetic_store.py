@@ -26,8 +26,8 @@ from tiny_models import save_tiny_mlm
 
 from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.stages import execute, stages
-from diffret.stages.encode import EncodeConfig, encodings_config
 from diffret.stages.download import DownloadConfig
+from diffret.stages.encode import EncodeConfig, encodings_config
 from diffret.stages.readers import tokens_manifest
 from diffret.stages.systems import encoder_record, register, tokens_slug, weights_of
 from diffret.storage import ArtifactStore

@@ -17,9 +17,11 @@ class Report:
     name: str
     sections: list[tuple[str, str]] = field(default_factory=list)  # (title, markdown body)
     files: dict[str, bytes] = field(default_factory=dict)  # name -> bytes (PNG, CSV)
+    warnings: list[str] = field(default_factory=list)  # said under the title (systems with random weights)
 
     def markdown(self) -> str:
         out = [f"# diffret report `{self.name}`", ""]
+        out += [f"**Warning**: {w}" for w in self.warnings] + ([""] if self.warnings else [])
         out += [f"- [{t}](#{_anchor(t)})" for t, _ in self.sections]
         for title, body in self.sections:
             out += ["", f"## {title}", "", body.rstrip()]

@@ -357,10 +357,13 @@ def build_report(
     settings: int = 2,
     test: Test = "t",
     correction: Correction = "holm",
+    random_weights: dict[str, str] | None = None,
 ) -> Report:
     """Every section of the report from the views of ``db`` (markdown bodies, PNG and CSV files); ``test`` and
-    ``correction``: how the tables test against the references (retrieval/evaluation/compare.py)."""
-    rep = Report(name)
+    ``correction``: how the tables test against the references (retrieval/evaluation/compare.py);
+    ``random_weights``: system -> the registry's note, for systems built with random weights (said under the title,
+    so that none of their numbers is read as a result)."""
+    rep = Report(name, warnings=[f"{s} has {note}" for s, note in sorted((random_weights or {}).items())])
     has_bm25 = rows(db, "select count(*) n from cells where mode = 'bm25' and split = 'test'")[0]["n"] > 0
     refs = list(refs) if refs is not None else (["bm25"] if has_bm25 else [])
     section_selection(db, rep)

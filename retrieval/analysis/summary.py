@@ -47,6 +47,7 @@ class Summary:
     split: str
     rows: list[Row] = field(default_factory=list)
     grids: dict[str, tuple[list[int], list[int], np.ndarray]] = field(default_factory=dict)  # mode -> kq, kp, ndcg
+    random_weights: str | None = None  # what the registry says of a system built with random weights (else None)
 
     def bm25_value(self) -> float | None:
         """BM25's mean headline measure on this split (None without a BM25 row)."""
@@ -61,25 +62,27 @@ class Summary:
         >>> s.warnings()[0][:80]
         'm scores near chance on d/test: its best NDCG@10 is 0.0040 (multi_dense), BM25 s'
         """
+        first = [f"{self.system} has {self.random_weights}"] if self.random_weights else []
         bm25 = self.bm25_value()
         mine = [r for r in self.rows if r.system == self.system and r.values[SHORT[0]] is not None]
         if not bm25 or not mine:
-            return []
+            return first
         best = max(mine, key=lambda r: r.values[SHORT[0]] or 0.0)
         value = best.values[SHORT[0]] or 0.0
         if value >= NEAR_CHANCE * bm25:
-            return []
+            return first
         label = MEASURES[0].label
-        return [f"{self.system} scores near chance on {self.dataset}/{self.split}: its best {label} is {value:.4f} "
-                f"({best.mode}), BM25 scores {bm25:.4f}; under a tenth of BM25, its heatmaps show noise, not a "
-                "landscape (a model not trained for this readout, or too small?)"]  # fmt: skip
+        return first + [f"{self.system} scores near chance on {self.dataset}/{self.split}: its best {label} is "
+                        f"{value:.4f} ({best.mode}), BM25 scores {bm25:.4f}; under a tenth of BM25, its heatmaps show "
+                        "noise, not a landscape (a model not trained for this readout, or too small?)"]  # fmt: skip
 
     def markdown(self, figures: dict[str, str] | None = None) -> str:
         labels = " | ".join(m.label for m in MEASURES)
         # no system column (the heading names the system, the line below the baseline): the table fits a page
         head = f"| mode | K_q | K_p | {labels} | queries | p vs BM25 |"
         sep = "|---|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|"
-        lines = [f"# {self.dataset} / {self.split}: `{self.system}`", ""]
+        lines = [f"# {self.dataset} / {self.split}: `{self.system}`" + (" (RANDOM WEIGHTS)" if self.random_weights
+                                                                        else ""), ""]
         lines += [f"**Warning**: {w}" for w in self.warnings()] + ([""] if self.warnings() else [])
         lines += [head, sep]
         for r in self.rows:
@@ -127,9 +130,11 @@ class Summary:
         return out
 
 
-def build_summary(db: Views, system: str, dataset: str, split: str, bm25: str | None = None) -> Summary:
-    """The best cell per mode (view ``best_cells``), BM25, paired t-tests against it, and the grids per mode."""
-    s = Summary(system, dataset, split)
+def build_summary(db: Views, system: str, dataset: str, split: str, bm25: str | None = None,
+                  random_weights: str | None = None) -> Summary:  # fmt: skip
+    """The best cell per mode (view ``best_cells``), BM25, paired t-tests against it, and the grids per mode;
+    ``random_weights``: the registry's note on a system built with random weights (said first in its warnings)."""
+    s = Summary(system, dataset, split, random_weights=random_weights)
     cols = f"mode, kq, kp, {', '.join(SHORT)}, queries"
     where = "system = ? and dataset = ? and split = ?"
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from diffret.schemas import encodings_schema
 
-from .readouts import Encoded, Prepared, Readout
+from .readouts import Encoded, Pending, Prepared, Readout
 
 
 def quiet_length_warning(tokenizer: Any) -> None:
@@ -116,17 +116,26 @@ def encode_rows(
         ready.head_stats = head_stats
         return ready
 
+    def finish(batch: list[int], pending: Pending) -> None:
+        for i, e in zip(batch, pending.result(), strict=True):
+            out[i] = e
+        if on_batch:
+            on_batch(len(batch))
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffret-prepare") as pool:
         ahead = pool.submit(prepare, batches[0]) if batches else None
+        last: tuple[list[int], Pending] | None = None
         for n, batch in enumerate(batches):
             assert ahead is not None
             ready = ahead.result()
             if n + 1 < len(batches):  # the next batch is padded while the model runs this one
                 ahead = pool.submit(prepare, batches[n + 1])
-            for i, e in zip(batch, reader.run(ready), strict=True):
-                out[i] = e
-            if on_batch:
-                on_batch(len(batch))
+            launched = reader.launch(ready)  # on a GPU: queued, the previous batch's copy back ahead of it
+            if last is not None:  # the previous batch's results, read while the device runs this one
+                finish(*last)
+            last = (batch, launched)
+        if last is not None:
+            finish(*last)
     return encoded_table(ids, out, reader.bb.hidden_size)  # type: ignore[arg-type]
 
 

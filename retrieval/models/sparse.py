@@ -323,9 +323,28 @@ def per_position_sparse_batch(
     >>> [(i.tolist(), w.tolist()) for i, w in per_position_sparse_batch(ids, logits, torch.tensor([2, 1]), 1)]
     [([9, 7], [1.090000033378601, 0.6899999976158142]), ([7], [1.3799999952316284])]
     """
+    out_ids, heavy, counts = per_position_sparse_tensors(ids, logits, slots, topk, quantise, pooled_bf16)
+    return per_position_lists(out_ids.cpu().numpy(), heavy.cpu().numpy(), counts.cpu().numpy())
+
+
+def per_position_sparse_tensors(
+    ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, topk: int = PER_POSITION_TOPK,
+    quantise: str = "truncate", pooled_bf16: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`per_position_sparse_batch` left on the device of ``logits``, nothing read back: (ids [B, C] int32 and
+    weights [B, C] float32, each text's heaviest first, then [B] how many of them are positive); a text's vector is
+    its row's first count entries (:func:`per_position_lists`).
+
+    >>> out_ids, w, n = per_position_sparse_tensors(torch.tensor([[7, 9]]), torch.tensor([[[1.0, 0.5]]]),
+    ...                                             torch.tensor([1]), 1)
+    >>> out_ids.tolist(), w.tolist(), n.tolist()
+    ([[7, 9]], [[0.6899999976158142, 0.0]], [1])
+    """
     bsz, k, width = logits.shape
     if width == 0 or k == 0:
-        return [(np.zeros(0, np.int32), np.zeros(0, np.float32)) for _ in range(bsz)]
+        return (torch.zeros((bsz, 0), dtype=torch.int32, device=logits.device),
+                torch.zeros((bsz, 0), dtype=torch.float32, device=logits.device),
+                torch.zeros(bsz, dtype=torch.long, device=logits.device))  # fmt: skip
     kept = torch.arange(k, device=logits.device)[None, :] < slots.to(logits.device)[:, None]  # [B, K]
     real = kept[:, :, None] & (ids >= 0).to(logits.device)[:, None, :]
     w = torch.log1p(torch.relu(logits.float())).masked_fill(~real, -1.0)  # [B, K, C]
@@ -338,7 +357,14 @@ def per_position_sparse_batch(
         pooled = pooled.to(torch.bfloat16).float()  # stored as bfloat16, as the reference stores it
     pooled = pooled / scale
     heavy, order = torch.sort(pooled, dim=1, descending=True, stable=True)  # positive ones first, in id order
-    counts = (heavy > 0).sum(1).tolist()
-    out_ids = ids.to(w.device).gather(1, order).cpu().numpy().astype(np.int32)
-    out_w = heavy.cpu().numpy().astype(np.float32)
-    return [(out_ids[b, :n], out_w[b, :n]) for b, n in enumerate(counts)]
+    counts = (heavy > 0).sum(1)
+    return ids.to(w.device).gather(1, order).to(torch.int32), heavy, counts
+
+
+def per_position_lists(ids: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's (ids, weights) from :func:`per_position_sparse_tensors`' arrays on the host.
+
+    >>> per_position_lists(np.array([[7, 9]], np.int32), np.array([[0.5, 0.0]], np.float32), np.array([1]))
+    [(array([7], dtype=int32), array([0.5], dtype=float32))]
+    """
+    return [(ids[b, :n], weights[b, :n]) for b, n in enumerate(counts.tolist())]

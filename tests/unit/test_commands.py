@@ -52,6 +52,7 @@ def expected_fields(model: type[BaseModel]) -> dict[str, tuple[str, object]]:
         if inner is SystemRef:
             out["--system"] = (info.description, None)
             keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
+            keys |= numeric_settings(EncodeSettings(backbone={"model": "x", "load_format": "random"}))  # + shape
             owners = [(BackboneConfig, ["model", *(k for k in keys if k in BackboneConfig.model_fields)]),
                       (ReadoutConfig, [*keys["readout"], *SIDR_ONLY]),  # SIDR's settings tell SIDR systems apart
                       (EncodeSettings, [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")])]

@@ -130,7 +130,7 @@ class Backbone:
             # padding would shift them: run left-padded rows rotated to right padding and rotate the states back
             width = input_ids.shape[1]
             lead = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True) % width  # [B, 1] leading pads
-            if bool(lead.any()):
+            if input_ids.is_cuda or bool(lead.any()):  # a GPU rotates without asking (no read back; 0 is identity)
                 cols = torch.arange(width, device=input_ids.device)[None, :]
                 fwd, back = (cols + lead) % width, (cols - lead) % width
                 input_ids, mask = input_ids.gather(1, fwd), attention_mask.gather(1, fwd)
@@ -168,11 +168,12 @@ class Backbone:
         (True, True)
         """
         proj = self.projection() if hidden.device.type == "cpu" else None
-        if proj is None:
-            full = self.logits(hidden).float()
+        if proj is None:  # the argmax and the columns read in the head's own dtype (exact), only they cast
+            full = self.logits(hidden)
+            picked = full[..., columns.to(full.device)].float()
             if not stats:
-                return full.argmax(-1), full[..., columns]
-            return full.argmax(-1), full[..., columns], *softmax_stats(full)
+                return full.argmax(-1), picked
+            return full.argmax(-1), picked, *softmax_stats(full)
         pre, weight, bias = proj
         x = pre(hidden)
         flat = x.reshape(-1, x.shape[-1])

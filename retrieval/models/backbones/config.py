@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from ...fields import Settings
 from .families import Family
@@ -34,6 +34,46 @@ class BackboneConfig(Settings):
                                 "--model; refused when it was trained on another base model.")  # fmt: skip
     merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
                                 "float rounding differs).")  # fmt: skip
+    load_format: Literal["checkpoint", "random"] = Field(
+        default="checkpoint", description="checkpoint, or random: seeded random weights built on the device, no "
+        "weight file (speed checks; labelled as random everywhere)."
+    )
+    shape: str | None = Field(default=None, description="With --load-format random: dream-7b or llada-8b, the "
+                              "published configs (NAME:key=value,... changes fields); --model gives the "
+                              "tokenizer.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _random_only(self) -> BackboneConfig:
+        if self.load_format == "random":
+            for flag, value in (("--adapter", self.adapter), ("--gguf-file", self.gguf_file)):
+                if value:
+                    raise ValueError(f"--load-format random builds the network without weights: {flag} has none to "
+                                     "apply (leave it out, or load the checkpoint)")  # fmt: skip
+            if self.loader == "remote":
+                raise ValueError("--load-format random builds the network with transformers' own classes: use "
+                                 "loader native")  # fmt: skip
+            if self.shape is not None:
+                from .shapes import shape_config
+
+                shape_config(self.shape)  # an unknown preset or field: refused here
+        elif self.shape is not None:
+            raise ValueError(f"--shape {self.shape} is a shape for random weights: add --load-format random")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _checkpoint_fields_only(self, handler: Any) -> Any:
+        """A checkpoint's config dumps as it did before random weights existed (without ``load_format`` and
+        ``shape``), so that every hash of a stored config that holds it is unchanged."""
+        data = handler(self)
+        if self.load_format == "checkpoint" and isinstance(data, dict):
+            data.pop("load_format", None)
+            data.pop("shape", None)
+        return data
+
+    @property
+    def random_weights(self) -> bool:
+        """Built with random weights (``load_format`` random): its numbers measure speed, not retrieval."""
+        return self.load_format == "random"
 
     @field_validator("model", "adapter")
     @classmethod

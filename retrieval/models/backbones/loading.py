@@ -18,6 +18,7 @@ from .config import BackboneConfig
 from .errors import BackboneError, _load_error
 from .families import FAMILIES, FamilySpec, detect_family
 from .files import _check_tokenizer_files, check_model_files
+from .shapes import shape_config
 
 
 def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
@@ -42,7 +43,9 @@ def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
 
 def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> None:
     """:func:`check_model_files`, failing as a load error that names the model, its architecture and the
-    transformers version (as every other load failure does)."""
+    transformers version (as every other load failure does); random weights read no file."""
+    if cfg.random_weights:
+        return
     try:
         check_model_files(cfg)
     except BackboneError as exc:
@@ -62,9 +65,16 @@ def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
         raw = PretrainedConfig.get_config_dict(ref, **extra)[0]
         if not raw:
             raise BackboneError("no config.json")
-        return raw
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         raise _load_error(cfg, "its config", exc, "Check the hub id or the folder (it needs a config.json).") from exc
+    if cfg.random_weights and cfg.shape:  # a published shape: the folder gives the tokenizer (its family's)
+        shaped = shape_config(cfg.shape)
+        mine, theirs = detect_family(shaped), cfg.family if cfg.family != "auto" else detect_family(raw)
+        if mine != theirs:
+            raise BackboneError(f"{cfg.model}: shape {cfg.shape} is a {mine} network but the folder is of the {theirs} "
+                                f"family: give a {mine} folder for its tokenizer")  # fmt: skip
+        return shaped
+    return raw
 
 
 def resolve_family(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> FamilySpec:
@@ -175,7 +185,9 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        if spec.native is not None and cfg.loader == "native":
+        if cfg.random_weights:
+            model = random_model(cfg, spec, raw)
+        elif spec.native is not None and cfg.loader == "native":
             native = spec.native
             cls = getattr(transformers, native.model_class)
             if native.key_mapping:
@@ -194,10 +206,57 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
     if cfg.adapter:
         model = _apply_adapter(model, cfg, raw, spec)
-    model.to(resolve_device(cfg.device))
+    model.to(resolve_device(cfg.device))  # random weights: built there already
     bb = Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
     bb.source = cfg
     return bb
+
+
+RANDOM_SEED = 0  # random weights are drawn from this seed: the same settings give the same network on a device
+
+
+def random_model(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> torch.nn.Module:
+    """The network of ``raw`` (a config.json as a dict) with random weights, built directly on ``cfg.device`` in
+    ``cfg.dtype`` (no weight file, no copy from the host: a 7B network takes seconds on a GPU, as vLLM's dummy load
+    format): transformers' class for the family, its own initialisation skipped, then every matrix drawn from
+    N(0, initializer_range) by a generator seeded with :data:`RANDOM_SEED` on that device, norm weights 1, biases 0.
+
+    >>> import transformers
+    >>> raw = transformers.BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+    ...                               intermediate_size=8).to_dict()
+    >>> m = random_model(BackboneConfig(model="m", load_format="random", device="cpu"), FAMILIES["mlm"], raw)
+    >>> type(m).__name__, float(m.bert.embeddings.LayerNorm.weight.detach().min())
+    ('BertForMaskedLM', 1.0)
+    """
+    import transformers
+
+    dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
+    kwargs: dict[str, Any] = {dtype_kw: getattr(torch, cfg.dtype)}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if spec.native is not None:
+        build, config = getattr(transformers, spec.native.model_class)._from_config, spec.native.config(raw)
+    else:
+        build, config = getattr(transformers, spec.auto_class).from_config, transformers.AutoConfig.for_model(**raw)
+    skip_init: Any = contextlib.nullcontext()
+    with contextlib.suppress(ImportError, AttributeError):  # transformers 5: its own initialisation is skipped
+        from transformers import initialization
+
+        skip_init = initialization.no_init_weights()
+    device = resolve_device(cfg.device)
+    with torch.device(device), skip_init:
+        model = build(config, **kwargs)
+    std = float(getattr(config, "initializer_range", None) or 0.02)
+    gen = torch.Generator(device=device).manual_seed(RANDOM_SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # RMSNorm / LayerNorm weights
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model.eval()
 
 
 def _version(v: str) -> tuple[int, ...]:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -66,15 +66,66 @@ def _pad(
     rows: list[list[int]], pad_id: int, side: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    att = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    att = np.zeros((len(rows), width), dtype=np.int64)
     offsets = []
     for i, r in enumerate(rows):
         off = width - len(r) if side == "left" else 0
-        ids[i, off : off + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        ids[i, off : off + len(r)] = r
         att[i, off : off + len(r)] = 1
         offsets.append(off)
-    return ids.to(device), att.to(device), offsets
+    return to_device(torch.from_numpy(ids), device), to_device(torch.from_numpy(att), device), offsets
+
+
+def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ready to go to ``device``: in page-locked memory when that is a GPU (so that its copy is
+    asynchronous: :func:`to_device`), as it is for the CPU."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from page-locked host memory without waiting (the copy is queued on the stream)."""
+    return t.to(device, non_blocking=t.is_pinned())
+
+
+class HostCopy:
+    """Device tensors on their way to the host: one page-locked buffer each, copied without waiting, and one event
+    that :meth:`wait` waits for (a single synchronisation for a batch's results); on a CPU, the tensors themselves.
+
+    >>> HostCopy([torch.arange(3)]).wait()[0].tolist()
+    [0, 1, 2]
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.event = None
+        if not any(t.is_cuda for t in tensors):
+            self.host = list(tensors)
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in tensors]  # fmt: skip
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
+class Pending:
+    """A batch whose device work is queued (:meth:`Readout.launch`); :meth:`result` waits for it and returns its
+    encodings. ``encode_rows`` launches the next batch before it asks for this one's result, so that the host's
+    share of a batch (the copy back, the encodings' arrays) runs while the device computes the next."""
+
+    def __init__(self, finish: Callable[[], list[Encoded]]):
+        self._finish: Callable[[], list[Encoded]] | None = finish
+        self._out: list[Encoded] | None = None
+
+    def result(self) -> list[Encoded]:
+        if self._finish is not None:
+            self._out, self._finish = self._finish(), None
+        return self._out  # type: ignore[return-value]
 
 
 @dataclass
@@ -85,8 +136,10 @@ class Prepared:
     texts: Sequence[str | Sequence[int]] | None  # raw texts, or their filter ids
     side: str
     k: int
-    mask_batch: _Batch | None = None  # the mask readout's padded inputs
-    candidates: list[torch.Tensor] | None = None  # and each text's candidate vocabulary ids
+    mask_batch: _Batch | None = None  # the mask readout's padded inputs (on the host, staged for the device)
+    # and its texts' candidate vocabulary ids, a chunk of texts at a time: (first text, the chunk's union of ids,
+    # sorted [U], each text's ids padded with -1 [b, C]), on the host, staged for the device
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
     head_stats: bool = False  # the mask readout also reads the head's entropy and max probability at each slot
 
 
@@ -95,6 +148,7 @@ SIDR_BLOCK_BYTES = 64 << 20  # float32 SIDR head scores held at once ([positions
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:
+    """Vectors as stored (float16), brought to the host in one copy."""
     return x.float().cpu().numpy().astype(np.float16)
 
 
@@ -201,6 +255,12 @@ class Readout(Declared):
         if not batch.token_ids:
             return []
         return self._encode(batch.token_ids, batch.texts, batch.side, batch.k)  # type: ignore[arg-type]
+
+    def launch(self, batch: Prepared) -> Pending:
+        """:meth:`run`, its device work queued and its result asked for later (:class:`Pending`); a readout that
+        reads values back while it decodes runs at once."""
+        out = self.run(batch)
+        return Pending(lambda: out)
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         raise NotImplementedError

@@ -11,7 +11,8 @@ import torch
 
 from ..backbones import Backbone, softmax_stats
 from ..sparse import (
-    per_position_sparse_batch,
+    per_position_lists,
+    per_position_sparse_tensors,
     pooled_weights,
     topk_sparse,
 )
@@ -19,12 +20,16 @@ from .base import (
     DEFAULT_MAX_LENGTH,
     HEAD_CHUNK_BYTES,
     Encoded,
+    HostCopy,
+    Pending,
     Prepared,
     Readout,
     TrainReps,
     _all_real,
     _Batch,
     _pad,
+    staged,
+    to_device,
 )
 from .config import ReadoutConfig
 
@@ -52,13 +57,15 @@ class MaskReadout(
         p = self.pieces(side, k)
         return len(p.prefix) + len(p.suffix), k + len(p.closing)
 
-    def _mask_batch(self, token_ids: list[list[int]], side: str, k: int) -> _Batch:
+    def _mask_batch(self, token_ids: list[list[int]], side: str, k: int, device: torch.device | None = None) -> _Batch:
+        """The padded inputs with K masks after each text, on ``device`` (default: the model's)."""
+        device = self.bb.device if device is None else device
         p = self.pieces(side, k)
         masks = [self._mask_id] * k
         rows = [list(p.prefix) + list(t) + list(p.suffix) + masks + list(p.closing) for t in token_ids]
-        ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
+        ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, device)
         starts = [off + len(p.prefix) + len(t) + len(p.suffix) for off, t in zip(offs, token_ids, strict=True)]
-        positions = torch.as_tensor([[s + j for j in range(k)] for s in starts], device=self.bb.device)
+        positions = to_device(torch.as_tensor([[s + j for j in range(k)] for s in starts]), device)
         return _Batch(ids, att, positions, [len(r) for r in rows])
 
     def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
@@ -75,55 +82,94 @@ class MaskReadout(
 
     def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
                 k: int) -> Prepared:  # fmt: skip
+        """The padded inputs and each chunk of texts' candidate ids, made on the host (a thread of ``encode_rows``
+        while the model runs the previous batch) and staged for the device: no small copy per text reaches it."""
         out = super().prepare(token_ids, texts, side, k)
         if out.token_ids:
-            out.mask_batch = self._mask_batch(out.token_ids, side, k)
-            out.candidates = self._candidates(texts, len(out.token_ids), self.bb.device)
+            host, dev = torch.device("cpu"), self.bb.device
+            b = self._mask_batch(out.token_ids, side, k, host)
+            out.mask_batch = _Batch(staged(b.input_ids, dev), staged(b.attention_mask, dev), staged(b.positions, dev),
+                                    b.lengths)  # fmt: skip
+            # numpy, not torch, in this thread: torch's intra-op threads would contend with the model's
+            cands = [c.numpy() for c in self._candidates(texts, len(out.token_ids), host)]
+            width = max(1, max(len(c) for c in cands))
+            step = max(1, HEAD_CHUNK_BYTES // (k * width * 4))  # a bounded number of texts' candidate logits at once
+            out.chunks = []
+            for s in range(0, len(cands), step):
+                chunk = cands[s : s + step]
+                union = np.unique(np.concatenate(chunk))  # sorted
+                ids = np.full((len(chunk), max(len(c) for c in chunk)), -1, dtype=np.int64)  # [b, C], -1: none
+                for j, c in enumerate(chunk):
+                    ids[j, : len(c)] = c
+                out.chunks.append((s, staged(torch.from_numpy(union), dev), staged(torch.from_numpy(ids), dev)))
         return out
 
     @torch.inference_mode()
     def run(self, batch: Prepared) -> list[Encoded]:
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: Prepared) -> Pending:
+        """The batch's device work, queued: the trunk, the head at the masks (argmax, the candidates' logits), the
+        kept slots and the sparse vectors, all on the device; their results start back to the host in one
+        asynchronous copy (:class:`HostCopy`), which :meth:`Pending.result` waits for once. On a CPU the same code
+        runs eagerly (the copy is the tensors themselves)."""
         if not batch.token_ids:
-            return []
-        b, cands, k, n_texts = batch.mask_batch, batch.candidates, batch.k, len(batch.token_ids)
-        assert b is not None and cands is not None
+            return Pending(list)
+        dev, k, n_texts = self.bb.device, batch.k, len(batch.token_ids)
+        b, chunks = batch.mask_batch, batch.chunks
+        assert b is not None and chunks is not None
+        b = _Batch(to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev),
+                   b.lengths)  # fmt: skip
         if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
-            rows = torch.arange(n_texts, device=self.bb.device)[:, None]
+            rows = torch.arange(n_texts, device=dev)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
             logits, decoded = None, None  # the head below: the argmax and the candidates' logits only
         else:
             h, logits, decoded = self._denoise(b, k, self.cfg.denoise_steps)
-        dense = h.float().cpu().numpy().astype(np.float16)  # [B, K, H], one copy off the device
-        out: list[Encoded] = []
-        width = max(1, max(c.numel() for c in cands))
-        step = max(1, HEAD_CHUNK_BYTES // (k * width * 4))  # a bounded number of texts' candidate logits at once
-        for s in range(0, n_texts, step):
-            chunk = cands[s : s + step]
-            union = torch.unique(torch.cat(chunk))  # sorted
+        # float16 as stored: on a GPU cast there (one copy of half the bytes); on a CPU by numpy, as it always was
+        dense = h.to(torch.float16) if h.is_cuda else h.float()
+        sent: list[torch.Tensor] = [dense]  # what goes back to the host, in one copy
+        parts = []  # per chunk: (first text, where its tensors start in sent, head stats?, pooled sparse vectors)
+        for s, union, ids in chunks:
+            union, ids = to_device(union, dev), to_device(ids, dev)
+            e = s + ids.shape[0]
             ent = top_p = None
             if logits is None and batch.head_stats:
-                toks, at, ent, top_p = self.bb.read_head(h[s : s + step], union, stats=True)
+                toks, at, ent, top_p = self.bb.read_head(h[s:e], union, stats=True)
             elif logits is None:
-                toks, at = self.bb.read_head(h[s : s + step], union)  # [b, K], [b, K, U]
+                toks, at = self.bb.read_head(h[s:e], union)  # [b, K], [b, K, U]
             else:
-                toks, at = decoded[s : s + step], logits[s : s + step][..., union].float()
+                toks, at = decoded[s:e], logits[s:e][..., union].float()
                 if batch.head_stats:
-                    ent, top_p = softmax_stats(logits[s : s + step])
-            stats = None if ent is None else (ent.float().cpu().numpy(), top_p.float().cpu().numpy())
-            cuts = self._cutoffs(toks, k)
-            ids = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True, padding_value=-1)  # [b, C], -1: none
+                    ent, top_p = softmax_stats(logits[s:e])
+            slots = self._slots(toks, k)  # [b], on the device
             cols = torch.searchsorted(union, ids.clamp(min=0))  # each text's candidates, as columns of the union
             cand_logits = at.gather(2, cols[:, None, :].expand(-1, k, -1))  # [b, K, C]
-            sparse = self._sparse_batch(ids, cand_logits, torch.as_tensor(cuts), k)
-            tokens = toks.cpu().numpy().astype(np.int32)
-            for j, (n, (sp_ids, sp_w)) in enumerate(zip(cuts, sparse, strict=True)):
-                i = s + j
-                e = Encoded(dense[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j])
-                if stats is not None:
-                    e.entropy, e.maxprob = stats[0][j], stats[1][j]
-                out.append(e)
-        return out
+            sparse = self._sparse_batch(ids, cand_logits, slots, k)
+            parts.append((s, len(sent), ent is not None, None if isinstance(sparse, tuple) else sparse))
+            sent += [slots, toks.to(torch.int32), *(sparse if isinstance(sparse, tuple) else ())]
+            sent += [] if ent is None else [ent.float(), top_p.float()]
+        copy = HostCopy(sent)
+
+        def finish() -> list[Encoded]:
+            got = [t.numpy() for t in copy.wait()]
+            dense_np = got[0] if got[0].dtype == np.float16 else got[0].astype(np.float16)
+            out: list[Encoded] = []
+            for s, at_, has_stats, pooled in parts:
+                cuts, tokens = got[at_].tolist(), got[at_ + 1]
+                pairs = per_position_lists(*got[at_ + 2 : at_ + 5]) if pooled is None else pooled
+                stats = got[at_ + (2 if pooled is not None else 5):][:2] if has_stats else None
+                for j, (n, (sp_ids, sp_w)) in enumerate(zip(cuts, pairs, strict=True)):
+                    i = s + j
+                    enc = Encoded(dense_np[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j])
+                    if stats is not None:
+                        enc.entropy, enc.maxprob = stats[0][j], stats[1][j]
+                    out.append(enc)
+            return out
+
+        return Pending(finish)
 
     def _candidates(self, texts: Sequence[str | Sequence[int]] | None, n: int, device: torch.device) -> list[
             torch.Tensor]:  # fmt: skip
@@ -137,27 +183,28 @@ class MaskReadout(
             every = every[every != self._mask_id]
         return [every if c is None else c for c in out]
 
-    def _sparse_batch(self, ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, k: int) -> list[
-            tuple[np.ndarray, np.ndarray]]:  # fmt: skip
-        """The sparse vectors of a chunk of texts from their candidates' logits (see :meth:`sparse_from`)."""
+    def _sparse_batch(self, ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, k: int) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor] | list[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+        """The sparse vectors of a chunk of texts from their candidates' logits (see :meth:`sparse_from`): per slot
+        (the default), as device tensors (:func:`per_position_sparse_tensors`); pooled, as each text's arrays."""
         topk, quantise = int(self.cfg.sparse_topk or 128), str(self.cfg.sparse_quantise)
         if self.cfg.sparse == "per_position":
-            return per_position_sparse_batch(ids, logits, slots, topk, quantise, pooled_bf16=k > 1)
+            return per_position_sparse_tensors(ids, logits, slots, topk, quantise, pooled_bf16=k > 1)
         out = []
-        for j, n in enumerate(slots.tolist()):
+        for j, n in enumerate(slots.tolist()):  # pooled: a text at a time (reads back as it goes)
             real = ids[j] >= 0
             sp_ids, sp_w = topk_sparse(pooled_weights(logits[j, :n][:, real]), None, topk, quantise)
             out.append((ids[j, real].cpu().numpy().astype(np.int32)[sp_ids], sp_w))
         return out
 
-    def _cutoffs(self, tokens: torch.Tensor, k: int) -> list[int]:
-        """The slots each text keeps ([B, K] tokens read): up to its first special token (none read, or at the
-        first slot: all K)."""
+    def _slots(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """The slots each text keeps ([B, K] tokens read; [B] on their device): up to its first special token (none
+        read, or at the first slot: all K)."""
         if not self._stop.numel():
-            return [k] * tokens.shape[0]
+            return torch.full((tokens.shape[0],), k, dtype=torch.long, device=tokens.device)
         hit = torch.isin(tokens, self._stop)
         first = torch.where(hit.any(-1), hit.int().argmax(-1), k)  # argmax: the first of the maxima
-        return torch.where(first > 0, first, k).tolist()
+        return torch.where(first > 0, first, k)
 
     def _denoise(self, b: _Batch, k: int, steps: int, grad_final: bool = False) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor]:  # fmt: skip

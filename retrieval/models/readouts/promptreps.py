@@ -52,12 +52,11 @@ class PromptRepsReadout(
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
         rows, H, L, G, n_reps, stopped = self._decode(token_ids, side, k)
+        dense, tokens = _f16(H), G.cpu().numpy().astype(np.int32)  # the batch's in one copy each, not a text's
         out_list = []
-        for i in range(len(rows)):
-            n = int(n_reps[i])
+        for i, (n, stop) in enumerate(zip(n_reps.tolist(), stopped.tolist(), strict=True)):
             sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, k)
-            tokens = G[i].cpu().numpy().astype(np.int32)
-            out_list.append(Encoded(_f16(H[i, :n]), sp_ids, sp_w, len(rows[i]), bool(stopped[i]), tokens))
+            out_list.append(Encoded(dense[i, :n], sp_ids, sp_w, len(rows[i]), bool(stop), tokens[i]))
         return out_list
 
     def train_forward(self, token_ids: list[list[int]], side: str, k: int, stop: str = "none") -> TrainReps:

@@ -85,10 +85,11 @@ class SidrReadout(
         rows, hidden, att = self._forward(token_ids, bb)
         mean = (hidden * att[..., None]).sum(1) / att.sum(1, keepdim=True).clamp(min=1.0)
         pooled = self.batch_weights(hidden, att, bb)
+        dense = _f16(mean)  # the batch's vectors in one copy to the host
         out = []
-        for i in range(len(rows)):
+        for i in range(len(rows)):  # each text's top k on the device, as it always was (its ties decided there)
             ids, vals = topk_sparse(pooled[i], None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
-            out.append(Encoded(_f16(mean[i : i + 1]), ids, vals, n_tokens=len(rows[i])))
+            out.append(Encoded(dense[i : i + 1], ids, vals, n_tokens=len(rows[i])))
         return out
 
     def train_vectors(self, token_ids: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:

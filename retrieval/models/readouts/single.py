@@ -36,7 +36,8 @@ class _SingleVector(
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         rows, h = self._vectors(token_ids, side, texts)
-        return [Encoded(_f16(h[i : i + 1]), n_tokens=len(rows[i])) for i in range(len(rows))]
+        dense = _f16(h)  # the batch's vectors in one copy to the host
+        return [Encoded(dense[i : i + 1], n_tokens=len(rows[i])) for i in range(len(rows))]
 
     def _vectors(self, token_ids: list[list[int]], side: str = "query",
                  texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
