@@ -56,6 +56,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from diffret.api import evaluate
+    from diffret.retrieval.search.codecs import (
+        Codec,
+        codes_of,
+        colbert_centroids,
+        compress_table,
+        parse_store,
+        train_codebook,
+        vectors_of,
+    )
     from diffret.retrieval.search.codes import CodedPassages, CodesIndex, CodesSearchStats, search_codes
     from diffret.retrieval.search.encodings import encodings_from_table
     from diffret.retrieval.search.exact import SearchSettings, search_pass
@@ -65,15 +74,6 @@ def main() -> None:
     from diffret.stages.codebooks import codebook_sample
     from diffret.stages.readers import encoding_manifest, qrels_table, query_encodings, split_queries
     from diffret.storage import ArtifactStore
-    from diffret.storage.codecs import (
-        Codec,
-        codes_of,
-        colbert_centroids,
-        compress_table,
-        parse_store,
-        train_codebook,
-        vectors_of,
-    )
     from diffret.storage.layout import encodings_dir
 
     store = ArtifactStore(args.root)

@@ -4,7 +4,7 @@
     python benchmarks/compress.py --passages 50000 --hidden 256 --stores int8 residual:2 pq:32
 
 What is timed is what the score stage does with a passage folder: read each shard's Parquet bytes, decode its
-vectors (storage/codecs.py via ``encodings_from_table``), and run ``search_pass`` (multi_dense and single_dense,
+vectors (``encodings_from_table``, retrieval/search/codecs.py), and run ``search_pass`` (multi_dense and single_dense,
 running top-100) under ``--block-mb``. The vectors are synthetic but clustered (points around random centres, as a
 model's are), coded per storage choice with a codebook trained on a seeded sample of them. Per choice it prints:
 bytes per vector on disk, float16's time over its own (higher: faster), recall@10 of its top 10 against
@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diffret.retrieval.search.codecs import Codec, compress_table, parse_store, train_codebook, vectors_of  # noqa: E402
 from diffret.retrieval.search.encodings import encodings_from_table  # noqa: E402
 from diffret.retrieval.search.exact import SearchSettings, search_pass  # noqa: E402
 from diffret.stages.codebooks import codebook_sample  # noqa: E402
-from diffret.storage.codecs import Codec, compress_table, parse_store, train_codebook, vectors_of  # noqa: E402
 from diffret.storage.layout import encodings_schema  # noqa: E402
 
 

@@ -85,6 +85,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import synthetic_store
     import torch
 
+    from diffret.retrieval.search.codecs import parse_store
     from diffret.stages import execute, stages
     from diffret.stages.compress import CompressConfig
     from diffret.stages.index import IndexConfig
@@ -92,7 +93,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from diffret.stages.score import ScoreConfig
     from diffret.stages.systems import SystemRef
     from diffret.storage import ArtifactStore
-    from diffret.storage.codecs import parse_store
     from diffret.storage.layout import index_dir
 
     torch.set_num_threads(args.threads)
@@ -302,7 +302,7 @@ def quality_table(quality: dict[str, Any], hidden: int) -> list[str]:
                 "change | recall@10 vs float16 | ms a query | speed vs exact float16 |",
                 "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in q["rows"]:
-            from diffret.storage.codecs import code_bytes
+            from diffret.retrieval.search.codecs import code_bytes
 
             try:
                 wide = f"{code_bytes(r['store'], hidden):,}"

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from diffret.retrieval.search.codecs import Codebook, Codec, parse_store, train_codebook
 from diffret.storage import ArtifactStore, Manifest, StageState
-from diffret.storage.codecs import Codebook, Codec, parse_store, train_codebook
 from diffret.storage.layout import CODEBOOK_FILE, codebook_dir
 
 from .readers import codebook_digest

@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import AliasChoices, Field
 
 from diffret.retrieval.fields import cli, like
+from diffret.retrieval.search.codecs import FLOAT16, compress_table, parse_store, vectors_of
 from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
-from diffret.storage.codecs import FLOAT16, compress_table, parse_store, vectors_of
 from diffret.storage.layout import codebook_dir, encodings_dir
 
 from .base import ClusterConfig, Context, KList, Plan, Stage, StageConfig
@@ -39,7 +39,7 @@ class CompressConfig(StageConfig, ClusterConfig):
     dataset: str = like(EncodeConfig, "dataset")
     # encode's names for the same settings (`--to` and `--seed` before: taken, with a warning)
     store: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
-                       "16,384 centroids) or pq:M (storage/codecs.py).", validation_alias=AliasChoices("store", "to"),
+                       "16,384 centroids) or pq:M (search/codecs.py).", validation_alias=AliasChoices("store", "to"),
                        json_schema_extra=cli(deprecated=["--to"]))  # fmt: skip
     store_seed: int = like(EncodeConfig, "store_seed", validation_alias=AliasChoices("store_seed", "seed"),
                            json_schema_extra=cli(deprecated=["--seed"]))  # fmt: skip

@@ -34,8 +34,8 @@ from diffret.retrieval.models.backbones import (
 from diffret.retrieval.models.encoding import encode_rows
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
 from diffret.retrieval.models.released import read_released
+from diffret.retrieval.search.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
 from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
-from diffret.storage.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
 from diffret.storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
 from .base import GRID_K, ClusterConfig, Context, KList, Plan, Stage, StageConfig, check_device, shared_settings
@@ -192,7 +192,7 @@ class EncodeUnit:
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
     filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
     head_stats: bool = False  # also the LM head's entropy and max probability at each slot
-    store: str = FLOAT16  # passages: the storage choice their vectors are coded with (storage/codecs.py)
+    store: str = FLOAT16  # passages: the storage choice their vectors are coded with (retrieval/search/codecs.py)
     codebook: str | None = None  # its codebook folder, when the choice is trained
 
 

@@ -34,12 +34,12 @@ from pydantic import Field
 
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.search import lance
+from diffret.retrieval.search.codecs import FLOAT16, parse_store
 from diffret.retrieval.search.codes import CodesIndex, CodesSearchStats, centroid_ids, search_codes
 from diffret.retrieval.search.encodings import Encodings
 from diffret.retrieval.search.exact import SearchSettings, search_pass
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.storage import ArtifactStore, FileEntry, IncompleteArtifactError, Manifest, StoreError
-from diffret.storage.codecs import FLOAT16, parse_store
 from diffret.storage.layout import CODES_INDEX_FILE, encodings_dir, index_dir, summary_dir
 
 from .base import ClusterConfig, Context, Folder, KList, Plan, Stage, StageResult

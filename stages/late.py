@@ -34,7 +34,7 @@ from diffret.retrieval.search.late import QUERY_GRAIN, rescore
 from diffret.retrieval.search.modes import MODE_NAMES, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, topk_table
-from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash, remove_empty_sharded
+from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
 from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir, tokens_dir
 
 from .base import ClusterConfig, Context, Plan, Positive, check_device, shared_settings
@@ -257,7 +257,7 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         blocks = even_blocks(len(query_ids), grain, "queries")
         merge = LateMerge(cells, query_ids, full_ok, candidates)
         done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=config.kp, config=pass_cfg,
-                             shared=shared, blocks=blocks, merge=merge)  # fmt: skip
+                             shared=shared, blocks=blocks, merge=merge, opened=[candidates.folder])  # fmt: skip
         ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(blocks)} unit(s), {done} already "
                 "done")  # fmt: skip
         return plan
@@ -373,13 +373,6 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             m_cells = sum(1 for c in info.cells if c.config["topk"] == cell.config["topk"])
             write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info.stats,
                                        "needed_m": needed_m, **search_stats(seconds, len(query_ids), m_cells)})
-
-    def abort(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the parts and units it finished; a candidates folder it opened and never filled is
-        removed."""
-        assert isinstance(plan, LatePlan)
-        remove_empty_sharded(ctx.store, [p.merge.candidates.folder for p in plan.passes.values()])
-        super().abort(config, plan, ctx)
 
 
 _CORPUS: KeyedCache[tuple[str, str], pa.Array] = KeyedCache()

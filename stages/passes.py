@@ -240,11 +240,13 @@ def pass_queries(ctx: Context, key: str, shared: dict[str, Any], device: str,
 @dataclass
 class Pass:
     """One cut pass of a run: its partials folder, the key of what its units share (``ArtifactStore.put_plan``),
-    and what its stage's :meth:`PassStage.merge` needs, as the stage's own record."""
+    what its stage's :meth:`PassStage.merge` needs, as the stage's own record, and the sharded folders it opens for
+    its units to fill (removed by a failed run that left them empty)."""
 
     folder: str
     plan_key: str
     merge: Any
+    opened: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -290,10 +292,12 @@ class PassStage(Stage):
     distributed: ClassVar[bool] = True
 
     def add_pass(self, ctx: Context, plan: PassPlan, *, system: str, dataset: str, kp: int, config: dict[str, Any],
-                 shared: dict[str, Any], blocks: list[Block], merge: Any) -> int:  # fmt: skip
+                 shared: dict[str, Any], blocks: list[Block], merge: Any,
+                 opened: list[str] | None = None) -> int:  # fmt: skip
         """Plan one pass: its partials folder (named by ``config``; the units a killed run finished are kept), its
-        ``shared`` settings stored once, a unit per block not yet done, and ``merge``, what :meth:`merge` needs.
-        Returns how many blocks an earlier run finished."""
+        ``shared`` settings stored once, a unit per block not yet done, ``merge``, what :meth:`merge` needs, and
+        ``opened``, sharded folders the pass opens for its units to fill. Returns how many blocks an earlier run
+        finished."""
         folder, chash, done = open_pass(ctx, system, dataset, kp, config)
         key = ctx.store.put_plan(shared)
         waiting = []
@@ -305,7 +309,7 @@ class PassStage(Stage):
             plan.work = (plan.work or 0) + block.end - block.start
             waiting.append(name)
         plan.tracker.expect(folder, waiting)
-        plan.passes[folder] = Pass(folder, key, merge)
+        plan.passes[folder] = Pass(folder, key, merge, list(opened or []))
         return len(blocks) - len(waiting)
 
     @abstractmethod
@@ -337,8 +341,9 @@ class PassStage(Stage):
 
     def abort(self, config: Any, plan: Plan, ctx: Context) -> None:
         """A failed run keeps the units it finished (recorded in each pass's partials folder); a pass none of whose
-        units finished leaves nothing."""
+        units finished leaves nothing, nor does a folder it opened and never filled."""
         assert isinstance(plan, PassPlan)
+        remove_empty_sharded(ctx.store, [f for p in plan.passes.values() for f in p.opened])
         close_passes(ctx, list(plan.passes), [p.plan_key for p in plan.passes.values()])
 
 

@@ -14,11 +14,11 @@ import pyarrow.compute as pc
 
 from diffret.retrieval.data.collections import TITLE_SEP, passage_text
 from diffret.retrieval.search.bot import binary_flat
+from diffret.retrieval.search.codecs import FLOAT16, Codebook, Codec, codes_of, parse_store
 from diffret.retrieval.search.codes import CodedPassages, CodesIndex
 from diffret.retrieval.search.encodings import Encodings, SparseFlat, encodings_from_table, select
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.storage import ArtifactStore, IncompleteArtifactError, Manifest, StoreError
-from diffret.storage.codecs import FLOAT16, Codebook, Codec, codes_of, parse_store
 from diffret.storage.layout import BOT_FILE, CODEBOOK_FILE, CODES_INDEX_FILE, codebook_dir, dataset_dir
 
 SIDES = ("query", "passage")

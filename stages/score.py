@@ -24,13 +24,13 @@ from pydantic import Field
 from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.codecs import FLOAT16, parse_store
 from diffret.retrieval.search.codes import DEFAULT_CANDIDATES, DEFAULT_PROBES, search_codes
 from diffret.retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, search_pass
 from diffret.retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import retrieved_ids, topk_table
 from diffret.storage import FileEntry, StoreError, config_hash
-from diffret.storage.codecs import FLOAT16, parse_store
 from diffret.storage.layout import encodings_dir, index_dir, run_dir
 
 from .base import ClusterConfig, Context, KList, ModeList, check_device, shared_settings

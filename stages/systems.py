@@ -21,8 +21,8 @@ from diffret.retrieval.fields import Settings
 from diffret.retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
 from diffret.retrieval.models.released import CHECKPOINT_PROMPT, RELEASED_CONFIG, read_released, released_fingerprint
+from diffret.retrieval.search.codecs import FLOAT16, parse_store, store_tag
 from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
-from diffret.storage.codecs import FLOAT16, parse_store, store_tag
 from diffret.storage.layout import system_dir
 from diffret.storage.manifest import diff_configs
 
@@ -45,7 +45,7 @@ class EncodeSettings(Settings):
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
                            "'. '; diffret 0.1: ' ').")  # fmt: skip
     store: str = Field(default=FLOAT16, description="How passage vectors are stored: float16, int8, residual:B "
-                       "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (storage/codecs.py). "
+                       "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (search/codecs.py). "
                        "A compressed system is a system of its own; queries stay float16.")  # fmt: skip
     store_seed: int = Field(default=0, ge=0, description="Seed of a compressed store's codebook sample and training.")
 

@@ -157,7 +157,8 @@ CODES_INDEX_FILE = "ivf.parquet"  # a residual:B system's codes index: the passa
 
 
 def codebook_dir(system: str, dataset: str, k: int) -> str:
-    """The codebook a compressed system's K_p passage vectors are coded with (``CODEBOOK_FILE``, storage/codecs.py)."""
+    """The codebook a compressed system's K_p passage vectors are coded with (``CODEBOOK_FILE``,
+    retrieval/search/codecs.py)."""
     return partition("codebooks", system=system, dataset=dataset, k=k)
 
 

@@ -56,7 +56,7 @@ def section_compression(db: Views, rep: Report, hidden: int, backbones: int, set
     """Compressed systems against their float16 systems (views ``vector_bytes``, ``compression_effect``): bytes
     per vector and per passage measured on disk, the MS MARCO projection per storage choice, and the NDCG@10 /
     MRR@10 change per mode over the grid (a table and a figure)."""
-    from diffret.storage.codecs import code_bytes
+    from diffret.retrieval.search.codecs import code_bytes
 
     systems = rows(db, "select system, store, float16_system from compressed_systems order by float16_system, system")
     if not systems:
@@ -90,7 +90,7 @@ def section_compression(db: Views, rep: Report, hidden: int, backbones: int, set
                      "avg(ndcg_10_change) ndcg_10_change, min(ndcg_10_change) worst_ndcg_10_change, "
                      "avg(mrr_10_change) mrr_10_change, avg(float16_ndcg_10) float16_ndcg_10 "
                      "from compression_effect e group by all order by e.dataset, e.split, e.mode, e.store")  # fmt: skip
-    body = ("Compressed systems (`diffret compress`, `diffret encode --store`; storage/codecs.py) against the float16 "
+    body = ("Compressed systems (`diffret compress`, `diffret encode --store`; codecs.py) against the float16 "
             "system they were made from. Bytes are measured on disk from the Parquet metadata (view `vector_bytes`): "
             "per vector the vectors' column, per passage every column over the K_p compressed (the sparse side "
             "included); codebook_bytes: its codebooks over those K_p, paid once whatever the corpus size (one with as "

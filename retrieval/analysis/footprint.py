@@ -24,7 +24,7 @@ def footprint_projection(
     default: 2 bytes) plus ``sparse_topk`` (int32 id, float32 weight) pairs; every backbone and setting
     (e.g. zero-shot and fine-tuned) repeats it. Parquet (zstd) barely compresses float16 activations,
     so raw bytes are a fair estimate; ``bytes_per_value`` can be taken from the store's own ratio.
-    ``passage_bytes_per_vector``: a compressed store's bytes per passage vector (storage/codecs.py; the queries
+    ``passage_bytes_per_vector``: a compressed store's bytes per passage vector (retrieval/search/codecs.py; the queries
     stay float16).
 
     >>> round(footprint_projection(hidden=3584, backbones=4, settings=2)["total_tb"], 1)

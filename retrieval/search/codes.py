@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from diffret.storage.codecs import ID_BYTES, Codec, decode, parse_store
+from diffret.retrieval.search.codecs import ID_BYTES, Codec, decode, parse_store
 
 from .encodings import Encodings, normalised
 from .rules import ScoreRules
@@ -165,7 +165,7 @@ def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex,
     codes in PLAID's order (module docstring). ``queries``: normalised as exact search reads them
     (:func:`retrieval.search.encodings.encodings_from_table` under ``rules``). Ties rank the earlier passage first.
 
-    >>> from diffret.storage.codecs import Codec, encode, train_codebook
+    >>> from diffret.retrieval.search.codecs import Codec, encode, train_codebook
     >>> rng = np.random.default_rng(0)
     >>> x = rng.normal(size=(40, 3, 16)).astype(np.float32)                       # 40 passages x 3 vectors
     >>> cb = train_codebook(x.reshape(-1, 16), "residual:4", seed=0, n_corpus=120)

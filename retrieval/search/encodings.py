@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from diffret.storage.codecs import Codec, vectors_of
+from diffret.retrieval.search.codecs import Codec, vectors_of
 
 from .rules import ScoreRules, round_bf16_
 
@@ -129,7 +129,7 @@ def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", ru
     ``rules.single_renorm``); ``rules.dtype == "bfloat16"`` rounds the normalised vectors and the mean to
     bfloat16 as the released evaluator does. Sparse weights are multiplied by ``sparse_factor`` (and rounded to
     integers when it is not 1: the reference's stored x100 integers, see ``ScoreRules.sparse_factor``). A compressed
-    table (a ``codes`` column) is decoded with ``codec`` (storage/codecs.py).
+    table (a ``codes`` column) is decoded with ``codec`` (retrieval/search/codecs.py).
 
     >>> import pyarrow as pa
     >>> from diffret.storage.layout import encodings_schema

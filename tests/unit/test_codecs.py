@@ -1,4 +1,4 @@
-"""Storage choices (storage/codecs.py): each code decodes within its bound, codebooks are seeded, readable only
+"""Storage choices (retrieval/search/codecs.py): each code decodes within its bound, codebooks are seeded, readable only
 as what they are, and refuse vectors they were not trained for; the encodings table's codes round-trip."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from diffret.schemas import encodings_schema
-from diffret.storage.codecs import (
+from diffret.retrieval.search.codecs import (
     Codebook,
     CodebookError,
     Codec,
@@ -20,6 +19,7 @@ from diffret.storage.codecs import (
     train_codebook,
     vectors_of,
 )
+from diffret.schemas import encodings_schema
 
 
 def clustered(n: int, dim: int, clusters: int = 32, noise: float = 0.15, seed: int = 0) -> np.ndarray:

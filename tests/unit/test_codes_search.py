@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from diffret.retrieval.search.codecs import Codec, decode, encode, train_codebook
 from diffret.retrieval.search.codes import CodedPassages, CodesIndex, CodesSearchStats, search_codes
 from diffret.retrieval.search.encodings import Encodings, normalised
 from diffret.retrieval.search.exact import SearchSettings, search_pass
 from diffret.retrieval.search.rules import ScoreRules
-from diffret.storage.codecs import Codec, decode, encode, train_codebook
 
 N, KP, H = 1200, 4, 32
 

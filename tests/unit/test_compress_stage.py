@@ -13,6 +13,7 @@ from conftest import write_beir
 from tiny_models import save_tiny_mlm
 
 from diffret.retrieval.models.backbones import BackboneConfig
+from diffret.retrieval.search.codecs import CodebookError
 from diffret.stages import execute, stages
 from diffret.stages.compress import CompressConfig
 from diffret.stages.download import DownloadConfig
@@ -24,7 +25,6 @@ from diffret.stages.report import ReportConfig
 from diffret.stages.score import ScoreConfig
 from diffret.stages.systems import SystemRef, find_system
 from diffret.storage import ArtifactStore, ChecksumError, IncompleteArtifactError, StoreError
-from diffret.storage.codecs import CodebookError
 from diffret.storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, index_dir, run_dir
 from diffret.storage.sql import StoreSQL
 

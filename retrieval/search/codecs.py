@@ -344,7 +344,7 @@ def compress_table(table: pa.Table, codec: Codec) -> pa.Table:
     """An encodings table with its float16 ``dense`` column replaced by ``codes``: per text, one
     fixed-size binary code per vector (the other columns as they are).
 
-    >>> from diffret.storage.layout import encodings_schema
+    >>> from diffret.schemas import encodings_schema
     >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 1, "dense": [[0.0, 4.0]], "n_tokens": 3}],
     ...                          schema=encodings_schema(2))
     >>> c = compress_table(t, Codec("int8", 2))
@@ -370,7 +370,7 @@ def codes_of(table: pa.Table) -> np.ndarray:
     """The codes of a compressed encodings table as stored, one row per vector in text order ([sum n_reps, B] uint8,
     a view of the column's buffer: nothing decoded).
 
-    >>> from storage.layout import encodings_schema
+    >>> from diffret.schemas import encodings_schema
     >>> t = pa.Table.from_pylist([{"id": "a", "n_reps": 1, "dense": [[0.0, 4.0]], "n_tokens": 3}],
     ...                          schema=encodings_schema(2))
     >>> codes_of(compress_table(t, Codec("int8", 2))).shape
