@@ -1,4 +1,4 @@
-"""SIDR's bag-of-tokens index against BM25's, and its bytes against dense encodings (issue 24, must-show 1).
+"""SIDR's bag-of-tokens index against BM25's, and its bytes against dense encodings.
 
 For each BEIR folder, in this process: BM25's index build (bm25s: its tokenizer + index, as `diffret bm25`
 builds it), the BoT from raw text (the model's tokenizer, then the bags), and the BoT from stored token ids (the

@@ -1,4 +1,4 @@
-"""Compact runs (issue 12): the runs stage's size and the metrics of two stores of the same grid.
+"""Compact runs: the runs stage's size and the metrics of two stores of the same grid.
 
 Per split: run files, rows, bytes (run.parquet only) and bytes per row; then, per split, the sha256 of a
 canonical dump of the metrics tables (every row of every per_query.parquet: system, kq, kp, mode, query_id,

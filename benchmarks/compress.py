@@ -1,4 +1,4 @@
-"""Scoring over compressed encodings against float16, in one process on the same vectors (issue 29).
+"""Scoring over compressed encodings against float16, in one process on the same vectors.
 
     python benchmarks/compress.py                               # 20,000 passages x K_p 16, H 128
     python benchmarks/compress.py --passages 50000 --hidden 256 --stores int8 residual:2 pq:32

@@ -1,4 +1,4 @@
-"""Scoring one K_p pass on Dask workers (issue 40): 2 workers against 1 on the same synthetic store, the runs
+"""Scoring one K_p pass on Dask workers: 2 workers against 1 on the same synthetic store, the runs
 compared byte for byte, and each worker's peak memory against ``--block-mb`` plus one shard.
 
     python benchmarks/distributed_scoring.py                 # 200k passages x K_p 16 x H 128, 128 queries, 8 units

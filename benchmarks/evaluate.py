@@ -1,4 +1,4 @@
-"""Evaluate at scale (issue 41): a synthetic MS MARCO-shaped run (default 7,000 queries x 1,000 documents = 7M rows,
+"""Evaluate at scale: a synthetic MS MARCO-shaped run (default 7,000 queries x 1,000 documents = 7M rows,
 about 1.1 relevant passages per query, some graded) evaluated on the headline measures by today's path
 (``run_from_table`` -> pytrec_eval dicts, what the evaluate stage did) and by the vectorised one
 (``evaluate_tables``), in one process: seconds each, their ratio, and whether the two tables are equal value for

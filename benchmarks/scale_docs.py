@@ -117,7 +117,7 @@ def figure(results: list[dict]) -> None:
     fig.savefig(FIGURE, dpi=110)
 
 
-MEMORY_BOUND_MB = 4096  # the bound every process's peak stays under, whatever N (issue 41)
+MEMORY_BOUND_MB = 4096  # the bound every process's peak stays under, whatever N
 GROWS_BYTES = 64  # a peak growing more than this a passage is not bounded (64 B: 0.5 GB at MS MARCO)
 PER_QUERY = ("evaluate", "report", "late")  # their work follows the queries (fixed) and the depth, not N
 

@@ -1,4 +1,4 @@
-"""The whole pipeline at growing corpus sizes, through the CLI, with every stage's cost measured (issue 41).
+"""The whole pipeline at growing corpus sizes, through the CLI, with every stage's cost measured.
 
 For each N (1k, 10k, 100k, 1M: the smallest measures each command's fixed cost) it writes a synthetic MS MARCO-
 shaped collection in BEIR layout, deterministic from a seed: N passages of MS MARCO's length (log-normal, mean ~56

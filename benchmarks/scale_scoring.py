@@ -3,7 +3,7 @@ implementation it replaced (HEAD 504d8ff, kept below as ``legacy_search_pass``) 
 
     python benchmarks/scale_scoring.py rss                 # peak RSS at 3 budgets (one child process each)
     python benchmarks/scale_scoring.py speed               # new vs legacy on the same data, rankings compared
-    python benchmarks/scale_scoring.py msmarco             # the must-show: 1M passages x K_p 16 x H 128
+    python benchmarks/scale_scoring.py msmarco             # MS MARCO's size: 1M passages x K_p 16 x H 128
     python benchmarks/scale_scoring.py child --modes single_dense --docs 100000 --budget-mb 64   # one run
 
 Passages are synthetic and streamed: block ``i`` is generated from seed (seed, i) when it is scored and

@@ -54,10 +54,11 @@ class EvaluateConfig(StageConfig, ClusterConfig):
     relevance_level: int | None = Field(
         default=None, ge=1, description="Grade counted relevant by binary measures (default: 2 for TREC DL, else 1)."
     )
+    # the reference's choice: docs/ARCHITECTURE.md, parity table
     ties: Literal["trec", "rank"] = Field(
         default="trec", description="trec: a measure of depth d reads the run's first d documents, ordered among "
-        "themselves as pytrec_eval orders them (ties by doc_id descending; the reference evaluator's); rank: the "
-        "stored rank order (diffret 0.1's)."
+        "themselves as pytrec_eval orders them (ties by doc_id descending; the reference's choice); rank: the "
+        "stored rank order."
     )
 
 

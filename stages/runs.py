@@ -47,9 +47,10 @@ class RetrievalConfig(QueriesConfig):
     topk: int = Field(default=1000, ge=1, description="Documents kept per query.")
     train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per query of the train split "
                             "(at most topk): enough for hard negatives and budget selection.")  # fmt: skip
+    # the reference's choice: docs/ARCHITECTURE.md, parity table
     self_hits: Literal["keep", "drop"] = Field(
         default="keep", description="A retrieved document whose id is the query's (ArguAna, Quora): keep (the "
-        "reference evaluator's) or drop (BEIR's evaluation; diffret 0.1's default on those datasets)."
+        "reference's choice) or drop (BEIR's evaluation)."
     )
 
     def ignore_ids(self) -> bool:

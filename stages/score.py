@@ -65,7 +65,8 @@ class ScoreConfig(RetrievalConfig, ClusterConfig):
                             json_schema_extra=cli(flag="--mode"))  # fmt: skip
     q1p1_multi: Literal["skip", "keep"] = Field(default="skip", description="At K_q = K_p = 1, skip multi_dense "
                                                 "and its fusion as the reference evaluator does, or keep them.")
-    # (one slot a side: MaxSim is single_dense clamped at 0; diffret 0.1 kept them)
+    # (one slot a side: MaxSim is single_dense clamped at 0; skip is the reference's choice: docs/ARCHITECTURE.md,
+    # parity table)
     fusion_depth: int = Field(default=1000, ge=1, description="Top documents of each run that fusion normalises.")
     device: str = like(BackboneConfig, "device")
     block_mb: float = Field(default=DEFAULT_BLOCK_MB, gt=0, description="Memory for the scoring blocks (MiB): "

@@ -42,8 +42,9 @@ class EncodeSettings(Settings):
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
     max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input: the prompt and the text "
                             "(see the readout's truncation); run_encode.sh's 256, encode.py's own default 512.")
-    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text (the reference's "
-                           "'. '; diffret 0.1: ' ').")  # fmt: skip
+    # the reference's choice: docs/ARCHITECTURE.md, parity table
+    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text ('. ': the "
+                           "reference's choice).")  # fmt: skip
     store: str = Field(default=FLOAT16, description="How passage vectors are stored: float16, int8, residual:B "
                        "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (search/codecs.py). "
                        "A compressed system is a system of its own; queries stay float16.")  # fmt: skip

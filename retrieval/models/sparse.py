@@ -6,7 +6,7 @@ Two ways to build a text's sparse vector from the logits at its K slots (``Reado
   log(1 + ReLU), the top ``sparse_topk`` (128 zero-shot, 256 fine-tuned), weights x100 as integers (truncated
   zero-shot, rounded fine-tuned: ``quantise``); then the max over the K slots of every term kept anywhere, held
   as bfloat16 when K > 1 (the reference pools K > 1 shards into bfloat16).
-- ``pooled`` (the reference's for fine-tuned PromptReps and S > 1; diffret 0.1's): the max over the K slots of
+- ``pooled`` (the reference's for fine-tuned PromptReps and S > 1): the max over the K slots of
   log(1 + ReLU(logits)) first, then the content words, then the top ``sparse_topk``, quantised the same way.
 
 Content-word filters (``ReadoutConfig.content_filter``):
@@ -14,7 +14,7 @@ Content-word filters (``ReadoutConfig.content_filter``):
 - ``nltk`` (the reference's, from PromptReps): NLTK's ``word_tokenize`` of the lowercased raw text, minus
   NLTK's English stopwords and the punctuation characters; each remaining word is tokenized alone (no leading
   space) and its token ids are allowed.
-- ``regex`` (diffret 0.1): words by a regex, a vendored stopword list, each word tokenized alone and after a
+- ``regex``: words by a regex, a vendored stopword list, each word tokenized alone and after a
   space; special tokens excluded.
 """
 

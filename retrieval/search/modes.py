@@ -140,7 +140,7 @@ def modes_for(modes: Iterable[str], has_sparse: bool) -> list[str]:
 def cell_modes(modes: Iterable[str], kq: int, kp: int, q1p1_multi: str = "skip") -> list[str]:
     """The modes a (K_q, K_p) cell is scored in. At K_q = K_p = 1 the reference evaluator skips multi_dense and its
     fusion (one slot a side: MaxSim is single_dense clamped at 0; evaluate_sweep.py L687-694), and so does diffret by
-    default; ``q1p1_multi="keep"`` scores them (diffret 0.1).
+    default; ``q1p1_multi="keep"`` scores them.
 
     >>> cell_modes(MODE_NAMES, 1, 1)
     ['single_dense', 'sparse_max', 'fusion_single_sparse_max']
@@ -166,7 +166,7 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     """Per query: min-max normalise each run's top ``depth``, weighted sum over the union (missing = 0).
 
     Each run's scores become ``(s - min) / max(max - min, 1e-9)`` (the reference's ``normalized_fusion``), so
-    a run whose scores for a query are all equal gives 0 (``flat="one"``: 1, diffret 0.1's). Ties rank by
+    a run whose scores for a query are all equal gives 0 (``flat="one"``: 1). Ties rank by
     document index (the earlier passage first).
 
     Parameters
@@ -203,7 +203,7 @@ def fuse_runs(runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] 
     if flat not in ("zero", "one"):
         raise ValueError(f"fusion flat must be zero or one, not {flat!r}")
     n = runs[0].scores.shape[0]
-    # vectorised over queries; each value is computed as the per-query loop of diffret 0.1 computed it:
+    # vectorised over queries; each value is summed in the order a loop over the queries sums it:
     # 0.0 + w_1 * norm_1 (+ w_2 * norm_2 ..., in run order, for the runs that hold the document): identical runs
     parts_d, parts_v = [], []
     for run, w in zip(runs, weights, strict=True):

@@ -1,19 +1,20 @@
 """How scores are computed: the reference evaluator's rules by default, each deviation a named setting.
 
 The defaults follow ``scripts/evaluate_sweep.py`` of ielab/diffretriever (the code behind the paper's tables,
-commit 1689527; ``../shared/fixtures/reference-eval`` holds its outputs):
+commit 1689527; ``../shared/fixtures/reference-eval`` holds its outputs); each default is the reference's choice
+(docs/ARCHITECTURE.md, parity table), each other value a named option:
 
 - ``multi_dense``: each query slot's best passage-slot cosine clamped at 0, summed over the query's slots
-  (L291-343). diffret 0.1: no clamp, mean over the slots (``maxsim_clamp=False, maxsim_reduce="mean"``).
+  (L291-343). ``maxsim_clamp=False, maxsim_reduce="mean"``: no clamp, the mean over the slots.
 - ``single_dense``: the mean of the L2-normalised slots, not normalised again (L670-672, L828-841).
-  diffret 0.1: the mean renormalised (``single_renorm=True``).
+  ``single_renorm=True``: the mean L2-normalised again.
 - ``sparse_max``: the product of the integers the reference stores, round(100 w), for readouts whose weights
   are multiples of 0.01 (the mask readout's), so a score is 10^4 x sum w_q w_d and exact in float32 (L346-442).
   A run holds documents without a shared term too (score 0, in corpus order) up to its depth, and they count in
-  fusion's minimum. diffret 0.1: the weights themselves (``sparse_scale="unit"``), documents sharing a term only
-  (``sparse_floor="positive"``).
+  fusion's minimum. ``sparse_scale="unit"``: the weights themselves; ``sparse_floor="positive"``: documents
+  sharing a term only.
 - fusion: ``(s - min) / max(max - min, 1e-9)`` of each run's top ``depth``, so a run whose scores are all
-  equal contributes 0 (L449-471). diffret 0.1: 1 (``fusion_flat="one"``).
+  equal contributes 0 (L449-471). ``fusion_flat="one"``: such a run contributes 1.
 - ``score_dtype="bfloat16"`` rounds where the released evaluator computes in bfloat16 (slot normalisation, the
   mean vector, every dot product, the per-slot maximum, the sparse operands and products); the default is the
   float32 evaluator (the fixture's ``runs/fp32``). bfloat16 ties decide top-10 membership on close scores.
@@ -37,7 +38,8 @@ _RULES_OF_MODE: dict[str, tuple[str, ...]] = {
 
 
 class ScoreRules(Settings):
-    """How each mode scores (defaults: the reference evaluator's; see the module docstring).
+    """How each mode scores (defaults: the reference's choice, docs/ARCHITECTURE.md, parity table; see the module
+    docstring).
 
     >>> ScoreRules().for_mode("multi_dense")
     {'maxsim_clamp': True, 'maxsim_reduce': 'sum', 'score_dtype': 'float32'}
@@ -46,20 +48,20 @@ class ScoreRules(Settings):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     maxsim_clamp: bool = Field(default=True, description="MaxSim: clamp each query slot's best passage-slot "
-                               "score at 0 (the reference's; off: diffret 0.1).")  # fmt: skip
+                               "score at 0 (the reference's choice; off: unclamped).")  # fmt: skip
     maxsim_reduce: Literal["sum", "mean"] = Field(default="sum", description="MaxSim over the query slots: sum "
-                                                  "(the reference's) or mean (diffret 0.1; same ranking).")
+                                                  "(the reference's choice) or mean (same ranking).")
     single_renorm: bool = Field(default=False, description="single_dense: L2-normalise the mean of the normalised "
-                                "slots again (diffret 0.1; the reference does not).")  # fmt: skip
+                                "slots again (the reference's choice: off).")  # fmt: skip
     sparse_scale: Literal["x100", "unit"] = Field(default="x100", description="sparse_max: x100 scores the "
                                                   "integers round(100 w) the reference stores (weights in steps of "
-                                                  "0.01); unit: the weights (diffret 0.1).")  # fmt: skip
+                                                  "0.01; the reference's choice); unit: the weights.")  # fmt: skip
     sparse_floor: Literal["zero", "positive"] = Field(default="zero", description="zero: a sparse run is filled to "
                                                       "its depth with zero-score documents, which count in fusion's "
-                                                      "minimum (the reference's); positive: documents sharing a term "
-                                                      "only (diffret 0.1).")  # fmt: skip
+                                                      "minimum (the reference's choice); positive: documents sharing "
+                                                      "a term only.")  # fmt: skip
     fusion_flat: Literal["zero", "one"] = Field(default="zero", description="Fusion: a run whose scores for a query "
-                                                "are all equal normalises to 0 (the reference's) or 1 (diffret 0.1).")
+                                                "are all equal normalises to 0 (the reference's choice) or 1.")
     score_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Score arithmetic: float32, or "
                                                   "bfloat16 where the released evaluator rounds (its ties).")
 

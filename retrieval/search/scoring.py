@@ -253,7 +253,7 @@ def maxsim(
     (``[Q*K_q, H] x [H, N]``) is folded into a running element-wise max, so the [Q*K_q, N*K_p] similarity
     matrix is never materialised (K_p times less memory, no separate amax pass). A passage's padding
     slots (``p_mask`` False) are -inf before the max; a query's padding slots are left out of the sum.
-    ``clamp=False, reduce="mean"`` is diffret 0.1's (1/K_q) sum_i max_j; ``bf16`` rounds each slot's best score
+    ``clamp=False, reduce="mean"`` gives (1/K_q) sum_i max_j, unclamped; ``bf16`` rounds each slot's best score
     to bfloat16 (the released evaluator's bfloat16 matmul and max; see ``rules.ScoreRules``).
 
     Parameters

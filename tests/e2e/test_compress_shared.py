@@ -1,4 +1,4 @@
-"""Compressed encodings end to end on ../shared (issue 29): the random-weight tiny Dream (its real code path and
+"""Compressed encodings end to end on ../shared: the random-weight tiny Dream (its real code path and
 tokenizer) on scifact-mini, through the command line. `diffret compress` of the float16 grid then `diffret score`
 gives the runs of `diffret run --store` from the start; the report's Compression section and the views measure
 both."""

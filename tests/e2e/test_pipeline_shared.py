@@ -168,7 +168,7 @@ def test_bm25_nfcorpus(tmp_path: Path) -> None:
     cells = sql(root, "select ndcg_10, queries from cells where mode = 'bm25'")
     assert cells[0]["queries"] == 323
     assert 0.315 <= cells[0]["ndcg_10"] <= 0.330  # pyserini BM25-flat: 0.322
-    # a shard at a time (issue 41: memory of one shard's index): every rank's score bit for bit; the same documents
+    # a shard at a time (memory of one shard's index): every rank's score bit for bit; the same documents
     # above each query's cut-off score (bm25s picks among those tied at it arbitrarily; the shards, in corpus order)
     import pyarrow.parquet as pq
 

@@ -1,4 +1,4 @@
-"""Scoring cut into units on Dask workers (issue 40): the runs of every mode, the fusions included, are byte-identical
+"""Scoring cut into units on Dask workers: the runs of every mode, the fusions included, are byte-identical
 (sha256) to one in-process pass, on SciFact with splade-tiny and on scifact-mini with the tiny Dream checkpoint; a
 score killed with SIGKILL half way resumes with its finished units kept (mtime unchanged) and the same runs; a score
 on two Dask workers, one of them killed with SIGKILL half way, goes on and ends (exit 0) with the same runs.

@@ -87,7 +87,7 @@ def test_tiny_dream_late_rescoring_encodes_only_the_candidates(mini: Path) -> No
 
 
 def test_the_batch_readout_gives_splade_tiny_the_per_text_vectors_byte_for_byte() -> None:
-    """Issue 44: SIDR's head over a batch at once (padding left out) gives the vectors of the per-text head product
+    """SIDR's head over a batch at once (padding left out) gives the vectors of the per-text head product
     it replaced, byte for byte, on 24 of the passages (batches of 8, both heads; benchmarks/encode.py --readout sidr
     times the two)."""
     if not (MINI / "corpus.jsonl").exists() or not (SPLADE / "model.safetensors").exists():

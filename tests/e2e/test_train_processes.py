@@ -1,4 +1,4 @@
-"""`diffret train` as processes (issue 11): killed with SIGKILL mid-training and run again, it ends with an
+"""`diffret train` as processes: killed with SIGKILL mid-training and run again, it ends with an
 adapter bit-identical to an uninterrupted run's; under torchrun with 2 CPU processes (gloo) it computes the same
 per-step loss as one process at the same global batch (within 1e-5), the pool gathered across the processes
 with gradients flowing back to their owners, with or without the AdamW state sharded (ZeRO stage 1); killed

@@ -1,4 +1,4 @@
-"""Fine-tuning a real instruct LM (issue 11, must-show 2 in small): SmolLM2-135M (../shared, GGUF) trained with
+"""Fine-tuning a real instruct LM, in small: SmolLM2-135M (../shared, GGUF) trained with
 LoRA through the PromptReps readout (sequential decoding) and through the mask readout under bidirectional
 attention lowers its training loss. Six SciFact passages, each with its title as the query and the next
 passage as the hard negative, four epochs: the loss over the last epoch is below the first's (seeded, CPU,

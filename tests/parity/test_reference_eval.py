@@ -5,7 +5,7 @@ encodings of scifact-mini, both families, all nine (K_q, K_p) cells of {1, 4, 16
 The reference's stored encodings (../shared/fixtures/reference-parity: the dense states as stored, the sparse
 weights as x100 integers) go through diffret's encodings tables, exact search under the default score rules,
 fusion, run tables and evaluation exactly as the score and evaluate stages run them. Matched at the precision the
-code reaches (issue 44): against the float32 evaluator (``runs/fp32``) every score within 1e-5 of the printed one
+code reaches: against the float32 evaluator (``runs/fp32``) every score within 1e-5 of the printed one
 (sparse exactly), rankings equal except inside exact ties, NDCG@10 and MRR@10 equal at 4 decimals per query and on
 average; against the released bfloat16 evaluator (``runs/bf16``), with ``score_dtype bfloat16``, every score within
 1e-5 and the rankings equal once ties are broken alike. One test runs the same through the CLI (download, the
@@ -194,7 +194,7 @@ def test_bf16_reference_evaluator_reproduced(family: str) -> None:
 
 
 def test_the_old_rules_do_not_reproduce_the_reference() -> None:
-    """diffret 0.1's scoring (every rule switched back) misses the reference: the fixture tells them apart."""
+    """Every score rule set to its non-reference option misses the reference: the fixture tells them apart."""
     _skip_without_fixtures()
     legacy = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean", single_renorm=True, sparse_scale="unit",
                         sparse_floor="positive", fusion_flat="one")  # fmt: skip

@@ -87,7 +87,7 @@ def test_native_load_failure_names_model_architecture_and_version(tmp_path, conf
 
 
 def test_llada_features_the_native_loader_cannot_map(tmp_path):
-    from diffret.retrieval.models.backbones import _llama_config
+    from diffret.retrieval.models.backbones.families import _llama_config
 
     with pytest.raises(BackboneError, match="loader='remote'"):
         _llama_config({**LLADA, "alibi": True})

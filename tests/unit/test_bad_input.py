@@ -1,4 +1,4 @@
-"""The bad-input catalogue of issue 12 through the CLI: each case ends with one clear error line, a non-zero exit
+"""The bad-input catalogue through the CLI: each case ends with one clear error line, a non-zero exit
 code and nothing half-written (budgets: test_bad_k.py; a hand-edited manifest and a flipped byte: `diffret verify`
 in test_store.py / test_stages_rerun.py; a missing root: test_sql_confinement.py)."""
 

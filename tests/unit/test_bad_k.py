@@ -1,4 +1,4 @@
-"""The bad-input catalogue for budgets (issue 12): ``--k 0``, ``--k -1``, ``--k abc``, ``--k 1,1`` and an
+"""The bad-input catalogue for budgets: ``--k 0``, ``--k -1``, ``--k abc``, ``--k 1,1`` and an
 empty list (here through ``diffret run --kq``, which validates before any stage runs) each end with a clear
 error, a non-zero exit code and nothing written to the store."""
 

@@ -1,4 +1,4 @@
-"""BM25 a shard at a time (issue 41): the whole-corpus index's scores bit for bit, its runs up to the documents tied
+"""BM25 a shard at a time: the whole-corpus index's scores bit for bit, its runs up to the documents tied
 at the cut-off, for every bm25s variant; memory held is one shard's index."""
 
 from __future__ import annotations

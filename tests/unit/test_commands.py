@@ -1,4 +1,4 @@
-"""Issue 23: one declaration per stage. Every stage's command is generated from its config: its --help lists every
+"""One declaration per stage. Every stage's command is generated from its config: its --help lists every
 field (nested configs flattened) with the field's description and default, and nothing else but --root, --force
 and --prefect; prefect.yaml's deployments validate against the same configs; every config field is described."""
 
@@ -202,7 +202,7 @@ def _fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[tuple[
 
 
 def test_one_spelling_per_setting_across_commands() -> None:
-    """Issue 44: an option means one setting in every command, a setting is one option in every command (a list's
+    """An option means one setting in every command, a setting is one option in every command (a list's
     field is named in the plural, its option in the singular), and a field passed on from another config
     (``like``) keeps that config's option: the first stage is --first-kq / --first-kp / --first-mode in late,
     rerank and train-reranker alike, a compressed store --store / --store-seed in encode and compress."""

@@ -1,4 +1,4 @@
-"""Compressed encodings in the stage world (issue 29): `diffret compress` of a stored float16 system, `diffret
+"""Compressed encodings in the stage world: `diffret compress` of a stored float16 system, `diffret
 encode --store` from the start (the same codebook, shards and runs), scoring over the codes, and a codebook that is
 corrupted, missing or of another K_p / dataset."""
 
@@ -132,7 +132,8 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
 
 
 def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: dict, tmp_path: Path) -> None:
-    """Must-show 3: the same codebook seed gives the same codebook, the same shards and the same runs."""
+    """A store compressed afterwards or encoded compressed from the start: the same codebook seed gives the same
+    codebook, the same shards and the same runs."""
     a = _copy(world, tmp_path / "a")
     res = _run("compress", CompressConfig(root=a, dataset="tiny", system=SystemRef(system=world["f16"]),
                                           store="residual:2", store_seed=3))  # fmt: skip

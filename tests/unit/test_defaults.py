@@ -1,4 +1,4 @@
-"""Issue 44: defaults that send users where they meant to go. `diffret score`, `index` and `beta` without K lists
+"""Defaults that send users where they meant to go. `diffret score`, `index` and `beta` without K lists
 take the K that are encoded (saying which) instead of the paper's whole grid; none encoded is one line naming
 `encode`; `diffret bot` tokenizes the passages first, as `encode` does, instead of refusing until the tokens exist;
 at K_q = K_p = 1 score skips multi_dense and its fusion as the reference evaluator does (saying so), and keeps them

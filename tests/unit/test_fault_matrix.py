@@ -70,7 +70,7 @@ KINDS = {
     "latency": ("latency/system={f16}/kind=encode/*", "encode_latency", "latency"),
 }
 FAULTS = ("delete manifest", "truncate", "flip byte", "delete file")
-# a manifest edited by hand: the folders of issue 22's matrix and a sharded cache (the other kinds read their
+# a manifest edited by hand: the stage folders the pipeline reads most and a sharded cache (the other kinds read their
 # manifest the same way)
 EDITED = ("dataset", "tokens", "encodings", "runs", "metrics", "index", "models", "summaries", "partial")
 # a manifest holding a value every setting refuses now: a NaN an earlier version took and wrote as null (its config no

@@ -1,4 +1,4 @@
-"""The late stage's passage ids as Arrow arrays (issue 41: no Python object per corpus passage): the first-stage top
+"""The late stage's passage ids as Arrow arrays (no Python object per corpus passage): the first-stage top
 per query, the lookups of ids to corpus positions, and runs written over the retrieved documents only."""
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def forced_head(reader: Readout, token: int, at_step: int, rows: list[int] | Non
 
 
 def quote_token(arch: str, tok, stop: str = "quote_in_token") -> int:
-    """The token that ends the words: the single-token quote (reference), or for diffret 0.1's rule any token with
-    a quote (Qwen2: the space-quote BPE token)."""
+    """The token that ends the words: the single-token quote (reference), or for the quote_in_token rule any token
+    with a quote (Qwen2: the space-quote BPE token)."""
     if stop == "reference":
         (q,) = tok('"', add_special_tokens=False)["input_ids"]
         return q
@@ -58,7 +58,7 @@ def quote_token(arch: str, tok, stop: str = "quote_in_token") -> int:
 
 
 # (stop rule, decoding step of the quote, representatives kept): the reference keeps the slot that predicts the
-# quote; diffret 0.1 drops it (unless it is the first)
+# quote; quote_in_token drops it (unless it is the first)
 STOPS = [("quote_in_token", 0, 1), ("quote_in_token", 1, 1), ("quote_in_token", 2, 2), ("quote_in_token", 4, 4),
          ("reference", 0, 1), ("reference", 1, 2), ("reference", 4, 5)]  # fmt: skip
 

@@ -58,7 +58,7 @@ def test_mask_readout_shapes(backbones, arch, k):
 
 @pytest.mark.parametrize("arch", ["bert", "qwen2"])
 def test_sparse_topk_keeps_the_heaviest(backbones, arch):
-    """``sparse="pooled"`` (diffret 0.1): the top k of the pooled vector, unrounded."""
+    """``sparse="pooled"``: the top k of the pooled vector, unrounded."""
     bb, _ = backbones[arch]
     cfg = dict(k=4, sparse="pooled", stop_cut=False)
     full = encode(bb, [TEXTS["long"]], sparse_topk=1000, **cfg)[0]

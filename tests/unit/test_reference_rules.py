@@ -1,7 +1,6 @@
-"""Issue 21: each place where diffret differed from the reference code (ielab/diffretriever @ 1689527) is the
-reference's behaviour by default, and diffret 0.1's behaviour a named option. One test per difference: the
-default reproduces the reference on a hand-built case where the old behaviour gives another number, and the
-option gives the old number back.
+"""Each row of the parity table (docs/ARCHITECTURE.md): the reference code's (ielab/diffretriever @ 1689527)
+behaviour is the default, the other behaviour a named option. One test per row: the default reproduces the
+reference on a hand-built case where the option gives another number, and the option gives that number.
 
 1-5: scoring, fusion and evaluation (scripts/evaluate_sweep.py).
 """
@@ -92,7 +91,7 @@ def test_3_fusion_counts_zero_score_sparse_documents_and_flat_runs_give_zero() -
 
     # dense: a 1, b .8, c .6 -> 1, .5, 0; sparse: b 4, a 2, c 0 -> (min 0) b 1, a .5, c 0
     assert fused(rules) == pytest.approx({"a": 0.75, "b": 0.75, "c": 0.0}, abs=1e-3)
-    # diffret 0.1: sparse min over b, a (2) -> b 1, a 0; c missing
+    # positive: sparse min over b, a (2) -> b 1, a 0; c missing
     assert fused(ScoreRules(sparse_floor="positive")) == pytest.approx({"b": 0.75, "a": 0.5, "c": 0.0}, abs=1e-3)
     flat = TopK(np.array([[3.0, 3.0]], np.float32), np.array([[0, 1]]))
     other = TopK(np.array([[2.0, 1.0]], np.float32), np.array([[1, 0]]))
@@ -105,7 +104,7 @@ def test_3_fusion_counts_zero_score_sparse_documents_and_flat_runs_give_zero() -
 # ------------------------------------------------------------------------------------- 4. self hits
 def test_4_a_document_with_the_query_id_is_kept_by_default() -> None:
     """The reference evaluator has no identical-id removal (BEIR's evaluator does): kept on ArguAna too."""
-    assert not RetrievalConfig(dataset="arguana").ignore_ids()  # diffret 0.1: dropped on arguana / quora
+    assert not RetrievalConfig(dataset="arguana").ignore_ids()  # kept on arguana / quora too
     assert RetrievalConfig(dataset="arguana", self_hits="drop").ignore_ids()
     q = enc(["x1"], [[[1.0, 0.0]]])
     p = enc(["x1", "x2"], [[[1.0, 0.0]], [[0.6, 0.8]]])
@@ -151,7 +150,7 @@ def test_5_score_config_records_each_mode_s_rules() -> None:
 # ------------------------------------------------------------------------------------- evaluation ties
 def test_15_q1_p1_has_no_multi_dense_cells_unless_kept() -> None:
     """evaluate_sweep.py L687-694: ``enable_colbert = K > 1 or K_p > 1``: at q1-p1 no multi_dense and no fusion of
-    it; diffret 0.1 scored them (``q1p1_multi="keep"``)."""
+    it; ``q1p1_multi="keep"`` scores them."""
     from diffret.retrieval.search.modes import MODE_NAMES, cell_modes
 
     assert ScoreConfig(dataset="x").q1p1_multi == "skip"
@@ -170,7 +169,7 @@ def test_evaluation_orders_ties_within_the_cut_as_pytrec_eval_does() -> None:
     trec = {r["measure"]: r["value"] for r in evaluate(qrels, run, ["mrr_10"], ranked=True).to_pylist()}
     assert trec["mrr_10"] == pytest.approx(1 / 3)  # z-irr before a-rel (doc_id descending)
     rank = {r["measure"]: r["value"] for r in evaluate(qrels, run_from_table(table), ["mrr_10"]).to_pylist()}
-    assert rank["mrr_10"] == pytest.approx(1 / 2)  # diffret 0.1: the stored order
+    assert rank["mrr_10"] == pytest.approx(1 / 2)  # ties rank: the stored order
 
 
 def test_evaluation_cuts_at_each_measure_s_depth_in_run_order() -> None:
@@ -238,7 +237,7 @@ def test_6_a_fine_tuned_mask_readout_keeps_all_k_slots(bert, monkeypatch) -> Non
     tuned = make_reader(bb, ReadoutConfig(finetuned="yes")).encode(ids, ["cats purr in the garden"], "query", 4)[0]
     assert tuned.dense.shape[0] == 4 and not tuned.stopped  # all K
     cut = make_reader(bb, ReadoutConfig(finetuned="yes", stop_cut=True)).encode(ids, ["cats purr"], "query", 4)[0]
-    assert cut.dense.shape[0] == 2  # the option: diffret 0.1 cut every model
+    assert cut.dense.shape[0] == 2  # the option: the fine-tuned model cut too
 
 
 def test_7_fine_tuned_sparse_keeps_256_per_slot_and_rounds() -> None:
@@ -362,8 +361,8 @@ def _trainer(tmp_path, readout: str = "diffretriever", arch: str = "bert", **kw)
 
 
 def test_9_cosine_schedule_with_ceil_warmup_from_zero() -> None:
-    """train_diffretriever.py L579-582: HF's cosine schedule, warm-up ceil(0.06 T) starting at lr 0; diffret 0.1
-    warmed up over floor(0.06 T) from 1 / (warm + 1) and decayed linearly."""
+    """train_diffretriever.py L579-582: HF's cosine schedule, warm-up ceil(0.06 T) starting at lr 0; ``schedule linear``
+    warms up over floor(0.06 T) from 1 / (warm + 1) and decays linearly."""
     from diffret.retrieval.training.loop import TrainSettings
 
     s = TrainSettings().resolved("diffretriever")
@@ -379,7 +378,7 @@ def test_9_cosine_schedule_with_ceil_warmup_from_zero() -> None:
 
 def test_10_global_batch_128_and_a_pool_of_32_queries(tmp_path) -> None:
     """Table 7: 8 queries x 16 passages per GPU, 4 GPUs gathered (a pool of 32 queries / 512 passages), 4 pools a
-    step (128 queries); diffret 0.1 on one device: pools of 8, 32 queries a step."""
+    step (128 queries); ``pool_size 8 global_batch 32``: pools of 8, 32 queries a step."""
     from diffret.retrieval.training.loop import TrainSettings, planned_steps
 
     s = TrainSettings().resolved("diffretriever")
@@ -410,7 +409,7 @@ def test_10_gradient_caching_equals_one_pass(tmp_path) -> None:
 
 def test_11_promptreps_trains_on_exactly_k_slots(tmp_path, monkeypatch) -> None:
     """promptreps_trainable.py L493-529: K - 1 words decoded with no stop, all K slots read; the paper trains it at
-    N = 4 (diffret 0.1: stopped at the quote, the zero-shot N)."""
+    N = 4 (``promptreps_decode stop``: stopped at the quote; ``promptreps_n 0``: the zero-shot N)."""
     from diffret.retrieval.training.loop import TrainSettings
 
     tr = _trainer(tmp_path, readout="promptreps", arch="llama", kq=4, kp=4)
@@ -429,7 +428,7 @@ def test_11_promptreps_trains_on_exactly_k_slots(tmp_path, monkeypatch) -> None:
 
 def test_12_training_passages_join_title_and_text_with_a_space(tmp_path) -> None:
     """train_diffretriever.py L307-310: f"{title} {text}"; an empty text gives the title alone (encode.py L79-81
-    too); diffret 0.1 trained on the encoder's "title. text"."""
+    too); ``train_title_sep '. '`` trains on the encoder's "title. text"."""
     from diffret.retrieval.data.collections import passage_text
 
     tr = _trainer(tmp_path)
@@ -441,7 +440,7 @@ def test_12_training_passages_join_title_and_text_with_a_space(tmp_path) -> None
 
 def test_13_llada_lora_covers_its_vocabulary_head() -> None:
     """backbone_adapters.py L197-207: LLaDA's targets include ff_out, which matches its output head too; natively
-    loaded that head is lm_head (diffret 0.1: not a target)."""
+    loaded that head is lm_head (``lora_head false``: not a target)."""
     from types import SimpleNamespace
 
     from diffret.retrieval.models.backbones import FAMILIES
@@ -475,7 +474,7 @@ def test_14_the_baselines_train_as_their_released_scripts(tmp_path) -> None:
     counted, _ = tr.r.overhead("query", 1)
     assert counted >= 2 and all(len(q) <= 64 - counted for q in x.query_ids)  # [CLS] .. [SEP] counted in the 64
     uniform = _trainer(tmp_path / "u", readout="diffembed", tau=0.01, gather="yes", weight_decay=0.01, n_negatives=15)
-    assert (uniform.s.tau, uniform.s.gather, uniform.s.n_negatives) == (0.01, "yes", 15)  # diffret 0.1's values
+    assert (uniform.s.tau, uniform.s.gather, uniform.s.n_negatives) == (0.01, "yes", 15)  # the options' values
 
 
 def test_14_repllama_tokenizes_its_prefix_with_the_text(tmp_path) -> None:

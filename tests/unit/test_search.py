@@ -54,10 +54,10 @@ def _encodings(rng, n, k, prefix, vary=False) -> Encodings:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
-# diffret 0.1's scoring, every rule the named option that restores it
+# every score rule at its non-reference option
 LEGACY = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean", single_renorm=True, sparse_scale="unit",
                     sparse_floor="positive", fusion_flat="one")  # fmt: skip
-RULES = [pytest.param(ScoreRules(), id="reference"), pytest.param(LEGACY, id="diffret-0.1")]
+RULES = [pytest.param(ScoreRules(), id="reference"), pytest.param(LEGACY, id="options")]
 
 
 def _brute_scores(q: Encodings, p: Encodings, mode: str, rules: ScoreRules = ScoreRules()) -> np.ndarray:
@@ -162,7 +162,7 @@ def test_maxsim_masks_padding_over_real_query_vectors() -> None:
     p = torch.tensor([[[1.0, 0.0], [-5.0, -5.0]]])  # second vector is padding: must not count
     pm = torch.tensor([[True, False]])
     assert maxsim(q, qm, p, pm).item() == pytest.approx(1.0)  # the reference's: 1 + max(0, 0), a sum
-    assert maxsim(q, qm, p, pm, clamp=False, reduce="mean").item() == pytest.approx(0.5)  # diffret 0.1's mean
+    assert maxsim(q, qm, p, pm, clamp=False, reduce="mean").item() == pytest.approx(0.5)  # the unclamped mean
 
 
 def test_padding_rows_do_not_change_scores() -> None:
@@ -204,7 +204,7 @@ def test_fusion_minmax_union_missing_is_zero_and_constant_runs() -> None:
     assert const.index[0, 0] == 4 and const.scores[0, 0] == 0.0  # all equal: (s - min) / max(0, 1e-9) = 0
     one = fuse_minmax(TopK(np.array([[1.0]], np.float32), np.array([[4]])),
                       TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64)), flat="one")  # fmt: skip
-    assert one.scores[0, 0] == pytest.approx(0.5)  # diffret 0.1: all equal normalises to 1
+    assert one.scores[0, 0] == pytest.approx(0.5)  # flat one: all equal normalises to 1
 
 
 def test_run_table_orders_by_score_then_doc_id_and_drops_pads() -> None:
@@ -228,7 +228,7 @@ def test_encodings_errors() -> None:
 
 
 def _fuse_loop(runs: list[TopK], depth: int, flat: str) -> TopK:
-    """Fusion as diffret 0.1 computed it, a query at a time (the vectorised fuse_runs must equal it exactly)."""
+    """Fusion a query at a time, in a plain loop (the vectorised fuse_runs must equal it exactly)."""
     out_s, out_i = [], []
     for qi in range(runs[0].scores.shape[0]):
         acc: dict[int, float] = {}

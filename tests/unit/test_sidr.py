@@ -1,4 +1,4 @@
-"""SIDR (issue 24): the sidr readout, the bag-of-tokens index and beta search, on tiny random models and inline data.
+"""SIDR: the sidr readout, the bag-of-tokens index and beta search, on tiny random models and inline data.
 
 The readout is checked against an independent computation (the model's own MLM forward), padding-invariance, the
 official head's formula and the special ids; the bag of tokens against Python sets; beta search against a dense
@@ -78,7 +78,7 @@ def test_a_vector_does_not_depend_on_its_batch(bert, side: str) -> None:
 @pytest.mark.parametrize(("head", "act", "side"), [("official", "elu1p", "left"), ("lm", "log1p_relu", "right")])
 @pytest.mark.parametrize("block", [1 << 12, 1 << 30])  # many blocks (a text alone, a few vocabulary columns); one
 def test_the_batch_readout_is_each_texts_own_padding_left_out(bert, head: str, act: str, side: str, block: int) -> None:
-    """Issue 44: SIDR's head is one product over the batch's real positions, in blocks of scores, max-pooled per
+    """SIDR's head is one product over the batch's real positions, in blocks of scores, max-pooled per
     text: each text's vector is what :meth:`SidrReadout.weights` gives it alone from its own positions (to the
     BLAS's rounding of other row and column blocks, ~1 ulp at these tiny widths; byte for byte on splade-tiny:
     test_sidr_shared), and its padding, whatever it holds, changes nothing."""

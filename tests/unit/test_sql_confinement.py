@@ -1,4 +1,4 @@
-"""``diffret sql`` reads the store and nothing else (issue 12): the escapes a user tried (COPY ... TO a file,
+"""``diffret sql`` reads the store and nothing else: the escapes a user tried (COPY ... TO a file,
 read_csv('/etc/passwd'), CREATE TABLE, ATTACH, INSTALL / LOAD, SET to re-open access) are refused with one line,
 nothing is written, and the views still answer on a local and on a memory:// store; results leave through
 ``--out`` (CSV or Parquet, atomically)."""
@@ -173,7 +173,7 @@ def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path)
 @pytest.mark.parametrize("out", [False, True])
 def test_a_query_of_nothing_is_one_line_not_a_traceback(store: ArtifactStore, tmp_path: Path, sql: str,
                                                         out: bool) -> None:  # fmt: skip
-    """Issue 44: whitespace, a comment or ';' alone (DuckDB runs nothing and returns no result) is one error line,
+    """Whitespace, a comment or ';' alone (DuckDB runs nothing and returns no result) is one error line,
     exit 2, however the query starts ('-- x' is the query, not an option)."""
     from typer.testing import CliRunner
 

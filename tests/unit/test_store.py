@@ -65,8 +65,8 @@ def test_read_table_verifies_and_returns_rows(tmp_path):
 
 
 def test_iter_batches_reads_every_row_in_order_a_row_group_at_a_time(tmp_path):
-    """The corpus streamed (issue 41): every row once, in order, batches of at most ``batch_size`` rows, over a
-    file of several row groups."""
+    """The corpus streamed, a row group at a time: every row once, in order, batches of at most ``batch_size`` rows,
+    over a file of several row groups."""
     import pyarrow.parquet as pq
 
     store = ArtifactStore(tmp_path)

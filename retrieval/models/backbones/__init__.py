@@ -26,26 +26,15 @@ The package's modules, each importing only those above it:
 - ``files``: a model folder's checks (weights, shards, tokenizer files, a saved model's manifest), fingerprints.
 - ``loading``: :func:`load_backbone`, :func:`load_tokenizer`, the family resolved against the loader.
 
-Every name is importable from ``retrieval.models.backbones`` as before the split. A test that patches a module
-global (``VOCAB_BLOCK_BYTES``) patches the module that reads it (``backbones.backbone``).
+Every public name is importable from ``retrieval.models.backbones``; a private helper from the module that
+defines it. A test that patches a module global (``VOCAB_BLOCK_BYTES``) patches the module that reads it
+(``backbones.backbone``).
 """
 
 from .adapters import ADAPTER_CONFIG, BASE_FILE, with_adapter
-from .adapters import _apply_adapter as _apply_adapter
-from .adapters import _remapped_adapter as _remapped_adapter
-from .adapters import _same_model as _same_model
 from .backbone import VOCAB_BLOCK_BYTES, Backbone, bidirectional_mask, softmax_stats
-from .backbone import _find_projection as _find_projection
-from .backbone import _is_causal_arch as _is_causal_arch
-from .backbone import _llada_head as _llada_head
-from .backbone import _llada_trunk as _llada_trunk
-from .backbone import _pad_id as _pad_id
-from .backbone import _split_head as _split_head
 from .config import BackboneConfig, canonical_model
 from .errors import BackboneError
-from .errors import _load_error as _load_error
-from .errors import _unreachable as _unreachable
-from .families import _LLADA_KEYS as _LLADA_KEYS
 from .families import (
     BERT_TARGETS,
     FAMILIES,
@@ -57,11 +46,6 @@ from .families import (
     detect_family,
     mask_token_id,
 )
-from .families import _llama_config as _llama_config
-from .families import _qwen2_config as _qwen2_config
-from .files import _SAMPLE_BYTES as _SAMPLE_BYTES
-from .files import _SAMPLES as _SAMPLES
-from .files import _SAVED_STORES as _SAVED_STORES
 from .files import (
     PASSAGE_ENCODER,
     TOKENIZER_FILES,
@@ -72,11 +56,6 @@ from .files import (
     passage_encoder_dir,
     weights_fingerprint,
 )
-from .files import _check_safetensors as _check_safetensors
-from .files import _check_tokenizer_files as _check_tokenizer_files
-from .files import _fingerprint as _fingerprint
-from .loading import _model_ref as _model_ref
-from .loading import _version as _version
 from .loading import check_tokenizer, check_weights, load_backbone, load_tokenizer, raw_config, resolve_family
 
 __all__ = [

@@ -13,9 +13,10 @@
 - ``sidr``: SIDR's V_theta: a vocabulary score per position (the official head or the model's LM head), elu1p or
   log(1 + ReLU), max-pooled over the text's positions, top 768 (the sparse vector; the dense one is the mean).
 
-Every choice where diffret 0.1 differed from the reference is a named setting of ``ReadoutConfig``. One module a
-readout (``mask``, ``promptreps``, ``single``, ``sidr``) over ``base`` and ``config``; ``READOUTS`` here is the
-registry, and every name is importable from this package as before.
+The reference encoder's behaviour is the default; every other choice is a named setting of ``ReadoutConfig``
+(docs/ARCHITECTURE.md, parity table). One module a readout (``mask``, ``promptreps``, ``single``, ``sidr``) over
+``base`` and ``config``; ``READOUTS`` here is the registry, and every public name is importable from this package
+(a private helper from the module that defines it).
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ from .base import (
     Prepared,
     Readout,
     TrainReps,
-    _all_real,
-    _Batch,
-    _f16,
-    _pad,
 )
 from .config import SIDR_ONLY, SIDR_TOPK, ReadoutConfig, ReadoutName
 from .mask import MaskReadout
 from .promptreps import PromptRepsReadout
-from .sidr import SidrReadout, _segment_max
-from .single import DiffEmbedReadout, RepLlamaReadout, _SingleVector
+from .sidr import SidrReadout
+from .single import DiffEmbedReadout, RepLlamaReadout
 
 __all__ = [
     "ReadoutName",
@@ -52,21 +49,15 @@ __all__ = [
     "HostCopy",
     "Pending",
     "TrainReps",
-    "_all_real",
-    "_Batch",
-    "_pad",
     "Prepared",
     "HEAD_CHUNK_BYTES",
     "SIDR_BLOCK_BYTES",
-    "_f16",
     "Readout",
     "MaskReadout",
     "PromptRepsReadout",
-    "_SingleVector",
     "DiffEmbedReadout",
     "RepLlamaReadout",
     "SidrReadout",
-    "_segment_max",
     "READOUTS",
     "readout_class",
     "sparse_quantised",

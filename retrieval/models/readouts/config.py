@@ -18,7 +18,7 @@ class ReadoutConfig(Settings):
     """How a text becomes vectors: the readout and its settings.
 
     The defaults are the reference encoder's (ielab/diffretriever, whose code produced the paper's numbers);
-    every other value is a named deviation (diffret 0.1's behaviour among them). The reference encodes a
+    every other value is a named deviation (docs/ARCHITECTURE.md, parity table). The reference encodes a
     fine-tuned model another way than a zero-shot one (scripts/encode.py's `trained_*` path): `finetuned`
     chooses the path, and the settings left at None / `auto` take that path's value; a system's slug records
     the resolved values.
@@ -62,7 +62,7 @@ class ReadoutConfig(Settings):
         "(fine-tuned), or unquantised (zero-shot PromptReps); auto: the reference's."
     )
     content_filter: Literal["nltk", "regex", "none"] = Field(
-        default="nltk", description="Sparse: keep the text's content words (nltk: the reference's; regex: 0.1's)."
+        default="nltk", description="Sparse: keep the text's content words (nltk: the reference's choice; or regex)."
     )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")
     sidr_head: Literal["official", "lm"] = Field(
@@ -73,8 +73,8 @@ class ReadoutConfig(Settings):
         default="elu1p", description="SIDR: elu(x) + 1 (SIDR's) or log(1 + ReLU(x)) (SPLADE's)."
     )
     repllama_prefix: Literal["joined", "separate"] = Field(
-        default="joined", description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's) or the "
-        "prefix and the text apart (diffret 0.1)."
+        default="joined", description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's choice) or "
+        "the prefix and the text apart."
     )
 
     def resolved(self, finetuned: bool | None = None) -> ReadoutConfig:

@@ -25,7 +25,7 @@ class PromptRepsReadout(
     t-th generated token; each slot's logits give the sparse vector. ``promptreps_stop``: ``reference`` keeps
     the slots up to the one that predicts the closing quote (the single-token ``"``) or a special token (the
     zero-shot encoder's); ``none`` decodes exactly K - 1 words and keeps all K slots (the reference's fine-tuned
-    model, in training and in encoding); ``quote_in_token`` (diffret 0.1) drops the slot that predicts any token
+    model, in training and in encoding); ``quote_in_token`` drops the slot that predicts any token
     containing the quote (unless it is the first).
     """
 
@@ -64,7 +64,7 @@ class PromptRepsReadout(
         fine-tuning), then one causal pass over the prompt and the decoded words gives every slot's hidden state and
         logits at once (the states the KV-cached decoding reads). ``stop="none"`` (the reference's trainer,
         promptreps_trainable.py L493-529): exactly K - 1 words, all K slots; ``reference``: the words end at the
-        closing quote and the slots after it are masked out (diffret 0.1)."""
+        closing quote and the slots after it are masked out."""
         token_ids = self._fit(token_ids, side, k)
         with torch.no_grad():
             rows, _, _, G, n_reps, _ = self._decode(token_ids, side, k, stop)
@@ -107,7 +107,7 @@ class PromptRepsReadout(
             logits = self.bb.logits(h)
             nxt = logits.argmax(-1)
             is_stop = stop[nxt]
-            # reference: the slot that predicts the stop is kept; diffret 0.1: it is kept only if it is the first
+            # reference: the slot that predicts the stop is kept; quote_in_token: kept only if it is the first
             counts = active & (~is_stop | (n_reps == 0) | reference)
             hs.append(h)
             lg.append(logits)

@@ -124,11 +124,12 @@ class SidrReadout(
         text's :meth:`weights` from its real positions only, the padding left out. The head is one product per group
         of whole texts' positions, ``block`` bytes of float32 scores at a time, each block max-pooled per text: for
         the official head, groups of about :data:`SIDR_GROUP_POSITIONS` positions times vocabulary columns, a block
-        the size of a core's cache (:data:`SIDR_CACHE_BYTES`; about twice the speed of blocks out of it; on a GPU
-        :data:`SIDR_BLOCK_BYTES`); for the model's LM head, whole texts' positions times the vocabulary,
+        the size of a core's cache (:data:`SIDR_CACHE_BYTES`: each block is max-pooled while it is in the cache; on a
+        GPU :data:`SIDR_BLOCK_BYTES`); for the model's LM head, whole texts' positions times the vocabulary,
         :data:`SIDR_BLOCK_BYTES` at most. The same numbers as text by text; the same bytes where the matrix product's
         rounding does not depend on the rows and columns beside a text's (splade-tiny's: tests/e2e/test_sidr_shared.py
-        on a CPU, ``benchmarks/encode.py --readout sidr --device cuda`` on an H200)."""
+        on a CPU, ``benchmarks/encode.py --readout sidr --device cuda`` on a GPU; the speeds measured:
+        docs/operations.md)."""
         bb = bb or self.bb
         real = att.bool()
         lengths = real.sum(1).tolist()
@@ -136,8 +137,8 @@ class SidrReadout(
         official = self.cfg.sidr_head == "official"
         if official:
             width = self._vocab_cut(bb.model.get_input_embeddings().weight.shape[0])
-            # a CPU core's cache sizes the blocks; a GPU wants few large products (cache-sized blocks there are
-            # small kernels: 0.3x the per-text product on an H200)
+            # on a CPU a core's cache sizes the blocks, so each block's scores are max-pooled before they leave the
+            # cache; on a GPU cache-sized blocks would be many small kernels, so it takes few large products
             cache = SIDR_BLOCK_BYTES if hidden.is_cuda else SIDR_CACHE_BYTES
             group, block = SIDR_GROUP_POSITIONS, cache if block is None else block
         else:

@@ -70,7 +70,7 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
 class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
     """RepLLaMA: the hidden state of the final EOS after ``query: `` / ``passage: `` (causal attention). The prefix
     and the text are tokenized as one string (repllama.py L194-209; ``repllama_prefix`` ``separate``: the prefix's
-    ids before the text's, diffret 0.1)."""
+    ids before the text's)."""
 
     def _prefix(self, side: str) -> list[int]:
         return list(self.bb.tokenizer(f"{side}: ", add_special_tokens=False)["input_ids"])

@@ -27,16 +27,15 @@ The package's modules, each importing only those above it:
 - ``base``: :class:`Loop`, the task-independent half (LoRA or full, AdamW, the data order, checkpoints).
 - ``contrastive``: the contrastive :class:`Trainer` and its micro-batch (:class:`Prepared`).
 
-Every name is importable from ``retrieval.training.loop`` as before the split.
+Every public name is importable from ``retrieval.training.loop``; a private helper from the module that defines
+it.
 """
 
 from .base import Loop, lora_targets, lora_wrap, trainable_count
 from .contrastive import Prepared, Trainer
-from .distributed import _Gather as _Gather
 from .distributed import average, gather, join_process_group, world
 from .gradcache import RandContext, cached_backward
 from .settings import BASELINES, LoopSettings, Schedule, TrainSettings, hf_lr_factor, planned_steps, training_memory
-from .settings import _dims as _dims
 
 __all__ = [
     "BASELINES",

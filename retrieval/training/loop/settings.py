@@ -89,9 +89,11 @@ class TrainSettings(LoopSettings):
 
     The defaults are the reference trainers' (ielab/diffretriever: scripts/train_diffretriever.py with the paper's
     Table 7, train_promptreps.py, and the re-trained baselines' train_diffembed.py / train_repllama.py); settings
-    left at None / `auto` take the readout's reference value, which the model's hash records.
-    diffret 0.1's settings are all reachable by value: ``schedule linear``, ``pool_size 8 global_batch 32``,
-    ``promptreps_decode stop``, ``promptreps_n 0``, ``train_title_sep '. '``, ``lora_head false``.
+    left at None / `auto` take the readout's reference value, which the model's hash records. Each default is the
+    reference's choice (docs/ARCHITECTURE.md, parity table); the other values are options: ``schedule linear`` (a
+    linear warm-up from lr / (w + 1), then linear decay), ``pool_size 8 global_batch 32`` (one device's pools of 8,
+    32 queries a step), ``promptreps_decode stop``, ``promptreps_n 0`` (the zero-shot N), ``train_title_sep '. '``,
+    ``lora_head false``.
     """
 
     adapter: Literal["lora", "full"] | None = like(LoopSettings, "adapter", default=None, description="Train LoRA "
@@ -115,11 +117,11 @@ class TrainSettings(LoopSettings):
                                   "gathered; baselines: 8 per process). Beyond batch_size: gradient caching.")
     global_batch: int | None = Field(default=None, ge=1, description="Queries per optimizer step (default: 128, as "
                                      "the reference; a multiple of the pool). None with grad_accum: batch_size x "
-                                     "grad_accum x processes (diffret 0.1).")  # fmt: skip
+                                     "grad_accum x processes.")  # fmt: skip
     weight_decay: float | None = Field(default=None, ge=0.0, description="AdamW weight decay (default: 0.01; the "
                                        "baselines' scripts: 0).")  # fmt: skip
     schedule: Schedule = Field(default="auto", description="cosine (HF, warm-up ceil(ratio x steps) from 0: the "
-                               "reference's), hf_linear (the baselines' scripts), linear (diffret 0.1); auto: the "
+                               "reference's), hf_linear (the baselines' scripts), linear (warm-up, decay); auto: the "
                                "readout's reference.")  # fmt: skip
     gather: Literal["auto", "yes", "no"] = Field(default="auto", description="Pool the processes' passages (the "
                                                  "reference's DiffRetriever / PromptReps; the baselines do not).")
@@ -137,9 +139,9 @@ class TrainSettings(LoopSettings):
                                         " read the text only.")  # fmt: skip
     promptreps_decode: Literal["fixed", "stop"] = Field(default="fixed", description="PromptReps: decode exactly K - "
                                                         "1 words and read all K slots (the reference's trainer), or "
-                                                        "stop at the closing quote (diffret 0.1).")  # fmt: skip
+                                                        "stop at the closing quote.")  # fmt: skip
     promptreps_n: int = Field(default=4, ge=0, description="PromptReps: the cap N trained at when kq / kp are not "
-                              "given (the paper's fine-tuning: 4; 0: the zero-shot selection, diffret 0.1).")
+                              "given (the paper's fine-tuning: 4; 0: the zero-shot selection).")
     lora_head: bool | None = Field(default=None, description="LoRA on the vocabulary head too (default: LLaDA, whose "
                                    "reference targets' ff_out matches its head).")  # fmt: skip
     retrieved_negatives: int | None = Field(default=None, ge=1, description="SIDR: draw each step's negatives from "
@@ -214,7 +216,7 @@ class TrainSettings(LoopSettings):
         return self.model_copy(update=update)
 
     def lr_factor(self, step: int, steps: int) -> float:
-        """The schedule's multiplier (``schedule``; ``linear`` is LoopSettings' diffret 0.1 schedule)."""
+        """The schedule's multiplier (``schedule``; ``linear`` is LoopSettings' warm-up then linear decay)."""
         kind = "cosine" if self.schedule == "auto" else self.schedule
         if kind == "linear":
             return super().lr_factor(step, steps)
