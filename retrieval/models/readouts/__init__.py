@@ -14,7 +14,7 @@
   log(1 + ReLU), max-pooled over the text's positions, top 768 (the sparse vector; the dense one is the mean).
 
 Every choice where diffret 0.1 differed from the reference is a named setting of ``ReadoutConfig``. One module a
-readout (``mask``, ``promptreps``, ``single``, ``sidr``) over ``base`` and ``config``; ``READOUTS`` here is the
+readout (``diffretriever``, ``promptreps``, ``single``, ``sidr``) over ``base`` and ``config``; ``READOUTS`` here is the
 registry, and every name is importable from this package as before.
 """
 
@@ -37,7 +37,7 @@ from .base import (
     _pad,
 )
 from .config import SIDR_ONLY, SIDR_TOPK, ReadoutConfig, ReadoutName
-from .mask import MaskReadout
+from .diffretriever import DiffRetrieverReadout
 from .promptreps import PromptRepsReadout
 from .sidr import SidrReadout, _segment_max
 from .single import DiffEmbedReadout, RepLlamaReadout, _SingleVector
@@ -60,7 +60,7 @@ __all__ = [
     "SIDR_BLOCK_BYTES",
     "_f16",
     "Readout",
-    "MaskReadout",
+    "DiffRetrieverReadout",
     "PromptRepsReadout",
     "_SingleVector",
     "DiffEmbedReadout",
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 READOUTS: dict[str, type[Readout]] = {
-    cls.name: cls for cls in (MaskReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
+    cls.name: cls for cls in (DiffRetrieverReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
 }
 assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are the registry's
 
