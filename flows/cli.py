@@ -260,7 +260,7 @@ def export_run(
         store = ArtifactStore(root)
         store.refuse_inside(output, "--output")
         slug = find_system(store, SystemRef(system=system)).system
-        mode = first_stage_mode(store, slug, mode)
+        mode = first_stage_mode(store, slug, mode, "--mode (and --kq, --kp)")
         table = read_run(store, run_dir(slug, dataset, split, kq, kp, mode))
         write_trec_run(table, output, tag=f"{slug}.{mode}.kq{kq}.kp{kp}")
     console.print(f"wrote {table.num_rows:,} lines to {output}", highlight=False)

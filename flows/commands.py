@@ -10,7 +10,6 @@ the field. What the command line needs beyond that is declared on the field too,
 - ``positional``: an argument, not an option;
 - ``switch``: ``{"--full": "full"}``, a flag that sets the field to a value (else its default);
 - ``hidden``: not on the command line;
-- ``deprecated``: former spellings (``["--kq"]``), still taken, hidden from --help, with a warning naming the new one;
 - ``filters_except``: on a :class:`~stages.systems.SystemRef` field, settings not offered as filters (``["store"]``:
   the command has its own ``--store``).
 
@@ -51,7 +50,6 @@ class Opt:
     convert: Callable[[Any], Any]
     positional: bool = False
     ref: str | None = None  # part of a SystemRef: "system", "model" or a setting the registry is filtered by
-    alias_of: str | None = None  # a deprecated spelling: the flag it stands for
 
 
 def cli_meta(info: Any) -> dict[str, Any]:
@@ -113,9 +111,6 @@ def _same(v: Any) -> Any:
     return v
 
 
-UNSET = object()  # an option not given whose field has no default: left out of the config (it names the field)
-
-
 def _field_default(info: Any, instance: Any, name: str, plain: Any = None) -> Any:
     """The value a command starts a field from: a nested default's own value where it overrides the class's
     (``plain``: the class built with no arguments), else the field's declared default. A value a validator derives
@@ -143,9 +138,6 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
     long = meta.get("flag", "--" + name.replace("_", "-"))
     flags = [long] + ([meta["short"]] if meta.get("short") else [])
     required = default is PydanticUndefined
-    unset = required and bool(meta.get("deprecated"))  # a former spelling may give it: the config says if none does
-    if unset:
-        default, optional, required = None, True, False
     kw: dict[str, Any] = {"help": help_text, "show_default": not required and default is not None}
     if meta.get("envvar"):
         kw["envvar"] = meta["envvar"]
@@ -193,8 +185,6 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
     if meta.get("positional"):
         ann = Annotated[typ, typer.Argument(help=help_text, show_default=kw.get("show_default", True))]
         return Opt(path, name, [], ann, ... if required else default, convert, positional=True)
-    if unset:
-        convert = lambda v, given=convert: UNSET if v is None else given(v)  # noqa: E731
     return Opt(path, name, flags, Annotated[typ, typer.Option(*flags, **kw)], ... if required else default, convert)
 
 
@@ -206,17 +196,6 @@ def _numeric_paths() -> list[str]:
     sidr = numeric_settings(EncodeSettings(backbone={"model": "x"}, readout=ReadoutConfig(readout="sidr")))["readout"]
     out += [f"readout.{k}" for k in dict.fromkeys([*keys["readout"], *sidr])]  # the SIDR-only settings too
     return out + [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")]
-
-
-def deprecated_opts(o: Opt, info: Any) -> list[Opt]:
-    """Hidden options for a field's former spellings (``cli(deprecated=[...])``): each sets the field as its
-    new flag does, with a warning."""
-    out = []
-    for i, old in enumerate(cli_meta(info).get("deprecated") or []):
-        typ, _ = _strip_optional(typing.get_args(o.annotation)[0])
-        out.append(Opt(o.path, f"{o.param}__old{i}", [old], Annotated[typ | None, typer.Option(old, hidden=True)],
-                       None, o.convert, alias_of=o.flags[0].split("/")[0]))  # fmt: skip
-    return out
 
 
 def system_ref_opts(path: tuple[str, ...], description: str, skip: Sequence[str] = ()) -> list[Opt]:
@@ -257,7 +236,6 @@ def config_opts(model: type[BaseModel], prefix: tuple[str, ...] = (), instance: 
             out += config_opts(annotation, prefix + (name,), default if isinstance(default, BaseModel) else None)
         else:
             out.append(leaf_opt(prefix + (name,), info, default))
-            out += deprecated_opts(out[-1], info)
     return out
 
 
@@ -279,14 +257,8 @@ def check_unique(opts: Sequence[Opt], where: str, reserved: Sequence[str] = ()) 
 def config_data(opts: Sequence[Opt], values: dict[str, Any]) -> dict[str, Any]:
     """The config's fields (a nested dict) from a command's parameter values."""
     data: dict[str, Any] = {}
-    for o in sorted(opts, key=lambda o: o.alias_of is not None):  # a former spelling, when given, last
-        if o.alias_of is not None:
-            if values[o.param] is None:
-                continue
-            typer.echo(f"warning: {o.flags[0]} is deprecated here; use {o.alias_of}", err=True)
+    for o in opts:
         value = o.convert(values[o.param])
-        if value is UNSET:
-            continue
         if o.ref is None:
             _nested(data, o.path[:-1])[o.path[-1]] = value
             continue

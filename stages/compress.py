@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import AliasChoices, Field
+from pydantic import Field
 
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.search.codecs import FLOAT16, compress_table, parse_store, vectors_of
@@ -37,12 +37,10 @@ class CompressConfig(StageConfig, ClusterConfig):
     system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.",
                               json_schema_extra=cli(filters_except=["store", "store_seed"]))  # fmt: skip
     dataset: str = like(EncodeConfig, "dataset")
-    # encode's names for the same settings (`--to` and `--seed` before: taken, with a warning)
+    # encode's names for the same settings
     store: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
-                       "16,384 centroids) or pq:M (search/codecs.py).", validation_alias=AliasChoices("store", "to"),
-                       json_schema_extra=cli(deprecated=["--to"]))  # fmt: skip
-    store_seed: int = like(EncodeConfig, "store_seed", validation_alias=AliasChoices("store_seed", "seed"),
-                           json_schema_extra=cli(deprecated=["--seed"]))  # fmt: skip
+                       "16,384 centroids) or pq:M (search/codecs.py).")  # fmt: skip
+    store_seed: int = like(EncodeConfig, "store_seed")
     verify: bool = like(EncodeConfig, "verify")
     k: KList | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
                                 "dataset; its queries are copied as they are).")  # fmt: skip

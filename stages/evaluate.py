@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from pydantic import AfterValidator, Field
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.evaluation import DEFAULT_MEASURES
 from diffret.retrieval.evaluation.arrays import evaluate_tables
 from diffret.retrieval.evaluation.measures import check_measures
@@ -155,14 +156,12 @@ def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevanc
     }
 
 
-_QRELS: dict[tuple[str, str, str, str], pa.Table] = {}  # (root, dataset, split, qrels sha256) -> the split's qrels
+# (root, dataset, split, qrels sha256) -> the split's qrels: more splits than one evaluation reads
+_QRELS: KeyedCache[tuple[str, str, str, str], pa.Table] = KeyedCache(size=256)
 
 
 def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> pa.Table:
-    key = (store.root, dataset, split, sha)
-    if key not in _QRELS:
-        _QRELS[key] = qrels_table(store, dataset, split)
-    return _QRELS[key]
+    return _QRELS.get((store.root, dataset, split, sha), lambda: qrels_table(store, dataset, split))
 
 
 class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated", distributed=True):

@@ -69,13 +69,11 @@ class LateConfig(QueriesConfig, ClusterConfig):
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
     depths: list[Positive] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
-                              "stage's top (one run each).", json_schema_extra=cli(flag="--depth",
-                                                                                   deprecated=["--m"]))  # fmt: skip
+                              "stage's top (one run each).", json_schema_extra=cli(flag="--depth"))  # fmt: skip
     first_stage: str = like(RerankConfig, "first_stage")
-    # rerank's former spellings (--kq, --kp, --mode) are this command's re-scoring budgets and mode: not taken here
-    first_kq: int = like(RerankConfig, "first_kq", json_schema_extra=None)
-    first_kp: int = like(RerankConfig, "first_kp", json_schema_extra=None)
-    first_mode: str | None = like(RerankConfig, "first_mode", json_schema_extra=None)
+    first_kq: int = like(RerankConfig, "first_kq")
+    first_kp: int = like(RerankConfig, "first_kp")
+    first_mode: str | None = like(RerankConfig, "first_mode")
     batch_size: int = like(EncodeConfig, "batch_size")
     verify: bool = like(EncodeConfig, "verify", description="Check every part of the partial folder by sha256 "
                         "(default: its size and mtime); a damaged part is encoded again, even when every run is "

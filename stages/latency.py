@@ -55,11 +55,11 @@ class LatencyConfig(StageConfig):
                             "encode names it); the synthetic inputs are not cut by it, only by the model's positions.")
     kinds: list[Literal["encode", "search"]] = Field(default=["encode", "search"], description="What to time.")
     sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.",
-                                                     json_schema_extra=cli(flag="--side", deprecated=["--sides"]))
+                                                     json_schema_extra=cli(flag="--side"))
     lengths: list[Positive] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
                                "tokens, before the prompt).")  # fmt: skip
     batch_sizes: list[Positive] = Field(default=[1], description="Texts per forward pass (1: one query's latency).",
-                                   json_schema_extra=cli(flag="--batch-size", deprecated=["--batch-sizes"]))
+                                   json_schema_extra=cli(flag="--batch-size"))
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
     search_sizes: list[Positive] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to "
                                          "search; synthetic, held in memory: documents x K_p x hidden x 4 bytes.")

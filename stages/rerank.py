@@ -47,13 +47,10 @@ class RerankConfig(QueriesConfig, ClusterConfig):
                               json_schema_extra=cli(flag="--split"))  # fmt: skip
     first_stage: str = Field(default="bm25", description="The run to rerank: a system slug (or unique prefix), or "
                              "bm25 for the store's BM25 system.")  # fmt: skip
-    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).",
-                          json_schema_extra=cli(deprecated=["--kq"]))  # fmt: skip
-    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).",
-                          json_schema_extra=cli(deprecated=["--kp"]))  # fmt: skip
+    first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
+    first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
     first_mode: str | None = Field(default=None, description="The first-stage run's mode (default: bm25 for BM25, "
-                                   "imported for an imported run, fusion for a fusion; an encoder's must be named).",
-                                   json_schema_extra=cli(deprecated=["--mode"]))  # fmt: skip
+                                   "imported for an imported run, fusion for a fusion; an encoder's must be named).")
     depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
     method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
     backbone: BackboneConfig = Field(default_factory=default_backbone,
@@ -118,15 +115,16 @@ def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str,
 KIND_MODES = {"bm25": "bm25", "run": IMPORTED_MODE, "fusion": FUSION_MODE}
 
 
-def first_stage_mode(store: ArtifactStore, system: str, mode: str | None) -> str:
+def first_stage_mode(store: ArtifactStore, system: str, mode: str | None,
+                     options: str = "--first-mode (and --first-kq, --first-kp)") -> str:  # fmt: skip
     """``mode``, or when None the first-stage system's one mode (BM25, an imported run, a fusion); an encoder's
-    runs have a grid, so its mode must be named."""
+    runs have a grid, so its mode must be named (with ``options``, as the command spells them)."""
     if mode is not None:
         return mode
     kind = "bm25" if system == "bm25" else find_system(store, SystemRef(system=system)).kind
     if kind not in KIND_MODES:
         raise ValueError(f"the first stage {system!r} is an {kind} system with a grid of runs: name its run with "
-                         "--mode (and --kq, --kp)")  # fmt: skip
+                         f"{options}")  # fmt: skip
     return KIND_MODES[kind]
 
 

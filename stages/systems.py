@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from diffret.caching import KeyedCache
 from diffret.retrieval.fields import Settings
 from diffret.retrieval.models.backbones import BackboneConfig, canonical_model, load_tokenizer, weights_fingerprint
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, ReadoutConfig, readout_class
@@ -255,15 +256,13 @@ def vocab_hash(tokenizer: Any) -> str:
     return hashlib.sha256(repr(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:8]
 
 
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: KeyedCache[str, Any] = KeyedCache(size=32)  # more models than one process loads
 
 
 def tokenizer_of(backbone: BackboneConfig) -> Any:
     """The backbone's tokenizer, loaded once per process."""
     key = backbone.model_dump_json(include={"model", "gguf_file", "trust_remote_code"})
-    if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = load_tokenizer(backbone)
-    return _TOKENIZERS[key]
+    return _TOKENIZERS.get(key, lambda: load_tokenizer(backbone))
 
 
 def tokens_slug(backbone: BackboneConfig, max_length: int, title_sep: str = TITLE_SEP) -> str:

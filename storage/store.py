@@ -34,6 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from diffret.caching import KeyedCache
+
 from . import layout
 from .files import FILE_MODE, PARQUET_COMPRESSION, ROW_GROUP_ROWS, _fsync_dir, sha256_file
 from .integrity import DRIFT_HINT, IntegrityMixin, StageState
@@ -76,10 +78,9 @@ __all__ = [
     "shard_record_path",
 ]
 
-_MANIFEST_CACHE_SIZE = 32
-# parsed manifests of local folders, keyed by path and (inode, size, mtime): a reader of one shard at a time
-# (encode units, scoring) parses a 9k-entry manifest once, not once per shard
-_MANIFEST_CACHE: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+# parsed manifests of local folders by path, each with the (inode, size, mtime) it was read at: a reader of one shard
+# at a time (encode units, scoring) parses a 9k-entry manifest once, not once per shard
+_MANIFEST_CACHE: KeyedCache[str, tuple[tuple[int, int, int], Manifest]] = KeyedCache(size=32)
 
 
 class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
@@ -263,15 +264,11 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         except FileNotFoundError:
             return self.require_manifest(stage_dir)  # its error says why
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        hit = _MANIFEST_CACHE.get(path)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        m = self.require_manifest(stage_dir)
-        _MANIFEST_CACHE.pop(path, None)
-        while len(_MANIFEST_CACHE) >= _MANIFEST_CACHE_SIZE:
-            _MANIFEST_CACHE.pop(next(iter(_MANIFEST_CACHE)))
-        _MANIFEST_CACHE[path] = (key, m)
-        return m
+        hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(stage_dir)))
+        if hit[0] != key:  # rewritten since it was parsed: parse it again
+            _MANIFEST_CACHE.pop(path)
+            hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(stage_dir)))
+        return hit[1]
 
     def read_table(
         self,

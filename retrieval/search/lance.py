@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+
+from diffret.caching import KeyedCache
 
 from .encodings import padded
 from .scoring import maxsim
@@ -234,8 +235,7 @@ class _Opened:
     info: IndexInfo | None
 
 
-_OPENED: dict[tuple[str, str], _Opened] = {}
-_OPENED_LOCK = threading.Lock()
+_OPENED: KeyedCache[tuple[str, str], _Opened] = KeyedCache(size=64)  # more tables than one process searches
 
 
 def _signature(db_path: str, table: str) -> tuple:
@@ -263,22 +263,22 @@ def _opened(db_path: str, table: str = TABLE) -> _Opened:
     when :func:`_signature` changes (the table or index was rebuilt, here or by another process)."""
     key = (os.path.abspath(db_path), table)
     sig = _signature(db_path, table)
-    with _OPENED_LOCK:
-        hit = _OPENED.get(key)
-    if hit is not None and hit.signature == sig:
-        return hit
-    tbl = _open(db_path, table)
-    path = _info_path(db_path, table)
-    info = IndexInfo(**json.loads(path.read_text())) if _vector_indices(tbl) and path.exists() else None
-    entry = _Opened(sig, tbl, table_hidden(tbl), tbl.count_rows(), info)
-    with _OPENED_LOCK:
-        _OPENED[key] = entry
-    return entry
+
+    def make() -> _Opened:
+        tbl = _open(db_path, table)
+        path = _info_path(db_path, table)
+        info = IndexInfo(**json.loads(path.read_text())) if _vector_indices(tbl) and path.exists() else None
+        return _Opened(sig, tbl, table_hidden(tbl), tbl.count_rows(), info)
+
+    hit = _OPENED.get(key, make)
+    if hit.signature != sig:  # rebuilt since it was opened: open it again
+        _OPENED.pop(key)
+        hit = _OPENED.get(key, make)
+    return hit
 
 
 def _forget(db_path: str, table: str) -> None:
-    with _OPENED_LOCK:
-        _OPENED.pop((os.path.abspath(db_path), table), None)
+    _OPENED.pop((os.path.abspath(db_path), table))
 
 
 def table_hidden(tbl: Any) -> int:

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from diffret.caching import KeyedCache
+
 from .adapters import with_adapter
 from .config import BackboneConfig
 from .errors import BackboneError
@@ -121,7 +123,8 @@ def check_model_files(cfg: BackboneConfig) -> None:
         _check_safetensors(path)
 
 
-_SAVED_STORES: dict[str, Any] = {}  # store root -> ArtifactStore: a file hashed once per process (size, mtime)
+# store root -> ArtifactStore: a file hashed once per process (size, mtime); more stores than one process reads
+_SAVED_STORES: KeyedCache[str, Any] = KeyedCache(size=16)
 
 
 def check_saved_model(folder: Path) -> None:
@@ -147,7 +150,7 @@ def check_saved_model(folder: Path) -> None:
     # inside a store (``models/model=<name>``) the error names the stage that rebuilds it
     root, rel = (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent,
                                                                                                   home.name)
-    store = _SAVED_STORES.setdefault(str(root), ArtifactStore(str(root)))
+    store = _SAVED_STORES.get(str(root), lambda: ArtifactStore(str(root)))
     store.verify(rel)
 
 

@@ -14,9 +14,9 @@
   log(1 + ReLU), max-pooled over the text's positions, top 768 (the sparse vector; the dense one is the mean).
 
 The reference encoder's behaviour is the default; every other choice is a named setting of ``ReadoutConfig``
-(docs/ARCHITECTURE.md, parity table). One module a readout (``mask``, ``promptreps``, ``single``, ``sidr``) over
-``base`` and ``config``; ``READOUTS`` here is the registry, and every public name is importable from this package
-(a private helper from the module that defines it).
+(docs/ARCHITECTURE.md, parity table). One module a readout (``diffretriever``, ``promptreps``, ``single``,
+``sidr``) over ``base`` and ``config``; ``READOUTS`` here is the registry, and every public name is importable from
+this package (a private helper from the module that defines it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .base import (
     TrainReps,
 )
 from .config import SIDR_ONLY, SIDR_TOPK, ReadoutConfig, ReadoutName
-from .mask import MaskReadout
+from .diffretriever import DiffRetrieverReadout
 from .promptreps import PromptRepsReadout
 from .sidr import SidrReadout
 from .single import DiffEmbedReadout, RepLlamaReadout
@@ -53,7 +53,7 @@ __all__ = [
     "HEAD_CHUNK_BYTES",
     "SIDR_BLOCK_BYTES",
     "Readout",
-    "MaskReadout",
+    "DiffRetrieverReadout",
     "PromptRepsReadout",
     "DiffEmbedReadout",
     "RepLlamaReadout",
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 READOUTS: dict[str, type[Readout]] = {
-    cls.name: cls for cls in (MaskReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
+    cls.name: cls for cls in (DiffRetrieverReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
 }
 assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are the registry's
 

@@ -34,7 +34,7 @@ from .base import (
 from .config import ReadoutConfig
 
 
-class MaskReadout(
+class DiffRetrieverReadout(
     Readout, name="diffretriever", multi_vector=True, has_sparse=True, needs_causal_lm=False, uses_prompt=True,
     k_values="grid", k_meaning="the number of [MASK] slots appended to the prompt (one vector each)",
     adapts_prompt=True,
