@@ -78,10 +78,10 @@ def main() -> None:
 
     store = ArtifactStore(args.root)
     rules = ScoreRules()
-    p_stage = encodings_dir(args.system, args.dataset, "passage", args.kp)
-    p_man = encoding_manifest(store, p_stage)
+    p_folder = encodings_dir(args.system, args.dataset, "passage", args.kp)
+    p_man = encoding_manifest(store, p_folder)
     names = sorted(p_man.files)
-    tables = {n: store.read_table(p_stage, n) for n in names}
+    tables = {n: store.read_table(p_folder, n) for n in names}
     n_passages = sum(t.num_rows for t in tables.values())
     ids = split_queries(store, args.dataset, args.split)
     qrels = qrels_table(store, args.dataset, args.split)

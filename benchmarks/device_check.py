@@ -316,8 +316,8 @@ def score_part(args: argparse.Namespace, stages: dict[str, Any]) -> dict[str, An
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def read(side: str) -> Any:
-        stage = encodings_dir(stages["system"], "scifact", side, 16)
-        return read_encodings(store, stage, store.require_manifest(stage), device)
+        folder = encodings_dir(stages["system"], "scifact", side, 16)
+        return read_encodings(store, folder, store.require_manifest(folder), device)
 
     q, p = read("query"), read("passage")
     rows = []

@@ -73,12 +73,12 @@ def encodings_table(ids: list[str], x: np.ndarray, sparse: tuple[list, list]) ->
 
 def encoded_folder(store: ArtifactStore, side: str, k: int, tables: Iterator[pa.Table]) -> None:
     """A folder of encodings shards, written and recorded one shard at a time."""
-    stage = encodings_dir(SYSTEM, "synth", side, k)
+    folder = encodings_dir(SYSTEM, "synth", side, k)
     part = {"system": SYSTEM, "dataset": "synth", "side": side, "k": str(k)}
-    m, _ = store.open_sharded(stage, "encodings", part, {"synthetic": True, "k": k})
+    m, _ = store.open_sharded(folder, "encodings", part, {"synthetic": True, "k": k})
     for i, t in enumerate(tables):
-        store.record_shard(stage, shard_name(i), store.write_shard(stage, shard_name(i), t), m.config_hash)
-    store.compact_shards(stage)
+        store.record_shard(folder, shard_name(i), store.write_shard(folder, shard_name(i), t), m.config_hash)
+    store.compact_shards(folder)
 
 
 def build_store(root: str, passages: int, queries: int, kp: int, kq: int, hidden: int, shard: int) -> None:

@@ -74,8 +74,8 @@ class Peak:
 def folder_bytes(store: Any, pattern: str) -> tuple[int, int]:
     """(bytes, files) that the manifests of the folders matching ``pattern`` list."""
     total, files = 0, 0
-    for stage in store.stage_dirs(pattern):
-        m = store.read_manifest(stage)
+    for folder in store.stage_dirs(pattern):
+        m = store.read_manifest(folder)
         total += sum(int(e.bytes or 0) for e in m.files.values())
         files += len(m.files)
     return total, files
@@ -107,14 +107,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    def step(what: str, choice: str, stage: str, fn: Any, patterns: list[str], per: str = "passage") -> Any:
+    def step(what: str, choice: str, folder: str, fn: Any, patterns: list[str], per: str = "passage") -> Any:
         with Peak() as p:
             res = fn()
         store = ArtifactStore(root)
         sizes = [folder_bytes(store, pat) for pat in patterns]
         total, files = sum(b for b, _ in sizes), sum(f for _, f in sizes)
         n = args.n if per == "passage" else args.queries
-        rows.append({"artifact": what, "choice": choice, "stage": stage, "bytes": total, "files": files,
+        rows.append({"artifact": what, "choice": choice, "stage": folder, "bytes": total, "files": files,
                      "per": per, "bytes_per": total / n, "seconds": round(p.seconds, 2),
                      "peak_added_mb": round(p.added_mb, 1)})  # fmt: skip
         log(f"{what} [{choice}]: {total / n:,.0f} B a {per} ({total / 2**20:,.1f} MiB, {files} files), "

@@ -87,19 +87,19 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
                              "a sparse query side (sidr, diffretriever, promptreps)")  # fmt: skip
         config = config.model_copy(update={"kq": budgets(store, config.kq, record.system, config.dataset, "query",
                                                          ctx.log)})  # fmt: skip
-        q_stages = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
+        q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
         q_hashes = {}
         tokens = None
-        for kq, st in q_stages.items():
+        for kq, st in q_folders.items():
             m = encoding_manifest(store, st)
             q_hashes[str(kq)] = m.config_hash
             tokens = m.config.get("tokens", tokens)
         slug = config.bot or tokens
-        b_stage = bot_dir(str(slug), corpus)
-        b_man = store.read_manifest(b_stage)
+        b_folder = bot_dir(str(slug), corpus)
+        b_man = store.read_manifest(b_folder)
         if b_man is None:
             raise IncompleteArtifactError(
-                f"{store.abspath(b_stage)}: no bag-of-tokens index; run `diffret bot -d {corpus} --model "
+                f"{store.abspath(b_folder)}: no bag-of-tokens index; run `diffret bot -d {corpus} --model "
                 f"{record.model}` first"
             )
         _check_tokenizer(record, b_man.config)
@@ -112,9 +112,9 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
                 cfg = cell_config(record.system, config.dataset, corpus, split, kq, 0, "beta", config.depth(split), 0,
                                   config.ignore_ids(), {"queries": q_hashes[str(kq)], "bot": b_man.config_hash})
                 cfg["bot"] = b_man.partition
-                stage = run_dir(record.system, config.dataset, split, kq, 0, "beta")
-                if plan.needs(ctx, stage, cfg, config.force):
-                    cells.append(Cell(split, kq, 0, "beta", stage, cfg))
+                folder = run_dir(record.system, config.dataset, split, kq, 0, "beta")
+                if plan.needs(ctx, folder, cfg, config.force):
+                    cells.append(Cell(split, kq, 0, "beta", folder, cfg))
         plan.count = len(cells)
         plan.details["inputs"] = inputs
         if not cells:
@@ -125,14 +125,14 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
         factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
         ignore = config.ignore_ids()
         depth = search_depth(cells)
-        shared = {"query_stages": {str(kq): q_stages[kq] for kq in sorted({c.kq for c in cells})},
-                  "query_ids": query_ids, "bot_stage": b_stage, "topk": depth + (1 if ignore else 0),
+        shared = {"query_stages": {str(kq): q_folders[kq] for kq in sorted({c.kq for c in cells})},
+                  "query_ids": query_ids, "bot_stage": b_folder, "topk": depth + (1 if ignore else 0),
                   "sparse_factor": factor}  # fmt: skip
         pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
             {"ids": query_ids}), "unit_passages": config.unit_passages, "inputs": inputs}  # fmt: skip
         n_passages = b_man.total_rows()
         blocks = even_blocks(n_passages, config.unit_passages, "passages")
-        merge = BetaMerge(cells, depth, ignore, query_ids, split_rows, n_passages, b_stage)
+        merge = BetaMerge(cells, depth, ignore, query_ids, split_rows, n_passages, b_folder)
         done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=0, config=pass_cfg,
                              shared=shared, blocks=blocks, merge=merge)  # fmt: skip
         ctx.log(f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "

@@ -71,9 +71,9 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
             }  # fmt: skip
             if sharded:  # its runs keep, of the documents tied at the cut-off, the first in corpus order
                 cfg["shard_size"] = config.shard_size
-            stage = run_dir(system, config.dataset, split, 0, 0, "bm25")
-            if plan.needs(ctx, stage, cfg, config.force):
-                todo.append(Cell(split, 0, 0, "bm25", stage, cfg))
+            folder = run_dir(system, config.dataset, split, 0, 0, "bm25")
+            if plan.needs(ctx, folder, cfg, config.force):
+                todo.append(Cell(split, 0, 0, "bm25", folder, cfg))
         depth = max(config.depth(s) for s in config.splits)  # every split's search the same, whichever are to do
         plan.units = [BM25Unit([cell], {cell.split: split_ids[cell.split]}, depth) for cell in todo]
         plan.count = len(todo)

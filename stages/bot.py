@@ -74,8 +74,8 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
     def plan(self, config: BotConfig, ctx: Context) -> Plan:
         corpus = corpus_of(config.dataset)
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
-        t_stage = tokens_dir(slug, corpus, "passage")
-        t_man = tokens_manifest(ctx.store, t_stage, f"run `diffret tokenize -d {corpus} --side passage --model "
+        t_folder = tokens_dir(slug, corpus, "passage")
+        t_man = tokens_manifest(ctx.store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model "
                                 f"{config.backbone.model}` (or `diffret encode`) first")  # fmt: skip
         tokenizer = tokenizer_of(config.backbone)
         cfg = {
@@ -83,24 +83,24 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
             "vocab_size": len(tokenizer), "vocab_hash": vocab_hash(tokenizer),
             "inputs": {"tokens": t_man.config_hash, "rows": t_man.total_rows()},
         }  # fmt: skip
-        stage = bot_dir(slug, corpus)
-        plan = Plan(system=slug, details={"stage": stage})
-        if plan.needs(ctx, stage, cfg, config.force):
-            plan.units.append(Folder(stage, cfg))
+        folder = bot_dir(slug, corpus)
+        plan = Plan(system=slug, details={"stage": folder})
+        if plan.needs(ctx, folder, cfg, config.force):
+            plan.units.append(Folder(folder, cfg))
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> dict[str, Any]:
         store, c = ctx.store, unit.config
-        t_stage = tokens_dir(c["tokenizer"], c["dataset"], "passage")
-        t_man = store.require_manifest(t_stage)
+        t_folder = tokens_dir(c["tokenizer"], c["dataset"], "passage")
+        t_man = store.require_manifest(t_folder)
         if t_man.config_hash != c["inputs"]["tokens"]:
-            raise IncompleteArtifactError(f"{store.abspath(t_stage)}: changed since the bot stage planned; run again")
+            raise IncompleteArtifactError(f"{store.abspath(t_folder)}: changed since the bot stage planned; run again")
         start = time.perf_counter()
         counts = {"passages": 0, "nnz": 0}
 
         def batches() -> Iterator[pa.Table]:
             for name in sorted(t_man.files):  # shard by shard: memory is one shard's
-                t = store.read_table(t_stage, name, columns=["id", "token_ids"])
+                t = store.read_table(t_folder, name, columns=["id", "token_ids"])
                 bags = bag_of_tokens(t.column("token_ids"), c["excluded_ids"])
                 counts["passages"] += len(bags)
                 counts["nnz"] += len(bags.values)

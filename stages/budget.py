@@ -109,10 +109,10 @@ def feature_set(features: str, mode: str) -> str:
 def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -> dict[tuple[int, int], str]:
     """The evaluated cells of a system's grid on a split, in one mode: (K_q, K_p) -> metrics folder."""
     out = {}
-    for stage in ctx.store.stage_dirs(f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"):
-        parts = dict(p.split("=", 1) for p in stage.split("/")[1:])
+    for folder in ctx.store.stage_dirs(f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"):
+        parts = dict(p.split("=", 1) for p in folder.split("/")[1:])
         if int(parts["kq"]) > 0:
-            out[(int(parts["kq"]), int(parts["kp"]))] = stage
+            out[(int(parts["kq"]), int(parts["kp"]))] = folder
     return out
 
 
@@ -168,9 +168,9 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             if config.features == "first_pass":
                 run = run_dir(system, config.dataset, split, *first, config.mode)
                 cfg.update(first_pass=run, inputs={**cfg["inputs"], "first_pass": fingerprint(run)})
-            stage = features_dir(system, config.dataset, split, fset)
+            folder = features_dir(system, config.dataset, split, fset)
             feats[split] = cfg
-            plan.add_folder(ctx, stage, {**cfg, "kind": "features"}, config.force)
+            plan.add_folder(ctx, folder, {**cfg, "kind": "features"}, config.force)
         for split in config.splits:
             source = split if config.cross_fit else config.train_split
             runs = {f"{kq}x{kp}": run_dir(system, config.dataset, split, kq, kp, config.mode) for kq, kp in cells}
@@ -186,9 +186,9 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
                        "train_split": split if config.cross_fit else config.train_split,
                        "seed": config.seed, "folds": config.folds, "cells": [list(c) for c in cells],
                        "inputs": inputs}  # fmt: skip
-                stage = run_dir(system, config.dataset, split, 0, 0, mode)
-                plan.details["runs"].append(stage)
-                plan.add_folder(ctx, stage, cfg, config.force)
+                folder = run_dir(system, config.dataset, split, 0, 0, mode)
+                plan.details["runs"].append(folder)
+                plan.add_folder(ctx, folder, cfg, config.force)
         return plan
 
     def unit_name(self, unit: Folder) -> str:
@@ -316,10 +316,10 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
     q = store.read_table(dataset_dir(dataset), "queries.parquet", columns=["query_id", "text"])
     texts = dict(zip(q.column("query_id").to_pylist(), q.column("text").to_pylist(), strict=True))
     enc1 = store.require_manifest(encodings_dir(system, dataset, "query", min(kqs)))
-    t_stage = tokens_dir(enc1.config["tokens"], dataset, "query")
+    t_folder = tokens_dir(enc1.config["tokens"], dataset, "query")
     n_tokens: dict[str, int] = {}
-    for name in sorted(store.require_manifest(t_stage).files):
-        t = store.read_table(t_stage, name, columns=["id", "n_tokens"])
+    for name in sorted(store.require_manifest(t_folder).files):
+        t = store.read_table(t_folder, name, columns=["id", "n_tokens"])
         n_tokens.update(zip(t.column("id").to_pylist(), t.column("n_tokens").to_pylist(), strict=True))
     out = []
     for qid in queries:

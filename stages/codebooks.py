@@ -57,16 +57,16 @@ def ensure_codebook(store: ArtifactStore, system: str, dataset: str, k: int, con
                     log: Callable[[str], None] = print) -> str:  # fmt: skip
     """The codebook of ``system``'s K_p = ``k`` passages, trained and written unless current (resumable: a
     killed training leaves nothing); its file's sha256, which the encodings folders it codes record."""
-    stage = codebook_dir(system, dataset, k)
-    if store.state(stage, config, force=force) is not StageState.CURRENT:
+    folder = codebook_dir(system, dataset, k)
+    if store.state(folder, config, force=force) is not StageState.CURRENT:
         spec, n = config["store"], int(config["sample"])
         log(f"training the {spec} codebook of K_p={k} on up to {n:,} vectors (seed {config['seed']})")
         x = codebook_sample(shards, vectors, n, int(config["seed"]))
         cb = train_codebook(x, spec, int(config["seed"]), int(config["n_corpus"]), system=system, dataset=dataset, k=k)
         part = {"system": system, "dataset": dataset, "k": str(k)}
-        with store.stage_writer(stage, Manifest.new("codebooks", part, config, stats={"vectors": len(x)})) as w:
+        with store.stage_writer(folder, Manifest.new("codebooks", part, config, stats={"vectors": len(x)})) as w:
             w.write_file(CODEBOOK_FILE, cb.to_bytes())
-    return codebook_digest(store, stage)
+    return codebook_digest(store, folder)
 
 
 def compressed_config(base: dict[str, Any], digest: str) -> dict[str, Any]:

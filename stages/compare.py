@@ -71,13 +71,13 @@ def all_runs(store: ArtifactStore, dataset: str, split: str, damaged: dict[str, 
     """``SYSTEM:MODE:KQ:KP`` of every run of ``dataset``/``split`` in the store; a run folder whose manifest is damaged
     is left out and named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
-    for stage in store.stage_dirs("runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"):
+    for folder in store.stage_dirs("runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"):
         try:
-            m = store.read_manifest(stage)
+            m = store.read_manifest(folder)
         except StoreError as exc:
             if damaged is None:
                 raise
-            damaged[stage] = str(exc)
+            damaged[folder] = str(exc)
             continue
         if m is not None:
             p = m.partition
@@ -89,13 +89,13 @@ def _metrics(store: ArtifactStore, run: PickedRun, dataset: str, split: str, mea
              damaged: dict[str, str] | None = None) -> Manifest | None:  # fmt: skip
     """The metrics manifest of ``run``, holding ``measures``; a damaged one is named in ``damaged`` (None returned)
     when given, else its error is raised; none, or one without a measure: refused with the command that makes it."""
-    stage = metrics_dir(run.system, dataset, split, run.kq, run.kp, run.mode)
+    folder = metrics_dir(run.system, dataset, split, run.kq, run.kp, run.mode)
     try:
-        m = store.read_manifest(stage)
+        m = store.read_manifest(folder)
     except StoreError as exc:
         if damaged is None:
             raise
-        damaged[stage] = str(exc)
+        damaged[folder] = str(exc)
         return None
     at = store.printed_root()
     root = f" --root {shlex.quote(at)}" if at else ""
@@ -160,10 +160,10 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
                              "--run")  # fmt: skip
         inputs = {r.label: metrics[r.label].config_hash for r in runs}  # type: ignore[union-attr]
         cfg = {**config.settings(), "picked": [{"label": r.label, **r.ref()} for r in runs], "inputs": inputs}
-        stage = comparison_dir(config.folder_name())
+        folder = comparison_dir(config.folder_name())
         plan = Plan()
-        if plan.needs_folder(ctx, stage, cfg, config.force, hint="Pass --force to replace it, or --name NEW."):
-            plan.units.append(Folder(stage, cfg))
+        if plan.needs_folder(ctx, folder, cfg, config.force, hint="Pass --force to replace it, or --name NEW."):
+            plan.units.append(Folder(folder, cfg))
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> Comparison:
@@ -192,15 +192,15 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
         return comp
 
     def finish(self, config: CompareConfig, plan: Plan, results: list[Comparison], ctx: Context) -> dict[str, Any]:
-        stage = comparison_dir(config.folder_name())
+        folder = comparison_dir(config.folder_name())
         store = ctx.store
-        text = {k: store.fs.cat_file(store.abspath(f"{stage}/{f}")).decode() for k, f in FILES.items()}
+        text = {k: store.fs.cat_file(store.abspath(f"{folder}/{f}")).decode() for k, f in FILES.items()}
         if config.out_dir:
             os.makedirs(config.out_dir, exist_ok=True)
             for k, f in FILES.items():
                 with open(os.path.join(config.out_dir, f), "w", encoding="utf-8") as out:
                     out.write(text[k])
-        return {"folder": store.abspath(stage), "markdown": text["markdown"], "shown": text[config.show]}
+        return {"folder": store.abspath(folder), "markdown": text["markdown"], "shown": text[config.show]}
 
 
 stage = Compare()

@@ -53,7 +53,7 @@ class CompressUnit:
 
     source: str
     shard: str
-    out_stage: str
+    out_folder: str
     side: str
     k: int
     rows: int
@@ -107,18 +107,18 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                                              sorted(m.files), lambda s, src=src: vectors_of(store.read_table(src, s)),
                                              ctx.log)  # fmt: skip
                     base = compressed_config(base, digest)
-                stage = encodings_dir(out.system, config.dataset, side, k)
-                ctx.hold(stage)
+                folder = encodings_dir(out.system, config.dataset, side, k)
+                ctx.hold(folder)
                 part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                m_out, done = store.open_sharded(stage, "encodings", part, base, force=config.force,
+                m_out, done = store.open_sharded(folder, "encodings", part, base, force=config.force,
                                                  verify=config.verify)  # fmt: skip
-                plan.details["stages"][f"{side}/k={k}"] = stage
+                plan.details["stages"][f"{side}/k={k}"] = folder
                 for shard in sorted(m.files):
                     if shard in done:
                         plan.skipped += 1
                         continue
                     rows = int(m.files[shard].rows or 0)
-                    plan.units.append(CompressUnit(src, shard, stage, side, k, rows, m_out.config_hash,
+                    plan.units.append(CompressUnit(src, shard, folder, side, k, rows, m_out.config_hash,
                                                    config.store if side == "passage" else FLOAT16, codebook))
                     plan.work += rows
         register(store, out, write=False)
@@ -148,10 +148,10 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         if unit.store != FLOAT16:
             codebook, digest = read_codebook(ctx.store, unit.codebook) if unit.codebook else (None, None)
             table = compress_table(table, make_codec(unit.store, codebook, digest))
-        return ctx.store.write_shard(unit.out_stage, unit.shard, table)
+        return ctx.store.write_shard(unit.out_folder, unit.shard, table)
 
     def commit(self, unit: CompressUnit, result: FileEntry, ctx: Context) -> None:
-        ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
+        ctx.store.record_shard(unit.out_folder, unit.shard, result, unit.config_hash)
 
     def finish(self, config: CompressConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Compact each folder's shard records into its manifest; register the compressed system."""

@@ -119,19 +119,19 @@ def materialise(
     unknown_judgments: str = "error",
 ) -> DownloadResult:
     """Validate and store a collection's files (unless the same source is already stored)."""
-    stage = dataset_dir(name)  # validates the name as a partition value
+    folder = dataset_dir(name)  # validates the name as a partition value
     config = artifact_config(name, files, unknown_judgments)
     if state is None:
-        state = store.state(stage, config, force=force, hint=DRIFT_HINT.format(name=name))
+        state = store.state(folder, config, force=force, hint=DRIFT_HINT.format(name=name))
     if state is StageState.CURRENT:
-        m = store.require_manifest(stage)
+        m = store.require_manifest(folder)
         return DownloadResult(name, "unchanged", m,
                               [f"{name}: already in the store with the same source; nothing to do"])  # fmt: skip
     report = DatasetReport(dataset=name, notes=list(files.notes))
     if state is StageState.DAMAGED:
         report.notes.append("the stored copy failed its checksums and was rebuilt")
     manifest = Manifest.new("datasets", {"dataset": name}, config)
-    with store.stage_writer(stage, manifest) as w:
+    with store.stage_writer(folder, manifest) as w:
         doc_ids: DocIds | None
         if files.corpus is not None:
             doc_ids = DocIds()
@@ -224,22 +224,22 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
         """A collection the store holds, used by its name without ``--source`` (downloaded once, from a mirror or
         the network): nothing to do when its files verify; a damaged copy is rebuilt from the source it was made
         from (None: the official location is fetched)."""
-        stage = dataset_dir(config.dataset)
+        folder = dataset_dir(config.dataset)
         try:
-            m = ctx.store.read_manifest(stage, trusted=False)
+            m = ctx.store.read_manifest(folder, trusted=False)
         except StoreError:
             m = None
         if m is None:
             return None
         origin = str(m.config.get("source") or "")
-        state = ctx.store.state(stage, m.config)
+        state = ctx.store.state(folder, m.config)
         if state is StageState.CURRENT:
             lines = [f"{config.dataset}: already in the store (from {origin}); nothing to do"]
             return Plan(skipped=1, details={"dataset": config.dataset, "status": "unchanged", "report": lines})
         if origin in ("", "official"):
             return None
         if not (Path(origin).exists() or "://" in origin):
-            raise DatasetError(f"{ctx.store.abspath(stage)}: the stored copy of {config.dataset!r} is damaged and its "
+            raise DatasetError(f"{ctx.store.abspath(folder)}: the stored copy of {config.dataset!r} is damaged and its "
                                f"source {origin} is gone; give it again with --source")  # fmt: skip
         unknown = m.config.get("unknown_judgments", config.unknown_judgments)
         return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)

@@ -159,14 +159,14 @@ def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, ki
     texts are filtered while encoding, as without it)."""
     if kind == "none":
         return None, set()
-    stage = filters_dir(tokens, dataset, side, kind)
+    folder = filters_dir(tokens, dataset, side, kind)
     try:
-        m = store.read_manifest(stage)
+        m = store.read_manifest(folder)
     except StoreError:
         return None, set()
     if m is None or (m.config.get("inputs") or {}).get("tokens") != tokens_hash:
         return None, set()
-    return stage, set(m.files)
+    return folder, set(m.files)
 
 
 def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int,
@@ -183,14 +183,14 @@ class EncodeUnit:
     Dask worker, or recorded as a Prefect task's parameters, costs the same few bytes whatever the settings."""
 
     plan: str  # key of the run's shared settings: {"settings", "batch_size", "weights"}
-    tokens_stage: str
+    tokens_folder: str
     shard: str
-    out_stage: str
+    out_folder: str
     side: str
     k: int
     rows: int
     config_hash: str  # of the folder's manifest when planned: the shard is recorded against it
-    filter_stage: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
+    filter_folder: str | None = None  # the content filter's ids of the shard's texts, stored at tokenize time
     head_stats: bool = False  # also the LM head's entropy and max probability at each slot
     store: str = FLOAT16  # passages: the storage choice their vectors are coded with (retrieval/search/codecs.py)
     codebook: str | None = None  # its codebook folder, when the choice is trained
@@ -213,17 +213,17 @@ def reader_for(settings: EncodeSettings) -> Readout:
                                                      settings.max_length))  # fmt: skip
 
 
-def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens_stage: str, shard: str,
-                 filter_stage: str | None, side: str, k: int, head_stats: bool = False,
+def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens_folder: str, shard: str,
+                 filter_folder: str | None, side: str, k: int, head_stats: bool = False,
                  advance: Callable[[int], None] | None = None) -> pa.Table:  # fmt: skip
     """One tokens shard encoded at K (float16 vectors, the encodings schema)."""
     reader = reader_for(settings)
-    t = ctx.store.read_table(tokens_stage, shard)
+    t = ctx.store.read_table(tokens_folder, shard)
     ids, filtered = t.column("id").to_pylist(), None
-    if filter_stage:  # the filter's ids, stored at tokenize time: the texts are not filtered again
-        f = ctx.store.read_table(filter_stage, shard)
+    if filter_folder:  # the filter's ids, stored at tokenize time: the texts are not filtered again
+        f = ctx.store.read_table(filter_folder, shard)
         if f.column("id").to_pylist() != ids:
-            raise StoreError(f"{ctx.store.abspath(filter_stage)}/{shard}: its ids are not the tokens shard's; run "
+            raise StoreError(f"{ctx.store.abspath(filter_folder)}/{shard}: its ids are not the tokens shard's; run "
                              "`diffret encode --verify`")  # fmt: skip
         filtered = f.column("allowed_ids").to_pylist()
     return encode_rows(
@@ -290,32 +290,32 @@ class Encode(
         plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
         weights = weights_of(config.backbone)
         for side in config.sides:
-            t_stage = tokens_dir(tokens, config.dataset, side)
-            t_man = tokens_manifest(ctx.store, t_stage, "run `diffret encode` (which tokenizes first) or the "
+            t_folder = tokens_dir(tokens, config.dataset, side)
+            t_man = tokens_manifest(ctx.store, t_folder, "run `diffret encode` (which tokenizes first) or the "
                                     "tokenize stage")  # fmt: skip
-            f_stage, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
+            f_folder, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
                                               t_man.config_hash)  # fmt: skip
             for k in config.budgets(side):
-                stage = encodings_dir(record.system, config.dataset, side, k)
+                folder = encodings_dir(record.system, config.dataset, side, k)
                 stats = config.head_stats and side == "query"
                 cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)
                 codebook = None
                 if side == "passage" and parse_store(config.store).trained:
                     codebook = codebook_dir(record.system, config.dataset, k)
-                    digest = self._codebook(config, ctx, settings, tokens, t_stage, t_man, f_stage, filtered, k)
+                    digest = self._codebook(config, ctx, settings, tokens, t_folder, t_man, f_folder, filtered, k)
                     cfg = compressed_config(cfg, digest)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                ctx.hold(stage)  # another encode of this folder running now is refused, not raced
-                m, done = ctx.store.open_sharded(stage, "encodings", part, cfg, force=config.force,
+                ctx.hold(folder)  # another encode of this folder running now is refused, not raced
+                m, done = ctx.store.open_sharded(folder, "encodings", part, cfg, force=config.force,
                                                  verify=config.verify)  # fmt: skip
-                plan.details["stages"][f"{side}/k={k}"] = stage
+                plan.details["stages"][f"{side}/k={k}"] = folder
                 for shard in sorted(t_man.files):
                     if shard in done:
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit("", t_stage, shard, stage, side, k, rows, m.config_hash,
-                                      f_stage if shard in filtered else None, stats,
+                    unit = EncodeUnit("", t_folder, shard, folder, side, k, rows, m.config_hash,
+                                      f_folder if shard in filtered else None, stats,
                                       config.store if side == "passage" else FLOAT16, codebook)  # fmt: skip
                     plan.units.append(unit)
                     plan.work += rows
@@ -333,8 +333,8 @@ class Encode(
                 unit.plan = plan.details["plan"]
         return plan
 
-    def _codebook(self, config: EncodeConfig, ctx: Context, settings: EncodeSettings, tokens: str, t_stage: str,
-                  t_man: Manifest, f_stage: str | None, filtered: set[str], k: int) -> str:  # fmt: skip
+    def _codebook(self, config: EncodeConfig, ctx: Context, settings: EncodeSettings, tokens: str, t_folder: str,
+                  t_man: Manifest, f_folder: str | None, filtered: set[str], k: int) -> str:  # fmt: skip
         """The K_p codebook of a trained storage choice (trained now unless current): its sample is the float16
         vectors of the shards ``diffret compress`` would read, in its seeded order, taken from the float16 system
         when it holds them, else encoded here (the model's work before the units: the sample only)."""
@@ -351,7 +351,7 @@ class Encode(
             if shard in stored:
                 return vectors_of(ctx.store.read_table(source, shard))
             check_weights(config.backbone)
-            table = encode_shard(ctx, f16, config.batch_size, t_stage, shard, f_stage if shard in filtered else None,
+            table = encode_shard(ctx, f16, config.batch_size, t_folder, shard, f_folder if shard in filtered else None,
                                  "passage", k)  # fmt: skip
             return vectors_of(table)
 
@@ -369,14 +369,14 @@ class Encode(
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
         shared = shared_settings(ctx, unit.plan)
         table = encode_shard(ctx, EncodeSettings.model_validate(shared["settings"]), shared["batch_size"],
-                             unit.tokens_stage, unit.shard, unit.filter_stage, unit.side, unit.k, unit.head_stats,
+                             unit.tokens_folder, unit.shard, unit.filter_folder, unit.side, unit.k, unit.head_stats,
                              ctx.advance)  # fmt: skip
         if unit.store != FLOAT16:
             table = compress_table(table, _codec(ctx, unit))
-        return ctx.store.write_shard(unit.out_stage, unit.shard, table)
+        return ctx.store.write_shard(unit.out_folder, unit.shard, table)
 
     def commit(self, unit: EncodeUnit, result: FileEntry, ctx: Context) -> None:
-        ctx.store.record_shard(unit.out_stage, unit.shard, result, unit.config_hash)
+        ctx.store.record_shard(unit.out_folder, unit.shard, result, unit.config_hash)
         record, weights = self._record(unit, ctx)
         if not ctx.store.exists(manifest_path(system_dir(record.system))):  # registered once it has artifacts
             register(ctx.store, record, weights)

@@ -81,8 +81,8 @@ def list_runs(
     hand, its run file missing or changed: the cheap checks of :meth:`ArtifactStore.check_file`) is left out and
     named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
-    for stage in store.stage_dirs("runs/*/*/*/*/*/*"):
-        p = dict(part.split("=", 1) for part in stage.split("/")[1:])  # the folder's partition, as it was written
+    for folder in store.stage_dirs("runs/*/*/*/*/*/*"):
+        p = dict(part.split("=", 1) for part in folder.split("/")[1:])  # the folder's partition, as it was written
         if systems and p.get("system") not in systems:
             continue
         if datasets and p.get("dataset") not in datasets:
@@ -90,17 +90,17 @@ def list_runs(
         if splits and p.get("split") not in splits:
             continue
         try:
-            m = store.read_manifest(stage)
+            m = store.read_manifest(folder)
             if m is None or RUN_FILE not in m.files:
                 continue
-            written = store.file_stat(layout.manifest_path(stage))  # its files are written before it
-            store.check_file(stage, RUN_FILE, m.files[RUN_FILE], written[1] if written else None)
+            written = store.file_stat(layout.manifest_path(folder))  # its files are written before it
+            store.check_file(folder, RUN_FILE, m.files[RUN_FILE], written[1] if written else None)
         except StoreError as exc:
             if damaged is None:
                 raise
-            damaged[stage] = str(exc)
+            damaged[folder] = str(exc)
             continue
-        out.append(RunRef(stage, m.partition, m))
+        out.append(RunRef(folder, m.partition, m))
     return out
 
 
@@ -200,8 +200,8 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
             if ds not in qrels_sha:  # one manifest read per dataset, not per run
                 qrels_sha[ds] = dataset_manifest(store, ds).files["qrels.parquet"].sha256
             cfg = metrics_config(run, qrels_sha[ds], config.measures, level, config.ties)
-            stage = metrics_dir(p["system"], ds, p["split"], int(p["kq"]), int(p["kp"]), p["mode"])
-            plan.add_folder(ctx, stage, cfg, config.force)
+            folder = metrics_dir(p["system"], ds, p["split"], int(p["kq"]), int(p["kp"]), p["mode"])
+            plan.add_folder(ctx, folder, cfg, config.force)
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> None:

@@ -102,9 +102,9 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
                    "mode": FUSION_MODE, "topk": config.depth, "fusion": settings,
                    "inputs": {"runs": [store.require_manifest(p.stage).config_hash for p in ps],
                               "queries": dataset_manifest(store, config.dataset).config_hash}}  # fmt: skip
-            stage = run_dir(slug, config.dataset, split, 0, 0, FUSION_MODE)
-            if plan.needs(ctx, stage, cfg, config.force):
-                cells.append(Cell(split, 0, 0, FUSION_MODE, stage, cfg))
+            folder = run_dir(slug, config.dataset, split, 0, 0, FUSION_MODE)
+            if plan.needs(ctx, folder, cfg, config.force):
+                cells.append(Cell(split, 0, 0, FUSION_MODE, folder, cfg))
                 inputs[split] = [p.stage for p in ps]
         if cells:
             plan.units.append(FuseUnit(cells, inputs, config.weight_list(), config.depth, record.model_dump()))

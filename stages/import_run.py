@@ -100,13 +100,13 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
         cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": config.split, "kq": 0, "kp": 0,
                "mode": IMPORTED_MODE, "topk": config.depth,
                "source": {"file": path.name, "format": fmt, "sha256": _sha256(path)}, "inputs": inputs}  # fmt: skip
-        stage = run_dir(slug, config.dataset, config.split, 0, 0, IMPORTED_MODE)
+        folder = run_dir(slug, config.dataset, config.split, 0, 0, IMPORTED_MODE)
         plan = Plan(system=slug)
         record = SystemRecord(system=slug, kind="run", settings={"imported": True})
         register(store, record, write=False, named=True)  # a name another kind of system holds: refused here
-        if plan.needs_folder(ctx, stage, cfg, config.force, hint=f"The store holds run {slug!r} of {config.dataset}/"
+        if plan.needs_folder(ctx, folder, cfg, config.force, hint=f"The store holds run {slug!r} of {config.dataset}/"
                              f"{config.split} from another file; pass --force to replace it, or --name NEW."):
-            plan.units.append(ImportUnit(Cell(config.split, 0, 0, IMPORTED_MODE, stage, cfg), str(path), fmt,
+            plan.units.append(ImportUnit(Cell(config.split, 0, 0, IMPORTED_MODE, folder, cfg), str(path), fmt,
                                          record.model_dump()))  # fmt: skip
         plan.count = len(plan.units)
         return plan

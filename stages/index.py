@@ -94,9 +94,9 @@ class IndexConfig(QueriesConfig, ClusterConfig):
     )
 
 
-def _passage_batches(store: ArtifactStore, stage: str, m: Manifest) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+def _passage_batches(store: ArtifactStore, folder: str, m: Manifest) -> Iterator[tuple[list[str], list[np.ndarray]]]:
     """(ids, per-passage [n_j, H] float32 arrays) shard by shard, in corpus order."""
-    for enc in iter_encodings(store, stage, m, "cpu"):
+    for enc in iter_encodings(store, folder, m, "cpu"):
         arrays = [enc.multi[i][enc.mask[i]].numpy() for i in range(len(enc))]
         yield enc.ids, arrays
 
@@ -218,25 +218,25 @@ def index_budgets(store: ArtifactStore, given: list[int] | None, record: SystemR
     return [kp]
 
 
-def build_codes_index(store: ArtifactStore, stage: str, m: Manifest) -> CodesIndex:
+def build_codes_index(store: ArtifactStore, folder: str, m: Manifest) -> CodesIndex:
     """The codes index of a residual:B passage folder: its codes' centroid ids read a shard at a time."""
-    codec = codec_for(store, stage, m)
+    codec = codec_for(store, folder, m)
     assert codec is not None and codec.codebook is not None
     cells = int(codec.codebook.arrays["centroids"].shape[0])
-    return CodesIndex.build(((centroid_ids(codes), n_reps) for codes, n_reps in iter_codes(store, stage, m)), cells)
+    return CodesIndex.build(((centroid_ids(codes), n_reps) for codes, n_reps in iter_codes(store, folder, m)), cells)
 
 
-def check_codes(store: ArtifactStore, p_stage: str, index: CodesIndex, queries_by_kq: dict[int, Encodings],
+def check_codes(store: ArtifactStore, p_folder: str, index: CodesIndex, queries_by_kq: dict[int, Encodings],
                 k: int = 100, probes: int = 2, candidates: int = 1024) -> dict[str, Any]:  # fmt: skip
     """recall@10 / @100 and latency of the search over codes against exact MaxSim over the decoded codes (the same
     rules: the reference's), per K_q, and exact search's time a query in the same process (batched, as score)."""
     rules = ScoreRules()
-    p_man = encoding_manifest(store, p_stage)
+    p_man = encoding_manifest(store, p_folder)
     t0 = time.perf_counter()
-    exact, _ = search_pass(queries_by_kq, iter_encodings(store, p_stage, p_man, "cpu", rules), ["multi_dense"],
+    exact, _ = search_pass(queries_by_kq, iter_encodings(store, p_folder, p_man, "cpu", rules), ["multi_dense"],
                            SearchSettings(topk=k, rules=rules))  # fmt: skip
     exact_ms = (time.perf_counter() - t0) * 1000.0 / max(1, sum(len(q) for q in queries_by_kq.values()))
-    coded = coded_passages(store, p_stage, p_man)
+    coded = coded_passages(store, p_folder, p_man)
     out: dict[str, Any] = {}
     for kq, q in queries_by_kq.items():
         st = CodesSearchStats()
@@ -312,32 +312,32 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
                     "refine_factor": lance.DEFAULT_REFINE_FACTOR if config.index_type == "IVF_PQ" else None,
                     **({"vectors": dtype} if dtype != "float32" else {}), "check": check, "inputs": inputs,
                 }  # fmt: skip
-            stage = index_dir(record.system, corpus, kp)
-            if plan.needs(ctx, stage, cfg, config.force):
-                plan.units.append(Folder(stage, cfg))
+            folder = index_dir(record.system, corpus, kp)
+            if plan.needs(ctx, folder, cfg, config.force):
+                plan.units.append(Folder(folder, cfg))
             else:
-                plan.details["checks"][kp] = store.require_manifest(stage).stats.get("check", {})
+                plan.details["checks"][kp] = store.require_manifest(folder).stats.get("check", {})
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> tuple[int, dict[str, Any]]:
         store, c = ctx.store, unit.config
         system, corpus, kp, check = c["system"], c["corpus"], c["kp"], c["check"]
-        p_stage = encodings_dir(system, corpus, "passage", kp)
-        p_man = encoding_manifest(store, p_stage)
+        p_folder = encodings_dir(system, corpus, "passage", kp)
+        p_man = encoding_manifest(store, p_folder)
         m = Manifest.new("index", {"system": system, "dataset": corpus, "kp": str(kp)}, c)
         ids = split_queries(store, check["dataset"], check["split"])
-        q_stages = {kq: encodings_dir(system, check["dataset"], "query", kq) for kq in check["kq"]}
+        q_folders = {kq: encodings_dir(system, check["dataset"], "query", kq) for kq in check["kq"]}
         if c.get("engine") == "codes":
             ctx.log(f"index K_p={kp}: the codes index of {p_man.total_rows():,} passages ({c['store']}: the cells of "
                     "its codebook's centroids; no vector copied), read a shard at a time")  # fmt: skip
             with store.stage_writer(unit.stage, m) as w:
                 start = time.perf_counter()
-                index = build_codes_index(store, p_stage, p_man)
+                index = build_codes_index(store, p_folder, p_man)
                 table = index.to_table()
                 w.write_parquet(CODES_INDEX_FILE, table.schema, [table])
                 seconds = time.perf_counter() - start
-                queries = {kq: query_encodings(store, st, ids, "cpu", ScoreRules()) for kq, st in q_stages.items()}
-                result = check_codes(store, p_stage, index, queries, 100, c["probes"], c["candidates"])
+                queries = {kq: query_encodings(store, st, ids, "cpu", ScoreRules()) for kq, st in q_folders.items()}
+                result = check_codes(store, p_folder, index, queries, 100, c["probes"], c["candidates"])
                 m.stats = {"rows": index.n_passages, "index": {"engine": "codes", "cells": index.n_centroids,
                                                                "entries": int(len(index.passages)),
                                                                "seconds": seconds}, "check": result}  # fmt: skip
@@ -345,10 +345,10 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             ctx.log(f"index K_p={kp} (codes, {c['probes']} probes, {c['candidates']} candidates): "
                     f"{index.n_passages:,} passages in {index.n_centroids:,} cells; recall@10 vs exact >= {worst:.4f}")
             return kp, result
-        batches = _passage_batches(store, p_stage, p_man)
+        batches = _passage_batches(store, p_folder, p_man)
         first = next(batches, None)
         if first is None:
-            raise ValueError(f"{store.abspath(p_stage)}: no passages to index")
+            raise ValueError(f"{store.abspath(p_folder)}: no passages to index")
         hidden = int(first[1][0].shape[1])
         index_type, overfetch, dtype = c["index_type"], c["overfetch"], c.get("vectors", "float32")
         ctx.log(f"index K_p={kp}: streaming {p_man.total_rows():,} passages into LanceDB ({dtype}) one shard at a time "
@@ -356,8 +356,8 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         with store.stage_writer(unit.stage, m) as w:
             rows = lance.build_table(w.work_dir, itertools.chain([first], batches), hidden, dtype=dtype)
             info = lance.create_index(w.work_dir, index_type) if index_type != "none" else None
-            queries = {kq: query_encodings(store, st, ids) for kq, st in q_stages.items()}
-            result = check_against_exact(w.work_dir, queries, iter_encodings(store, p_stage, p_man), 100, overfetch)
+            queries = {kq: query_encodings(store, st, ids) for kq, st in q_folders.items()}
+            result = check_against_exact(w.work_dir, queries, iter_encodings(store, p_folder, p_man), 100, overfetch)
             index = None if info is None else {"params": info.params, "seconds": info.seconds, "vectors": info.vectors}
             m.stats = {"rows": rows, "index": index, "check": result}
             m.files.update(_file_entries(w.work_dir))

@@ -196,11 +196,11 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         if config.mode not in modes_for([config.mode], record.has_sparse):
             raise ValueError(f"{record.system}: the {record.readout} readout has no sparse vectors for {config.mode}")
         settings = settings_of(record, config.device)
-        q_stage = encodings_dir(record.system, config.dataset, "query", config.kq)
-        q_man = encoding_manifest(store, q_stage)
+        q_folder = encodings_dir(record.system, config.dataset, "query", config.kq)
+        q_man = encoding_manifest(store, q_folder)
         tokens = q_man.config["tokens"]
-        t_stage = tokens_dir(tokens, corpus, "passage")
-        t_man = tokens_manifest(store, t_stage, f"run `diffret tokenize -d {corpus} --side passage --model "
+        t_folder = tokens_dir(tokens, corpus, "passage")
+        t_man = tokens_manifest(store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model "
                                 f"{record.model}`")  # fmt: skip
         full = encodings_dir(record.system, corpus, "passage", config.kp)
         f_man = store.read_manifest(full)
@@ -226,7 +226,7 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
         plan.count = len(cells)
         partial = partial_encodings_dir(record.system, corpus, config.kp)
-        candidates = Candidates(partial, encodings_config(settings, tokens, t_man.config_hash, config.kp), t_stage,
+        candidates = Candidates(partial, encodings_config(settings, tokens, t_man.config_hash, config.kp), t_folder,
                                 record.system, corpus, settings.model_dump(), config.batch_size, config.verify)
         if not cells:
             damage = None if full_ok else store.shard_damage(partial, candidates.config, config.verify)
@@ -242,7 +242,7 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
         factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
         shared = {
-            "dataset": config.dataset, "tokens_stage": t_stage, "query_stage": q_stage, "query_ids": query_ids,
+            "dataset": config.dataset, "tokens_stage": t_folder, "query_stage": q_folder, "query_ids": query_ids,
             "first_runs": {s: first[s][1] for s in splits}, "passages": full if full_ok else partial,
             "rescore": config.mode, "kq": config.kq, "depths": sorted({int(c.config["topk"]) for c in cells}),
             "rules": config.rules.model_dump(mode="json"), "ignore": config.ignore_ids(), "sparse_factor": factor,
@@ -398,10 +398,10 @@ def _first_tops(store: ArtifactStore, shared: dict[str, Any], corpus_ids: pa.Arr
     return {s: _top(read_run(store, src), depth, corpus_ids) for s, src in shared["first_runs"].items()}
 
 
-def _encodings_of(store: ArtifactStore, stage: str, ids: pa.Array) -> pa.Table:
+def _encodings_of(store: ArtifactStore, folder: str, ids: pa.Array) -> pa.Table:
     """The encodings of ``ids`` (each once) from a folder of shards or parts; only those rows are kept."""
-    m = store.require_manifest(stage)
-    return _rows(pa.concat_tables([_rows(store.read_table(stage, n), ids) for n in sorted(m.files)]), ids)
+    m = store.require_manifest(folder)
+    return _rows(pa.concat_tables([_rows(store.read_table(folder, n), ids) for n in sorted(m.files)]), ids)
 
 
 def _rows(table: pa.Table, ids: pa.Array) -> pa.Table:

@@ -152,9 +152,9 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                            "lance_index": config.lance_index}  # fmt: skip
                 else:
                     continue
-                stage = latency_dir(system, kind, config_hash(cfg)[:12])
-                plan.details["folders"][f"{system}/{kind}"] = stage
-                plan.add_folder(ctx, stage, cfg, config.force)
+                folder = latency_dir(system, kind, config_hash(cfg)[:12])
+                plan.details["folders"][f"{system}/{kind}"] = folder
+                plan.add_folder(ctx, folder, cfg, config.force)
         return plan
 
     def unit_name(self, unit: Folder) -> str:

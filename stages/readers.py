@@ -42,18 +42,18 @@ def side_texts(
     store: ArtifactStore, dataset: str, side: str, title_sep: str = TITLE_SEP
 ) -> tuple[list[str], list[str], str]:
     """(ids, texts, dataset config hash) of one side; passages as :func:`passage_text`."""
-    stage = dataset_dir(dataset)
+    folder = dataset_dir(dataset)
     m = dataset_manifest(store, dataset)
     if side == "passage":
         corpus_size(store, dataset)
-        t = store.read_table(stage, "corpus.parquet", columns=["doc_id", "title", "text"])
+        t = store.read_table(folder, "corpus.parquet", columns=["doc_id", "title", "text"])
         ids = t.column("doc_id").to_pylist()
         texts = [
             passage_text(ti, tx, title_sep)
             for ti, tx in zip(t.column("title").to_pylist(), t.column("text").to_pylist(), strict=True)
         ]
     elif side == "query":
-        t = store.read_table(stage, "queries.parquet", columns=["query_id", "text"])
+        t = store.read_table(folder, "queries.parquet", columns=["query_id", "text"])
         seen: dict[str, str] = {}
         for qid, tx in zip(t.column("query_id").to_pylist(), t.column("text").to_pylist(), strict=True):
             seen.setdefault(qid, tx)
@@ -143,7 +143,7 @@ def qrels_table(store: ArtifactStore, dataset: str, split: str) -> pa.Table:
     return t.filter(pc.equal(t.column("split"), split))
 
 
-def tokens_manifest(store: ArtifactStore, stage: str, hint: str) -> Manifest:
+def tokens_manifest(store: ArtifactStore, folder: str, hint: str) -> Manifest:
     """The manifest of a tokens folder that holds every text of its side; else a clear error ending in ``hint``
     (what to run).
 
@@ -155,13 +155,13 @@ def tokens_manifest(store: ArtifactStore, stage: str, hint: str) -> Manifest:
     ...         print(str(exc).split(": ", 1)[1])
     token ids are missing or incomplete; run the tokenize stage
     """
-    m = store.read_manifest(stage)
+    m = store.read_manifest(folder)
     if m is None or m.total_rows() != m.config.get("inputs", {}).get("rows"):
-        raise IncompleteArtifactError(f"{store.abspath(stage)}: token ids are missing or incomplete; {hint}")
+        raise IncompleteArtifactError(f"{store.abspath(folder)}: token ids are missing or incomplete; {hint}")
     return m
 
 
-def bot_index(store: ArtifactStore, stage: str) -> tuple[list[str], SparseFlat]:
+def bot_index(store: ArtifactStore, folder: str) -> tuple[list[str], SparseFlat]:
     """A stored bag-of-tokens index (the bot stage's folder): its passage ids and their bags, in corpus order.
 
     >>> import tempfile
@@ -175,7 +175,7 @@ def bot_index(store: ArtifactStore, stage: str) -> tuple[list[str], SparseFlat]:
     >>> ids, bags.ids.tolist()
     (['a'], [3, 7])
     """
-    table = store.read_table(stage, BOT_FILE)
+    table = store.read_table(folder, BOT_FILE)
     return table.column("id").to_pylist(), binary_flat(table.column("token_ids"))
 
 
@@ -211,69 +211,69 @@ def budgets(store: ArtifactStore, given: list[int] | None, system: str, dataset:
     return found
 
 
-def encoding_manifest(store: ArtifactStore, stage: str, expected_rows: int | None = None) -> Manifest:
+def encoding_manifest(store: ArtifactStore, folder: str, expected_rows: int | None = None) -> Manifest:
     """The manifest of an encoding folder; with ``expected_rows``, only when it holds every text."""
-    m = store.read_manifest(stage)
+    m = store.read_manifest(folder)
     if m is None or not m.files:
         raise IncompleteArtifactError(
-            f"{store.abspath(stage)}: no encodings; run `diffret encode` for this model, dataset and K first"
+            f"{store.abspath(folder)}: no encodings; run `diffret encode` for this model, dataset and K first"
         )
     if expected_rows is not None and m.total_rows() != expected_rows:
         raise IncompleteArtifactError(
-            f"{store.abspath(stage)}: {m.total_rows():,} of {expected_rows:,} texts encoded; "
+            f"{store.abspath(folder)}: {m.total_rows():,} of {expected_rows:,} texts encoded; "
             "run `diffret encode` to finish it"
         )
     return m
 
 
-def iter_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
+def iter_encodings(store: ArtifactStore, folder: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
                    sparse_factor: float = 1.0, names: list[str] | None = None) -> Iterator[Encodings]:  # fmt: skip
     """The shards of an encoding folder in order (``names``: only those), each verified against the manifest, ready
     to score under ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
-    codec = codec_for(store, stage, m)
+    codec = codec_for(store, folder, m)
     for name in sorted(m.files) if names is None else names:
-        table = store.read_table(stage, name, batch_rows=READ_ROWS)
+        table = store.read_table(folder, name, batch_rows=READ_ROWS)
         yield encodings_from_table(table, device, rules, sparse_factor, codec)
         del table
 
 
-def shard_ids(store: ArtifactStore, stage: str, m: Manifest) -> pa.Array:
+def shard_ids(store: ArtifactStore, folder: str, m: Manifest) -> pa.Array:
     """The ``id`` column of a sharded folder's files, in shard order, as one Arrow array: no Python string per
     text (a tokens, encodings or partial folder; ``m`` its verified manifest)."""
-    parts = [store.read_table(stage, name, columns=["id"]).column("id") for name in sorted(m.files)]
+    parts = [store.read_table(folder, name, columns=["id"]).column("id") for name in sorted(m.files)]
     return pa.chunked_array(parts, pa.string()).combine_chunks()
 
 
-def passage_ids(store: ArtifactStore, stage: str) -> pa.Array:
+def passage_ids(store: ArtifactStore, folder: str) -> pa.Array:
     """The ids of an encoding folder's texts in stream order (:func:`shard_ids` of a complete encoding)."""
-    return shard_ids(store, stage, encoding_manifest(store, stage))
+    return shard_ids(store, folder, encoding_manifest(store, folder))
 
 
-def read_encodings(store: ArtifactStore, stage: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
+def read_encodings(store: ArtifactStore, folder: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
                    sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
-    tables = [store.read_table(stage, name) for name in sorted(m.files)]
-    return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor, codec_for(store, stage, m))
+    tables = [store.read_table(folder, name) for name in sorted(m.files)]
+    return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor, codec_for(store, folder, m))
 
 
-def codebook_digest(store: ArtifactStore, stage: str) -> str:
+def codebook_digest(store: ArtifactStore, folder: str) -> str:
     """The sha256 of a stored codebook, its file verified against its manifest: missing ->
     IncompleteArtifactError, changed -> ChecksumError (each naming the file and the repair)."""
-    m = store.read_manifest(stage)
+    m = store.read_manifest(folder)
     entry = m.files.get(CODEBOOK_FILE) if m is not None else None
     if entry is None:
-        raise IncompleteArtifactError(f"{store.abspath(stage)}: no codebook; run `diffret compress` (or `diffret "
+        raise IncompleteArtifactError(f"{store.abspath(folder)}: no codebook; run `diffret compress` (or `diffret "
                                       "encode --store`) with the settings that made this system")  # fmt: skip
-    store.verify_file(stage, CODEBOOK_FILE, entry)
+    store.verify_file(folder, CODEBOOK_FILE, entry)
     return entry.sha256
 
 
-def read_codebook(store: ArtifactStore, stage: str) -> tuple[Codebook, str]:
+def read_codebook(store: ArtifactStore, folder: str) -> tuple[Codebook, str]:
     """A stored codebook (verified, :func:`codebook_digest`) and its sha256."""
-    digest = codebook_digest(store, stage)
-    return Codebook.from_bytes(store.read_bytes(f"{stage}/{CODEBOOK_FILE}"), store.abspath(stage)), digest
+    digest = codebook_digest(store, folder)
+    return Codebook.from_bytes(store.read_bytes(f"{folder}/{CODEBOOK_FILE}"), store.abspath(folder)), digest
 
 
-def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
+def codec_for(store: ArtifactStore, folder: str, m: Manifest) -> Codec | None:
     """What an encodings folder's vectors decode with: None for float16; a compressed system's storage choice with
     the codebook its manifest names (one of another K_p, dataset or digest is refused, naming both)."""
     spec = m.config.get("store", FLOAT16)
@@ -281,59 +281,59 @@ def codec_for(store: ArtifactStore, stage: str, m: Manifest) -> Codec | None:
         return None
     if not parse_store(spec).trained:
         return Codec(spec, 0)
-    cb_stage = codebook_dir(m.partition["system"], m.partition["dataset"], int(m.partition["k"]))
-    codebook, digest = read_codebook(store, cb_stage)
+    cb_folder = codebook_dir(m.partition["system"], m.partition["dataset"], int(m.partition["k"]))
+    codebook, digest = read_codebook(store, cb_folder)
     want = (m.config.get("inputs") or {}).get("codebook")
     if digest != want:
-        raise StoreError(f"{store.abspath(stage)}: coded with codebook {str(want)[:12]}…, but "
-                         f"{store.abspath(cb_stage)} holds {digest[:12]}…; {store.repair_hint(stage)}")  # fmt: skip
+        raise StoreError(f"{store.abspath(folder)}: coded with codebook {str(want)[:12]}…, but "
+                         f"{store.abspath(cb_folder)} holds {digest[:12]}…; {store.repair_hint(folder)}")  # fmt: skip
     try:
         codebook.check(spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"],
                        system=m.partition["system"])  # fmt: skip
     except ValueError as exc:
-        raise StoreError(f"{store.abspath(cb_stage)}: {exc}") from None
+        raise StoreError(f"{store.abspath(cb_folder)}: {exc}") from None
     return Codec(spec, codebook.dim, codebook, digest)
 
 
-def iter_codes(store: ArtifactStore, stage: str, m: Manifest) -> Iterator[tuple[Any, Any]]:
+def iter_codes(store: ArtifactStore, folder: str, m: Manifest) -> Iterator[tuple[Any, Any]]:
     """(codes [v, B] uint8 as stored, vectors per passage) of a compressed passage folder's shards in order, each
     verified against the manifest; only those two columns are read, nothing is decoded."""
     for name in sorted(m.files):
-        table = store.read_table(stage, name, columns=["n_reps", "codes"])
+        table = store.read_table(folder, name, columns=["n_reps", "codes"])
         yield codes_of(table), table.column("n_reps").to_numpy().astype("int64")
 
 
-def coded_passages(store: ArtifactStore, stage: str, m: Manifest) -> CodedPassages:
+def coded_passages(store: ArtifactStore, folder: str, m: Manifest) -> CodedPassages:
     """A ``residual:B`` passage folder's codes, as stored, with the codec they decode with (the search over codes
     reads its candidates' vectors from them)."""
-    codec = codec_for(store, stage, m)
+    codec = codec_for(store, folder, m)
     if codec is None or parse_store(codec.spec).kind != "residual":
-        raise StoreError(f"{store.abspath(stage)}: search over codes needs a residual:B system's passages, not "
+        raise StoreError(f"{store.abspath(folder)}: search over codes needs a residual:B system's passages, not "
                          f"{m.config.get('store', FLOAT16)}")  # fmt: skip
-    return CodedPassages.from_blocks(list(iter_codes(store, stage, m)), codec)
+    return CodedPassages.from_blocks(list(iter_codes(store, folder, m)), codec)
 
 
-def codes_index_manifest(store: ArtifactStore, stage: str) -> Manifest:
+def codes_index_manifest(store: ArtifactStore, folder: str) -> Manifest:
     """The manifest of a codes index folder (``diffret index`` of a residual:B system); a clear error naming the
     command when it holds none (absent, or a LanceDB table built with ``--vectors float16``)."""
-    m = store.read_manifest(stage)
+    m = store.read_manifest(folder)
     if m is None or CODES_INDEX_FILE not in m.files:
-        raise IncompleteArtifactError(f"{store.abspath(stage)}: no codes index; run `diffret index` for this system "
+        raise IncompleteArtifactError(f"{store.abspath(folder)}: no codes index; run `diffret index` for this system "
                                       "and K_p first (`--kp K`, `--vectors store`)")  # fmt: skip
     return m
 
 
-def codes_index(store: ArtifactStore, stage: str, n_passages: int) -> CodesIndex:
+def codes_index(store: ArtifactStore, folder: str, n_passages: int) -> CodesIndex:
     """A stored codes index, its file verified against its manifest (:func:`codes_index_manifest`)."""
-    codes_index_manifest(store, stage)
-    return CodesIndex.from_table(store.read_table(stage, CODES_INDEX_FILE), n_passages)
+    codes_index_manifest(store, folder)
+    return CodesIndex.from_table(store.read_table(folder, CODES_INDEX_FILE), n_passages)
 
 
-def query_encodings(store: ArtifactStore, stage: str, ids: list[str], device: str = "cpu",
+def query_encodings(store: ArtifactStore, folder: str, ids: list[str], device: str = "cpu",
                     rules: ScoreRules | None = None, sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
     """The encodings of the queries ``ids``, in that order (a clear error when one is missing)."""
-    enc = read_encodings(store, stage, encoding_manifest(store, stage), device, rules, sparse_factor)
+    enc = read_encodings(store, folder, encoding_manifest(store, folder), device, rules, sparse_factor)
     try:
         return select(enc, ids)
     except KeyError as exc:
-        raise IncompleteArtifactError(f"{store.abspath(stage)}: {exc.args[0]}") from None
+        raise IncompleteArtifactError(f"{store.abspath(folder)}: {exc.args[0]}") from None

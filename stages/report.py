@@ -94,11 +94,11 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force", *plain})
         cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query",
                                                         "latency/*/*/*"), "format": REPORT_FORMAT}  # fmt: skip
-        stage = report_dir(config.name)
+        folder = report_dir(config.name)
         plan = Plan()
-        if plan.needs_folder(ctx, stage, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
+        if plan.needs_folder(ctx, folder, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
                              "second report beside it."):  # fmt: skip
-            plan.units.append(Folder(stage, cfg))
+            plan.units.append(Folder(folder, cfg))
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> Report:
@@ -117,17 +117,17 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         return rep
 
     def finish(self, config: ReportConfig, plan: Plan, results: list[Report], ctx: Context) -> dict[str, Any]:
-        stage = report_dir(config.name)
-        m = ctx.store.require_manifest(stage)
+        folder = report_dir(config.name)
+        m = ctx.store.require_manifest(folder)
         if config.out_dir:
             os.makedirs(config.out_dir, exist_ok=True)
             for fname in m.files:
-                with ctx.store.fs.open(ctx.store.abspath(f"{stage}/{fname}"), "rb") as src:
+                with ctx.store.fs.open(ctx.store.abspath(f"{folder}/{fname}"), "rb") as src:
                     data = src.read()
                 with open(os.path.join(config.out_dir, fname), "wb") as f:
                     f.write(data)
         sections = {t: body for t, body in results[0].sections} if results else {}
-        return {"name": config.name, "folder": ctx.store.abspath(stage), "files": sorted(m.files),
+        return {"name": config.name, "folder": ctx.store.abspath(folder), "files": sorted(m.files),
                 "sections": sections, "warnings": m.stats.get("warnings", [])}
 
 

@@ -187,10 +187,10 @@ class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb=
             cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
                    "mode": RERANK_MODE, "topk": config.depth, "first_stage": {**first_ref, "run": m.config_hash},
                    "settings": settings, "inputs": inputs}  # fmt: skip
-            stage = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
-            if not plan.needs(ctx, stage, cfg, config.force):
+            folder = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
+            if not plan.needs(ctx, folder, cfg, config.force):
                 continue
-            cell = Cell(split, 0, 0, RERANK_MODE, stage, cfg)
+            cell = Cell(split, 0, 0, RERANK_MODE, folder, cfg)
             sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
             cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
             shared = {"config": config.model_dump(mode="json"), "first": src, "record": record.model_dump(mode="json")}
@@ -264,13 +264,13 @@ def _slices(n: int, size: int, cuts: set[int]) -> list[tuple[int, int]]:
 
 def _texts(store: ArtifactStore, dataset: str, side: str, ids: pa.Array) -> dict[str, str]:
     """The texts of ``ids`` of one side (passages as ``passage_text``), without holding the others."""
-    stage = dataset_dir(dataset)
+    folder = dataset_dir(dataset)
     if side == "passage":
-        t = store.read_table(stage, "corpus.parquet", columns=["doc_id", "title", "text"])
+        t = store.read_table(folder, "corpus.parquet", columns=["doc_id", "title", "text"])
         t = t.filter(pc.is_in(t.column("doc_id"), value_set=ids))
         return {d: passage_text(ti, tx) for d, ti, tx in zip(t.column("doc_id").to_pylist(), t.column("title")
                                                             .to_pylist(), t.column("text").to_pylist(), strict=True)}
-    t = store.read_table(stage, "queries.parquet", columns=["query_id", "text"])
+    t = store.read_table(folder, "queries.parquet", columns=["query_id", "text"])
     t = t.filter(pc.is_in(t.column("query_id"), value_set=ids))
     out: dict[str, str] = {}
     for q, tx in zip(t.column("query_id").to_pylist(), t.column("text").to_pylist(), strict=True):

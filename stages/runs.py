@@ -142,17 +142,17 @@ def search_stats(seconds: float | None, queries: int, cells: int) -> dict[str, A
     return {"search_seconds": round(seconds, 4), "searched_queries": queries, "pass_cells": cells}
 
 
-def read_run(store: ArtifactStore, stage: str, columns: list[str] | None = None) -> pa.Table:
+def read_run(store: ArtifactStore, folder: str, columns: list[str] | None = None) -> pa.Table:
     """A stored run (RUN_SCHEMA, doc ids as strings), verified against its manifest.
 
     Files written before runs were stored compactly have the same schema and read the same; a file of any
     other schema is refused with one line naming the folder.
     """
-    table = store.read_table(stage, RUN_FILE, columns=columns)
+    table = store.read_table(folder, RUN_FILE, columns=columns)
     want = RUN_SCHEMA if columns is None else pa.schema([RUN_SCHEMA.field(c) for c in columns])
     if [(f.name, f.type) for f in table.schema] != [(f.name, f.type) for f in want]:
         got = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
-        raise StoreError(f"{store.abspath(stage)}/{RUN_FILE}: not a run file of this version ({got}); "
+        raise StoreError(f"{store.abspath(folder)}/{RUN_FILE}: not a run file of this version ({got}); "
                          "re-score it with --force")  # fmt: skip
     return table
 
@@ -193,14 +193,14 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
     record = find_system(store, SystemRef(), kind="bm25") if parts[0] == "bm25" else find_system(
         store, SystemRef(system=parts[0]))  # fmt: skip
     found = []
-    for stage in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
-        p = dict(part.split("=", 1) for part in stage.split("/")[1:])  # the folder's partition, as it was written
+    for folder in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
+        p = dict(part.split("=", 1) for part in folder.split("/")[1:])  # the folder's partition, as it was written
         if not ((mode is None or p["mode"] == mode) and (kq is None or (int(p["kq"]), int(p["kp"])) == (kq, kp))):
             continue  # another cell of the system: not read (a damaged one does not stand in the way)
-        m = store.read_manifest(stage)  # damaged: its error names the repair
+        m = store.read_manifest(folder)  # damaged: its error names the repair
         if m is None or RUN_FILE not in m.files:
             continue
-        found.append(PickedRun(ref, record.system, int(p["kq"]), int(p["kp"]), p["mode"], stage))
+        found.append(PickedRun(ref, record.system, int(p["kq"]), int(p["kp"]), p["mode"], folder))
     if len(found) == 1:
         return found[0]
     if not found:

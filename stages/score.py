@@ -143,10 +143,10 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         ds_hash = dataset_manifest(store, config.dataset).config_hash
         n_passages = corpus_size(store, corpus)
         split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
-        q_stages = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
-        p_stages = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
-        q_man = {kq: encoding_manifest(store, s) for kq, s in q_stages.items()}
-        p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_stages.items()}
+        q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
+        p_folders = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
+        q_man = {kq: encoding_manifest(store, s) for kq, s in q_folders.items()}
+        p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_folders.items()}
         plan = PassPlan(system=record.system, work=0, work_unit="passages")
         todo: list[Cell] = []
         for kp in config.kp:
@@ -162,9 +162,9 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                                           config.rules)  # fmt: skip
                         if search is not None:
                             cfg["search"] = search["settings"]
-                        stage = run_dir(record.system, config.dataset, split, kq, kp, mode)
-                        if plan.needs(ctx, stage, cfg, config.force):
-                            todo.append(Cell(split, kq, kp, mode, stage, cfg))
+                        folder = run_dir(record.system, config.dataset, split, kq, kp, mode)
+                        if plan.needs(ctx, folder, cfg, config.force):
+                            todo.append(Cell(split, kq, kp, mode, folder, cfg))
         skipped = [m for m in modes if m not in cell_modes(modes, 1, 1, config.q1p1_multi)]
         if skipped and 1 in config.kq and 1 in config.kp:
             ctx.log(f"K_q = K_p = 1: {', '.join(skipped)} not scored, as the reference evaluator does (--q1p1-multi "
@@ -178,8 +178,8 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
             cells = [c for c in todo if c.kp == kp]
             kqs = sorted({c.kq for c in cells})
             shared = {
-                "query_stages": {str(kq): q_stages[kq] for kq in kqs}, "query_ids": query_ids,
-                "modes": base_modes_needed({c.mode for c in cells}), "passage_stage": p_stages[kp],
+                "query_stages": {str(kq): q_folders[kq] for kq in kqs}, "query_ids": query_ids,
+                "modes": base_modes_needed({c.mode for c in cells}), "passage_stage": p_folders[kp],
                 "topk": search_depth(cells),  # each cell's run is a prefix, cut to its depth
                 "ignore": ignore, "block_bytes": int(config.block_mb * (1 << 20)),
                 "rules": config.rules.model_dump(mode="json"), "sparse_factor": factor, "device": config.device,
@@ -199,7 +199,7 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                 end = start + sum(sizes[a:b])
                 blocks.append(Block(start, end, f"K_p={kp} passages {start:,}-{end - 1:,}", shards[a:b]))
             merge = ScoreMerge(cells, n_passages, query_ids, split_rows, shared["topk"], config.fusion_depth,
-                               config.rules, p_stages[kp])  # fmt: skip
+                               config.rules, p_folders[kp])  # fmt: skip
             done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=kp, config=pass_cfg,
                                  shared=shared, blocks=blocks, merge=merge)  # fmt: skip
             ctx.log(f"K_p={kp}: {len(cells)} cell(s) over {n_passages:,} passages in {len(blocks)} unit(s), "
@@ -237,8 +237,8 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         if shared.get("search"):  # on the CPU: numpy over the codes
             return self._run_codes(unit, ctx, shared, pass_queries(ctx, unit.plan, shared, "cpu", rules), rules)
         queries = pass_queries(ctx, unit.plan, shared, str(device), rules)
-        p_stage = shared["passage_stage"]
-        passages = iter_encodings(store, p_stage, encoding_manifest(store, p_stage), str(device), rules, factor,
+        p_folder = shared["passage_stage"]
+        passages = iter_encodings(store, p_folder, encoding_manifest(store, p_folder), str(device), rules, factor,
                                   names=unit.shards)  # fmt: skip
         settings = SearchSettings(topk=int(shared["topk"]), ignore_identical_ids=bool(shared["ignore"]),
                                   block_bytes=int(shared["block_bytes"]), rules=rules)  # fmt: skip
@@ -246,7 +246,7 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
         tops, doc_ids = search_pass(queries, passages, shared["modes"], settings)
         seconds = time.perf_counter() - start
         if len(doc_ids) != unit.end - unit.start:
-            raise StoreError(f"{store.abspath(p_stage)}: {len(doc_ids):,} passages in {', '.join(unit.shards)}, "
+            raise StoreError(f"{store.abspath(p_folder)}: {len(doc_ids):,} passages in {', '.join(unit.shards)}, "
                              f"planned {unit.end - unit.start:,} (re-encoded while scoring?); run the score again")
         for top in tops.values():
             top.index[top.index >= 0] += unit.start
@@ -257,11 +257,11 @@ class Score(PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="s
                    rules: ScoreRules) -> FileEntry:  # fmt: skip
         """A whole K_p pass searched over its codes (retrieval/search/codes.py): multi_dense per K_q."""
         store, search = ctx.store, shared["search"]
-        p_stage = shared["passage_stage"]
+        p_folder = shared["passage_stage"]
         start = time.perf_counter()  # reading the codes and the index included
-        coded = coded_passages(store, p_stage, encoding_manifest(store, p_stage))
+        coded = coded_passages(store, p_folder, encoding_manifest(store, p_folder))
         if len(coded) != unit.end - unit.start:
-            raise StoreError(f"{store.abspath(p_stage)}: {len(coded):,} passages, planned {unit.end - unit.start:,} "
+            raise StoreError(f"{store.abspath(p_folder)}: {len(coded):,} passages, planned {unit.end - unit.start:,} "
                              "(re-encoded while scoring?); run the score again")  # fmt: skip
         index = codes_index(store, search["index_stage"], len(coded))
         tops = {(kq, "multi_dense"): search_codes(q, coded, index, int(shared["topk"]), int(search["probes"]),

@@ -70,8 +70,8 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
                     *(f"metrics/system={s}/dataset={config.dataset}/split={split}/*/*/*" for s in systems)
                 )},
             }  # fmt: skip
-            stage = summary_dir(system, config.dataset, split)
-            plan.add_folder(ctx, stage, cfg, config.force)
+            folder = summary_dir(system, config.dataset, split)
+            plan.add_folder(ctx, folder, cfg, config.force)
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> None:
@@ -92,12 +92,12 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
         out: dict[str, Any] = {"leaderboards": {}, "folders": {}, "warnings": []}
         pages = []
         for split in config.splits:
-            stage = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
-            m = ctx.store.require_manifest(stage)
+            folder = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
+            m = ctx.store.require_manifest(folder)
             out["leaderboards"][split] = m.stats.get("leaderboard", [])
-            out["folders"][split] = ctx.store.abspath(stage)
+            out["folders"][split] = ctx.store.abspath(folder)
             out["warnings"] += m.stats.get("warnings", [])
-            pages.append(summary_page(ctx.store, stage))
+            pages.append(summary_page(ctx.store, folder))
         out["markdown"] = "\n".join(pages)
         return out
 
@@ -117,9 +117,9 @@ def _bm25(store: ArtifactStore, given: str | None, dataset: str) -> str | None:
     return found[0] if found else None
 
 
-def summary_page(store: ArtifactStore, stage: str) -> str:
+def summary_page(store: ArtifactStore, folder: str) -> str:
     """A stored summary.md with its figure links relative to the store root (``inline_figures`` embeds them)."""
-    return store.read_bytes(f"{stage}/summary.md").decode().replace("](heatmap_", f"]({stage}/heatmap_")
+    return store.read_bytes(f"{folder}/summary.md").decode().replace("](heatmap_", f"]({folder}/heatmap_")
 
 
 stage = Summary()

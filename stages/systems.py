@@ -329,10 +329,10 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
     only checks (a stage plans with it and registers once its first unit is done, so a failed run leaves no
     system without artifacts). ``named``: the slug is a name the user gave (``--name``), so another system
     registered under it is refused with the advice to choose another name."""
-    stage = system_dir(record.system)
+    folder = system_dir(record.system)
     config = record.model_dump()
     try:
-        old = store.read_manifest(stage)
+        old = store.read_manifest(folder)
     except StoreError:  # unreadable or edited by hand: the record is written again (what verify's repair says)
         old = None
     if old is not None and old.config_hash == config_hash(config):
@@ -350,7 +350,7 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
                          f"system); choose another name for this one (--name NEW)")  # fmt: skip
     if old is not None:
         raise StoreError(
-            f"{store.abspath(stage)}: another system is registered under {record.system!r} "
+            f"{store.abspath(folder)}: another system is registered under {record.system!r} "
             f"(fields {[d[0] for d in diff_configs(old.config, config)]} differ); remove that folder"
         )
     if not write:
@@ -360,7 +360,7 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
     if record.kind == "encoder" and record.settings.get("store", FLOAT16) != FLOAT16:  # the system it compresses
         stats["float16_system"] = encoder_slug(float16_settings(settings_of(record)))
     m = Manifest.new(SYSTEMS_STAGE, {"system": record.system}, config, stats=stats)
-    store.write_manifest(stage, m)
+    store.write_manifest(folder, m)
 
 
 def _local_path(model: str) -> str | None:

@@ -108,7 +108,7 @@ class TokenizeUnit:
     shards: list[tuple[str, int, int]]  # (name, start, end) still to do
     config_hash: str  # of the folder's manifest when planned: the shards are recorded against it
     filter_kind: str = "none"  # the content filter whose ids are stored beside (filters/)
-    filter_stage: str = ""
+    filter_folder: str = ""
     filter_shards: list[tuple[str, int, int]] = field(default_factory=list)  # of the filter folder, still to do
     filter_hash: str = ""
     filter_workers: int = 0  # processes splitting texts into words (word_pool)
@@ -136,27 +136,27 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
         plan = Plan(system=slug, details={"stages": {}})
         for side in config.sides:
             n, ds_hash = side_size(ctx.store, config.dataset, side)
-            stage = tokens_dir(slug, config.dataset, side)
+            folder = tokens_dir(slug, config.dataset, side)
             cfg = tokens_config(slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n,
                                 ds_hash)  # fmt: skip
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
-            ctx.hold(stage)  # another tokenize of this folder running now is refused, not raced
-            m, done = ctx.store.open_sharded(stage, "tokens", part, cfg, force=config.force, verify=config.verify)
-            plan.details["stages"][side] = stage
+            ctx.hold(folder)  # another tokenize of this folder running now is refused, not raced
+            m, done = ctx.store.open_sharded(folder, "tokens", part, cfg, force=config.force, verify=config.verify)
+            plan.details["stages"][side] = folder
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
             todo = [sh for sh in shards if sh[0] not in done]
             plan.skipped += len(shards) - len(todo)
-            unit = TokenizeUnit(config.dataset, side, stage, config.backbone.model_dump(), config.max_length,
+            unit = TokenizeUnit(config.dataset, side, folder, config.backbone.model_dump(), config.max_length,
                                 config.title_sep, n, todo, m.config_hash)  # fmt: skip
             if config.content_filter != "none":
-                f_stage = filters_dir(slug, config.dataset, side, config.content_filter)
+                f_folder = filters_dir(slug, config.dataset, side, config.content_filter)
                 f_cfg = filter_config(slug, config.dataset, side, config.content_filter, m.config_hash,
                                       make_filter(tokenizer_of(config.backbone), config.content_filter))  # fmt: skip
-                ctx.hold(f_stage)
-                fm, f_done = ctx.store.open_sharded(f_stage, "filters", {**part, "filter": config.content_filter},
+                ctx.hold(f_folder)
+                fm, f_done = ctx.store.open_sharded(f_folder, "filters", {**part, "filter": config.content_filter},
                                                     f_cfg, force=config.force, verify=config.verify)  # fmt: skip
-                plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_stage
-                unit.filter_kind, unit.filter_stage, unit.filter_hash = config.content_filter, f_stage, fm.config_hash
+                plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_folder
+                unit.filter_kind, unit.filter_folder, unit.filter_hash = config.content_filter, f_folder, fm.config_hash
                 unit.filter_workers = config.filter_workers
                 unit.filter_shards = [sh for sh in shards if sh[0] not in f_done]
                 plan.skipped += len(shards) - len(unit.filter_shards)
@@ -198,8 +198,8 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
                     name = filters[(s, e)]
                     allowed = pa.array(flt.allowed_many(texts, pool), pa.list_(pa.int32()))
                     t = pa.table({"id": pa.array(ids, pa.string()), "allowed_ids": allowed}, schema=FILTER_SCHEMA)
-                    entry = ctx.store.write_shard(unit.filter_stage, name, t)
-                    ctx.store.record_shard(unit.filter_stage, name, entry, unit.filter_hash)
+                    entry = ctx.store.write_shard(unit.filter_folder, name, t)
+                    ctx.store.record_shard(unit.filter_folder, name, entry, unit.filter_hash)
                     out.append((name, entry))
         if unit.shards:
             ctx.log(f"tokenized {unit.dataset}/{unit.side}: {len(unit.shards)} shard(s), {unit.rows:,} texts")

@@ -157,11 +157,11 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         cfg["model"] = name
         _, steps = planned_steps(n_items, config.settings, cfg["world_size"])
         plan = Plan(system=name, work=0, work_unit="steps")
-        stage = model_dir(name)
-        if plan.needs(ctx, stage, cfg, config.force):
-            plan.units.append(TrainUnit(stage, name, cfg, steps, config.checkpoint_every))
+        folder = model_dir(name)
+        if plan.needs(ctx, folder, cfg, config.force):
+            plan.units.append(TrainUnit(folder, name, cfg, steps, config.checkpoint_every))
             plan.work = steps
-        plan.details["model_dir"] = ctx.store.abspath(stage)
+        plan.details["model_dir"] = ctx.store.abspath(folder)
         return plan
 
     def work_of(self, unit: TrainUnit) -> int:
@@ -226,23 +226,23 @@ def _bot_index(store: Any, config: TrainConfig, corpus: str) -> tuple[str, Manif
 
 def _bot_with(store: Any, corpus: str, sha256: str) -> str:
     """The bag-of-tokens folder of ``corpus`` whose bags file is ``sha256`` (the one a training planned with)."""
-    for stage in store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}"):
-        m = store.read_manifest(stage)
+    for folder in store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}"):
+        m = store.read_manifest(folder)
         if m is not None and BOT_FILE in m.files and m.files[BOT_FILE].sha256 == sha256:
-            return stage
+            return folder
     raise IncompleteArtifactError(f"the bag-of-tokens index of {corpus!r} this training planned with is gone; run "
                                   "it again")  # fmt: skip
 
 
-def _retrieved_negatives(store: Any, bot_stage: str, depth: int) -> RetrievedNegatives:
+def _retrieved_negatives(store: Any, bot_folder: str, depth: int) -> RetrievedNegatives:
     """The index and the corpus passages retrieved negatives are drawn from."""
-    man = store.require_manifest(bot_stage)
-    doc_ids, bags = bot_index(store, bot_stage)
+    man = store.require_manifest(bot_folder)
+    doc_ids, bags = bot_index(store, bot_folder)
     corpus = store.read_table(dataset_dir(man.config["dataset"]), "corpus.parquet", columns=["doc_id", "title", "text"])
     row = {d: i for i, d in enumerate(corpus.column("doc_id").to_pylist())}
     missing = [d for d in doc_ids[:1000] if d not in row]
     if missing:
-        raise StoreError(f"{store.abspath(bot_stage)}: ids not in the corpus {man.config['dataset']!r} "
+        raise StoreError(f"{store.abspath(bot_folder)}: ids not in the corpus {man.config['dataset']!r} "
                          f"({', '.join(missing[:3])}); build the index again (`diffret bot --force`)")
     where = np.asarray([row.get(d, -1) for d in doc_ids], np.int64)
 

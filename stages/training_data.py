@@ -133,9 +133,9 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
                            "run": store.require_manifest(run).config_hash},
             }  # fmt: skip
         plan = Plan(system=name)
-        stage = training_dir(name)
-        if plan.needs(ctx, stage, cfg, config.force):
-            plan.units.append(TrainingUnit(stage, cfg, run))
+        folder = training_dir(name)
+        if plan.needs(ctx, folder, cfg, config.force):
+            plan.units.append(TrainingUnit(folder, cfg, run))
         return plan
 
     def _run_folder(self, config: TrainingDataConfig, ctx: Context) -> str:

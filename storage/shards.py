@@ -45,7 +45,7 @@ class ShardsMixin:
     def open_sharded(
         self,
         stage_dir: str,
-        stage: str,
+        folder: str,
         partition: dict[str, str],
         config: dict[str, Any],
         *,
@@ -81,7 +81,7 @@ class ShardsMixin:
                 self.remove_stage(stage_dir)
             m = self.read_manifest(stage_dir)
             if m is None:
-                m = Manifest.new(stage, partition, config)
+                m = Manifest.new(folder, partition, config)
                 self.write_manifest(stage_dir, m)
             if self._compact(stage_dir, m):  # what a killed run recorded
                 m = self.require_manifest(stage_dir)

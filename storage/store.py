@@ -341,19 +341,19 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         """
         parts = []
         for pattern in patterns:
-            for stage in self.stage_dirs(pattern):
+            for folder in self.stage_dirs(pattern):
                 try:
-                    m = self.read_manifest(stage)
+                    m = self.read_manifest(folder)
                 except StoreError:
-                    parts.append([stage, "damaged"])
+                    parts.append([folder, "damaged"])
                     continue
                 if m is not None:
-                    parts.append([stage, m.config_hash, sorted((k, e.sha256) for k, e in m.files.items())])
+                    parts.append([folder, m.config_hash, sorted((k, e.sha256) for k, e in m.files.items())])
         return config_hash({"folders": parts})
 
-    def list_partitions(self, stage: str, key: str) -> list[str]:
+    def list_partitions(self, folder: str, key: str) -> list[str]:
         """Values of the first partition key under ``stage`` that have a manifest."""
-        base = self.abspath(stage)
+        base = self.abspath(folder)
         if not self.fs.exists(base):
             return []
         out = []

@@ -156,24 +156,24 @@ def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[in
     position = {f"p{i}": i for i in range(n_passages)}
     target = {f"q{i}": i * n_passages // n_queries for i in range(n_queries)}
     for side, ks in (("passage", kps), ("query", kqs)):
-        t_stage = tokens_dir(tokens, "synth", side)
-        t_man = tokens_manifest(store, t_stage, "tokenize first")
+        t_folder = tokens_dir(tokens, "synth", side)
+        t_man = tokens_manifest(store, t_folder, "tokenize first")
         for k in ks:
-            stage = encodings_dir(record.system, "synth", side, k)
+            folder = encodings_dir(record.system, "synth", side, k)
             part = {"system": record.system, "dataset": "synth", "side": side, "k": str(k)}
-            m, done = store.open_sharded(stage, "encodings", part, encodings_config(settings, tokens,
+            m, done = store.open_sharded(folder, "encodings", part, encodings_config(settings, tokens,
                                                                                    t_man.config_hash, k))  # fmt: skip
             for i, name in enumerate(sorted(t_man.files)):
                 if name in done:
                     continue
-                ids = store.read_table(t_stage, name, columns=["id"]).column("id").to_pylist()
+                ids = store.read_table(t_folder, name, columns=["id"]).column("id").to_pylist()
                 where = np.array([position[x] if side == "passage" else target[x] for x in ids])
                 tag = i if side == "passage" else 10_000 + i
                 x = gen.vectors(where, k, tag, 1.0 if side == "passage" else spectrum.query_noise)
                 srng = np.random.default_rng([seed, 4, tag, k])
                 table = _shard(ids, x, _sparse(srng, len(ids), sparse_terms, sparse_vocab), 24)
-                store.record_shard(stage, name, store.write_shard(stage, name, table), m.config_hash)
+                store.record_shard(folder, name, store.write_shard(folder, name, table), m.config_hash)
                 log(f"{side} K={k} {name}: {len(ids):,} texts")
-            store.compact_shards(stage)
+            store.compact_shards(folder)
     return Synthetic(root, record.system, enc, spectrum, hidden, n_passages, n_queries,
                      {"singular_values": gen.s.tolist()})  # fmt: skip

@@ -227,8 +227,8 @@ def kill_points(baseline: Baseline, seed: int) -> list[KillPoint]:
     rng = random.Random(seed)
     events = baseline.events
 
-    def times(stage: str) -> list[float]:
-        return [t for t, rel in events if rel.split(os.sep)[0] == stage]
+    def times(folder: str) -> list[float]:
+        return [t for t, rel in events if rel.split(os.sep)[0] == folder]
 
     encode = times("encodings")
     spans = {"early": (max(0.0, times("datasets")[0] - 1.0), encode[0]), "middle": (encode[0], encode[-1]),

@@ -132,8 +132,8 @@ def test_batch_size_one_equals_batch_size_eight(encoded):
     reader = reader_for(encoded["settings"])
     tokens = _tokens_slug(store, encoded)
     for side in ("query", "passage"):
-        stage = tokens_dir(tokens, "scifact-mini", side)
-        t = store.read_table(stage, sorted(store.read_manifest(stage).files)[0])
+        folder = tokens_dir(tokens, "scifact-mini", side)
+        t = store.read_table(folder, sorted(store.read_manifest(folder).files)[0])
         ids, toks, texts = (t.column(c).to_pylist()[:12] for c in ("id", "token_ids", "text"))
         assert len({len(x) for x in toks}) > 1  # the batch of 8 is padded
         k = 4

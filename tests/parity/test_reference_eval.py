@@ -218,12 +218,12 @@ def store_reference_encodings(root: Path, family: str) -> str:
     record = encoder_record(EncodeSettings(backbone={"model": str(model)}, max_length=512))
     register(store, record)
     for side, k in ((side, k) for side in ("query", "passage") for k in (1, 4, 16)):
-        stage = encodings_dir(record.system, "scifact-mini", side, k)
+        folder = encodings_dir(record.system, "scifact-mini", side, k)
         part = {"system": record.system, "dataset": "scifact-mini", "side": side, "k": str(k)}
-        m, _ = store.open_sharded(stage, "encodings", part, {**part, "source": f"reference-parity/{family}"})
+        m, _ = store.open_sharded(folder, "encodings", part, {**part, "source": f"reference-parity/{family}"})
         name = "shard=00000.parquet"
-        store.record_shard(stage, name, store.write_shard(stage, name, _table(family, side, k)), m.config_hash)
-        store.compact_shards(stage)
+        store.record_shard(folder, name, store.write_shard(folder, name, _table(family, side, k)), m.config_hash)
+        store.compact_shards(folder)
     return record.system
 
 

@@ -35,19 +35,19 @@ H, D, S = "fusion_multi_sparse_max", "multi_dense", "sparse_max"
 
 
 def put_metrics(store: ArtifactStore, system, dataset, split, kq, kp, mode, values: dict[str, float]) -> None:
-    stage = metrics_dir(system, dataset, split, kq, kp, mode)
+    folder = metrics_dir(system, dataset, split, kq, kp, mode)
     qids = sorted(values)
     table = pa.table(
         {"query_id": qids, "measure": ["ndcg_cut_10"] * len(qids), "value": [float(values[q]) for q in qids]},
         schema=METRICS_SCHEMA,
     )
     part = {"system": system, "dataset": dataset, "split": split, "kq": str(kq), "kp": str(kp), "mode": mode}
-    with store.stage_writer(stage, Manifest.new("metrics", part, {"synthetic": True})) as w:
+    with store.stage_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
         w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 
 
 def put_query_tokens(store: ArtifactStore, dataset: str, tokens: dict[str, list[int]]) -> None:
-    stage = tokens_dir("toktok", dataset, "query")
+    folder = tokens_dir("toktok", dataset, "query")
     ids = sorted(tokens)
     table = pa.table(
         {
@@ -59,7 +59,7 @@ def put_query_tokens(store: ArtifactStore, dataset: str, tokens: dict[str, list[
         },
         schema=TOKENS_SCHEMA,
     )
-    with store.stage_writer(stage, Manifest.new("tokens", {"dataset": dataset}, {"synthetic": True})) as w:
+    with store.stage_writer(folder, Manifest.new("tokens", {"dataset": dataset}, {"synthetic": True})) as w:
         w.write_parquet("shard=00000.parquet", TOKENS_SCHEMA, [table])
     enc = encodings_dir(MODEL, dataset, "query", 1)
     store.write_manifest(enc, Manifest.new("encodings", {"system": MODEL, "dataset": dataset}, {"tokens": "toktok"}))

@@ -45,8 +45,8 @@ def error_line(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def parquet_files(root: Path, stage: str = "") -> list[Path]:
-    return sorted((root / stage).rglob("*.parquet")) if (root / stage).exists() else []
+def parquet_files(root: Path, folder: str = "") -> list[Path]:
+    return sorted((root / folder).rglob("*.parquet")) if (root / folder).exists() else []
 
 
 @pytest.fixture(scope="module")

@@ -156,8 +156,8 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
             assert ma.config_hash == mb.config_hash
             assert sorted(ma.files) == sorted(mb.files)
             for name in ma.files:  # the same rows and codes (Parquet may lay the same table out otherwise)
-                stage = encodings_dir(res.system, "tiny", side, k)
-                assert sa.read_table(stage, name).equals(sb.read_table(stage, name)), (side, k, name)
+                folder = encodings_dir(res.system, "tiny", side, k)
+                assert sa.read_table(folder, name).equals(sb.read_table(folder, name)), (side, k, name)
     assert _runs(a, res.system) == _runs(b, res.system)
     # the codes are a quarter of a byte per dimension (plus the centroid id), and search still ranks sensibly
     t = sa.read_table(encodings_dir(res.system, "tiny", "passage", 4), "shard=00000.parquet")
@@ -169,9 +169,9 @@ def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_pat
     cfg = CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), store="residual:1")
     system = _run("compress", cfg).system
     store = ArtifactStore(root)
-    stage = codebook_dir(system, "tiny", 4)
-    digest = read_codebook(store, stage)[1]
-    path = Path(root) / stage / CODEBOOK_FILE
+    folder = codebook_dir(system, "tiny", 4)
+    digest = read_codebook(store, folder)[1]
+    path = Path(root) / folder / CODEBOOK_FILE
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -180,11 +180,11 @@ def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_pat
     _, problems = store.verify_all()
     assert any(CODEBOOK_FILE in p and "diffret compress" in p for p in problems)
     res = _run("compress", cfg)  # retrained from the same seeded sample: the same codebook, no shard redone
-    assert res.done == 0 and read_codebook(store, stage)[1] == digest
-    store.remove_stage(stage)
+    assert res.done == 0 and read_codebook(store, folder)[1] == digest
+    store.remove_stage(folder)
     with pytest.raises(IncompleteArtifactError, match="diffret compress"):
         _run("score", _score(root, system))
-    assert _run("compress", cfg).done == 0 and read_codebook(store, stage)[1] == digest
+    assert _run("compress", cfg).done == 0 and read_codebook(store, folder)[1] == digest
 
 
 def test_a_codebook_of_another_k_or_dataset_is_refused_naming_both(world: dict, tmp_path: Path) -> None:
@@ -253,9 +253,9 @@ def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_comp
     assert res.done == len(K)  # one query shard per K, no passage folder
     for k in K:
         assert not store.exists(encodings_dir(res.system, "trec-dl-2019", "passage", k))
-        stage = encodings_dir(res.system, "trec-dl-2019", "query", k)
+        folder = encodings_dir(res.system, "trec-dl-2019", "query", k)
         src = encodings_dir(f16, "trec-dl-2019", "query", k)
-        assert store.read_table(stage, "shard=00000.parquet").equals(store.read_table(src, "shard=00000.parquet"))
+        assert store.read_table(folder, "shard=00000.parquet").equals(store.read_table(src, "shard=00000.parquet"))
     with pytest.raises(IncompleteArtifactError, match="msmarco-passage"):  # its corpus is not compressed yet
         _run("score", _score(root, res.system).model_copy(update={"dataset": "trec-dl-2019"}))
     _run("compress", CompressConfig(root=root, dataset="msmarco-passage", system=ref, store="int8"))

@@ -22,11 +22,11 @@ from diffret.storage.sql import SQLRefused, StoreSQL
 
 
 def put_metrics(store: ArtifactStore, system: str = "sys-0123456789", value: float = 0.5) -> None:
-    stage = metrics_dir(system, "toy", "test", 1, 1, "multi_dense")
+    folder = metrics_dir(system, "toy", "test", 1, 1, "multi_dense")
     table = pa.table({"query_id": ["q1", "q2"], "measure": ["ndcg_cut_10"] * 2, "value": [value, value]},
                      schema=METRICS_SCHEMA)  # fmt: skip
     part = {"system": system, "dataset": "toy", "split": "test", "kq": "1", "kp": "1", "mode": "multi_dense"}
-    with store.stage_writer(stage, Manifest.new("metrics", part, {"synthetic": True})) as w:
+    with store.stage_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
         w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 
 

@@ -87,13 +87,13 @@ def test_no_filter_no_folder_and_other_tokens_are_not_read(tiny: dict, tmp_path:
     run_encode(cfg)
     shutil.rmtree(tmp_path / "encodings")  # to be encoded again: what does the plan read?
     plan = plan_encode(cfg)
-    assert len(plan.units) == len(GRID) * 4 and all("filter=nltk" in (u.filter_stage or "") for u in plan.units)
+    assert len(plan.units) == len(GRID) * 4 and all("filter=nltk" in (u.filter_folder or "") for u in plan.units)
     # a filter folder made from other tokens (its input hash differs) is not read: encode filters the texts itself
     folder = next((tmp_path / "filters").glob("*/*/side=query/filter=nltk"))
     manifest = (folder / "_manifest.json").read_text().replace('"tokens": "', '"tokens": "0')
     (folder / "_manifest.json").write_text(manifest)
     plan = plan_encode(cfg)
-    assert all((u.filter_stage is None) == (u.side == "query") for u in plan.units)
+    assert all((u.filter_folder is None) == (u.side == "query") for u in plan.units)
 
 
 def plan_encode(cfg: EncodeConfig) -> Plan:
