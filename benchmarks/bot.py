@@ -78,15 +78,20 @@ def main(model: str, folders: list[Path]) -> None:
         print(f"  BM25 index build      {t_bm25:7.2f} s   1.00x")
         print(f"  BoT from raw text     {t_tok + t_bags:7.2f} s   {(t_tok + t_bags) / t_bm25:.2f}x of BM25")
         print(f"  BoT from stored ids   {t_bags:7.2f} s   {t_bags / t_bm25:.3f}x of BM25 (the bot stage's work)")
-        for name, h, k in (("splade-tiny H=128, K_p=1", 128, 1), ("Dream-7B H=3584, K_p=1", 3584, 1),
-                           ("Dream-7B H=3584, K_p=16", 3584, 16)):  # fmt: skip
+        for name, h, k in (
+            ("splade-tiny H=128, K_p=1", 128, 1),
+            ("Dream-7B H=3584, K_p=1", 3584, 1),
+            ("Dream-7B H=3584, K_p=16", 3584, 16),
+        ):
             dense = n * h * k * 2
             print(f"  BoT {size / 1e6:7.2f} MB vs fp16 dense {name}: {dense / 1e6:9.2f} MB ({size / dense:.4f}x)")
         per_tok_s = (t_tok + t_bags) / n_tok
         per_tok_b = size / n_tok
         m_tok = MSMARCO_PASSAGES * MSMARCO_TOKENS
-        print(f"  MS MARCO projected: BoT {m_tok * per_tok_b / 1e9:.2f} GB, built in {m_tok * per_tok_s / 60:.1f} "
-              f"CPU-min from raw text; fp16 Dream-7B K_p=16: {MSMARCO_PASSAGES * 3584 * 16 * 2 / 1e12:.2f} TB")
+        print(
+            f"  MS MARCO projected: BoT {m_tok * per_tok_b / 1e9:.2f} GB, built in {m_tok * per_tok_s / 60:.1f} "
+            f"CPU-min from raw text; fp16 Dream-7B K_p=16: {MSMARCO_PASSAGES * 3584 * 16 * 2 / 1e12:.2f} TB"
+        )
 
 
 if __name__ == "__main__":

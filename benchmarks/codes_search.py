@@ -44,8 +44,9 @@ def main() -> None:
     ap.add_argument("--split", default="test")
     ap.add_argument("--kq", type=int, nargs="+", default=[8])
     ap.add_argument("--kp", type=int, default=16)
-    ap.add_argument("--stores", nargs="+", default=["int8", "residual:1", "residual:2", "residual:4", "pq:16",
-                                                    "pq:32", "pq:64"])  # fmt: skip
+    ap.add_argument(
+        "--stores", nargs="+", default=["int8", "residual:1", "residual:2", "residual:4", "pq:16", "pq:32", "pq:64"]
+    )
     ap.add_argument("--setting", nargs="+", default=["1x64", "1x256", "2x256", "2x1024", "4x1024", "8x1024"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample", type=int, default=65536)
@@ -85,12 +86,17 @@ def main() -> None:
     n_passages = sum(t.num_rows for t in tables.values())
     ids = split_queries(store, args.dataset, args.split)
     qrels = qrels_table(store, args.dataset, args.split)
-    queries = {kq: query_encodings(store, encodings_dir(args.system, args.dataset, "query", kq), ids, "cpu", rules)
-               for kq in args.kq}  # fmt: skip
+    queries = {
+        kq: query_encodings(store, encodings_dir(args.system, args.dataset, "query", kq), ids, "cpu", rules)
+        for kq in args.kq
+    }
     doc_ids = [i for n in names for i in tables[n].column("id").to_pylist()]
     hidden = tables[names[0]].schema.field("dense").type.value_type.list_size
-    print(f"{args.system}: {n_passages:,} passages x K_p {args.kp}, H {hidden}; {len(ids)} {args.split} queries at "
-          f"K_q {args.kq}; {args.threads} thread(s)", flush=True)  # fmt: skip
+    print(
+        f"{args.system}: {n_passages:,} passages x K_p {args.kp}, H {hidden}; {len(ids)} {args.split} queries at "
+        f"K_q {args.kq}; {args.threads} thread(s)",
+        flush=True,
+    )
 
     def parquet(table: pa.Table) -> bytes:
         buf = io.BytesIO()
@@ -124,9 +130,19 @@ def main() -> None:
         tops, ms = exact(f16_shards, None, kq, ["multi_dense", "sparse_max"])
         ref[kq] = {"md": tops[(kq, "multi_dense")], "sparse": tops[(kq, "sparse_max")], "ms": ms}
         ref[kq]["ndcg"] = scores(ref[kq]["md"], ref[kq]["sparse"], kq)
-        rows.append({"kq": kq, "store": "float16", "search": "exact", "bytes_per_vector": 2 * hidden,
-                     "ndcg_multi": ref[kq]["ndcg"]["multi_dense"], "ndcg_fused": ref[kq]["ndcg"][
-                         "fusion_multi_sparse_max"], "recall_10": 1.0, "ms_per_query": ms, "speedup": 1.0})
+        rows.append(
+            {
+                "kq": kq,
+                "store": "float16",
+                "search": "exact",
+                "bytes_per_vector": 2 * hidden,
+                "ndcg_multi": ref[kq]["ndcg"]["multi_dense"],
+                "ndcg_fused": ref[kq]["ndcg"]["fusion_multi_sparse_max"],
+                "recall_10": 1.0,
+                "ms_per_query": ms,
+                "speedup": 1.0,
+            }
+        )
         print(rows[-1], flush=True)
     # exact multi_dense alone over float16 (the latency a codes search replaces), per K_q
     md_ms = {}
@@ -153,17 +169,28 @@ def main() -> None:
             t0 = time.perf_counter()
             blocks = [(codes_of(t), t.column("n_reps").to_numpy().astype(np.int64)) for t in coded_tables]
             coded = CodedPassages.from_blocks(blocks, codec)
-            index = CodesIndex.build([(coded.cells, np.concatenate([b[1] for b in blocks]))],
-                                     len(cb.arrays["centroids"]))  # fmt: skip
+            index = CodesIndex.build(
+                [(coded.cells, np.concatenate([b[1] for b in blocks]))], len(cb.arrays["centroids"])
+            )
             load_ms = (time.perf_counter() - t0) * 1000
         for kq in args.kq:
             tops, ms = exact(shards, codec, kq, ["multi_dense"])
             md = tops[(kq, "multi_dense")]
             nd = scores(md, ref[kq]["sparse"], kq)
-            rows.append({"kq": kq, "store": spec, "search": "exact", "bytes_per_vector": bytes_per_vector,
-                         "ndcg_multi": nd["multi_dense"], "ndcg_fused": nd["fusion_multi_sparse_max"],
-                         "recall_10": recall10(md, ref[kq]["md"]), "ms_per_query": ms,
-                         "speedup": md_ms[kq] / ms, "codebook_seconds": round(train_s, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "kq": kq,
+                    "store": spec,
+                    "search": "exact",
+                    "bytes_per_vector": bytes_per_vector,
+                    "ndcg_multi": nd["multi_dense"],
+                    "ndcg_fused": nd["fusion_multi_sparse_max"],
+                    "recall_10": recall10(md, ref[kq]["md"]),
+                    "ms_per_query": ms,
+                    "speedup": md_ms[kq] / ms,
+                    "codebook_seconds": round(train_s, 1),
+                }
+            )
             print(rows[-1], flush=True)
             if coded is None:
                 continue
@@ -175,27 +202,49 @@ def main() -> None:
                     got = search_codes(queries[kq], coded, index, 1000, probes, cands, rules, st)
                     best = min(best, float(np.sum(st.latencies_ms)) / len(ids))
                 nd = scores(got, ref[kq]["sparse"], kq)
-                rows.append({"kq": kq, "store": spec, "search": f"codes {setting}", "probes": probes,
-                             "candidates": cands, "bytes_per_vector": bytes_per_vector,
-                             "ndcg_multi": nd["multi_dense"], "ndcg_fused": nd["fusion_multi_sparse_max"],
-                             "recall_10": recall10(got, ref[kq]["md"]), "ms_per_query": best,
-                             "speedup": md_ms[kq] / best, "probed_mean": float(np.mean(st.probed)),
-                             "decoded_mean": float(np.mean(st.decoded)), "load_ms": load_ms,
-                             "cells": index.n_centroids})  # fmt: skip
+                rows.append(
+                    {
+                        "kq": kq,
+                        "store": spec,
+                        "search": f"codes {setting}",
+                        "probes": probes,
+                        "candidates": cands,
+                        "bytes_per_vector": bytes_per_vector,
+                        "ndcg_multi": nd["multi_dense"],
+                        "ndcg_fused": nd["fusion_multi_sparse_max"],
+                        "recall_10": recall10(got, ref[kq]["md"]),
+                        "ms_per_query": best,
+                        "speedup": md_ms[kq] / best,
+                        "probed_mean": float(np.mean(st.probed)),
+                        "decoded_mean": float(np.mean(st.decoded)),
+                        "load_ms": load_ms,
+                        "cells": index.n_centroids,
+                    }
+                )
                 print(rows[-1], flush=True)
     for r in rows:
         base = ref[r["kq"]]["ndcg"]
         r["delta_multi"] = r["ndcg_multi"] - base["multi_dense"]
         r["delta_fused"] = r["ndcg_fused"] - base["fusion_multi_sparse_max"]
         r["exact_f16_multi_ms"] = md_ms[r["kq"]]
-    result = {"label": args.label, "system": args.system, "dataset": args.dataset, "split": args.split,
-              "queries": len(ids), "passages": n_passages, "kp": args.kp, "hidden": hidden, "threads": args.threads,
-              "repeats": args.repeats, "cells_default": colbert_centroids(n_passages * args.kp), "rows": rows}
+    result = {
+        "label": args.label,
+        "system": args.system,
+        "dataset": args.dataset,
+        "split": args.split,
+        "queries": len(ids),
+        "passages": n_passages,
+        "kp": args.kp,
+        "hidden": hidden,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "cells_default": colbert_centroids(n_passages * args.kp),
+        "rows": rows,
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data[args.label] = result
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-
 
 
 if __name__ == "__main__":

@@ -61,21 +61,27 @@ def main(before: str, after: str) -> None:
     ra, rb = run_stats(before), run_stats(after)
     for split in SPLITS:
         (na, rows_a, ba), (nb, rows_b, bb) = ra[split], rb[split]
-        print(f"runs {split}: {na} files {rows_a:,} rows {ba / 1e6:.2f} MB -> {nb} files {rows_b:,} rows "
-              f"{bb / 1e6:.2f} MB: {ba / max(bb, 1):.2f}x; bytes/row {ba / max(rows_a, 1):.2f} -> "
-              f"{bb / max(rows_b, 1):.2f}")  # fmt: skip
+        print(
+            f"runs {split}: {na} files {rows_a:,} rows {ba / 1e6:.2f} MB -> {nb} files {rows_b:,} rows "
+            f"{bb / 1e6:.2f} MB: {ba / max(bb, 1):.2f}x; bytes/row {ba / max(rows_a, 1):.2f} -> "
+            f"{bb / max(rows_b, 1):.2f}"
+        )
     total_a, total_b = sum(v[2] for v in ra.values()), sum(v[2] for v in rb.values())
     print(f"runs total: {total_a / 1e6:.2f} MB -> {total_b / 1e6:.2f} MB: {total_a / max(total_b, 1):.2f}x smaller")
     for split in SPLITS:
         ca, cb = canonical(before, split), canonical(after, split)
         same = file_shas(before, split) == file_shas(after, split)
-        print(f"metrics {split}: sha256 {ca[0]} ({ca[1]} rows) vs {cb[0]} ({cb[1]} rows): "
-              f"{'EQUAL' if ca == cb else 'DIFFERENT'}; per_query.parquet byte-identical: {same}")  # fmt: skip
+        print(
+            f"metrics {split}: sha256 {ca[0]} ({ca[1]} rows) vs {cb[0]} ({cb[1]} rows): "
+            f"{'EQUAL' if ca == cb else 'DIFFERENT'}; per_query.parquet byte-identical: {same}"
+        )
         if ca != cb:
             sub = ["ndcg_cut_10", "mrr_10", "recall_100"]
             sa, sb = canonical(before, split, sub), canonical(after, split, sub)
-            print(f"  {split} without recall_1000: {sa[0]} vs {sb[0]}: {'EQUAL' if sa == sb else 'DIFFERENT'} "
-                  f"({sa[1]} rows)")  # fmt: skip
+            print(
+                f"  {split} without recall_1000: {sa[0]} vs {sb[0]}: {'EQUAL' if sa == sb else 'DIFFERENT'} "
+                f"({sa[1]} rows)"
+            )
 
 
 if __name__ == "__main__":

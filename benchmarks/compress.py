@@ -50,10 +50,16 @@ def shard_table(x: np.ndarray, start: int) -> pa.Table:
     flat = pa.array(x.astype(np.float16).reshape(-1))
     inner = pa.FixedSizeListArray.from_arrays(flat, h)
     dense = pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), inner)
-    cols = {"id": pa.array([f"d{start + i}" for i in range(n)]), "n_reps": pa.array(np.full(n, k, np.int16)),
-            "dense": dense, "sparse_ids": pa.array([[]] * n, pa.list_(pa.int32())),
-            "sparse_weights": pa.array([[]] * n, pa.list_(pa.float32())), "n_tokens": pa.array(np.full(n, 8, np.int32)),
-            "stopped": pa.array([False] * n), "tokens": pa.array([[]] * n, pa.list_(pa.int32()))}  # fmt: skip
+    cols = {
+        "id": pa.array([f"d{start + i}" for i in range(n)]),
+        "n_reps": pa.array(np.full(n, k, np.int16)),
+        "dense": dense,
+        "sparse_ids": pa.array([[]] * n, pa.list_(pa.int32())),
+        "sparse_weights": pa.array([[]] * n, pa.list_(pa.float32())),
+        "n_tokens": pa.array(np.full(n, 8, np.int32)),
+        "stopped": pa.array([False] * n),
+        "tokens": pa.array([[]] * n, pa.list_(pa.int32())),
+    }
     return pa.table(cols, schema=encodings_schema(h))
 
 
@@ -65,9 +71,12 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 def vector_column_bytes(data: bytes) -> int:
     md = pq.ParquetFile(io.BytesIO(data)).metadata
-    return sum(md.row_group(g).column(c).total_compressed_size for g in range(md.num_row_groups)
-               for c in range(md.num_columns)
-               if md.row_group(g).column(c).path_in_schema.split(".")[0] in ("dense", "codes"))  # fmt: skip
+    return sum(
+        md.row_group(g).column(c).total_compressed_size
+        for g in range(md.num_row_groups)
+        for c in range(md.num_columns)
+        if md.row_group(g).column(c).path_in_schema.split(".")[0] in ("dense", "codes")
+    )
 
 
 def rss() -> int:
@@ -132,9 +141,11 @@ def main() -> None:
     tables = [shard_table(docs[s : s + args.shard], s) for s in range(0, args.passages, args.shard)]
     settings = SearchSettings(topk=100, block_bytes=int(args.block_mb * 2**20))
     decoded_mb = args.shard * args.kp * args.hidden * 4 / 2**20
-    print(f"{args.passages:,} passages x K_p {args.kp}, H {args.hidden}, {args.queries} queries x K_q {args.kq}, "
-          f"shards of {args.shard:,} (one decoded: {decoded_mb:.0f} MB), --block-mb {args.block_mb:g}, "
-          f"{args.threads} thread(s), best of {args.repeats}")  # fmt: skip
+    print(
+        f"{args.passages:,} passages x K_p {args.kp}, H {args.hidden}, {args.queries} queries x K_q {args.kq}, "
+        f"shards of {args.shard:,} (one decoded: {decoded_mb:.0f} MB), --block-mb {args.block_mb:g}, "
+        f"{args.threads} thread(s), best of {args.repeats}"
+    )
     print("| store | bytes / vector | float16 time / this | recall@10 (multi) | recall@10 (single) | peak added MB |")
     print("|---|---:|---:|---:|---:|---:|")
     base_time, base_top = None, None
@@ -159,10 +170,13 @@ def main() -> None:
         top = {m: tops[8, m].index[:, :10] for m in ("multi_dense", "single_dense")}
         if base_time is None:
             base_time, base_top = best, top
-        recall = {m: np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top[m], base_top[m], strict=True)])
-                  for m in top}  # fmt: skip
-        print(f"| {spec} | {per_vector:.1f} | {base_time / best:.2f}x ({best:.2f} s) | {recall['multi_dense']:.3f} | "
-              f"{recall['single_dense']:.3f} | {mem.added_mb:.0f} |")  # fmt: skip
+        recall = {
+            m: np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top[m], base_top[m], strict=True)]) for m in top
+        }
+        print(
+            f"| {spec} | {per_vector:.1f} | {base_time / best:.2f}x ({best:.2f} s) | {recall['multi_dense']:.3f} | "
+            f"{recall['single_dense']:.3f} | {mem.added_mb:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ class GpuMemory:
 # ------------------------------------------------------------------------------------------------ 1. stages
 def cli(args: list[str], logfile: Path, env: dict[str, str]) -> tuple[float, str]:
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=env,
-                       cwd=REPO)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=env, cwd=REPO
+    )
     with logfile.open("a") as f:
         f.write(f"\n$ diffret {' '.join(args)}\n{p.stdout}{p.stderr}")
     if p.returncode != 0:
@@ -108,8 +109,14 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
     root = Path(args.store)  # not under OUT: only a few small files come back from there
     shutil.rmtree(root, ignore_errors=True)
     logfile = out / "stages.log"
-    env = {**os.environ, "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "NLTK_DATA": str(NLTK),
-           "DIFFRET_ROOT": str(root)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": "",
+        "HF_HUB_OFFLINE": "1",
+        "COLUMNS": "200",
+        "NLTK_DATA": str(NLTK),
+        "DIFFRET_ROOT": str(root),
+    }
     source = DATA
     if args.stage_passages:  # a smaller collection: the judged passages first
         source = root.parent / "device-check-data"
@@ -123,6 +130,7 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
     model = ["--model", str(MODELS / "dream"), "--load-format", "random", *shape]
     dev = ["--device", args.device]
     common = ["--no-prefect"]
+    # fmt: off
     plan = [
         ("download", ["download", "scifact", "--source", str(source)]),
         ("tokenize", ["tokenize", "-d", "scifact", *model, "--max-length", "256"]),
@@ -133,7 +141,8 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
                   "16", "--first-mode", "multi_dense", "--kq", "16", "--kp", "4", "--mode", "multi_dense", "--depth",
                   "100", "--batch-size", str(args.stage_batch), *dev]),
         ("evaluate", ["evaluate"]),
-    ]  # fmt: skip
+    ]
+    # fmt: on
     rows, system = [], ""
     for name, cmd in plan:
         if time.perf_counter() - T0 > args.deadline_s:
@@ -143,8 +152,14 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
         cmd = [x for c in cmd for x in (["--system", system] if c == "SYSTEM" else [c])]
         mem.reset()
         seconds, stdout = cli([*cmd, *common], logfile, env)
-        rows.append({"stage": name, "seconds": round(seconds, 2), "gpu_peak_gib": mem.peak_gib(),
-                     "line": stdout.strip().splitlines()[-1] if stdout.strip() else ""})  # fmt: skip
+        rows.append(
+            {
+                "stage": name,
+                "seconds": round(seconds, 2),
+                "gpu_peak_gib": mem.peak_gib(),
+                "line": stdout.strip().splitlines()[-1] if stdout.strip() else "",
+            }
+        )
         log(f"stage {name}: {seconds:.1f} s, GPU peak {mem.peak_gib()} GiB")
         if name == "encode":
             listing = json.loads(cli(["systems", "--format", "json"], logfile, env)[1])
@@ -159,8 +174,9 @@ def load_before() -> Any:
     package ``diffret_before``, beside this one: the same network read by both in one process."""
     if "diffret_before" in sys.modules:
         return sys.modules["diffret_before"]
-    spec = importlib.util.spec_from_file_location("diffret_before", BEFORE / "diffret" / "__init__.py",
-                                                  submodule_search_locations=[str(BEFORE / "diffret")])  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "diffret_before", BEFORE / "diffret" / "__init__.py", submodule_search_locations=[str(BEFORE / "diffret")]
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["diffret_before"] = mod
     spec.loader.exec_module(mod)
@@ -209,8 +225,11 @@ def encode_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             continue
         shape = TINY[family] if args.tiny else SHAPES[family]
         t = time.perf_counter()
-        bb = load_backbone(BackboneConfig(model=str(MODELS / family), load_format="random", shape=shape,
-                                          device=args.device, dtype=args.dtype))  # fmt: skip
+        bb = load_backbone(
+            BackboneConfig(
+                model=str(MODELS / family), load_format="random", shape=shape, device=args.device, dtype=args.dtype
+            )
+        )
         sync(bb.device)
         n_params = sum(p.numel() for p in bb.model.parameters())
         log(f"{family}: {n_params / 1e9:.2f}e9 parameters built on {bb.device} in {time.perf_counter() - t:.1f} s")
@@ -221,8 +240,11 @@ def encode_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             reader = make_reader(bb, cfg, target - extra)  # a full text makes a row of `target` tokens at K = 16
             room = target - extra - counted
             keep = [i for i, ids in enumerate(all_ids) if len(ids) >= room][: args.rows]
-            rows = Rows([str(i) for i in range(len(keep))], [all_ids[i][:room] for i in keep],
-                        reader.filter.allowed_many([texts[i] for i in keep]) if reader.filter is not None else None)
+            rows = Rows(
+                [str(i) for i in range(len(keep))],
+                [all_ids[i][:room] for i in keep],
+                reader.filter.allowed_many([texts[i] for i in keep]) if reader.filter is not None else None,
+            )
             for batch in args.batches:
                 if time.perf_counter() - T0 > args.deadline_s:
                     rows_out.append({"model": family, "tokens": target, "batch": batch, "skipped": "past the deadline"})
@@ -257,14 +279,28 @@ def encode_case(bb: Any, reader: Any, old: Any, before: Any, rows: Rows, batch: 
     t16, table = timed(lambda: diffret(16), bb.device, repeats)
     t1, _ = timed(lambda: diffret(1), bb.device, repeats)
     tb, _ = timed(lambda: bare(bb, reader, rows.token_ids, batch), bb.device, repeats)
-    row = {"rows": n, "batch": batch, "diffret_docs_s": round(n / t16, 2), "bare_docs_s": round(n / tb, 2),
-           "ratio": round(tb / t16, 3), "k16_over_k1": round(t16 / t1, 3)}  # fmt: skip
+    row = {
+        "rows": n,
+        "batch": batch,
+        "diffret_docs_s": round(n / t16, 2),
+        "bare_docs_s": round(n / tb, 2),
+        "ratio": round(tb / t16, 3),
+        "k16_over_k1": round(t16 / t1, 3),
+    }
     if old is not None:
         encoding = importlib.import_module("diffret_before.retrieval.models.encoding")
-        t_old, old_table = timed(lambda: encoding.encode_rows(old, rows.ids, rows.token_ids, None, "passage", 16, batch,
-                                                              filtered=rows.filtered), bb.device, 1)  # fmt: skip
-        row |= {"before_docs_s": round(n / t_old, 2), "after_over_before": round(t_old / t16, 3),
-                "same_bytes_as_before": bool(table.equals(old_table))}  # fmt: skip
+        t_old, old_table = timed(
+            lambda: encoding.encode_rows(
+                old, rows.ids, rows.token_ids, None, "passage", 16, batch, filtered=rows.filtered
+            ),
+            bb.device,
+            1,
+        )
+        row |= {
+            "before_docs_s": round(n / t_old, 2),
+            "after_over_before": round(t_old / t16, 3),
+            "same_bytes_as_before": bool(table.equals(old_table)),
+        }
     return row
 
 
@@ -286,8 +322,10 @@ def bare(bb: Any, reader: Any, token_ids: list[list[int]], batch: int) -> list[A
     key = (id(reader), batch)
     if key not in _BARE:
         _BARE.clear()
-        _BARE[key] = [reader._mask_batch([token_ids[i] for i in order[s : s + batch]], "passage", 16)
-                      for s in range(0, len(order), batch)]  # fmt: skip
+        _BARE[key] = [
+            reader._mask_batch([token_ids[i] for i in order[s : s + batch]], "passage", 16)
+            for s in range(0, len(order), batch)
+        ]
     out = []
     with torch.inference_mode():
         for b in _BARE[key]:
@@ -327,47 +365,109 @@ def score_part(args: argparse.Namespace, stages: dict[str, Any]) -> dict[str, An
             continue
         multi = p.multi.repeat(tiles, 1, 1)
         mask = p.mask.repeat(tiles, 1)
-        big = Encodings([f"{t}:{i}" for t in range(tiles) for i in p.ids], multi, mask, p.single.repeat(tiles, 1),
-                        [], [])  # fmt: skip
+        big = Encodings(
+            [f"{t}:{i}" for t in range(tiles) for i in p.ids], multi, mask, p.single.repeat(tiles, 1), [], []
+        )
         shard = 50_000
-        blocks = [Encodings(big.ids[s : s + shard], big.multi[s : s + shard], big.mask[s : s + shard],
-                            big.single[s : s + shard], [], []) for s in range(0, len(big.ids), shard)]  # fmt: skip
-        t_ours, (res, _) = timed(lambda b=blocks: search_pass({16: q}, iter(b), ["multi_dense"],
-                                                              SearchSettings(topk=1000)), device, args.repeats)
+        blocks = [
+            Encodings(
+                big.ids[s : s + shard],
+                big.multi[s : s + shard],
+                big.mask[s : s + shard],
+                big.single[s : s + shard],
+                [],
+                [],
+            )
+            for s in range(0, len(big.ids), shard)
+        ]
+        t_ours, (res, _) = timed(
+            lambda b=blocks: search_pass({16: q}, iter(b), ["multi_dense"], SearchSettings(topk=1000)),
+            device,
+            args.repeats,
+        )
         qm, pm = q.multi, big.multi
         chunk = max(1, (1 << 28) // (qm.shape[0] * qm.shape[1] * pm.shape[1]))
 
         def reference(qm: Any = qm, pm: Any = pm, chunk: int = chunk) -> Any:  # matmul, max, mean (sum), top-k
-            scores = torch.cat([torch.einsum("qih,njh->qinj", qm, pm[s : s + chunk]).amax(-1).clamp(min=0).sum(1)
-                                for s in range(0, len(pm), chunk)], 1)  # fmt: skip
+            scores = torch.cat(
+                [
+                    torch.einsum("qih,njh->qinj", qm, pm[s : s + chunk]).amax(-1).clamp(min=0).sum(1)
+                    for s in range(0, len(pm), chunk)
+                ],
+                1,
+            )
             return torch.topk(scores, min(1000, scores.shape[1]), dim=1)
 
         t_ref, ref = timed(reference, device, args.repeats)
         ours = res[(16, "multi_dense")]
-        agree = float(np.mean([len(set(a[:10].tolist()) & set(b[:10].tolist())) / 10
-                               for a, b in zip(ours.index, ref.indices.cpu(), strict=True)]))  # fmt: skip
-        row = {"queries": len(q.ids), "passages": len(big.ids), "kq": 16, "kp": 16, "hidden": int(qm.shape[-1]),
-               "search_pass_s": round(t_ours, 4), "bare_s": round(t_ref, 4), "ratio": round(t_ref / t_ours, 3),
-               "top10_agreement": round(agree, 3)}  # fmt: skip
+        agree = float(
+            np.mean(
+                [
+                    len(set(a[:10].tolist()) & set(b[:10].tolist())) / 10
+                    for a, b in zip(ours.index, ref.indices.cpu(), strict=True)
+                ]
+            )
+        )
+        row = {
+            "queries": len(q.ids),
+            "passages": len(big.ids),
+            "kq": 16,
+            "kp": 16,
+            "hidden": int(qm.shape[-1]),
+            "search_pass_s": round(t_ours, 4),
+            "bare_s": round(t_ref, 4),
+            "ratio": round(t_ref / t_ours, 3),
+            "top10_agreement": round(agree, 3),
+        }
         rows.append(row)
         log(f"score {row}")
     return {"rows": rows}
 
 
-GPU_TESTS = ["tests/unit/test_readout_syncs.py", "tests/unit/test_sidr.py", "tests/unit/test_search.py",
-             "tests/unit/test_block_budget.py"]  # fmt: skip
+GPU_TESTS = [
+    "tests/unit/test_readout_syncs.py",
+    "tests/unit/test_sidr.py",
+    "tests/unit/test_search.py",
+    "tests/unit/test_block_budget.py",
+]
 
 
 def gpu_tests_part(out: Path) -> dict[str, Any]:
     """The tests that run only where there is a GPU (each skips without one): their pytest summary line."""
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-o",
-                        "addopts=", *GPU_TESTS, "-k", "gpu or cuda"], capture_output=True, text=True, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            *GPU_TESTS,
+            "-k",
+            "gpu or cuda",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     (out / "gpu_tests.log").write_text(p.stdout + p.stderr)
     last = (p.stdout.strip().splitlines() or [""])[-1]
     log(f"GPU tests: {last}")
-    return {"rows": [{"tests": " ".join(Path(x).name for x in GPU_TESTS), "returncode": p.returncode,
-                      "summary": last, "seconds": round(time.perf_counter() - t, 1)}]}  # fmt: skip
+    return {
+        "rows": [
+            {
+                "tests": " ".join(Path(x).name for x in GPU_TESTS),
+                "returncode": p.returncode,
+                "summary": last,
+                "seconds": round(time.perf_counter() - t, 1),
+            }
+        ]
+    }
 
 
 def stored_system(root: str) -> dict[str, Any] | None:
@@ -403,10 +503,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs, the best kept (after one warm-up)")
     ap.add_argument("--stage-batch", type=int, default=64)
     ap.add_argument("--score-passages", type=int, default=50_000)
-    ap.add_argument("--stage-passages", type=int, default=0, help="the stages' corpus: the judged passages and "
-                    "others up to this many (0: the whole subset .dev carries)")
-    ap.add_argument("--deadline-s", type=float, default=None, help="no part or case starts after this many seconds "
-                    "(default: 380 on a GPU, none with --tiny)")
+    ap.add_argument(
+        "--stage-passages",
+        type=int,
+        default=0,
+        help="the stages' corpus: the judged passages and others up to this many (0: the whole subset .dev carries)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="no part or case starts after this many seconds (default: 380 on a GPU, none with --tiny)",
+    )
     ap.add_argument("--no-before", dest="before", action="store_false", help="skip the code before (.dev/before)")
     args = ap.parse_args()
     args.families = args.families.split(",")
@@ -419,13 +527,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NLTK_DATA", str(NLTK))  # the reference content filter's English tables (encode part)
     if not DATA.exists():
-        raise SystemExit(f"{DATA} is missing: run `python benchmarks/device_prepare.py` first (on the machine with "
-                         "../shared), and carry .dev")  # fmt: skip
+        raise SystemExit(
+            f"{DATA} is missing: run `python benchmarks/device_prepare.py` first (on the machine with "
+            "../shared), and carry .dev"
+        )
     import torch
 
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "date": time.strftime("%Y-%m-%d"), "args": vars(args)}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+    }
     with contextlib.suppress(ImportError):
         import transformers
 
@@ -452,12 +567,33 @@ def main() -> None:
         if "stages" in result:
             print("\n" + table(result["stages"]["rows"], ["stage", "seconds", "gpu_peak_gib", "skipped"]))
         if "score" in result:
-            print("\n" + table(result["score"]["rows"], ["queries", "passages", "hidden", "search_pass_s", "bare_s",
-                                                         "ratio", "top10_agreement", "skipped"]))  # fmt: skip
+            print(
+                "\n"
+                + table(
+                    result["score"]["rows"],
+                    ["queries", "passages", "hidden", "search_pass_s", "bare_s", "ratio", "top10_agreement", "skipped"],
+                )
+            )
         if "encode" in result:
-            print("\n" + table(result["encode"]["rows"], ["model", "tokens", "batch", "diffret_docs_s", "bare_docs_s",
-                                                          "ratio", "k16_over_k1", "before_docs_s", "after_over_before",
-                                                          "same_bytes_as_before", "skipped"]))  # fmt: skip
+            print(
+                "\n"
+                + table(
+                    result["encode"]["rows"],
+                    [
+                        "model",
+                        "tokens",
+                        "batch",
+                        "diffret_docs_s",
+                        "bare_docs_s",
+                        "ratio",
+                        "k16_over_k1",
+                        "before_docs_s",
+                        "after_over_before",
+                        "same_bytes_as_before",
+                        "skipped",
+                    ],
+                )
+            )
         if "tests" in result:
             print("\n" + table(result["tests"]["rows"], ["tests", "returncode", "summary", "seconds"]))
 

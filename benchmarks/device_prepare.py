@@ -32,13 +32,30 @@ BEFORE_REV = "b34a492"  # the last commit whose mask readout read values back fr
 # The packages the stages' CLI imports on the GPU image besides what the image has (found with --check-imports), at
 # the versions this repository is tested with; pure Python or manylinux wheels for CPython 3.12.
 WHEELS = [
-    "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-    "duckdb==2.0.1", "pytrec-eval-terrier==0.5.11", "nltk==3.10.4", "dask==2026.8.0", "distributed==2026.8.0",
-    "partd==1.4.2", "locket==1.0.0", "tblib==3.2.2", "zict==3.0.0", "tornado==6.6.1",
-    "typer==0.29.2", "click==8.5.1",  # the image has typer and click, at versions the CLI was not tried with
-]  # fmt: skip
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64"]  # fmt: skip
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "duckdb==2.0.1",
+    "pytrec-eval-terrier==0.5.11",
+    "nltk==3.10.4",
+    "dask==2026.8.0",
+    "distributed==2026.8.0",
+    "partd==1.4.2",
+    "locket==1.0.0",
+    "tblib==3.2.2",
+    "zict==3.0.0",
+    "tornado==6.6.1",
+    "typer==0.29.2",
+    "click==8.5.1",  # the image has typer and click, at versions the CLI was not tried with
+]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 # The GPU image's Python packages (.library/device/KINDS.md, read on a machine running it on 2026-11-17).
 IMAGE = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
@@ -77,9 +94,23 @@ def wheels(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
         old.unlink()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-           "--implementation", "cp", *(x for p in PLATFORMS for x in ("--platform", p)), "-d", str(dest), *WHEELS]
-    subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *(x for p in PLATFORMS for x in ("--platform", p)),
+        "-d",
+        str(dest),
+        *WHEELS,
+    ]
+    subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
     got = {norm(p.name.split("-")[0]) for p in dest.glob("*.whl")}
     missing = sorted(norm(w.split("==")[0]) for w in WHEELS if norm(w.split("==")[0]) not in got)
     if missing:
@@ -107,8 +138,11 @@ def scifact(shared: Path, dest: Path, n: int) -> dict[str, int]:
 def model_folders(shared: Path, dest: Path) -> None:
     for name, folder in (("dream", "tiny-dream-random"), ("llada", "tiny-llada-random")):
         shutil.rmtree(dest / name, ignore_errors=True)
-        shutil.copytree(shared / "models" / folder, dest / name,
-                        ignore=lambda _d, files: [f for f in files if f.endswith(TOKENIZER_SKIP)])  # fmt: skip
+        shutil.copytree(
+            shared / "models" / folder,
+            dest / name,
+            ignore=lambda _d, files: [f for f in files if f.endswith(TOKENIZER_SKIP)],
+        )
 
 
 def before(rev: str, dest: Path) -> None:
@@ -120,8 +154,12 @@ def before(rev: str, dest: Path) -> None:
 
 def carried_bytes() -> tuple[int, int]:
     """(bytes of the working tree that travels: tracked and untracked-not-ignored files; bytes of .dev)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            check=True, capture_output=True).stdout.split(b"\0")  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
     tree = sum((REPO / p.decode()).lstat().st_size for p in listed if p and (REPO / p.decode()).exists())
     dev = sum(p.lstat().st_size for p in DEV.rglob("*") if p.is_file() or p.is_symlink())
     return tree, dev
@@ -137,8 +175,11 @@ def requirements(names: set[str]) -> set[str]:
         if name not in seen:
             seen.add(name)
             with contextlib.suppress(PackageNotFoundError):
-                todo += [norm(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0]) for r in requires(name) or []
-                         if "extra ==" not in r]  # fmt: skip
+                todo += [
+                    norm(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0])
+                    for r in requires(name) or []
+                    if "extra ==" not in r
+                ]
     return seen
 
 
@@ -149,9 +190,14 @@ def check_imports() -> None:
 
     carried = {norm(w.split("==")[0]) for w in WHEELS}
     allowed = {norm(n) for n in IMAGE} | carried | requirements(LOCAL_ONLY)
-    blocked = sorted(mod for mod, dists in packages_distributions().items()
-                     if not any(norm(d) in allowed for d in dists) and mod not in sys.stdlib_module_names
-                     and mod != "diffret" and not mod.startswith("_"))  # fmt: skip
+    blocked = sorted(
+        mod
+        for mod, dists in packages_distributions().items()
+        if not any(norm(d) in allowed for d in dists)
+        and mod not in sys.stdlib_module_names
+        and mod != "diffret"
+        and not mod.startswith("_")
+    )
     with tempfile.TemporaryDirectory() as sim:
         Path(sim, "sitecustomize.py").write_text(
             "import importlib.abc, sys\n"
@@ -163,10 +209,31 @@ def check_imports() -> None:
             "sys.meta_path.insert(0, _Block())\n"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([sim, str(REPO)])}
-        cmd = [sys.executable, str(REPO / "benchmarks" / "device_check.py"), "--tiny", "--device", "cpu", "--dtype",
-               "float32", "--out", str(Path(tempfile.gettempdir()) / "device-check-imports"), "--stage-passages", "200",
-               "--rows", "16", "--lengths", "115", "--batches", "8", "--repeats", "1", "--score-passages", "1",
-               "--families", "dream"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(REPO / "benchmarks" / "device_check.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--out",
+            str(Path(tempfile.gettempdir()) / "device-check-imports"),
+            "--stage-passages",
+            "200",
+            "--rows",
+            "16",
+            "--lengths",
+            "115",
+            "--batches",
+            "8",
+            "--repeats",
+            "1",
+            "--score-passages",
+            "1",
+            "--families",
+            "dream",
+        ]
         print(f"{len(blocked)} modules blocked (not on the image, not carried); running {' '.join(cmd[1:])}")
         subprocess.run(cmd, check=True, env=env)
 
@@ -189,8 +256,10 @@ def main() -> None:
     sizes = {p.name: p.stat().st_size for p in sorted((DEV / "whl").glob("*.whl"))}
     for name, size in sizes.items():
         print(f"{size / 2**20:8.2f} MiB  {name}")
-    print(f"wheels {sum(sizes.values()) / 2**20:.2f} MiB; SciFact subset {info}; .dev {dev / 2**20:.2f} MiB; the "
-          f"working tree {tree / 2**20:.2f} MiB; carried in all {(tree + dev) / 2**20:.2f} MiB of {LIMIT >> 20} MiB")
+    print(
+        f"wheels {sum(sizes.values()) / 2**20:.2f} MiB; SciFact subset {info}; .dev {dev / 2**20:.2f} MiB; the "
+        f"working tree {tree / 2**20:.2f} MiB; carried in all {(tree + dev) / 2**20:.2f} MiB of {LIMIT >> 20} MiB"
+    )
     if tree + dev > LIMIT:
         raise SystemExit("over the device tool's 64 MiB: carry less")
     if args.check_imports:

@@ -63,11 +63,16 @@ def encodings_table(ids: list[str], x: np.ndarray, sparse: tuple[list, list]) ->
     n, k, h = x.shape
     inner = pa.FixedSizeListArray.from_arrays(pa.array(x.astype(np.float16).reshape(-1)), h)
     dense = pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), inner)
-    cols = {"id": pa.array(ids), "n_reps": pa.array(np.full(n, k, np.int16)), "dense": dense,
-            "sparse_ids": pa.array(sparse[0], pa.list_(pa.int32())),
-            "sparse_weights": pa.array(sparse[1], pa.list_(pa.float32())),
-            "n_tokens": pa.array(np.full(n, 64, np.int32)),
-            "stopped": pa.array([False] * n), "tokens": pa.array([[]] * n, pa.list_(pa.int32()))}  # fmt: skip
+    cols = {
+        "id": pa.array(ids),
+        "n_reps": pa.array(np.full(n, k, np.int16)),
+        "dense": dense,
+        "sparse_ids": pa.array(sparse[0], pa.list_(pa.int32())),
+        "sparse_weights": pa.array(sparse[1], pa.list_(pa.float32())),
+        "n_tokens": pa.array(np.full(n, 64, np.int32)),
+        "stopped": pa.array([False] * n),
+        "tokens": pa.array([[]] * n, pa.list_(pa.int32())),
+    }
     return pa.table(cols, schema=encodings_schema(h))
 
 
@@ -89,18 +94,44 @@ def build_store(root: str, passages: int, queries: int, kp: int, kq: int, hidden
     pool /= np.linalg.norm(pool, axis=1, keepdims=True)
     qids, dids = [f"q{i}" for i in range(queries)], [f"d{i:07d}" for i in range(passages)]
     tables = {
-        "corpus": pa.table({"doc_id": dids, "title": [""] * passages, "text": [""] * passages,
-                            "metadata": pa.nulls(passages, pa.string())}, schema=DATASET_TABLES["corpus"]),
-        "queries": pa.table({"query_id": qids, "text": [""] * queries, "split": ["test"] * queries,
-                             "metadata": pa.nulls(queries, pa.string())}, schema=DATASET_TABLES["queries"]),
-        "qrels": pa.table({"query_id": qids, "doc_id": dids[:queries], "relevance": [1] * queries,
-                           "split": ["test"] * queries}, schema=DATASET_TABLES["qrels"]),
-    }  # fmt: skip
+        "corpus": pa.table(
+            {
+                "doc_id": dids,
+                "title": [""] * passages,
+                "text": [""] * passages,
+                "metadata": pa.nulls(passages, pa.string()),
+            },
+            schema=DATASET_TABLES["corpus"],
+        ),
+        "queries": pa.table(
+            {
+                "query_id": qids,
+                "text": [""] * queries,
+                "split": ["test"] * queries,
+                "metadata": pa.nulls(queries, pa.string()),
+            },
+            schema=DATASET_TABLES["queries"],
+        ),
+        "qrels": pa.table(
+            {"query_id": qids, "doc_id": dids[:queries], "relevance": [1] * queries, "split": ["test"] * queries},
+            schema=DATASET_TABLES["qrels"],
+        ),
+    }
     with store.stage_writer(dataset_dir("synth"), Manifest.new("datasets", {"dataset": "synth"}, {"n": passages})) as w:
         for name, t in tables.items():
             w.write_parquet(f"{name}.parquet", t.schema, [t])
-    register(store, SystemRecord(system=SYSTEM, kind="encoder", model="synthetic", readout="diffretriever",
-                                 multi_vector=True, has_sparse=True, settings={"hidden": hidden}))  # fmt: skip
+    register(
+        store,
+        SystemRecord(
+            system=SYSTEM,
+            kind="encoder",
+            model="synthetic",
+            readout="diffretriever",
+            multi_vector=True,
+            has_sparse=True,
+            settings={"hidden": hidden},
+        ),
+    )
     q = encodings_table(qids, _vectors(rng, pool, queries, kq), _sparse(rng, queries, 10))
     encoded_folder(store, "query", kq, iter([q]))
 
@@ -113,8 +144,10 @@ def build_store(root: str, passages: int, queries: int, kp: int, kq: int, hidden
 
 
 def digests(root: str) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).glob("runs/**/run.parquet"))}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).glob("runs/**/run.parquet"))
+    }
 
 
 def _rss_mb() -> float:
@@ -170,16 +203,18 @@ def shard_peak(root: str, kp: int) -> float:
     """What reading and decoding one passage shard adds to a warm process's resident set (MB): its Parquet decoding
     (scratch that Arrow's allocator keeps and reuses for the next shard) and its float32 vectors; measured in a child
     process, after :func:`_warm`."""
-    code = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
-            "import distributed_scoring as ds, compress\n"
-            "from diffret.storage import ArtifactStore\n"
-            "from diffret.stages.readers import encoding_manifest, iter_encodings\n"
-            f"ds._warm(); store = ArtifactStore({root!r})\n"
-            f"stage = ds.encodings_dir(ds.SYSTEM, 'synth', 'passage', {kp})\n"
-            "m = encoding_manifest(store, stage)\n"
-            "with compress.PeakRSS() as p:\n"
-            "    e = next(iter_encodings(store, stage, m))\n"
-            "print(p.added_mb)\n")  # fmt: skip
+    code = (
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
+        "import distributed_scoring as ds, compress\n"
+        "from diffret.storage import ArtifactStore\n"
+        "from diffret.stages.readers import encoding_manifest, iter_encodings\n"
+        f"ds._warm(); store = ArtifactStore({root!r})\n"
+        f"stage = ds.encodings_dir(ds.SYSTEM, 'synth', 'passage', {kp})\n"
+        "m = encoding_manifest(store, stage)\n"
+        "with compress.PeakRSS() as p:\n"
+        "    e = next(iter_encodings(store, stage, m))\n"
+        "print(p.added_mb)\n"
+    )
     env = {**os.environ, **WORKER_ENV}  # as the workers run (flows.cluster.local_cluster)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return float(out.stdout.split()[-1])
@@ -192,9 +227,17 @@ def score_on(root: str, workers: int, args: argparse.Namespace) -> dict:
     with local_cluster(n_workers=workers) as cluster, distributed.Client(cluster, set_as_default=False) as client:
         client.wait_for_workers(workers)
         idle = client.run(_warm)
-        config = ScoreConfig(root=root, dataset="synth", system=SystemRef(system=SYSTEM), kq=[args.kq], kp=[args.kp],
-                             topk=args.topk, block_mb=args.block_mb, unit_passages=args.unit_passages,
-                             dask_address=cluster.scheduler_address)  # fmt: skip
+        config = ScoreConfig(
+            root=root,
+            dataset="synth",
+            system=SystemRef(system=SYSTEM),
+            kq=[args.kq],
+            kp=[args.kp],
+            topk=args.topk,
+            block_mb=args.block_mb,
+            unit_passages=args.unit_passages,
+            dask_address=cluster.scheduler_address,
+        )
         client.run(_start)
         start = time.perf_counter()
         res = run_stage(stages()["score"], config, log=lambda m: print("   ", m, flush=True))
@@ -202,8 +245,14 @@ def score_on(root: str, workers: int, args: argparse.Namespace) -> dict:
         peak = client.run(_stop)
     added = {w: peak[w] - idle[w] for w in peak}
     print(f"    {seconds:.1f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    return {"workers": workers, "seconds": seconds, "cells": res.done, "idle_mb": idle, "peak_mb": peak,
-            "added_mb": max(added.values())}  # fmt: skip
+    return {
+        "workers": workers,
+        "seconds": seconds,
+        "cells": res.done,
+        "idle_mb": idle,
+        "peak_mb": peak,
+        "added_mb": max(added.values()),
+    }
 
 
 def main() -> None:
@@ -241,11 +290,15 @@ def main() -> None:
             print(f"score on {n} worker(s):", flush=True)
             results.append(score_on(root, n, args))
             runs.append(digests(root))
-        print(f"\none shard read and decoded: +{shard_mb:,.0f} MB ({decoded:,.0f} MB of float32 vectors, the rest its "
-              "Parquet decoding, kept by Arrow's allocator for the next shard)")  # fmt: skip
+        print(
+            f"\none shard read and decoded: +{shard_mb:,.0f} MB ({decoded:,.0f} MB of float32 vectors, the rest its "
+            "Parquet decoding, kept by Arrow's allocator for the next shard)"
+        )
         print(f"the pass's state in a worker: {state:,.0f} MB (queries, running top-k, the unit's partial top-k)")
-        print("\n| workers | time | speed-up | runs as 1 worker's | idle RSS / worker | peak RSS / worker | added | "
-              "--block-mb + one shard + state |\n|---:|---:|---:|---|---:|---:|---:|---:|")  # fmt: skip
+        print(
+            "\n| workers | time | speed-up | runs as 1 worker's | idle RSS / worker | peak RSS / worker | added | "
+            "--block-mb + one shard + state |\n|---:|---:|---:|---|---:|---:|---:|---:|"
+        )
         for r, d in zip(results, runs, strict=True):
             idle = max(r["idle_mb"].values())
             peak = max(r["peak_mb"].values())

@@ -80,20 +80,35 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--mask-token", default=None, help="for a model without one (a causal LM read through masks)")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: full (the full-logits loop), "
-                    "in-encode (filtering while encoding)")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated rows to leave out: full (the full-logits loop), in-encode (filtering while encoding)",
+    )
     ap.add_argument("--readout", default="diffretriever", choices=["diffretriever", "sidr"])
-    ap.add_argument("--load-format", default="checkpoint", choices=["checkpoint", "random"],
-                    help="random: the network of --model's config (or --shape) with random weights, no weight file")
+    ap.add_argument(
+        "--load-format",
+        default="checkpoint",
+        choices=["checkpoint", "random"],
+        help="random: the network of --model's config (or --shape) with random weights, no weight file",
+    )
     ap.add_argument("--shape", default=None, help="with --load-format random: dream-7b, llada-8b (NAME:key=value,...)")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
     if args.readout == "sidr":
         return sidr(args)
 
-    bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                      gguf_file=args.gguf_file, mask_token=args.mask_token,
-                                      load_format=args.load_format, shape=args.shape))  # fmt: skip
+    bb = load_backbone(
+        BackboneConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            gguf_file=args.gguf_file,
+            mask_token=args.mask_token,
+            load_format=args.load_format,
+            shape=args.shape,
+        )
+    )
     reader = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
     tok = bb.tokenizer
     texts = load_texts(Path(args.corpus), args.docs)
@@ -114,8 +129,17 @@ def main() -> None:
             filtered = flt.allowed_many(texts)
 
     def pipeline(k: int, sort: bool = True, filter_in_encode: bool = False):
-        return lambda: encode_rows(reader, ids, token_ids, texts, "passage", k, args.batch_size, sort_by_length=sort,
-                                   filtered=None if filter_in_encode else filtered)  # fmt: skip
+        return lambda: encode_rows(
+            reader,
+            ids,
+            token_ids,
+            texts,
+            "passage",
+            k,
+            args.batch_size,
+            sort_by_length=sort,
+            filtered=None if filter_in_encode else filtered,
+        )
 
     # the bare loop: the same input sequences (prompt + text + K masks + closing), in file order
     k = args.k
@@ -173,8 +197,11 @@ def main() -> None:
         t_in_encode = timed(pipeline(k, filter_in_encode=True), bb.device, args.repeats)
         rows_out += [
             ("filter while encoding", t_in_encode, f"stored filter {t_in_encode / t_pipe:.2f}x faster"),
-            ("filter at tokenize, once", t_filter, f"{t_filter / t_pipe:.2f} of one K pass's encode time; saved "
-             f"per K pass: {t_in_encode - t_pipe:.2f} s"),
+            (
+                "filter at tokenize, once",
+                t_filter,
+                f"{t_filter / t_pipe:.2f} of one K pass's encode time; saved per K pass: {t_in_encode - t_pipe:.2f} s",
+            ),
         ]
     for name, t, note in rows_out:
         print(f"{name:28s} {n / t:9.2f} docs/s  {note}")
@@ -184,8 +211,11 @@ def sidr(args: argparse.Namespace) -> None:
     """SIDR's readout: the pipeline (one head product per batch, padding left out) against the per-text product it
     replaced (the code before: ``weights`` one text at a time, kept here as the baseline), on the same batches; the
     vectors compared byte for byte."""
-    bb = load_backbone(BackboneConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                      load_format=args.load_format, shape=args.shape))  # fmt: skip
+    bb = load_backbone(
+        BackboneConfig(
+            model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, shape=args.shape
+        )
+    )
     reader = make_reader(bb, ReadoutConfig(readout="sidr"), args.max_length)
     texts = load_texts(Path(args.corpus), args.docs)
     ids = [str(i) for i in range(len(texts))]
@@ -219,11 +249,12 @@ def sidr(args: argparse.Namespace) -> None:
     mask = make_reader(bb, ReadoutConfig(padding_side="right"), args.max_length)
     t_mask = timed(lambda: encode(batched, mask), bb.device, args.repeats)
     n = len(texts)
-    for name, t, note in [("sidr, per batch (pipeline)", t_new, f"{t_old / t_new:.2f}x per text (target >= 5)"),
-                          ("sidr, per text (before)", t_old, ""),
-                          ("sidr without its head", t_trunk, f"{t_old / t_trunk:.2f}x per text: the ceiling of "
-                                                            "any head"),
-                          ("mask readout K=1", t_mask, f"mask/sidr {t_new / t_mask:.2f}x")]:  # fmt: skip
+    for name, t, note in [
+        ("sidr, per batch (pipeline)", t_new, f"{t_old / t_new:.2f}x per text (target >= 5)"),
+        ("sidr, per text (before)", t_old, ""),
+        ("sidr without its head", t_trunk, f"{t_old / t_trunk:.2f}x per text: the ceiling of any head"),
+        ("mask readout K=1", t_mask, f"mask/sidr {t_new / t_mask:.2f}x"),
+    ]:
         print(f"{name:28s} {n / t:9.2f} docs/s  {note}")
     print(f"the same vectors, byte for byte: {same}")
 

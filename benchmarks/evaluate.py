@@ -26,12 +26,16 @@ def synthetic(n_queries: int, depth: int, seed: int = 0) -> tuple[pa.Table, pa.T
     corpus = 8_841_823
     q_ids = np.array([f"q{i}" for i in range(n_queries)], dtype=object)
     docs = (rng.integers(0, corpus, size=(n_queries, 1)) + np.arange(depth) * 7919) % corpus  # distinct per query
-    run = pa.table({
-        "query_id": pa.array(np.repeat(q_ids, depth), pa.string()),
-        "doc_id": pa.array([f"p{d}" for d in docs.reshape(-1)], pa.string()),
-        "rank": pa.array(np.tile(np.arange(1, depth + 1, dtype=np.int32), n_queries)),
-        "score": pa.array(np.sort(rng.normal(size=(n_queries, depth)).astype(np.float32), axis=1)[:, ::-1].reshape(-1)),
-    })  # fmt: skip
+    run = pa.table(
+        {
+            "query_id": pa.array(np.repeat(q_ids, depth), pa.string()),
+            "doc_id": pa.array([f"p{d}" for d in docs.reshape(-1)], pa.string()),
+            "rank": pa.array(np.tile(np.arange(1, depth + 1, dtype=np.int32), n_queries)),
+            "score": pa.array(
+                np.sort(rng.normal(size=(n_queries, depth)).astype(np.float32), axis=1)[:, ::-1].reshape(-1)
+            ),
+        }
+    )
     n_rel = rng.poisson(0.1, size=n_queries) + 1
     qq, dd, gg = [], [], []
     for q in range(n_queries):
@@ -65,22 +69,33 @@ def main() -> None:
     ap.add_argument("--ties", choices=["rank", "trec"], default="rank")
     args = ap.parse_args()
     run, qrels = synthetic(args.queries, args.depth)
-    print(f"run: {run.num_rows:,} rows, {args.queries:,} queries; qrels: {qrels.num_rows:,}; ties {args.ties}; "
-          f"measures {', '.join(DEFAULT_MEASURES)}")  # fmt: skip
+    print(
+        f"run: {run.num_rows:,} rows, {args.queries:,} queries; qrels: {qrels.num_rows:,}; ties {args.ties}; "
+        f"measures {', '.join(DEFAULT_MEASURES)}"
+    )
     ranked = args.ties == "trec"
 
     def today() -> pa.Table:
         table = run.sort_by([("query_id", "ascending"), ("rank", "ascending")]) if ranked else run
-        return evaluate(qrels_from_table(qrels), run_from_table(table, order="score" if ranked else "rank"),
-                        DEFAULT_MEASURES, 1, ranked=ranked)  # fmt: skip
+        return evaluate(
+            qrels_from_table(qrels),
+            run_from_table(table, order="score" if ranked else "rank"),
+            DEFAULT_MEASURES,
+            1,
+            ranked=ranked,
+        )
 
     old, t_old, m_old, _ = timed(today)
     new, t_new, m_new, a_new = timed(lambda: evaluate_tables(qrels, run, DEFAULT_MEASURES, 1, ties=args.ties))
     print(f"dicts + pytrec_eval: {t_old:8.2f} s  peak Python memory {m_old / 2**20:7.0f} MB")
-    print(f"evaluate_tables:     {t_new:8.2f} s  peak Python memory {m_new / 2**20:7.0f} MB (+ Arrow pool "
-          f"{a_new / 2**20:.0f} MB)")  # fmt: skip
-    print(f"speed-up: {t_old / t_new:.1f}x; equal query by query, bit for bit: {new.equals(old)} "
-          f"({differing(old, new)} of {old.num_rows:,} (query, measure) values differ)")  # fmt: skip
+    print(
+        f"evaluate_tables:     {t_new:8.2f} s  peak Python memory {m_new / 2**20:7.0f} MB (+ Arrow pool "
+        f"{a_new / 2**20:.0f} MB)"
+    )
+    print(
+        f"speed-up: {t_old / t_new:.1f}x; equal query by query, bit for bit: {new.equals(old)} "
+        f"({differing(old, new)} of {old.num_rows:,} (query, measure) values differ)"
+    )
 
 
 def differing(old: pa.Table, new: pa.Table) -> int:

@@ -45,8 +45,16 @@ def child(args: argparse.Namespace) -> None:
             m.p = 0.0
     groups = scifact_groups(args.pool, 15)
     chunk = args.pool if args.variant == "plain" else args.batch_size
-    s = TrainSettings(adapter="full", kq=args.k, kp=args.k, batch_size=chunk, pool_size=args.pool,
-                      global_batch=args.pool, n_negatives=15, max_steps=1)  # fmt: skip
+    s = TrainSettings(
+        adapter="full",
+        kq=args.k,
+        kp=args.k,
+        batch_size=chunk,
+        pool_size=args.pool,
+        global_batch=args.pool,
+        n_negatives=15,
+        max_steps=1,
+    )
     tr = Trainer(make_reader(bb, ReadoutConfig()), groups, s)
     x = tr.prepare(tr.micro_batches(0)[0], 0)
     dev = bb.device
@@ -61,8 +69,13 @@ def child(args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    out = {"variant": args.variant, "seconds": seconds, "loss": parts["loss"],
-           "rss_peak_mib": (_kib("VmHWM") - rss) / 2**20, "passages": len(x.passage_ids)}  # fmt: skip
+    out = {
+        "variant": args.variant,
+        "seconds": seconds,
+        "loss": parts["loss"],
+        "rss_peak_mib": (_kib("VmHWM") - rss) / 2**20,
+        "passages": len(x.passage_ids),
+    }
     if dev.type == "cuda":
         out["cuda_peak_mib"] = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
         out["device"] = torch.cuda.get_device_name(dev)
@@ -83,9 +96,24 @@ def main() -> None:
         return child(args)
     rows = {}
     for variant in ("plain", "cached"):
-        cmd = [sys.executable, __file__, "--variant", variant, "--model", args.model, "--pool", str(args.pool),
-               "--batch-size", str(args.batch_size), "--k", str(args.k), "--device", args.device,
-               "--threads", str(args.threads)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--model",
+            args.model,
+            "--pool",
+            str(args.pool),
+            "--batch-size",
+            str(args.batch_size),
+            "--k",
+            str(args.k),
+            "--device",
+            args.device,
+            "--threads",
+            str(args.threads),
+        ]
         env = {**os.environ, "NLTK_DATA": os.environ.get("NLTK_DATA") or str(REPO.parent / "shared" / "nltk_data")}
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
         if p.returncode:
@@ -95,11 +123,15 @@ def main() -> None:
     print(f"pool {args.pool} queries x 16 passages ({plain['passages']} passages), K = {args.k}, {args.model}")
     for r in (plain, cached):
         cuda = f", CUDA peak {r['cuda_peak_mib']:.0f} MiB" if "cuda_peak_mib" in r else ""
-        print(f"{r['variant']:7s} step {r['seconds']:7.2f} s  loss {r['loss']:.6f}  peak +{r['rss_peak_mib']:.0f} MiB "
-              f"RSS{cuda}")  # fmt: skip
+        print(
+            f"{r['variant']:7s} step {r['seconds']:7.2f} s  loss {r['loss']:.6f}  peak +{r['rss_peak_mib']:.0f} MiB "
+            f"RSS{cuda}"
+        )
     key = "cuda_peak_mib" if "cuda_peak_mib" in plain else "rss_peak_mib"
-    print(f"cached / plain: memory {cached[key] / plain[key]:.2f}x, time {cached['seconds'] / plain['seconds']:.2f}x, "
-          f"|loss difference| {abs(cached['loss'] - plain['loss']):.2e}")  # fmt: skip
+    print(
+        f"cached / plain: memory {cached[key] / plain[key]:.2f}x, time {cached['seconds'] / plain['seconds']:.2f}x, "
+        f"|loss difference| {abs(cached['loss'] - plain['loss']):.2e}"
+    )
 
 
 if __name__ == "__main__":

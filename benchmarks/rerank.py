@@ -83,8 +83,15 @@ def main() -> None:
         for ids in prompts:
             x = torch.tensor([ids], device=bb.device)
             with torch.no_grad():
-                bb.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
-                                  do_sample=False, use_cache=True, pad_token_id=bb.pad_id)  # fmt: skip
+                bb.model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=n_new,
+                    min_new_tokens=n_new,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=bb.pad_id,
+                )
 
     results = {
         "autoregressive (generate 2N tokens, KV cache)": timed(autoregressive, args.repeat),
@@ -93,8 +100,10 @@ def main() -> None:
         "pointwise (N prompts per window, batched)": timed(lambda: point.rerank(items_point), args.repeat),
     }
     base = results["autoregressive (generate 2N tokens, KV cache)"]
-    print(f"model {args.model} on {bb.device}, window {args.window}, {args.doc_tokens} tokens per document, "
-          f"{len(windows)} windows, median of {args.repeat}; prompt {statistics.mean(map(len, prompts)):.0f} tokens")
+    print(
+        f"model {args.model} on {bb.device}, window {args.window}, {args.doc_tokens} tokens per document, "
+        f"{len(windows)} windows, median of {args.repeat}; prompt {statistics.mean(map(len, prompts)):.0f} tokens"
+    )
     for name, t in results.items():
         print(f"  {name:48s} {t / len(windows) * 1000:9.1f} ms per window   {base / t:5.2f}x vs autoregressive")
 

@@ -143,8 +143,10 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     old_sizes = {int(x) for x in args.old_sizes.split(",") if x}
-    print(f"{'shards':>7} | {'record s':>8} {'compact s':>9} {'plan s':>7} {'total s':>8} {'us/shard':>8} "
-          f"{'resume s':>8} {'verify s':>8} | {'old total s':>11} {'old us/shard':>12} {'old/new':>7}")  # fmt: skip
+    print(
+        f"{'shards':>7} | {'record s':>8} {'compact s':>9} {'plan s':>7} {'total s':>8} {'us/shard':>8} "
+        f"{'resume s':>8} {'verify s':>8} | {'old total s':>11} {'old us/shard':>12} {'old/new':>7}"
+    )
     for n in sizes:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             shards = write_shards(ArtifactStore(f"{tmp}/new"), n)
@@ -154,8 +156,10 @@ def main() -> None:
                 write_shards(ArtifactStore(f"{tmp}/old"), n)
                 old = old_bookkeeping(f"{tmp}/old", shards)
         total = new["record"] + new["compact"] + new["plan"]
-        line = (f"{n:>7} | {new['record']:>8.2f} {new['compact']:>9.2f} {new['plan']:>7.2f} {total:>8.2f} "
-                f"{1e6 * total / n:>8.0f} {new['resume']:>8.2f} {new['verify']:>8.2f} | ")  # fmt: skip
+        line = (
+            f"{n:>7} | {new['record']:>8.2f} {new['compact']:>9.2f} {new['plan']:>7.2f} {total:>8.2f} "
+            f"{1e6 * total / n:>8.0f} {new['resume']:>8.2f} {new['verify']:>8.2f} | "
+        )
         if old is not None:
             old_total = old["record"] + old["plan"]
             line += f"{old_total:>11.2f} {1e6 * old_total / n:>12.0f} {old_total / total:>6.1f}x"

@@ -105,8 +105,11 @@ FIXES = """## Found and fixed on the way
 - Wall times on 2 cores; the projection's GPU figures are assumptions, named above, not measurements.
 """
 BM25_SHARD = 50_000  # passages per BM25 shard, as tokenize's and encode's here: 100k and 1M both sharded
-REDO_OUTPUTS = {"tokenize": ["tokens/*"], "bm25": ["runs/system=bm25-*"],
-                "late": ["runs/*/*/*/*/*/mode=late_*"]}  # what --redo removes (tokens: rebuilt the same)
+REDO_OUTPUTS = {
+    "tokenize": ["tokens/*"],
+    "bm25": ["runs/system=bm25-*"],
+    "late": ["runs/*/*/*/*/*/mode=late_*"],
+}  # what --redo removes (tokens: rebuilt the same)
 MSMARCO = {"passages": 8_841_823, "dev_queries": 6_980, "hidden": 3584, "cells": 25, "modes": 5}
 
 
@@ -168,8 +171,12 @@ def write_collection(folder: Path, n: int, n_queries: int, seed: int = 0) -> dic
     with (folder / "qrels" / "test.tsv").open("w") as f:
         f.write("query-id\tcorpus-id\tscore\n")
         f.writelines(f"q{qi}\tp{d}\t1\n" for qi, d in enumerate(relevant.tolist()))
-    info = {"passages": n, "queries": n_queries, "mean_words": float(lengths.mean()),
-            "bytes": sum(x.stat().st_size for x in folder.rglob("*") if x.is_file())}  # fmt: skip
+    info = {
+        "passages": n,
+        "queries": n_queries,
+        "mean_words": float(lengths.mean()),
+        "bytes": sum(x.stat().st_size for x in folder.rglob("*") if x.is_file()),
+    }
     done.write_text(json.dumps(info))
     return info
 
@@ -183,8 +190,14 @@ def write_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0) 
 
     tok = AutoTokenizer.from_pretrained(SHARED / "models" / "splade-tiny-mlm")
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-                     intermediate_size=2 * hidden, max_position_embeddings=512)  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=512,
+    )
     BertForMaskedLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -242,9 +255,9 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
     with log.open("a") as out:
         out.write(f"\n$ diffret {' '.join(args)}\n")
         out.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "diffret.flows.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT,
-                                env=env, cwd=REPO)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "diffret.flows.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
         stop = threading.Event()
 
         def watch() -> None:
@@ -269,14 +282,21 @@ def run_stage(name: str, args: list[str], root: Path, log: Path) -> dict:
         raise SystemExit(f"stage {name} failed ({rc}); see {log}")
     files1, bytes1 = store_size(root)
     top = max(peaks.values(), key=lambda x: x[1]) if peaks else ("", 0)
-    return {"stage": name, "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
-            "peak_rss_mb": round(top[1] / 2**20, 1),
-            "peak_process": top[0], "processes": len(peaks), "files": files1 - files0,
-            "bytes": bytes1 - bytes0}  # fmt: skip
+    return {
+        "stage": name,
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),
+        "peak_rss_mb": round(top[1] / 2**20, 1),
+        "peak_process": top[0],
+        "processes": len(peaks),
+        "files": files1 - files0,
+        "bytes": bytes1 - bytes0,
+    }
 
 
-def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = False,
-             redo: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def pipeline(
+    n: int, work: Path, n_queries: int, workers: int, resume: bool = False, redo: tuple[str, ...] = ()
+) -> dict:
     """Every stage at corpus size ``n``. With ``resume``, the stages already measured (``stages.json`` beside the
     store) are kept and the run goes on from the first one missing (each command resumes its own work); the stages
     in ``redo`` are measured again, their outputs (:data:`REDO_OUTPUTS`) removed first."""
@@ -300,6 +320,7 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
     r = ["--root", str(root)]
     enc = ["--model", model, "--max-length", "96"]
     grid = ["--kq", "1,16", "--kp", "1,16"]
+    # fmt: off
     stages = [
         ("download", ["download", "c", "--source", str(coll), *r]),
         ("tokenize", ["tokenize", "-d", "c", "--model", model, "--max-length", "96", "--shard-size", "50000", *r]),
@@ -315,7 +336,8 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
                         "--mode", "multi_dense", *r]),
         ("late", ["late", "-d", "c", "--model", model, "--first-stage", "bm25", "--kq", "16", "--kp", "16",
                   "--mode", "multi_dense", "--depth", "100", *r]),
-    ]  # fmt: skip
+    ]
+    # fmt: on
     out = {"n": n, "collection": info, "stages": []}
     measured = {s["stage"]: s for s in done}
     for name, args in stages:
@@ -323,9 +345,11 @@ def pipeline(n: int, work: Path, n_queries: int, workers: int, resume: bool = Fa
             out["stages"].append(measured[name])
             continue
         res = run_stage(name, args, root, log)
-        print(f"N={n:>9,} {name:<10} {res['seconds']:9.1f} s  cpu {res['cpu_seconds']:9.1f} s  "
-              f"peak {res['peak_rss_mb']:8.1f} MB  +{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB",
-              flush=True)  # fmt: skip
+        print(
+            f"N={n:>9,} {name:<10} {res['seconds']:9.1f} s  cpu {res['cpu_seconds']:9.1f} s  "
+            f"peak {res['peak_rss_mb']:8.1f} MB  +{res['files']:6d} files  +{res['bytes'] / 2**20:9.1f} MB",
+            flush=True,
+        )
         out["stages"].append(res)
         measured[name] = res  # every stage measured so far, those after this one too (a --redo keeps them)
         progress.write_text(json.dumps([measured[s] for s, _ in stages if s in measured], indent=1))
@@ -340,8 +364,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/diffret-scale")
     ap.add_argument("--resume", action="store_true", help="keep the stages already measured at each N, go on")
-    ap.add_argument("--redo", action="append", default=[], choices=sorted(REDO_OUTPUTS),
-                    help="with --resume: measure this stage again (its outputs removed first; repeat)")
+    ap.add_argument(
+        "--redo",
+        action="append",
+        default=[],
+        choices=sorted(REDO_OUTPUTS),
+        help="with --resume: measure this stage again (its outputs removed first; repeat)",
+    )
     ap.add_argument("--write-docs", action="store_true", help="render docs/scale.md from the results file")
     ap.add_argument("--eval-rows-per-s", type=float, help="evaluate's measured rate (benchmarks/evaluate.py)")
     args = ap.parse_args()

@@ -73,8 +73,9 @@ def _encodings(ids: list[str], x: np.ndarray, sp: SparseFlat | None) -> Encoding
     mean = t.mean(1)
     lists_i = np.split(sp.ids, sp.offsets[1:-1]) if n else []
     lists_w = np.split(sp.weights, sp.offsets[1:-1]) if n else []
-    return Encodings(ids, t, torch.ones(n, k, dtype=torch.bool), mean / mean.norm(dim=-1, keepdim=True), lists_i,
-                     lists_w, sp)  # fmt: skip
+    return Encodings(
+        ids, t, torch.ones(n, k, dtype=torch.bool), mean / mean.norm(dim=-1, keepdim=True), lists_i, lists_w, sp
+    )
 
 
 def synthetic(n: int, k: int, h: int, seed: tuple[int, ...], prefix: str, nnz: int) -> Encodings:
@@ -173,13 +174,22 @@ class LegacySparseQueries:
         return (csr @ self.matrix).T
 
 
-def legacy_search_pass(queries: dict[int, Encodings], passages, modes: list[str], topk: int,  # noqa: ANN001
-                       chunk_elems: int = 1 << 26, query_block: int = 512):  # noqa: ANN201  # fmt: skip
+def legacy_search_pass(
+    queries: dict[int, Encodings],
+    passages,
+    modes: list[str],
+    topk: int,  # noqa: ANN001
+    chunk_elems: int = 1 << 26,
+    query_block: int = 512,
+):  # noqa: ANN201
     """HEAD's search_pass: [Q, N] blocks bounded by the passage side only (no self-hit removal here)."""
     device = next(iter(queries.values())).multi.device
     tops = {(kq, m): LegacyTopK(len(q), topk, device) for kq, q in queries.items() for m in modes}
-    prepared = {kq: LegacySparseQueries(q.sparse_ids, q.sparse_weights, device)
-                for kq, q in queries.items() if "sparse_max" in modes}  # fmt: skip
+    prepared = {
+        kq: LegacySparseQueries(q.sparse_ids, q.sparse_weights, device)
+        for kq, q in queries.items()
+        if "sparse_max" in modes
+    }
     ws = Workspace()
     doc_ids: list[str] = []
     for block in passages:
@@ -196,8 +206,13 @@ def legacy_search_pass(queries: dict[int, Encodings], passages, modes: list[str]
                         sc = q.single @ p.single.T
                     elif mode == "multi_dense":
                         b = query_block
-                        sc = torch.cat([maxsim(q.multi[i : i + b], q.mask[i : i + b], p.multi, p.mask, ws)
-                                        for i in range(0, len(q), b)], 0)  # fmt: skip
+                        sc = torch.cat(
+                            [
+                                maxsim(q.multi[i : i + b], q.mask[i : i + b], p.multi, p.mask, ws)
+                                for i in range(0, len(q), b)
+                            ],
+                            0,
+                        )
                     else:
                         sc = prepared[kq].scores(p.sparse_ids, p.sparse_weights)
                         sc = sc.masked_fill(sc <= 0, NEG)
@@ -234,10 +249,23 @@ def child(args: argparse.Namespace) -> dict:
     secs = time.perf_counter() - t0
     cur, peak = _rss()
     digest = {m: int(np.int64(res[(args.kq, m)].index[:, :10].astype(np.int64).sum())) for m in modes}
-    return {"impl": args.impl, "budget_mb": args.budget_mb, "modes": modes, "docs": args.docs, "queries": args.queries,
-            "kq": args.kq, "kp": args.kp, "hidden": args.hidden, "shard": args.shard, "topk": args.topk,
-            "seconds": round(secs, 1), "rss_start_mb": rss0 >> 20, "peak_rss_mb": peak >> 20,
-            "top10_index_sum": digest, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "impl": args.impl,
+        "budget_mb": args.budget_mb,
+        "modes": modes,
+        "docs": args.docs,
+        "queries": args.queries,
+        "kq": args.kq,
+        "kp": args.kp,
+        "hidden": args.hidden,
+        "shard": args.shard,
+        "topk": args.topk,
+        "seconds": round(secs, 1),
+        "rss_start_mb": rss0 >> 20,
+        "peak_rss_mb": peak >> 20,
+        "top10_index_sum": digest,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_child(**kw: object) -> dict:
@@ -251,28 +279,42 @@ def run_child(**kw: object) -> dict:
 
 
 def bench_rss(args: argparse.Namespace) -> None:
-    base = dict(modes=args.modes, docs=args.docs, queries=args.queries, kq=args.kq, kp=args.kp, hidden=args.hidden,
-                shard=args.shard, topk=args.topk)  # fmt: skip
+    base = dict(
+        modes=args.modes,
+        docs=args.docs,
+        queries=args.queries,
+        kq=args.kq,
+        kp=args.kp,
+        hidden=args.hidden,
+        shard=args.shard,
+        topk=args.topk,
+    )
     dry = run_child(impl="dry", **base)
     rows = []
     for mb in args.budgets:
         rec = run_child(impl="new", budget_mb=mb, **base)
         rows.append((mb, rec["peak_rss_mb"], rec["peak_rss_mb"] - dry["peak_rss_mb"], rec["seconds"]))
-    print(f"\npeak RSS, {args.docs:,} passages x K_p {args.kp} x H {args.hidden} (blocks of {args.shard:,}), "
-          f"{args.queries:,} queries x K_q {args.kq}, top-{args.topk}, modes {args.modes}")  # fmt: skip
+    print(
+        f"\npeak RSS, {args.docs:,} passages x K_p {args.kp} x H {args.hidden} (blocks of {args.shard:,}), "
+        f"{args.queries:,} queries x K_q {args.kq}, top-{args.topk}, modes {args.modes}"
+    )
     print(f"  no scoring (dry)        peak {dry['peak_rss_mb']:6d} MB")
     for mb, peak, extra, secs in rows:
         print(f"  budget {mb:6.0f} MB        peak {peak:6d} MB   scoring adds {extra:5d} MB   {secs:7.1f} s")
     if args.legacy:
         rec = run_child(impl="legacy", **base)
-        print(f"  legacy (HEAD)           peak {rec['peak_rss_mb']:6d} MB   scoring adds "
-              f"{rec['peak_rss_mb'] - dry['peak_rss_mb']:5d} MB   {rec['seconds']:7.1f} s")  # fmt: skip
+        print(
+            f"  legacy (HEAD)           peak {rec['peak_rss_mb']:6d} MB   scoring adds "
+            f"{rec['peak_rss_mb'] - dry['peak_rss_mb']:5d} MB   {rec['seconds']:7.1f} s"
+        )
 
 
 def bench_speed(args: argparse.Namespace) -> None:
     """New vs legacy in this process on the same in-memory blocks; top-k rankings compared row by row."""
+    # fmt: off
     cases = [("single_dense", 7000, 1, 50_000, 16), ("sparse_max", 7000, 16, 50_000, 16),
-             ("multi_dense", 128, 8, 20_000, 8)]  # fmt: skip
+             ("multi_dense", 128, 8, 20_000, 8)]
+    # fmt: on
     threads = torch.get_num_threads()
     print(f"speed, {threads} threads, top-{args.topk}, blocks of {args.shard:,} passages, H {args.hidden}")
     for mode, nq, kq, docs, kp in cases:
@@ -292,10 +334,12 @@ def bench_speed(args: argparse.Namespace) -> None:
         sa, sb = np.sort(a.scores, 1), np.sort(b.scores, 1)
         both = np.isfinite(sa) & np.isfinite(sb)
         close = np.abs(np.where(both, sa, 0) - np.where(both, sb, 0)).max(initial=0.0)
-        print(f"  {mode:13s} {nq:5d} q x K_q {kq:2d}, {docs:7,d} p x K_p {kp:2d}: legacy {t_old:7.2f} s  "
-              f"new {t_new:7.2f} s  ratio {t_old / t_new:5.2f}x  identical runs {same:.4f} of queries "
-              f"(+{cut:.4f} differing only in which tied documents make the cut)  max |score diff| {close:.1e}",
-              flush=True)  # fmt: skip
+        print(
+            f"  {mode:13s} {nq:5d} q x K_q {kq:2d}, {docs:7,d} p x K_p {kp:2d}: legacy {t_old:7.2f} s  "
+            f"new {t_new:7.2f} s  ratio {t_old / t_new:5.2f}x  identical runs {same:.4f} of queries "
+            f"(+{cut:.4f} differing only in which tied documents make the cut)  max |score diff| {close:.1e}",
+            flush=True,
+        )
 
 
 def _compare(a: TopK, b: TopK) -> tuple[float, float]:
@@ -318,9 +362,12 @@ def bench_msmarco(args: argparse.Namespace) -> None:
         base = dict(modes=modes, docs=1_000_000, queries=nq, kq=kq, kp=16, hidden=128, shard=10_000, topk=1000)
         dry = run_child(impl="dry", **base)
         rec = run_child(impl="new", budget_mb=args.budget, **base)
-        print(f"1M x K_p 16 x H 128, {nq:,} queries x K_q {kq}, {modes}: budget {args.budget} MB, peak RSS "
-              f"{rec['peak_rss_mb']} MB (dry {dry['peak_rss_mb']} MB: scoring adds "
-              f"{rec['peak_rss_mb'] - dry['peak_rss_mb']} MB), {rec['seconds']:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"1M x K_p 16 x H 128, {nq:,} queries x K_q {kq}, {modes}: budget {args.budget} MB, peak RSS "
+            f"{rec['peak_rss_mb']} MB (dry {dry['peak_rss_mb']} MB: scoring adds "
+            f"{rec['peak_rss_mb'] - dry['peak_rss_mb']} MB), {rec['seconds']:.0f} s",
+            flush=True,
+        )
 
 
 def main() -> None:

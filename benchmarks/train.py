@@ -59,10 +59,21 @@ def scifact_groups(n: int, negatives: int, seed: int = 0) -> list[Group]:
 
 
 def settings(args: argparse.Namespace, **kw) -> TrainSettings:
-    return TrainSettings(adapter=args.adapter, kq=args.k, kp=args.k, batch_size=args.batch_size,
-                         pool_size=args.batch_size, global_batch=args.batch_size, n_negatives=args.negatives,
-                         lr=1e-4, warmup_ratio=0.0, max_steps=1_000_000, p_max_len=args.p_max_len, q_max_len=32,
-                         **kw)  # fmt: skip
+    return TrainSettings(
+        adapter=args.adapter,
+        kq=args.k,
+        kp=args.k,
+        batch_size=args.batch_size,
+        pool_size=args.batch_size,
+        global_batch=args.batch_size,
+        n_negatives=args.negatives,
+        lr=1e-4,
+        warmup_ratio=0.0,
+        max_steps=1_000_000,
+        p_max_len=args.p_max_len,
+        q_max_len=32,
+        **kw,
+    )
 
 
 def make_trainer(args: argparse.Namespace, groups: list[Group], **kw) -> Trainer:
@@ -159,9 +170,11 @@ def main() -> None:
 
     groups = scifact_groups(args.batch_size * (args.steps + 1), args.negatives)
     tr = make_trainer(args, groups)
-    print(f"model {args.model} ({args.adapter}) on {tr.r.bb.device}; batch {args.batch_size} groups x "
-          f"(1 + {args.negatives}) passages, K = {args.k}, passages <= {args.p_max_len} tokens, "
-          f"{args.steps} steps")  # fmt: skip
+    print(
+        f"model {args.model} ({args.adapter}) on {tr.r.bb.device}; batch {args.batch_size} groups x "
+        f"(1 + {args.negatives}) passages, K = {args.k}, passages <= {args.p_max_len} tokens, "
+        f"{args.steps} steps"
+    )
     tr.train_step()  # warm-up
     bare = make_trainer(args, groups)
     bare_loop(bare, 1)  # warm-up
@@ -171,11 +184,14 @@ def main() -> None:
         t_bare = min(t_bare, bare_loop(bare, args.steps))
     n = args.steps * args.batch_size
     print(f"{'Trainer':28s} {n / t_trainer:8.2f} samples/s")
-    print(f"{'bare PyTorch loop':28s} {n / t_bare:8.2f} samples/s  Trainer/bare {t_bare / t_trainer:.2f}x "
-          "(target >= 0.9)")  # fmt: skip
+    print(
+        f"{'bare PyTorch loop':28s} {n / t_bare:8.2f} samples/s  Trainer/bare {t_bare / t_trainer:.2f}x (target >= 0.9)"
+    )
     (off, peak_off), (on, peak_on) = (step_memory(args, groups, flag) for flag in (False, True))
-    print(f"{'activations kept':28s} {off / 2**20:8.1f} MiB without gradient checkpointing, {on / 2**20:.1f} MiB "
-          f"with it ({100 * (1 - on / off):.0f}% saved)")  # fmt: skip
+    print(
+        f"{'activations kept':28s} {off / 2**20:8.1f} MiB without gradient checkpointing, {on / 2**20:.1f} MiB "
+        f"with it ({100 * (1 - on / off):.0f}% saved)"
+    )
     if peak_off is not None and peak_on is not None:
         print(f"{'CUDA peak of a step':28s} {peak_off / 2**20:8.1f} MiB without, {peak_on / 2**20:.1f} MiB with")
 

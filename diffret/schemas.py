@@ -39,6 +39,7 @@ QRELS_SCHEMA = pa.schema(
     ]
 )
 
+
 def encodings_schema(hidden_size: int, head_stats: bool = False, code_bytes: int | None = None) -> pa.Schema:
     """One row per text: n_reps dense vectors of width H (float16), the sparse top-k, input length; with
     ``head_stats`` (``diffret encode --head-stats``, the query side of the mask readout) also the LM head's softmax
@@ -60,6 +61,7 @@ def encodings_schema(hidden_size: int, head_stats: bool = False, code_bytes: int
             *(stats if head_stats else []),
         ]
     )
+
 
 RUN_SCHEMA = pa.schema(
     [

@@ -7,12 +7,12 @@ root after the demo: ``python examples/quickstart.py``."""
 
 import diffret
 
-data = diffret.load_beir("../shared/data/scifact")                  # or any BEIR-layout folder
+data = diffret.load_beir("../shared/data/scifact")  # or any BEIR-layout folder
 retriever = diffret.load("../shared/models/splade-tiny-mlm", batch_size=16)  # the demo's settings
-queries = retriever.encode_queries(data.queries("test"), k=4)       # in memory, no store
+queries = retriever.encode_queries(data.queries("test"), k=4)  # in memory, no store
 passages = retriever.encode_passages(data.corpus, k=4)
 run = diffret.search(queries, passages, "fusion_multi_sparse_max")  # any of the five modes
-print(diffret.evaluate(run, data.qrels("test")))                    # {'ndcg_cut_10': ..., 'mrr_10': ..., ...}
+print(diffret.evaluate(run, data.qrels("test")))  # {'ndcg_cut_10': ..., 'mrr_10': ..., ...}
 
-store = diffret.Store("/tmp/r")                                     # a store the CLI or Prefect wrote
-print(store.sql("select mode, kq, kp, ndcg_10 from best_cells where split = 'test'"))   # an Arrow table
+store = diffret.Store("/tmp/r")  # a store the CLI or Prefect wrote
+print(store.sql("select mode, kq, kp, ndcg_10 from best_cells where split = 'test'"))  # an Arrow table

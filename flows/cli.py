@@ -64,26 +64,50 @@ Opt = typer.Option
 
 @app.callback()
 def _options(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the libraries' own warnings, logs and "
-                                          "progress bars (hidden otherwise: the stages show their own).")] = False,
-) -> None:  # fmt: skip
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Show the libraries' own warnings, logs and "
+            "progress bars (hidden otherwise: the stages show their own).",
+        ),
+    ] = False,
+) -> None:
     """Representative-token retrieval experiments (DiffRetriever, baselines) over an artifact store."""
     library_output(verbose)
+
 
 Root = Annotated[str, Opt("--root", "-r", envvar="DIFFRET_ROOT", help="Store root (a folder or an fsspec URL).")]
 Format = Annotated[OutputFormat, Opt("--format", "-f", help="Output format.")]
 PREFECT = inspect.Parameter(
-    "prefect", inspect.Parameter.KEYWORD_ONLY, default=None,
-    annotation=Annotated[bool | None, Opt("--prefect/--no-prefect", help="Run as a Prefect flow run (default: when "
-                                          "PREFECT_API_URL is set).", show_default=False)],
-)  # fmt: skip
+    "prefect",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=None,
+    annotation=Annotated[
+        bool | None,
+        Opt(
+            "--prefect/--no-prefect",
+            help="Run as a Prefect flow run (default: when PREFECT_API_URL is set).",
+            show_default=False,
+        ),
+    ],
+)
 
 
 DRY_RUN = inspect.Parameter(
-    "dry_run", inspect.Parameter.KEYWORD_ONLY, default=False,
-    annotation=Annotated[bool, Opt("--dry-run", help="Print the stages this run would make, each with its settings "
-                                   "(validated), and exit: nothing downloaded, loaded or written.")],
-)  # fmt: skip
+    "dry_run",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=False,
+    annotation=Annotated[
+        bool,
+        Opt(
+            "--dry-run",
+            help="Print the stages this run would make, each with its settings "
+            "(validated), and exit: nothing downloaded, loaded or written.",
+        ),
+    ],
+)
 
 
 def _fail(exc: Exception) -> None:
@@ -199,9 +223,13 @@ def _pipeline(data: dict[str, Any], prefect: bool | None = None, dry_run: bool =
             config = PipelineConfig(**data)
             plan = pipeline_plan(config)
         for note in unread:
-            console.print(f"[bold yellow]note:[/] {escape(note)}. This plan assumes it is not a released checkpoint: "
-                          f"the grid K_q in {config.kq}, K_p in {config.kp} and the readout's default prompt; `diffret "
-                          "run` refuses until its settings can be read.", highlight=False, soft_wrap=True)  # fmt: skip
+            console.print(
+                f"[bold yellow]note:[/] {escape(note)}. This plan assumes it is not a released checkpoint: "
+                f"the grid K_q in {config.kq}, K_p in {config.kp} and the readout's default prompt; `diffret "
+                "run` refuses until its settings can be read.",
+                highlight=False,
+                soft_wrap=True,
+            )
         for stage, settings in plan:
             out.print(f"{stage}: {settings}", highlight=False, markup=False, soft_wrap=True)
         return
@@ -228,8 +256,9 @@ def _register() -> None:
     from diffret.stages import stages
     from diffret.stages.pipeline import PipelineConfig
 
-    app.command("run", help=_pipeline.__doc__, cls=Command)(config_command(PipelineConfig, _pipeline, name="run",
-                                                                           extra=[PREFECT, DRY_RUN]))
+    app.command("run", help=_pipeline.__doc__, cls=Command)(
+        config_command(PipelineConfig, _pipeline, name="run", extra=[PREFECT, DRY_RUN])
+    )
     for name, st in stages().items():
         stage_command(name, st.command)
 
@@ -245,9 +274,11 @@ def export_run(
     split: Annotated[str, Opt(help="The run's query split.")] = "test",
     kq: Annotated[int, Opt(help="The run's K_q (0 for BM25).")] = 0,
     kp: Annotated[int, Opt(help="The run's K_p (0 for BM25).")] = 0,
-    mode: Annotated[str | None, Opt(help="The run's mode (default: the one mode of BM25, an imported run, a "
-                                         "fusion).")] = None, root: Root = DEFAULT_ROOT,
-) -> None:  # fmt: skip
+    mode: Annotated[
+        str | None, Opt(help="The run's mode (default: the one mode of BM25, an imported run, a fusion).")
+    ] = None,
+    root: Root = DEFAULT_ROOT,
+) -> None:
     """Write one stored run as a TREC run file (qid Q0 docid rank score tag)."""
     from diffret.retrieval.evaluation import write_trec_run
     from diffret.stages.rerank import first_stage_mode
@@ -270,11 +301,18 @@ def export_run(
 @app.command(cls=Command, context_settings={"ignore_unknown_options": True})
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views (`diffret views` lists them).")],
-    root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table,
-    verify: Annotated[bool, Opt("--verify", help="Check every file's sha256 first (by default its size and mtime "
-                                "against its manifest; a file touched since is hashed).")] = False,
+    root: Root = DEFAULT_ROOT,
+    fmt: Format = OutputFormat.table,
+    verify: Annotated[
+        bool,
+        Opt(
+            "--verify",
+            help="Check every file's sha256 first (by default its size and mtime "
+            "against its manifest; a file touched since is hashed).",
+        ),
+    ] = False,
     out: Annotated[str | None, Opt("--out", "-o", help="Write the result to FILE.csv or FILE.parquet.")] = None,
-) -> None:  # fmt: skip
+) -> None:
     """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
 
     Queries read the store and nothing else: COPY, CREATE, ATTACH, INSTALL, SET and reading files outside the
@@ -337,15 +375,26 @@ def systems(root: Root = DEFAULT_ROOT, fmt: Format = OutputFormat.table) -> None
     with _errors():
         recs = list_systems(ArtifactStore(root))
     cols = ["system", "kind", "model", "readout", "settings", "model_path", "weights"]
-    rows = [(r.system, r.kind, r.model, r.readout, json.dumps(r.settings, sort_keys=True), st.get("model_path"),
-             weights_label(r)) for r, st in recs]  # fmt: skip
+    rows = [
+        (
+            r.system,
+            r.kind,
+            r.model,
+            r.readout,
+            json.dumps(r.settings, sort_keys=True),
+            st.get("model_path"),
+            weights_label(r),
+        )
+        for r, st in recs
+    ]
     print_rows(cols, rows, fmt)
 
 
 @app.command(cls=Command)
 def deployments(
-    write: Annotated[bool, Opt("--write", help="Rewrite prefect.yaml in the current folder (the repository root).")]
-    = False,
+    write: Annotated[
+        bool, Opt("--write", help="Rewrite prefect.yaml in the current folder (the repository root).")
+    ] = False,
 ) -> None:
     """Print the Prefect deployments of every stage (prefect.yaml), generated from the stage registry."""
     from .deployments import render

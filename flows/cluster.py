@@ -54,8 +54,9 @@ def unit_resources(stage: Stage, config: StageConfig, gpus: list[str] | None = N
     return {GPU: 1} if wants_gpu(device, seen) else None
 
 
-def local_cluster_options(stage: Stage, config: StageConfig, gpus: list[str] | None = None,
-                          cores: int | None = None) -> dict[str, Any]:  # fmt: skip
+def local_cluster_options(
+    stage: Stage, config: StageConfig, gpus: list[str] | None = None, cores: int | None = None
+) -> dict[str, Any]:
     """What :func:`local_cluster` is started with for ``config``: the GPU each worker is pinned to (``pins``), or
     the number of CPU workers (``n_workers``, None: Dask's default). ValueError (one line) for more workers than
     GPUs (unless ``workers_per_gpu``) or than cores (unless ``workers_per_core``), or a GPU device where none is
@@ -98,8 +99,9 @@ def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, *
         return distributed.SpecCluster(
             workers={f"gpu{i}-{pin}": worker_spec(pin) for i, pin in enumerate(pins)},
             scheduler={"cls": distributed.Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
-            silence_logs=logging.ERROR, name="diffret-gpus",
-        )  # fmt: skip
+            silence_logs=logging.ERROR,
+            name="diffret-gpus",
+        )
 
 
 def worker_spec(gpu: str) -> dict[str, Any]:
@@ -111,8 +113,16 @@ def worker_spec(gpu: str) -> dict[str, Any]:
     import distributed
 
     env = {"CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    return {"cls": distributed.Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": env,
-                                                  "resources": {GPU: 1}, "silence_logs": logging.ERROR}}  # fmt: skip
+    return {
+        "cls": distributed.Nanny,
+        "options": {
+            "nthreads": 1,
+            "host": "127.0.0.1",
+            "env": env,
+            "resources": {GPU: 1},
+            "silence_logs": logging.ERROR,
+        },
+    }
 
 
 def check_workers(client: Any, resources: dict[str, int] | None, where: str) -> None:
@@ -122,10 +132,12 @@ def check_workers(client: Any, resources: dict[str, int] | None, where: str) -> 
         return
     workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
     if not any(all(w.get("resources", {}).get(k, 0) >= v for k, v in resources.items()) for w in workers):
-        raise ValueError(f"no worker of the Dask cluster at {where} offers the resource {GPU} that GPU units ask for "
-                         f"({len(workers)} worker(s)); start one worker per GPU with `CUDA_VISIBLE_DEVICES=<i> dask "
-                         f"worker <scheduler> --nthreads 1 --resources {GPU}=1` (docs/operations.md), or use "
-                         "--device cpu")  # fmt: skip
+        raise ValueError(
+            f"no worker of the Dask cluster at {where} offers the resource {GPU} that GPU units ask for "
+            f"({len(workers)} worker(s)); start one worker per GPU with `CUDA_VISIBLE_DEVICES=<i> dask "
+            f"worker <scheduler> --nthreads 1 --resources {GPU}=1` (docs/operations.md), or use "
+            "--device cpu"
+        )
 
 
 @contextlib.contextmanager
@@ -174,8 +186,15 @@ def run_units(stage: Stage, config: StageConfig, plan: Plan, ctx: Context) -> li
         ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) on {_describe(client)}")
         futures = {}
         for unit in plan.units:
-            fut = client.submit(run_unit, stage, config.root, unit, resources=resources, pure=False,
-                                key=f"{stage.name} {stage.unit_name(unit)}-{len(futures)}")  # fmt: skip
+            fut = client.submit(
+                run_unit,
+                stage,
+                config.root,
+                unit,
+                resources=resources,
+                pure=False,
+                key=f"{stage.name} {stage.unit_name(unit)}-{len(futures)}",
+            )
             futures[fut] = unit
         try:
             for fut in distributed.as_completed(list(futures), loop=client.loop):
@@ -205,6 +224,7 @@ def _expose_packages_to_workers() -> None:
     wins over that (a regular package found anywhere on the path beats a namespace portion).
     """
     from diffret import storage
+
     top = str(Path(storage.__file__).resolve().parents[1])
     if top not in sys.path:
         sys.path.append(top)  # spawned worker processes start from a copy of this sys.path

@@ -146,8 +146,14 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
         ((flag, value),) = meta["switch"].items()
         text = f"{help_text} (sets it to {value!r}; otherwise {default!r})"
         param = flag.removeprefix("--").replace("-", "_")
-        return Opt(path, param, [flag], Annotated[bool, typer.Option(flag, help=text)], False,
-                   lambda v, value=value, default=default: value if v else default)  # fmt: skip
+        return Opt(
+            path,
+            param,
+            [flag],
+            Annotated[bool, typer.Option(flag, help=text)],
+            False,
+            lambda v, value=value, default=default: value if v else default,
+        )
     if annotation is bool:
         flags = [f"{long}/--no-{long.removeprefix('--')}"] + flags[1:]
         typ: Any = bool | None if optional else bool
@@ -201,10 +207,21 @@ def _numeric_paths() -> list[str]:
 def system_ref_opts(path: tuple[str, ...], description: str, skip: Sequence[str] = ()) -> list[Opt]:
     """``--system`` and one filter option per setting that tells stored systems apart (``--model`` first), except
     the settings in ``skip``."""
-    text = (f"{description} A slug as `diffret systems` lists it (a unique prefix is enough), or name it by "
-            "--model and the settings that tell stored systems apart.").strip()  # fmt: skip
-    out = [Opt(path + ("system",), "system", ["--system"], Annotated[str | None, typer.Option("--system", help=text)],
-               None, _same, ref="system")]  # fmt: skip
+    text = (
+        f"{description} A slug as `diffret systems` lists it (a unique prefix is enough), or name it by "
+        "--model and the settings that tell stored systems apart."
+    ).strip()
+    out = [
+        Opt(
+            path + ("system",),
+            "system",
+            ["--system"],
+            Annotated[str | None, typer.Option("--system", help=text)],
+            None,
+            _same,
+            ref="system",
+        )
+    ]
     owners = {"backbone": BackboneConfig, "readout": ReadoutConfig}
     for setting in ["backbone.model", *_numeric_paths()]:
         group, _, name = setting.rpartition(".")
@@ -230,8 +247,9 @@ def config_opts(model: type[BaseModel], prefix: tuple[str, ...] = (), instance: 
         annotation, _ = _strip_optional(info.annotation)
         default = _field_default(info, instance, name, plain)
         if annotation is SystemRef:
-            out += system_ref_opts(prefix + (name,), " ".join((info.description or "").split()),
-                                   cli_meta(info).get("filters_except") or ())  # fmt: skip
+            out += system_ref_opts(
+                prefix + (name,), " ".join((info.description or "").split()), cli_meta(info).get("filters_except") or ()
+            )
         elif _is_model(annotation):
             out += config_opts(annotation, prefix + (name,), default if isinstance(default, BaseModel) else None)
         else:
@@ -249,8 +267,10 @@ def check_unique(opts: Sequence[Opt], where: str, reserved: Sequence[str] = ()) 
     for o in opts:
         for n in _names(o):
             if n in seen and seen[n] != o.path:
-                raise TypeError(f"{where}: {n} is declared by {'.'.join(seen[n])} and {'.'.join(o.path)}; give one "
-                                "a cli flag in its json_schema_extra")  # fmt: skip
+                raise TypeError(
+                    f"{where}: {n} is declared by {'.'.join(seen[n])} and {'.'.join(o.path)}; give one "
+                    "a cli flag in its json_schema_extra"
+                )
             seen[n] = o.path
 
 
@@ -278,14 +298,26 @@ def _nested(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
 
 def params_of(opts: Sequence[Opt]) -> list[inspect.Parameter]:
     """The typer parameters of ``opts`` (arguments first)."""
-    args = [inspect.Parameter(o.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=o.default,
-                              annotation=o.annotation) for o in opts if o.positional]  # fmt: skip
-    return args + [inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=o.default,
-                                     annotation=o.annotation) for o in opts if not o.positional]  # fmt: skip
+    args = [
+        inspect.Parameter(o.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=o.default, annotation=o.annotation)
+        for o in opts
+        if o.positional
+    ]
+    return args + [
+        inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+        for o in opts
+        if not o.positional
+    ]
 
 
-def config_command(config_cls: type[BaseModel], body: Callable[..., Any], *, name: str, extra: Sequence[
-        inspect.Parameter] = (), instance: Any = None) -> Callable[..., Any]:  # fmt: skip
+def config_command(
+    config_cls: type[BaseModel],
+    body: Callable[..., Any],
+    *,
+    name: str,
+    extra: Sequence[inspect.Parameter] = (),
+    instance: Any = None,
+) -> Callable[..., Any]:
     """A function typer registers as a command: its options are ``config_cls``'s fields (defaults from
     ``instance`` when given) and the ``extra`` parameters; it calls ``body(data, **extras)`` with the config's
     fields as a nested dict (``body`` builds and runs the config)."""

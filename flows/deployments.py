@@ -59,6 +59,7 @@ definitions:
 
 deployments:"""
 
+
 def _pipeline() -> dict[str, Any]:
     from diffret.stages.pipeline import DEPLOYMENT
 
@@ -104,10 +105,19 @@ def _deployment(name: str, entrypoint: tuple[str, str], description: str, exampl
     module, fn = entrypoint
     path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
     folded = textwrap.wrap(" ".join(description.split()), 106, break_long_words=False, break_on_hyphens=False)
-    lines = [f"- name: {name}", "  version: null", "  tags: *diffret_tags", "  description: >-",
-             *(f"    {line}" for line in folded), f"  entrypoint: {path}.py:{fn}",
-             "  parameters:", "    config:", *_yaml({"root": DEFAULT_ROOT, **example}, 6),
-             "  work_pool: *diffret_process", "  schedules: []"]  # fmt: skip
+    lines = [
+        f"- name: {name}",
+        "  version: null",
+        "  tags: *diffret_tags",
+        "  description: >-",
+        *(f"    {line}" for line in folded),
+        f"  entrypoint: {path}.py:{fn}",
+        "  parameters:",
+        "    config:",
+        *_yaml({"root": DEFAULT_ROOT, **example}, 6),
+        "  work_pool: *diffret_process",
+        "  schedules: []",
+    ]
     return "\n".join(lines)
 
 
@@ -118,8 +128,10 @@ def deployments() -> list[dict[str, Any]]:
 
     from .runner import flow_ref
 
-    return [_pipeline()] + [{"name": st.command, "entrypoint": flow_ref(st.name), "description": st.deployment,
-                             "example": st.example} for st in stages().values()]  # fmt: skip
+    return [_pipeline()] + [
+        {"name": st.command, "entrypoint": flow_ref(st.name), "description": st.deployment, "example": st.example}
+        for st in stages().values()
+    ]
 
 
 def render() -> str:

@@ -29,8 +29,21 @@ class OutputFormat(StrEnum):
     json = "json"
 
 
-QUIET_LOGGERS = ("transformers", "huggingface_hub", "peft", "accelerate", "torch", "lancedb", "bm25s", "nltk",
-                 "matplotlib", "distributed", "faiss", "urllib3", "httpx")  # fmt: skip
+QUIET_LOGGERS = (
+    "transformers",
+    "huggingface_hub",
+    "peft",
+    "accelerate",
+    "torch",
+    "lancedb",
+    "bm25s",
+    "nltk",
+    "matplotlib",
+    "distributed",
+    "faiss",
+    "urllib3",
+    "httpx",
+)
 
 
 def library_output(verbose: bool) -> None:
@@ -71,8 +84,14 @@ class RateColumn(ProgressColumn):
 @contextlib.contextmanager
 def progress(transient: bool = False) -> Iterator[Any]:
     """A rich bar per labelled task; yields the ``report(label, done, total, unit)`` the stages call."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[note]}"))  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+    )
     with Progress(*columns, console=console, transient=transient) as bar:
         tasks: dict[str, Any] = {}
 
@@ -96,8 +115,10 @@ def help_text(command: Any, ctx: Any, width: int) -> str:
     for para in (command.help or "").split("\n\n"):
         lines += [*textwrap.wrap(" ".join(para.split()), initial_indent=" ", subsequent_indent=" ", **wrap), ""]
     params = [p for p in command.get_params(ctx) if p.get_help_record(ctx) is not None]
-    for title, group in (("Arguments", [p for p in params if p.param_type_name == "argument"]),
-                         ("Options", [p for p in params if p.param_type_name != "argument"])):  # fmt: skip
+    for title, group in (
+        ("Arguments", [p for p in params if p.param_type_name == "argument"]),
+        ("Options", [p for p in params if p.param_type_name != "argument"]),
+    ):
         if group:
             lines.append(f"{title}:")
         for p in group:

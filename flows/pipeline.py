@@ -22,8 +22,11 @@ from .runner import run_name, run_pipeline_stages
 __all__ = ["pipeline_flow"]
 
 
-@flow(name="pipeline", flow_run_name=run_name,
-      description="Zero-shot DiffRetriever grid on one dataset, end to end, with BM25.")  # fmt: skip
+@flow(
+    name="pipeline",
+    flow_run_name=run_name,
+    description="Zero-shot DiffRetriever grid on one dataset, end to end, with BM25.",
+)
 def pipeline_flow(config: PipelineConfig) -> dict:
     """The same stages as sub-flow runs (each visible in the UI; each skips what the store already has); the
     leaderboard of each split, its heatmaps embedded, as an artifact of this run."""

@@ -71,9 +71,11 @@ def check_prefect_api(url: str, timeout: float = 5.0) -> None:
         httpx.get(url.rstrip("/") + "/health", timeout=timeout)
     except httpx.TransportError as exc:  # refused, unknown host, timed out: not an HTTP status
         why = " ".join(str(exc).split()) or type(exc).__name__
-        raise PrefectUnreachable(f"the Prefect API at {url} does not answer ({why}): start the server (`prefect "
-                                 "server start`, README \"In the Prefect UI\"), or run without Prefect: --no-prefect "
-                                 "(or unset PREFECT_API_URL)") from None  # fmt: skip
+        raise PrefectUnreachable(
+            f"the Prefect API at {url} does not answer ({why}): start the server (`prefect "
+            'server start`, README "In the Prefect UI"), or run without Prefect: --no-prefect '
+            "(or unset PREFECT_API_URL)"
+        ) from None
 
 
 SERVER_STARTUP_S = 120  # Prefect's 20 s default is too short for a fresh database on a busy two-core machine
@@ -147,8 +149,9 @@ def run_stage(
     return execute(stage, config, log=log, report=report)
 
 
-def run_pipeline_stages(config: Any, *, prefect: bool = False, log: Callable[[str], None] = print,
-                        report: Callable[..., None] | None = None) -> dict[str, Any]:  # fmt: skip
+def run_pipeline_stages(
+    config: Any, *, prefect: bool = False, log: Callable[[str], None] = print, report: Callable[..., None] | None = None
+) -> dict[str, Any]:
     """`diffret run`: :func:`stages.pipeline.run_pipeline` with each stage through :func:`run_stage` (as sub-flow
     runs with ``prefect``), the local workers it asks for checked before anything is downloaded."""
     from diffret.stages.pipeline import run_pipeline
@@ -241,8 +244,11 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
         run_in_flow(stages()[name], first)
     result = execute(stage, config, log=get_run_logger().info, report=ArtifactProgress(), units=units)
     store = ArtifactStore(config.root)
-    create_markdown_artifact(inline_figures(result.markdown(), store), description=stage.name,
-                             key=artifact_key(stage.name, result.system or "summary"))  # fmt: skip
+    create_markdown_artifact(
+        inline_figures(result.markdown(), store),
+        description=stage.name,
+        key=artifact_key(stage.name, result.system or "summary"),
+    )
     for page in stage.published(result, store):
         create_markdown_artifact(page.markdown, key=artifact_key(*page.key), description=page.description)
     return result.model_dump(mode="json")
@@ -271,8 +277,9 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
         resources = _resources(stage, config, runner)
         futures = {}
         for unit in plan.units:
-            task = run_unit_task.with_options(name=f"{stage.name} unit", task_run_name=f"{stage.name} "
-                                              f"{stage.unit_name(unit)}", tags=tags)  # fmt: skip
+            task = run_unit_task.with_options(
+                name=f"{stage.name} unit", task_run_name=f"{stage.name} {stage.unit_name(unit)}", tags=tags
+            )
             with dask.annotate(**({"resources": resources} if resources else {})):
                 futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
         for fut in as_completed(list(futures)):

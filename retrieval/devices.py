@@ -32,8 +32,10 @@ def resolve_device(device: str = "auto") -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, {build}, "
-                             "no usable GPU); use --device cpu or auto")  # fmt: skip
+            raise ValueError(
+                f"--device {device}: CUDA is not available here (torch {torch.__version__}, {build}, "
+                "no usable GPU); use --device cpu or auto"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
     return dev
@@ -84,9 +86,11 @@ def place_workers(workers: int, gpus: list[str], per_gpu: int = 1) -> list[str]:
     n = len(gpus) if workers < 0 else workers
     if n > len(gpus) * per_gpu:
         need = math.ceil(n / len(gpus))
-        raise ValueError(f"--workers {n} is more than the {len(gpus)} GPU(s) visible here ({', '.join(gpus)}): each "
-                         f"worker gets a GPU of its own; use --workers {len(gpus) * per_gpu} or fewer, or "
-                         f"--workers-per-gpu {need} to put {need} workers on each GPU")  # fmt: skip
+        raise ValueError(
+            f"--workers {n} is more than the {len(gpus)} GPU(s) visible here ({', '.join(gpus)}): each "
+            f"worker gets a GPU of its own; use --workers {len(gpus) * per_gpu} or fewer, or "
+            f"--workers-per-gpu {need} to put {need} workers on each GPU"
+        )
     return [gpus[i % len(gpus)] for i in range(n)]
 
 
@@ -120,9 +124,11 @@ def count_cpu_workers(workers: int, cores: int, per_core: int = 1) -> int | None
         return None
     if workers > cores * per_core:
         need = math.ceil(workers / cores)
-        raise ValueError(f"--workers {workers} is more than the {cores} CPU core(s) here: each worker computes one "
-                         f"unit at a time on a core of its own; use --workers {cores * per_core} or fewer, or "
-                         f"--workers-per-core {need} to put {need} workers on each core")  # fmt: skip
+        raise ValueError(
+            f"--workers {workers} is more than the {cores} CPU core(s) here: each worker computes one "
+            f"unit at a time on a core of its own; use --workers {cores * per_core} or fewer, or "
+            f"--workers-per-core {need} to put {need} workers on each core"
+        )
     return workers
 
 

@@ -17,10 +17,29 @@ from importlib import import_module
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
 
 _MODULES = (
-    "download", "tokenize", "encode", "compress", "bot", "index", "score", "beta", "late", "bm25", "import_run", "fuse",
-    "rerank", "training_data", "train", "train_reranker", "evaluate", "compare", "budget", "summary", "report",
+    "download",
+    "tokenize",
+    "encode",
+    "compress",
+    "bot",
+    "index",
+    "score",
+    "beta",
+    "late",
+    "bm25",
+    "import_run",
+    "fuse",
+    "rerank",
+    "training_data",
+    "train",
+    "train_reranker",
+    "evaluate",
+    "compare",
+    "budget",
+    "summary",
+    "report",
     "latency",
-)  # fmt: skip
+)
 ENTRY_POINTS = "diffret.stages"  # another package's stages: [project.entry-points."diffret.stages"] name = "module"
 _REGISTERED: list[str] = []
 

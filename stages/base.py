@@ -69,8 +69,11 @@ ProgressFn = Callable[[str, int, int | None, str, str], None]
 class StageConfig(Settings):
     """Fields every stage config has: where the store is, and whether to replace artifacts of other settings."""
 
-    root: str = Field(default=DEFAULT_ROOT, description="Artifact store root: a local folder or an fsspec URL.",
-                      json_schema_extra=cli(short="-r", envvar="DIFFRET_ROOT"))  # fmt: skip
+    root: str = Field(
+        default=DEFAULT_ROOT,
+        description="Artifact store root: a local folder or an fsspec URL.",
+        json_schema_extra=cli(short="-r", envvar="DIFFRET_ROOT"),
+    )
     force: bool = Field(
         default=False, description="Replace artifacts built with other settings (otherwise refused, naming them)."
     )
@@ -80,18 +83,33 @@ class ClusterConfig(Settings):
     """Where a distributed stage's units run: in this process, on a local Dask cluster, or on one joined by address
     (flows/cluster.py). Runs do not depend on it."""
 
-    workers: int = Field(default=0, ge=-1, description="Local Dask workers for the units: 0 runs them in this "
-                         "process; N starts N, each on a GPU of its own when the device is a GPU (more workers than "
-                         "GPUs is refused unless --workers-per-gpu), else on a core of its own (more workers than "
-                         "cores is refused unless --workers-per-core); -1 one per visible GPU (on a CPU: Dask's "
-                         "default count).")  # fmt: skip
-    workers_per_gpu: int = Field(default=1, ge=1, description="Local workers one GPU may hold (they share its "
-                                 "memory): allows --workers up to this many times the GPUs.")  # fmt: skip
-    workers_per_core: int = Field(default=1, ge=1, description="Local CPU workers one core may hold (they share "
-                                  "it): allows --workers up to this many times the cores.")  # fmt: skip
-    dask_address: str | None = Field(default=None, description="Join an existing Dask cluster (tcp://host:8786) "
-                                     "instead; its GPU workers are started one per GPU with --resources GPU=1 "
-                                     "(docs/operations.md).")  # fmt: skip
+    workers: int = Field(
+        default=0,
+        ge=-1,
+        description="Local Dask workers for the units: 0 runs them in this "
+        "process; N starts N, each on a GPU of its own when the device is a GPU (more workers than "
+        "GPUs is refused unless --workers-per-gpu), else on a core of its own (more workers than "
+        "cores is refused unless --workers-per-core); -1 one per visible GPU (on a CPU: Dask's "
+        "default count).",
+    )
+    workers_per_gpu: int = Field(
+        default=1,
+        ge=1,
+        description="Local workers one GPU may hold (they share its "
+        "memory): allows --workers up to this many times the GPUs.",
+    )
+    workers_per_core: int = Field(
+        default=1,
+        ge=1,
+        description="Local CPU workers one core may hold (they share "
+        "it): allows --workers up to this many times the cores.",
+    )
+    dask_address: str | None = Field(
+        default=None,
+        description="Join an existing Dask cluster (tcp://host:8786) "
+        "instead; its GPU workers are started one per GPU with --resources GPU=1 "
+        "(docs/operations.md).",
+    )
 
 
 def check_device(device: str, config: Any) -> None:
@@ -152,8 +170,10 @@ class Context:
         if st is StageState.STALE:
             self.stale.append(stage_dir)
         elif st is StageState.DAMAGED:
-            self.log(f"{stage_dir}: damaged (a file fails its checksum, or its manifest is unreadable or edited by "
-                     "hand); rebuilding it")  # fmt: skip
+            self.log(
+                f"{stage_dir}: damaged (a file fails its checksum, or its manifest is unreadable or edited by "
+                "hand); rebuilding it"
+            )
         return st
 
     def log_stale(self, show: int = 3) -> None:
@@ -164,8 +184,10 @@ class Context:
             self.log(f"{self.stale[0]}: built from other inputs or settings; rebuilding it")
         else:
             more = f", and {len(self.stale) - show} more" if len(self.stale) > show else ""
-            self.log(f"{len(self.stale)} folders built from other inputs or settings; rebuilding them: "
-                     f"{', '.join(self.stale[:show])}{more}")  # fmt: skip
+            self.log(
+                f"{len(self.stale)} folders built from other inputs or settings; rebuilding them: "
+                f"{', '.join(self.stale[:show])}{more}"
+            )
         self.stale.clear()
 
 
@@ -261,8 +283,10 @@ class StageResult(BaseModel):
                 lines.append(f"| `{name}` | {o.files} | {o.rows:,} | {_size(o.bytes)} |")
             if len(self.outputs) > max_folders:
                 rest = self.outputs[max_folders:]
-                lines.append(f"| … and {len(rest)} more folder(s) | {sum(o.files for o in rest)} | "
-                             f"{sum(o.rows for o in rest):,} | {_size(sum(o.bytes for o in rest))} |")  # fmt: skip
+                lines.append(
+                    f"| … and {len(rest)} more folder(s) | {sum(o.files for o in rest)} | "
+                    f"{sum(o.rows for o in rest):,} | {_size(sum(o.bytes for o in rest))} |"
+                )
         if self.store:
             lines += ["", f"Store: `{self.store}`"]
         if self.next:
@@ -384,19 +408,35 @@ class Stage(Declared, ABC):
         was before the stage started, plus the units that finished (default: nothing prepared)."""
         return None
 
-    def result(self, plan: Plan, details: dict[str, Any], config: Any = None, ctx: Context | None = None,
-               seconds: float | None = None) -> StageResult:  # fmt: skip
+    def result(
+        self,
+        plan: Plan,
+        details: dict[str, Any],
+        config: Any = None,
+        ctx: Context | None = None,
+        seconds: float | None = None,
+    ) -> StageResult:
         """The run's :class:`StageResult`; with ``config`` and ``ctx``, its output folders (read from their
         manifests), the store and the next step too."""
         res = StageResult(
-            stage=self.name, system=plan.system, done=len(plan.units) if plan.count is None else plan.count,
-            skipped=plan.skipped, noun=self.noun, verb=self.verb, details=details, seconds=seconds,
-        )  # fmt: skip
+            stage=self.name,
+            system=plan.system,
+            done=len(plan.units) if plan.count is None else plan.count,
+            skipped=plan.skipped,
+            noun=self.noun,
+            verb=self.verb,
+            details=details,
+            seconds=seconds,
+        )
         if config is not None and ctx is not None:
             res.store = ctx.store.abspath("")
             res.outputs = [o for f in self.outputs(config, plan, details) if (o := _output(ctx.store, f))]
-            dataset = (getattr(config, "dataset", None) or getattr(config, "name", None)
-                       or ",".join(getattr(config, "datasets", None) or []) or "DATASET")  # fmt: skip
+            dataset = (
+                getattr(config, "dataset", None)
+                or getattr(config, "name", None)
+                or ",".join(getattr(config, "datasets", None) or [])
+                or "DATASET"
+            )
             res.next = self.next_step.replace("{dataset}", str(dataset)).replace("{system}", plan.system or "SYSTEM")
         return res
 
@@ -436,9 +476,13 @@ UnitsRunner = Callable[["Stage", Plan, Context], list[Any]]
 
 
 def execute(
-    stage: Stage, config: StageConfig, *, log: Callable[[str], None] = print, report: ProgressFn | None = None,
+    stage: Stage,
+    config: StageConfig,
+    *,
+    log: Callable[[str], None] = print,
+    report: ProgressFn | None = None,
     units: UnitsRunner | None = None,
-) -> StageResult:  # fmt: skip
+) -> StageResult:
     """Plan a stage, prepare what its units share, run its units (``units``; default: in this process, one after
     another), committing each one as it finishes, then finish it; the failed run's ``abort`` undoes what the plan
     prepared."""

@@ -38,12 +38,17 @@ from .systems import SystemRecord, SystemRef, find_system, tokenizer_of, vocab_h
 class BetaConfig(RetrievalConfig, ClusterConfig):
     """Parameters of the beta flow."""
 
-    system: SystemRef = Field(default_factory=SystemRef, description="The query encoder: a stored system with "
-                              "sparse query vectors.")  # fmt: skip
-    kq: KList | None = Field(default=None, description="Query budgets K_q (default: every K_q whose query encodings "
-                             "are stored).")  # fmt: skip
-    bot: str | None = Field(default=None, description="The bag-of-tokens index's tokenizer slug (`diffret sql "
-                            "'from bot_indexes'`); default: the one the system's queries were tokenized with.")
+    system: SystemRef = Field(
+        default_factory=SystemRef, description="The query encoder: a stored system with sparse query vectors."
+    )
+    kq: KList | None = Field(
+        default=None, description="Query budgets K_q (default: every K_q whose query encodings are stored)."
+    )
+    bot: str | None = Field(
+        default=None,
+        description="The bag-of-tokens index's tokenizer slug (`diffret sql "
+        "'from bot_indexes'`); default: the one the system's queries were tokenized with.",
+    )
     unit_passages: int = like(ScoreConfig, "unit_passages")
 
 
@@ -83,10 +88,13 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         if not record.has_sparse:
-            raise ValueError(f"{record.system}: the {record.readout} readout has no sparse vectors; beta search needs "
-                             "a sparse query side (sidr, diffretriever, promptreps)")  # fmt: skip
-        config = config.model_copy(update={"kq": budgets(store, config.kq, record.system, config.dataset, "query",
-                                                         ctx.log)})  # fmt: skip
+            raise ValueError(
+                f"{record.system}: the {record.readout} readout has no sparse vectors; beta search needs "
+                "a sparse query side (sidr, diffretriever, promptreps)"
+            )
+        config = config.model_copy(
+            update={"kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log)}
+        )
         q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
         q_hashes = {}
         tokens = None
@@ -109,8 +117,19 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
         cells = []
         for split in config.splits:
             for kq in config.kq:
-                cfg = cell_config(record.system, config.dataset, corpus, split, kq, 0, "beta", config.depth(split), 0,
-                                  config.ignore_ids(), {"queries": q_hashes[str(kq)], "bot": b_man.config_hash})
+                cfg = cell_config(
+                    record.system,
+                    config.dataset,
+                    corpus,
+                    split,
+                    kq,
+                    0,
+                    "beta",
+                    config.depth(split),
+                    0,
+                    config.ignore_ids(),
+                    {"queries": q_hashes[str(kq)], "bot": b_man.config_hash},
+                )
                 cfg["bot"] = b_man.partition
                 folder = run_dir(record.system, config.dataset, split, kq, 0, "beta")
                 if plan.needs(ctx, folder, cfg, config.force):
@@ -125,18 +144,37 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
         factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
         ignore = config.ignore_ids()
         depth = search_depth(cells)
-        shared = {"query_stages": {str(kq): q_folders[kq] for kq in sorted({c.kq for c in cells})},
-                  "query_ids": query_ids, "bot_stage": b_folder, "topk": depth + (1 if ignore else 0),
-                  "sparse_factor": factor}  # fmt: skip
-        pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
-            {"ids": query_ids}), "unit_passages": config.unit_passages, "inputs": inputs}  # fmt: skip
+        shared = {
+            "query_stages": {str(kq): q_folders[kq] for kq in sorted({c.kq for c in cells})},
+            "query_ids": query_ids,
+            "bot_stage": b_folder,
+            "topk": depth + (1 if ignore else 0),
+            "sparse_factor": factor,
+        }
+        pass_cfg = {
+            **{k: v for k, v in shared.items() if k != "query_ids"},
+            "query_ids": config_hash({"ids": query_ids}),
+            "unit_passages": config.unit_passages,
+            "inputs": inputs,
+        }
         n_passages = b_man.total_rows()
         blocks = even_blocks(n_passages, config.unit_passages, "passages")
         merge = BetaMerge(cells, depth, ignore, query_ids, split_rows, n_passages, b_folder)
-        done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=0, config=pass_cfg,
-                             shared=shared, blocks=blocks, merge=merge)  # fmt: skip
-        ctx.log(f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "
-                f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {done} already done")  # fmt: skip
+        done = self.add_pass(
+            ctx,
+            plan,
+            system=record.system,
+            dataset=config.dataset,
+            kp=0,
+            config=pass_cfg,
+            shared=shared,
+            blocks=blocks,
+            merge=merge,
+        )
+        ctx.log(
+            f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "
+            f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {done} already done"
+        )
         return plan
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
@@ -181,9 +219,11 @@ def _check_tokenizer(record: SystemRecord, bot_config: dict[str, Any]) -> None:
     mine = vocab_hash(tokenizer_of(backbone))
     theirs = bot_config.get("vocab_hash")
     if theirs is not None and theirs != mine:
-        raise StoreError(f"the bag-of-tokens index {bot_config.get('tokenizer')!r} was built with another tokenizer "
-                         f"than the query encoder {record.system!r} ({record.model}): their token ids do not "
-                         "mean the same words; build one with `diffret bot --model <the encoder's model>`")
+        raise StoreError(
+            f"the bag-of-tokens index {bot_config.get('tokenizer')!r} was built with another tokenizer "
+            f"than the query encoder {record.system!r} ({record.model}): their token ids do not "
+            "mean the same words; build one with `diffret bot --model <the encoder's model>`"
+        )
 
 
 def drop_self_hits(top: TopK, query_ids: list[str], doc_ids: list[str], depth: int) -> TopK:

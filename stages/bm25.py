@@ -23,10 +23,14 @@ class BM25Config(RetrievalConfig, ClusterConfig):
     """Parameters of the BM25 flow."""
 
     bm25: BM25Settings = Field(default_factory=BM25Settings, description="BM25's parameters.")
-    shard_size: int = Field(default=1_000_000, ge=1, description="Passages per BM25 shard: a larger corpus is "
-                            "indexed a shard at a time (memory: one shard's index, ~2.7 kB a passage), its scores "
-                            "equal to the whole corpus's, of the documents tied at the cut-off the first in corpus "
-                            "order kept; a corpus this size or smaller is indexed whole, as bm25s does.")  # fmt: skip
+    shard_size: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Passages per BM25 shard: a larger corpus is "
+        "indexed a shard at a time (memory: one shard's index, ~2.7 kB a passage), its scores "
+        "equal to the whole corpus's, of the documents tied at the cut-off the first in corpus "
+        "order kept; a corpus this size or smaller is indexed whole, as bm25s does.",
+    )
 
 
 @dataclass
@@ -65,10 +69,18 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
         todo = []
         for split in config.splits:
             cfg = {
-                "system": system, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
-                "mode": "bm25", "topk": config.depth(split), "ignore_identical_ids": ignore,
-                "bm25": config.bm25.model_dump(), "inputs": inputs,
-            }  # fmt: skip
+                "system": system,
+                "dataset": config.dataset,
+                "corpus": corpus,
+                "split": split,
+                "kq": 0,
+                "kp": 0,
+                "mode": "bm25",
+                "topk": config.depth(split),
+                "ignore_identical_ids": ignore,
+                "bm25": config.bm25.model_dump(),
+                "inputs": inputs,
+            }
             if sharded:  # its runs keep, of the documents tied at the cut-off, the first in corpus order
                 cfg["shard_size"] = config.shard_size
             folder = run_dir(system, config.dataset, split, 0, 0, "bm25")
@@ -95,8 +107,9 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
         if size is None:
             ctx.log(f"BM25 over {n:,} passages for {len(query_ids):,} queries")
             doc_ids, doc_texts, _ = side_texts(store, corpus, "passage")
-            top = bm25_search(doc_texts, queries, unit.depth, settings, query_ids, doc_ids,
-                              cfg["ignore_identical_ids"], clock)  # fmt: skip
+            top = bm25_search(
+                doc_texts, queries, unit.depth, settings, query_ids, doc_ids, cfg["ignore_identical_ids"], clock
+            )
             extra = {}
         else:
             ranges = [(s, min(s + size, n)) for s in range(0, n, size)]
@@ -105,13 +118,22 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
             def shards():  # noqa: ANN202 - (ids, texts) per shard, read from the store on each pass
                 return ((ids, texts) for _, _, ids, texts in side_text_ranges(store, corpus, "passage", ranges))
 
-            top, doc_ids = bm25_search_shards(shards, queries, unit.depth, settings, query_ids,
-                                              cfg["ignore_identical_ids"], clock)  # fmt: skip
+            top, doc_ids = bm25_search_shards(
+                shards, queries, unit.depth, settings, query_ids, cfg["ignore_identical_ids"], clock
+            )
             extra = {"bm25_shards": len(ranges)}
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {cell.split: [row[q] for q in unit.split_ids[cell.split]] for cell in unit.cells}
-        write_runs(ctx.store, unit.cells, {(0, "bm25"): top}, query_ids, doc_ids, split_rows, clock["search_seconds"],
-                   {"index_seconds": round(clock["index_seconds"], 4), **extra})  # fmt: skip
+        write_runs(
+            ctx.store,
+            unit.cells,
+            {(0, "bm25"): top},
+            query_ids,
+            doc_ids,
+            split_rows,
+            clock["search_seconds"],
+            {"index_seconds": round(clock["index_seconds"], 4), **extra},
+        )
         return len(unit.cells)
 
 

@@ -41,9 +41,16 @@ class BotConfig(StageConfig):
     def tokenize_config(self) -> TokenizeConfig:
         """The tokenize stage's settings for the passages this index reads (the bot flow tokenizes them first, as the
         encode flow does)."""
-        return TokenizeConfig(root=self.root, force=self.force, dataset=corpus_of(self.dataset), sides=["passage"],
-                              backbone=self.backbone, max_length=self.max_length, title_sep=self.title_sep,
-                              shard_size=self.shard_size)  # fmt: skip
+        return TokenizeConfig(
+            root=self.root,
+            force=self.force,
+            dataset=corpus_of(self.dataset),
+            sides=["passage"],
+            backbone=self.backbone,
+            max_length=self.max_length,
+            title_sep=self.title_sep,
+            shard_size=self.shard_size,
+        )
 
 
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
@@ -64,8 +71,10 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
 
     def printed(self, result: StageResult) -> list[str]:
         s = result.details.get("stats") or {}
-        return [f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
-                f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s"]  # fmt: skip
+        return [
+            f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
+            f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s"
+        ]
 
     def prerequisites(self, config: BotConfig) -> list[tuple[str, StageConfig]]:
         """The passages' tokens, where they are missing."""
@@ -75,14 +84,21 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
         corpus = corpus_of(config.dataset)
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
         t_folder = tokens_dir(slug, corpus, "passage")
-        t_man = tokens_manifest(ctx.store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model "
-                                f"{config.backbone.model}` (or `diffret encode`) first")  # fmt: skip
+        t_man = tokens_manifest(
+            ctx.store,
+            t_folder,
+            f"run `diffret tokenize -d {corpus} --side passage --model "
+            f"{config.backbone.model}` (or `diffret encode`) first",
+        )
         tokenizer = tokenizer_of(config.backbone)
         cfg = {
-            "tokenizer": slug, "dataset": corpus, "excluded_ids": sorted(excluded_ids(tokenizer)),
-            "vocab_size": len(tokenizer), "vocab_hash": vocab_hash(tokenizer),
+            "tokenizer": slug,
+            "dataset": corpus,
+            "excluded_ids": sorted(excluded_ids(tokenizer)),
+            "vocab_size": len(tokenizer),
+            "vocab_hash": vocab_hash(tokenizer),
             "inputs": {"tokens": t_man.config_hash, "rows": t_man.total_rows()},
-        }  # fmt: skip
+        }
         folder = bot_dir(slug, corpus)
         plan = Plan(system=slug, details={"stage": folder})
         if plan.needs(ctx, folder, cfg, config.force):
@@ -112,13 +128,18 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
             vocab = int(c["vocab_size"])
             seconds = time.perf_counter() - start
             m.stats = {
-                "passages": counts["passages"], "nnz": counts["nnz"], "bytes": entry.bytes,
-                "build_seconds": round(seconds, 3), "vocab_size": vocab,
+                "passages": counts["passages"],
+                "nnz": counts["nnz"],
+                "bytes": entry.bytes,
+                "build_seconds": round(seconds, 3),
+                "vocab_size": vocab,
                 "mean_tokens": counts["nnz"] / max(counts["passages"], 1),
                 "density": counts["nnz"] / max(counts["passages"] * vocab, 1),
-            }  # fmt: skip
-        ctx.log(f"bag of tokens {c['dataset']}: {counts['passages']:,} passages, {counts['nnz']:,} distinct tokens, "
-                f"{entry.bytes:,} bytes in {seconds:.1f}s")  # fmt: skip
+            }
+        ctx.log(
+            f"bag of tokens {c['dataset']}: {counts['passages']:,} passages, {counts['nnz']:,} distinct tokens, "
+            f"{entry.bytes:,} bytes in {seconds:.1f}s"
+        )
         return m.stats
 
     def finish(self, config: BotConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:

@@ -49,26 +49,39 @@ class BudgetConfig(StageConfig):
 
     system: SystemRef = Field(default_factory=SystemRef, description="The system whose grid to choose from.")
     dataset: str = Field(description="The dataset whose splits hold the grid.", json_schema_extra=cli(short="-d"))
-    train_split: str = Field(default="train", description="The split the selectors learn from (its grid's "
-                             "per-query metrics).")  # fmt: skip
-    splits: list[str] = Field(default=["test"], description="Splits to choose budgets for (never the train split).",
-                              json_schema_extra=cli(flag="--split"))  # fmt: skip
-    mode: str = Field(default="multi_dense", description="The scoring mode whose grid to choose over (fusions "
-                      "too).")  # fmt: skip
-    over: Literal["kq", "kp", "joint"] = Field(default="joint", description="Choose K_q alone (one passage index, "
-                                               "K_p of the fixed budget), K_p alone (the query picks which stored "
-                                               "passage index to search) or both.")  # fmt: skip
-    selectors: list[str] = Field(default=SELECTOR_NAMES, description=f"Selectors: {', '.join(SELECTOR_NAMES)}.",
-                                 json_schema_extra=cli(flag="--selector"))  # fmt: skip
+    train_split: str = Field(
+        default="train", description="The split the selectors learn from (its grid's per-query metrics)."
+    )
+    splits: list[str] = Field(
+        default=["test"],
+        description="Splits to choose budgets for (never the train split).",
+        json_schema_extra=cli(flag="--split"),
+    )
+    mode: str = Field(default="multi_dense", description="The scoring mode whose grid to choose over (fusions too).")
+    over: Literal["kq", "kp", "joint"] = Field(
+        default="joint",
+        description="Choose K_q alone (one passage index, "
+        "K_p of the fixed budget), K_p alone (the query picks which stored "
+        "passage index to search) or both.",
+    )
+    selectors: list[str] = Field(
+        default=SELECTOR_NAMES,
+        description=f"Selectors: {', '.join(SELECTOR_NAMES)}.",
+        json_schema_extra=cli(flag="--selector"),
+    )
     features: Literal["text", "encoding", "first_pass"] = Field(
-        default="encoding", description="text: the query's length in tokens and words (free); encoding: also, from "
+        default="encoding",
+        description="text: the query's length in tokens and words (free); encoding: also, from "
         "its stored encoding at every K_q of the grid, the slots read, distinct tokens, sparse mass and support, and "
         "the slots' agreement (one query pass per K_q at query time); first_pass: also the top score, the gap to "
         "the second and the top-10 score entropy of the grid's smallest cell's run (one more search).",
-    )  # fmt: skip
-    cross_fit: bool = Field(default=False, description="For a dataset without a train split: learn on each target "
-                            "split itself, k-fold cross-fitted (each query's budget chosen by selectors learned on the "
-                            "other folds, never on itself); over joint only. Its runs' modes end in _cf.")  # fmt: skip
+    )
+    cross_fit: bool = Field(
+        default=False,
+        description="For a dataset without a train split: learn on each target "
+        "split itself, k-fold cross-fitted (each query's budget chosen by selectors learned on the "
+        "other folds, never on itself); over joint only. Its runs' modes end in _cf.",
+    )
     measure: str = Field(default="ndcg_cut_10", description="The per-query measure the selectors maximise.")
     seed: int = Field(default=0, ge=0, le=SEED_MAX, description="Seed of the folds and the learners.")
     folds: int = Field(default=5, ge=2, description="Cross-validation folds on the train split.")
@@ -76,11 +89,14 @@ class BudgetConfig(StageConfig):
     @model_validator(mode="after")
     def _never_on_the_train_split(self) -> BudgetConfig:
         if self.cross_fit and self.over != "joint":
-            raise ValueError(f"cross_fit chooses over joint only (the cells a fold may take would differ), got "
-                             f"over={self.over!r}")  # fmt: skip
+            raise ValueError(
+                f"cross_fit chooses over joint only (the cells a fold may take would differ), got over={self.over!r}"
+            )
         if not self.cross_fit and self.train_split in self.splits:
-            raise ValueError(f"a selector is never evaluated on the split it learned from: {self.train_split!r} is "
-                             f"both the train split and among the splits {self.splits}")  # fmt: skip
+            raise ValueError(
+                f"a selector is never evaluated on the split it learned from: {self.train_split!r} is "
+                f"both the train split and among the splits {self.splits}"
+            )
         unknown = [s for s in self.selectors if s not in SELECTORS]
         if unknown:
             raise ValueError(f"unknown selector(s) {unknown}; known: {SELECTOR_NAMES}")
@@ -109,7 +125,9 @@ def feature_set(features: str, mode: str) -> str:
 def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -> dict[tuple[int, int], str]:
     """The evaluated cells of a system's grid on a split, in one mode: (K_q, K_p) -> metrics folder."""
     out = {}
-    for folder in ctx.store.stage_dirs(f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"):
+    for folder in ctx.store.stage_dirs(
+        f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"
+    ):
         parts = dict(p.split("=", 1) for p in folder.split("/")[1:])
         if int(parts["kq"]) > 0:
             out[(int(parts["kq"]), int(parts["kp"]))] = folder
@@ -139,32 +157,47 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         learn = config.splits[0] if config.cross_fit else config.train_split
         train = grid_cells(ctx, system, config.dataset, learn, config.mode)
         if not train:
-            raise StoreError(f"{system} has no evaluated {config.mode} grid on {config.dataset}/{learn}: run "
-                             f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
-                             "first")  # fmt: skip
+            raise StoreError(
+                f"{system} has no evaluated {config.mode} grid on {config.dataset}/{learn}: run "
+                f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
+                "first"
+            )
         cells = sorted(train)
         n_learn = len(split_queries(ctx.store, config.dataset, learn))
         if config.folds > n_learn:  # KFold would quietly use fewer
-            raise ValueError(f"--folds {config.folds} but {config.dataset}/{learn} has {n_learn} queries to learn "
-                             f"from: a fold needs at least one; give --folds {min(5, n_learn)} (at most "
-                             f"{n_learn})")  # fmt: skip
+            raise ValueError(
+                f"--folds {config.folds} but {config.dataset}/{learn} has {n_learn} queries to learn "
+                f"from: a fold needs at least one; give --folds {min(5, n_learn)} (at most "
+                f"{n_learn})"
+            )
         grids = {}
         for split in config.splits:
             grids[split] = have = grid_cells(ctx, system, config.dataset, split, config.mode)
             missing = [c for c in cells if c not in have]
             if missing:
-                raise StoreError(f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
-                                 f"{learn} has: score and evaluate them first")  # fmt: skip
+                raise StoreError(
+                    f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
+                    f"{learn} has: score and evaluate them first"
+                )
         plan = Plan(system=system, details={"cells": [list(c) for c in cells], "runs": []})
         fingerprint = ctx.store.fingerprint
-        enc_inputs = (fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
-                      if config.features != "text" else None)  # fmt: skip
+        enc_inputs = (
+            fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
+            if config.features != "text"
+            else None
+        )
         feats = {}
         first = cells[0]  # the cheapest cell: the first pass of the first_pass features
         fset = feature_set(config.features, config.mode)
         for split in ([] if config.cross_fit else [config.train_split]) + config.splits:
-            cfg = {"system": system, "dataset": config.dataset, "split": split, "set": fset,
-                   "kq": sorted({kq for kq, _ in cells}), "inputs": {"encodings": enc_inputs}}  # fmt: skip
+            cfg = {
+                "system": system,
+                "dataset": config.dataset,
+                "split": split,
+                "set": fset,
+                "kq": sorted({kq for kq, _ in cells}),
+                "inputs": {"encodings": enc_inputs},
+            }
             if config.features == "first_pass":
                 run = run_dir(system, config.dataset, split, *first, config.mode)
                 cfg.update(first_pass=run, inputs={**cfg["inputs"], "first_pass": fingerprint(run)})
@@ -175,17 +208,33 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             source = split if config.cross_fit else config.train_split
             runs = {f"{kq}x{kp}": run_dir(system, config.dataset, split, kq, kp, config.mode) for kq, kp in cells}
             learned_from = grids[split] if config.cross_fit else train
-            inputs = {"train_metrics": fingerprint(*(learned_from[c] for c in cells)),
-                      "runs": fingerprint(*runs.values()),
-                      "features": {s: feats[s] for s in dict.fromkeys((source, split))}}  # fmt: skip
+            inputs = {
+                "train_metrics": fingerprint(*(learned_from[c] for c in cells)),
+                "runs": fingerprint(*runs.values()),
+                "features": {s: feats[s] for s in dict.fromkeys((source, split))},
+            }
             for selector in config.selectors:
                 mode = adaptive_mode(config.mode, selector, config.over, config.features, config.cross_fit)
-                cfg = {"kind": "run", "system": system, "dataset": config.dataset, "split": split, "kq": 0, "kp": 0,
-                       "mode": mode, "base_mode": config.mode, "selector": selector, "over": config.over,
-                       "features": config.features, "measure": config.measure, "cross_fit": config.cross_fit,
-                       "train_split": split if config.cross_fit else config.train_split,
-                       "seed": config.seed, "folds": config.folds, "cells": [list(c) for c in cells],
-                       "inputs": inputs}  # fmt: skip
+                cfg = {
+                    "kind": "run",
+                    "system": system,
+                    "dataset": config.dataset,
+                    "split": split,
+                    "kq": 0,
+                    "kp": 0,
+                    "mode": mode,
+                    "base_mode": config.mode,
+                    "selector": selector,
+                    "over": config.over,
+                    "features": config.features,
+                    "measure": config.measure,
+                    "cross_fit": config.cross_fit,
+                    "train_split": split if config.cross_fit else config.train_split,
+                    "seed": config.seed,
+                    "folds": config.folds,
+                    "cells": [list(c) for c in cells],
+                    "inputs": inputs,
+                }
                 folder = run_dir(system, config.dataset, split, 0, 0, mode)
                 plan.details["runs"].append(folder)
                 plan.add_folder(ctx, folder, cfg, config.force)
@@ -217,12 +266,18 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
             queries = split_queries(store, c["dataset"], c["split"])
             names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], fset, queries)
             if names_t != names:
-                raise StoreError(f"the features of {c['split']} ({names_t}) are not those of {c['train_split']} "
-                                 f"({names})")  # fmt: skip
+                raise StoreError(
+                    f"the features of {c['split']} ({names_t}) are not those of {c['train_split']} ({names})"
+                )
             choice_cells = train.cells
             chosen = selector.choose(fitted, Xt, Grid(queries, choice_cells, np.zeros((len(queries), len(cells)))))
-            fitted_stats = {"name": fitted.name, "params": fitted.params, "learned": fitted.learned,
-                            "importances": fitted.importances, "cv_score": fitted.cv_score}  # fmt: skip
+            fitted_stats = {
+                "name": fitted.name,
+                "params": fitted.params,
+                "learned": fitted.learned,
+                "importances": fitted.importances,
+                "cv_score": fitted.cv_score,
+            }
             fixed = list(fixed)
         tables = {}
         for cell in sorted(set(chosen.tolist())):
@@ -237,14 +292,19 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         kps = {kp for kq, kp in choice_cells if histogram[f"{kq}x{kp}"]}
         kqs = sorted({kq for kq, _ in cells})
         stats = {
-            "queries": len(queries), "rows": out.num_rows, "fixed": fixed, "histogram": histogram,
+            "queries": len(queries),
+            "rows": out.num_rows,
+            "fixed": fixed,
+            "histogram": histogram,
             "selector": fitted_stats,
-            "cost": {"passage_indexes": len(kps) if c["over"] != "kq" else 1,
-                     # the features read the query's encoding at every K_q of the grid, the chosen one among them
-                     "query_passes": len(kqs) if c["features"] != "text" else 1,
-                     "first_pass_searches": int(c["features"] == "first_pass"),
-                     "note": _COST[c["over"]]},
-        }  # fmt: skip
+            "cost": {
+                "passage_indexes": len(kps) if c["over"] != "kq" else 1,
+                # the features read the query's encoding at every K_q of the grid, the chosen one among them
+                "query_passes": len(kqs) if c["features"] != "text" else 1,
+                "first_pass_searches": int(c["features"] == "first_pass"),
+                "note": _COST[c["over"]],
+            },
+        }
         cell = Cell(c["split"], 0, 0, c["mode"], unit.stage, c)
         write_run(store, cell, out, stats)
         return out.num_rows
@@ -270,8 +330,9 @@ _COST = {
 }
 
 
-def _cross_fit(selector: Any, X: np.ndarray, names: list[str], grid: Grid, seed: int,
-               folds: int) -> tuple[np.ndarray, list[list[int]] | None, dict[str, Any]]:  # fmt: skip
+def _cross_fit(
+    selector: Any, X: np.ndarray, names: list[str], grid: Grid, seed: int, folds: int
+) -> tuple[np.ndarray, list[list[int]] | None, dict[str, Any]]:
     """Each query's cell chosen by ``selector`` learned on the other folds of its own split (over every cell); the
     fixed cells of the folds, and per fold what was learned (hyper-parameters, importances averaged)."""
     from sklearn.model_selection import KFold
@@ -290,26 +351,34 @@ def _cross_fit(selector: Any, X: np.ndarray, names: list[str], grid: Grid, seed:
         per_fold.append({"params": fitted.params, "learned": fitted.learned, "cv_score": fitted.cv_score})
         for k, v in fitted.importances.items():
             importances[k] = importances.get(k, 0.0) + v / splitter.get_n_splits()
-    stats = {"name": selector.name, "params": per_fold[0]["params"], "folds": per_fold, "importances": importances,
-             "cv_score": None}  # fmt: skip
+    stats = {
+        "name": selector.name,
+        "params": per_fold[0]["params"],
+        "folds": per_fold,
+        "importances": importances,
+        "cv_score": None,
+    }
     return chosen, (fixed_cells[0] if len({tuple(f) for f in fixed_cells}) == 1 else None), stats
 
 
-def _grid(ctx: Context, system: str, dataset: str, split: str, mode: str, cells: list[tuple[int, int]],
-          measure: str) -> Grid:  # fmt: skip
+def _grid(
+    ctx: Context, system: str, dataset: str, split: str, mode: str, cells: list[tuple[int, int]], measure: str
+) -> Grid:
     rows = []
     for kq, kp in cells:
         t = ctx.store.read_table(metrics_dir(system, dataset, split, kq, kp, mode), METRICS_FILE)
         t = t.filter(pc.equal(t.column("measure"), measure))
-        rows += [(q, kq, kp, v) for q, v in zip(t.column("query_id").to_pylist(), t.column("value").to_pylist(),
-                                                strict=True)]  # fmt: skip
+        rows += [
+            (q, kq, kp, v) for q, v in zip(t.column("query_id").to_pylist(), t.column("value").to_pylist(), strict=True)
+        ]
     if not rows:
         raise StoreError(f"no {measure!r} per-query metrics for {system} on {dataset}/{split}")
     return Grid.from_rows(rows, cells)
 
 
-def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind: str, kqs: list[int],
-                      first_pass: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def _compute_features(
+    ctx: Context, system: str, dataset: str, split: str, kind: str, kqs: list[int], first_pass: str | None = None
+) -> list[dict[str, Any]]:
     """Long rows (query_id, feature, value) of the split's queries."""
     store = ctx.store
     queries = split_queries(store, dataset, split)
@@ -336,9 +405,14 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
                 t = store.read_table(stage, name, columns=columns)
                 t = t.filter(pc.is_in(t.column("id"), value_set=pa.array(queries)))  # this split's: only they convert
                 for row in t.to_pylist():
-                    feats = encoding_features(np.asarray(row["dense"], dtype=np.float32), int(row["n_reps"]),
-                                              row["tokens"], row["sparse_weights"], row.get("slot_entropy"),
-                                              row.get("slot_maxprob"))  # fmt: skip
+                    feats = encoding_features(
+                        np.asarray(row["dense"], dtype=np.float32),
+                        int(row["n_reps"]),
+                        row["tokens"],
+                        row["sparse_weights"],
+                        row.get("slot_entropy"),
+                        row.get("slot_maxprob"),
+                    )
                     out += [{"query_id": row["id"], "feature": f"{f}@{k}", "value": v} for f, v in feats.items()]
     if first_pass is not None:
         run = read_run(store, first_pass, columns=["query_id", "score"])
@@ -351,8 +425,9 @@ def _compute_features(ctx: Context, system: str, dataset: str, split: str, kind:
     return out
 
 
-def _feature_matrix(ctx: Context, system: str, dataset: str, split: str, kind: str,
-                    queries: list[str]) -> tuple[list[str], np.ndarray]:  # fmt: skip
+def _feature_matrix(
+    ctx: Context, system: str, dataset: str, split: str, kind: str, queries: list[str]
+) -> tuple[list[str], np.ndarray]:
     t = ctx.store.read_table(features_dir(system, dataset, split, kind), FEATURES_FILE)
     names = sorted(set(t.column("feature").to_pylist()))
     col = {n: j for j, n in enumerate(names)}
@@ -363,8 +438,10 @@ def _feature_matrix(ctx: Context, system: str, dataset: str, split: str, kind: s
             X[row[q], col[f]] = v
     missing = np.isnan(X).any(1)
     if missing.any():
-        raise StoreError(f"{int(missing.sum())} queries of {dataset}/{split} lack features (e.g. "
-                         f"{queries[int(np.argmax(missing))]!r}): rebuild them with --force")  # fmt: skip
+        raise StoreError(
+            f"{int(missing.sum())} queries of {dataset}/{split} lack features (e.g. "
+            f"{queries[int(np.argmax(missing))]!r}): rebuild them with --force"
+        )
     return names, X
 
 

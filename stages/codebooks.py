@@ -44,17 +44,33 @@ def codebook_sample(shards: list[str], vectors: Callable[[str], np.ndarray], n: 
     return x
 
 
-def codebook_config(spec: str, seed: int, sample: int, dataset: str, k: int, source_hash: str,
-                    n_corpus: int) -> dict[str, Any]:  # fmt: skip
+def codebook_config(
+    spec: str, seed: int, sample: int, dataset: str, k: int, source_hash: str, n_corpus: int
+) -> dict[str, Any]:
     """A codebook folder's config: the choice, its seed and sample, what it codes, and the float16 encodings its
     sample comes from (their folder's config hash: the same for encode --store and compress)."""
-    return {"store": spec, "seed": seed, "sample": sample, "dataset": dataset, "k": k, "n_corpus": n_corpus,
-            "inputs": {"passage_encodings": source_hash}}  # fmt: skip
+    return {
+        "store": spec,
+        "seed": seed,
+        "sample": sample,
+        "dataset": dataset,
+        "k": k,
+        "n_corpus": n_corpus,
+        "inputs": {"passage_encodings": source_hash},
+    }
 
 
-def ensure_codebook(store: ArtifactStore, system: str, dataset: str, k: int, config: dict[str, Any], force: bool,
-                    shards: list[str], vectors: Callable[[str], np.ndarray],
-                    log: Callable[[str], None] = print) -> str:  # fmt: skip
+def ensure_codebook(
+    store: ArtifactStore,
+    system: str,
+    dataset: str,
+    k: int,
+    config: dict[str, Any],
+    force: bool,
+    shards: list[str],
+    vectors: Callable[[str], np.ndarray],
+    log: Callable[[str], None] = print,
+) -> str:
     """The codebook of ``system``'s K_p = ``k`` passages, trained and written unless current (resumable: a
     killed training leaves nothing); its file's sha256, which the encodings folders it codes record."""
     folder = codebook_dir(system, dataset, k)
@@ -78,4 +94,3 @@ def make_codec(spec: str, codebook: Codebook | None, digest: str | None) -> Code
     """The codec of a storage choice (``codebook`` when it is trained)."""
     parse_store(spec)
     return Codec(spec, codebook.dim if codebook else 0, codebook, digest)
-

@@ -34,25 +34,37 @@ class CompareConfig(StageConfig):
 
     dataset: str = Field(description="The dataset the runs answer.", json_schema_extra=cli(short="-d"))
     split: str = Field(default="test", description="The query split.")
-    runs: list[str] | None = Field(default=None, description="Runs to compare: SYSTEM[:MODE[:KQ:KP]] (a slug or "
-                            "unique prefix, bm25, an imported run's name; MODE and KQ:KP where the system has several "
-                            "runs). Default: every run of the dataset and split.",
-                            json_schema_extra=cli(flag="--run"))  # fmt: skip
+    runs: list[str] | None = Field(
+        default=None,
+        description="Runs to compare: SYSTEM[:MODE[:KQ:KP]] (a slug or "
+        "unique prefix, bm25, an imported run's name; MODE and KQ:KP where the system has several "
+        "runs). Default: every run of the dataset and split.",
+        json_schema_extra=cli(flag="--run"),
+    )
     baseline: str = Field(default="bm25", description="The run every other is tested against (SYSTEM[:MODE[:KQ:KP]]).")
     measures: Annotated[list[str], AfterValidator(check_measures)] = Field(
-        default=list(DEFAULT_MEASURES), description="Measures (as evaluate stored them).",
+        default=list(DEFAULT_MEASURES),
+        description="Measures (as evaluate stored them).",
         json_schema_extra=cli(flag="--measure"),
     )
-    test: Literal["t", "wilcoxon"] = Field(default="t", description="Paired test on the per-query scores: t "
-                                           "(scipy's ttest_rel) or wilcoxon (signed-rank).")  # fmt: skip
+    test: Literal["t", "wilcoxon"] = Field(
+        default="t", description="Paired test on the per-query scores: t (scipy's ttest_rel) or wilcoxon (signed-rank)."
+    )
     correction: Literal["holm", "bonferroni", "none"] = Field(
-        default="holm", description="Correction of the p-values across the table's comparisons (statsmodels' "
-        "multipletests).")
+        default="holm",
+        description="Correction of the p-values across the table's comparisons (statsmodels' multipletests).",
+    )
     alpha: float = Field(default=0.05, gt=0, lt=1, description="Significance level of the † markers.")
-    name: str | None = Field(default=None, description="comparisons/comparison={name}/ in the store (default: the "
-                             "dataset, split and a hash of these settings).")  # fmt: skip
-    out_dir: str | None = Field(default=None, description="Also copy the tables into this folder (outside the store).",
-                                json_schema_extra=cli(flag="--out", short="-o"))  # fmt: skip
+    name: str | None = Field(
+        default=None,
+        description="comparisons/comparison={name}/ in the store (default: the "
+        "dataset, split and a hash of these settings).",
+    )
+    out_dir: str | None = Field(
+        default=None,
+        description="Also copy the tables into this folder (outside the store).",
+        json_schema_extra=cli(flag="--out", short="-o"),
+    )
     show: Literal["markdown", "csv", "latex"] = Field(default="markdown", description="The table printed when done.")
 
     def settings(self) -> dict[str, Any]:
@@ -71,7 +83,9 @@ def all_runs(store: ArtifactStore, dataset: str, split: str, damaged: dict[str, 
     """``SYSTEM:MODE:KQ:KP`` of every run of ``dataset``/``split`` in the store; a run folder whose manifest is damaged
     is left out and named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
-    for folder in store.stage_dirs("runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"):
+    for folder in store.stage_dirs(
+        "runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"
+    ):
         try:
             m = store.read_manifest(folder)
         except StoreError as exc:
@@ -85,8 +99,14 @@ def all_runs(store: ArtifactStore, dataset: str, split: str, damaged: dict[str, 
     return sorted(out)
 
 
-def _metrics(store: ArtifactStore, run: PickedRun, dataset: str, split: str, measures: list[str],
-             damaged: dict[str, str] | None = None) -> Manifest | None:  # fmt: skip
+def _metrics(
+    store: ArtifactStore,
+    run: PickedRun,
+    dataset: str,
+    split: str,
+    measures: list[str],
+    damaged: dict[str, str] | None = None,
+) -> Manifest | None:
     """The metrics manifest of ``run``, holding ``measures``; a damaged one is named in ``damaged`` (None returned)
     when given, else its error is raised; none, or one without a measure: refused with the command that makes it."""
     folder = metrics_dir(run.system, dataset, split, run.kq, run.kp, run.mode)
@@ -100,13 +120,17 @@ def _metrics(store: ArtifactStore, run: PickedRun, dataset: str, split: str, mea
     at = store.printed_root()
     root = f" --root {shlex.quote(at)}" if at else ""
     if m is None:
-        raise StoreError(f"run {run.label!r} has no metrics on {dataset}/{split}: run `diffret evaluate -d {dataset}"
-                         f"{root}` first")  # fmt: skip
+        raise StoreError(
+            f"run {run.label!r} has no metrics on {dataset}/{split}: run `diffret evaluate -d {dataset}{root}` first"
+        )
     stored = list(m.config.get("measures", []))
     missing = [x for x in measures if x not in stored]
     if missing:  # evaluated again with the measures it has and those asked for (--force replaces them all)
-        raise StoreError(f"run {run.label!r} was evaluated without {missing}: run `diffret evaluate -d {dataset} "
-                         + " ".join(f"--measure {x}" for x in stored + missing) + f" --force{root}`")  # fmt: skip
+        raise StoreError(
+            f"run {run.label!r} was evaluated without {missing}: run `diffret evaluate -d {dataset} "
+            + " ".join(f"--measure {x}" for x in stored + missing)
+            + f" --force{root}`"
+        )
     return m
 
 
@@ -138,8 +162,11 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
                 raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the tables into")
         base = pick_run(store, config.baseline, config.dataset, config.split)
         damaged: dict[str, str] | None = None if config.runs else {}  # every run: a damaged one is left out, named
-        names = config.runs or [r for r in all_runs(store, config.dataset, config.split, damaged)
-                                if r != f"{base.system}:{base.mode}:{base.kq}:{base.kp}"]  # fmt: skip
+        names = config.runs or [
+            r
+            for r in all_runs(store, config.dataset, config.split, damaged)
+            if r != f"{base.system}:{base.mode}:{base.kq}:{base.kp}"
+        ]
         runs = [base] + [pick_run(store, r, config.dataset, config.split) for r in names]
         seen: dict[str, str] = {}
         for r in runs:
@@ -148,16 +175,20 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
                 raise ValueError(f"runs {seen[key]!r} and {r.label!r} are the same run; name each once")
             seen[key] = r.label
         if len(runs) < 2:
-            raise StoreError(f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give "
-                             "--run")  # fmt: skip
-        metrics = {r.label: _metrics(store, r, config.dataset, config.split, config.measures,
-                                     None if r is base else damaged) for r in runs}  # fmt: skip
+            raise StoreError(
+                f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give --run"
+            )
+        metrics = {
+            r.label: _metrics(store, r, config.dataset, config.split, config.measures, None if r is base else damaged)
+            for r in runs
+        }
         runs = [r for r in runs if metrics[r.label] is not None]
         for why in (damaged or {}).values():
             ctx.log(f"warning: a damaged folder is left out of the comparison: {why}")
         if len(runs) < 2:
-            raise StoreError(f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give "
-                             "--run")  # fmt: skip
+            raise StoreError(
+                f"nothing to compare with {config.baseline!r} on {config.dataset}/{config.split}: give --run"
+            )
         inputs = {r.label: metrics[r.label].config_hash for r in runs}  # type: ignore[union-attr]
         cfg = {**config.settings(), "picked": [{"label": r.label, **r.ref()} for r in runs], "inputs": inputs}
         folder = comparison_dir(config.folder_name())
@@ -172,19 +203,31 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
         scores: dict[str, dict[str, dict[str, float]]] = {}
         details = {}
         for r in c["picked"]:
-            table = store.read_table(metrics_dir(r["system"], c["dataset"], c["split"], r["kq"], r["kp"], r["mode"]),
-                                     METRICS_FILE)  # fmt: skip
+            table = store.read_table(
+                metrics_dir(r["system"], c["dataset"], c["split"], r["kq"], r["kp"], r["mode"]), METRICS_FILE
+            )
             per: dict[str, dict[str, float]] = {m: {} for m in c["measures"]}
             for q, m, v in zip(*(table.column(x).to_pylist() for x in ("query_id", "measure", "value")), strict=True):
                 if m in per:
                     per[m][q] = v
             scores[r["label"]] = per
             details[r["label"]] = {k: str(r[k]) for k in ("system", "mode", "kq", "kp")}
-        comp = compare_runs(scores, c["picked"][0]["label"], c["measures"], c["test"], c["correction"], c["alpha"],
-                            where=f"{c['dataset']}/{c['split']}")  # fmt: skip
+        comp = compare_runs(
+            scores,
+            c["picked"][0]["label"],
+            c["measures"],
+            c["test"],
+            c["correction"],
+            c["alpha"],
+            where=f"{c['dataset']}/{c['split']}",
+        )
         comp.details = details
-        m = Manifest.new("comparisons", {"comparison": unit.stage.split("=", 1)[1]}, c,
-                         stats={"runs": len(comp.rows), "comparisons": comp.comparisons, "queries": comp.queries})
+        m = Manifest.new(
+            "comparisons",
+            {"comparison": unit.stage.split("=", 1)[1]},
+            c,
+            stats={"runs": len(comp.rows), "comparisons": comp.comparisons, "queries": comp.queries},
+        )
         with store.stage_writer(unit.stage, m) as w:
             w.write_file(FILES["markdown"], comp.markdown().encode())
             w.write_file(FILES["csv"], comp.csv().encode())

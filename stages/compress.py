@@ -34,16 +34,24 @@ from .systems import SystemRef, encoder_record, find_system, numeric_settings, r
 class CompressConfig(StageConfig, ClusterConfig):
     """Parameters of the compress flow."""
 
-    system: SystemRef = Field(default_factory=SystemRef, description="The float16 encoder system to compress.",
-                              json_schema_extra=cli(filters_except=["store", "store_seed"]))  # fmt: skip
+    system: SystemRef = Field(
+        default_factory=SystemRef,
+        description="The float16 encoder system to compress.",
+        json_schema_extra=cli(filters_except=["store", "store_seed"]),
+    )
     dataset: str = like(EncodeConfig, "dataset")
     # encode's names for the same settings
-    store: str = Field(description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
-                       "16,384 centroids) or pq:M (search/codecs.py).")  # fmt: skip
+    store: str = Field(
+        description="The storage choice: int8, residual:B (B = 1, 2, 4; e.g. residual:2:16384 for "
+        "16,384 centroids) or pq:M (search/codecs.py)."
+    )
     store_seed: int = like(EncodeConfig, "store_seed")
     verify: bool = like(EncodeConfig, "verify")
-    k: KList | None = Field(default=None, description="Budgets K to compress (default: every K stored for the "
-                                "dataset; its queries are copied as they are).")  # fmt: skip
+    k: KList | None = Field(
+        default=None,
+        description="Budgets K to compress (default: every K stored for the "
+        "dataset; its queries are copied as they are).",
+    )
     codebook_sample: int = like(EncodeConfig, "codebook_sample")
 
 
@@ -85,8 +93,9 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
             ref = ref.model_copy(update={"where": {**ref.where, "store": FLOAT16}})
         record = find_system(store, ref)
         if record.kind != "encoder" or record.flat_settings().get("store") != FLOAT16:
-            raise StoreError(f"{record.system} is not a float16 encoder system; compress the float16 system it was "
-                             "made from")  # fmt: skip
+            raise StoreError(
+                f"{record.system} is not a float16 encoder system; compress the float16 system it was made from"
+            )
         source = settings_of(record)
         target = source.model_copy(update={"store": config.store, "store_seed": config.store_seed})
         out = encoder_record(target)
@@ -101,25 +110,52 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
                 codebook = None
                 if side == "passage" and spec.trained:
                     codebook = codebook_dir(out.system, config.dataset, k)
-                    cb_cfg = codebook_config(config.store, config.store_seed, config.codebook_sample, config.dataset,
-                                             k, m.config_hash, m.total_rows() * k)  # fmt: skip
-                    digest = ensure_codebook(store, out.system, config.dataset, k, cb_cfg, config.force,
-                                             sorted(m.files), lambda s, src=src: vectors_of(store.read_table(src, s)),
-                                             ctx.log)  # fmt: skip
+                    cb_cfg = codebook_config(
+                        config.store,
+                        config.store_seed,
+                        config.codebook_sample,
+                        config.dataset,
+                        k,
+                        m.config_hash,
+                        m.total_rows() * k,
+                    )
+                    digest = ensure_codebook(
+                        store,
+                        out.system,
+                        config.dataset,
+                        k,
+                        cb_cfg,
+                        config.force,
+                        sorted(m.files),
+                        lambda s, src=src: vectors_of(store.read_table(src, s)),
+                        ctx.log,
+                    )
                     base = compressed_config(base, digest)
                 folder = encodings_dir(out.system, config.dataset, side, k)
                 ctx.hold(folder)
                 part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                m_out, done = store.open_sharded(folder, "encodings", part, base, force=config.force,
-                                                 verify=config.verify)  # fmt: skip
+                m_out, done = store.open_sharded(
+                    folder, "encodings", part, base, force=config.force, verify=config.verify
+                )
                 plan.details["stages"][f"{side}/k={k}"] = folder
                 for shard in sorted(m.files):
                     if shard in done:
                         plan.skipped += 1
                         continue
                     rows = int(m.files[shard].rows or 0)
-                    plan.units.append(CompressUnit(src, shard, folder, side, k, rows, m_out.config_hash,
-                                                   config.store if side == "passage" else FLOAT16, codebook))
+                    plan.units.append(
+                        CompressUnit(
+                            src,
+                            shard,
+                            folder,
+                            side,
+                            k,
+                            rows,
+                            m_out.config_hash,
+                            config.store if side == "passage" else FLOAT16,
+                            codebook,
+                        )
+                    )
                     plan.work += rows
         register(store, out, write=False)
         plan.details["record"] = out
@@ -133,8 +169,9 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         passage = (config.k or stored_budgets(ctx.store, system, config.dataset, "passage")) if has_corpus else []
         query = [k for k in stored_budgets(ctx.store, system, config.dataset, "query") if not config.k or k in config.k]
         if not passage and not query:
-            raise IncompleteArtifactError(f"{system} has no encodings of {config.dataset!r} to compress; run `diffret "
-                                          "encode` first")  # fmt: skip
+            raise IncompleteArtifactError(
+                f"{system} has no encodings of {config.dataset!r} to compress; run `diffret encode` first"
+            )
         return {side: ks for side, ks in (("query", query), ("passage", passage)) if ks}
 
     def work_of(self, unit: CompressUnit) -> int:

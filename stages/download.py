@@ -115,7 +115,11 @@ def _doc_ids_of(store: ArtifactStore, dataset: str) -> DocIds | None:
 
 
 def materialise(
-    store: ArtifactStore, name: str, files: SourceFiles, force: bool = False, state: StageState | None = None,
+    store: ArtifactStore,
+    name: str,
+    files: SourceFiles,
+    force: bool = False,
+    state: StageState | None = None,
     unknown_judgments: str = "error",
 ) -> DownloadResult:
     """Validate and store a collection's files (unless the same source is already stored)."""
@@ -125,8 +129,9 @@ def materialise(
         state = store.state(folder, config, force=force, hint=DRIFT_HINT.format(name=name))
     if state is StageState.CURRENT:
         m = store.require_manifest(folder)
-        return DownloadResult(name, "unchanged", m,
-                              [f"{name}: already in the store with the same source; nothing to do"])  # fmt: skip
+        return DownloadResult(
+            name, "unchanged", m, [f"{name}: already in the store with the same source; nothing to do"]
+        )
     report = DatasetReport(dataset=name, notes=list(files.notes))
     if state is StageState.DAMAGED:
         report.notes.append("the stored copy failed its checksums and was rebuilt")
@@ -212,9 +217,11 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
             config.name, config.source, Path(config.cache_dir).expanduser(), config.beir_base_url, progress=progress
         )
         st = ctx.store.state(
-            dataset_dir(name), artifact_config(name, files, config.unknown_judgments), force=config.force,
+            dataset_dir(name),
+            artifact_config(name, files, config.unknown_judgments),
+            force=config.force,
             hint=DRIFT_HINT.format(name=name),
-        )  # fmt: skip
+        )
         if st is StageState.CURRENT:
             lines = [f"{name}: already in the store with the same source; nothing to do"]
             return Plan(skipped=1, details={"dataset": name, "status": "unchanged", "report": lines})
@@ -239,8 +246,10 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
         if origin in ("", "official"):
             return None
         if not (Path(origin).exists() or "://" in origin):
-            raise DatasetError(f"{ctx.store.abspath(folder)}: the stored copy of {config.dataset!r} is damaged and its "
-                               f"source {origin} is gone; give it again with --source")  # fmt: skip
+            raise DatasetError(
+                f"{ctx.store.abspath(folder)}: the stored copy of {config.dataset!r} is damaged and its "
+                f"source {origin} is gone; give it again with --source"
+            )
         unknown = m.config.get("unknown_judgments", config.unknown_judgments)
         return self.plan(config.model_copy(update={"source": origin, "unknown_judgments": unknown}), ctx)
 
@@ -254,8 +263,9 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
         lines = ["| table | rows |", "|---|---:|"]
         lines += [f"| {name.removesuffix('.parquet')} | {e.rows or 0:,} |" for name, e in sorted(m.files.items())]
         details["rows"] = {name: e.rows for name, e in m.files.items()}
-        details["markdown"] = "\n".join([f"Folder: `{dataset_dir(config.dataset)}`", "", *lines, "",
-                                         f"Source: `{m.config.get('source')}`"])  # fmt: skip
+        details["markdown"] = "\n".join(
+            [f"Folder: `{dataset_dir(config.dataset)}`", "", *lines, "", f"Source: `{m.config.get('source')}`"]
+        )
         return details
 
     def outputs(self, config: DownloadConfig, plan: Plan, details: dict[str, Any]) -> list[str]:

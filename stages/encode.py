@@ -60,29 +60,45 @@ class EncodeConfig(StageConfig, ClusterConfig):
     """Parameters of the encode flow."""
 
     dataset: str = like(TokenizeConfig, "dataset")
-    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to encode.",
-                                                     json_schema_extra=cli(flag="--side"))  # fmt: skip
-    k: KList | None = Field(default=None, description="Budgets K to encode (one pass per K and side), on each side "
-                            "that --kq / --kp does not name its own (default: a released checkpoint's trained K_q for "
-                            "queries and K_p for passages, else 1,2,4,8,16).")
+    sides: list[Literal["query", "passage"]] = Field(
+        default=["query", "passage"], description="The sides to encode.", json_schema_extra=cli(flag="--side")
+    )
+    k: KList | None = Field(
+        default=None,
+        description="Budgets K to encode (one pass per K and side), on each side "
+        "that --kq / --kp does not name its own (default: a released checkpoint's trained K_q for "
+        "queries and K_p for passages, else 1,2,4,8,16).",
+    )
     kq: KList | None = Field(default=None, description="Query budgets K_q: the query side's passes (default: k).")
-    kp: KList | None = Field(default=None, description="Passage budgets K_p: the passage side's passes (default: k). "
-                             "`diffret run --kq 4 --kp 16` encodes the queries at 4 and the passages at 16 only.")
-    backbone: BackboneConfig = Field(default_factory=default_backbone,
-                                     description="The model and how it is loaded.")  # fmt: skip
+    kp: KList | None = Field(
+        default=None,
+        description="Passage budgets K_p: the passage side's passes (default: k). "
+        "`diffret run --kq 4 --kp 16` encodes the queries at 4 and the passages at 16 only.",
+    )
+    backbone: BackboneConfig = Field(default_factory=default_backbone, description="The model and how it is loaded.")
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
-    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input, prompt included "
-                            "(run_encode.sh's 256; encode.py's 512).")  # fmt: skip
+    max_length: int = Field(
+        default=DEFAULT_MAX_LENGTH,
+        ge=1,
+        description="Tokens per input, prompt included (run_encode.sh's 256; encode.py's 512).",
+    )
     title_sep: str = like(TokenizeConfig, "title_sep")
     batch_size: int = Field(default=32, ge=1, description="Texts per forward pass.")
     shard_size: int = like(TokenizeConfig, "shard_size")
     verify: bool = like(TokenizeConfig, "verify")
-    head_stats: bool = Field(default=False, description="Also store the LM head's entropy and max probability at "
-                             "each query slot (the adaptive budgets' features; mask readout; passages unchanged).")
+    head_stats: bool = Field(
+        default=False,
+        description="Also store the LM head's entropy and max probability at "
+        "each query slot (the adaptive budgets' features; mask readout; passages unchanged).",
+    )
     store: str = like(EncodeSettings, "store")
     store_seed: int = like(EncodeSettings, "store_seed")
-    codebook_sample: int = Field(default=DEFAULT_SAMPLE, ge=256, description="Vectors a compressed store's codebook "
-                                 "is trained on: a seeded sample of the corpus's own, drawn shard by shard.")
+    codebook_sample: int = Field(
+        default=DEFAULT_SAMPLE,
+        ge=256,
+        description="Vectors a compressed store's codebook "
+        "is trained on: a seeded sample of the corpus's own, drawn shard by shard.",
+    )
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> EncodeConfig:
@@ -111,16 +127,27 @@ class EncodeConfig(StageConfig, ClusterConfig):
 
     def settings(self) -> EncodeSettings:
         return EncodeSettings(
-            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
-            store=self.store, store_seed=self.store_seed,
+            backbone=self.backbone,
+            readout=self.readout,
+            max_length=self.max_length,
+            title_sep=self.title_sep,
+            store=self.store,
+            store_seed=self.store_seed,
         )
 
     def tokenize_config(self) -> TokenizeConfig:
         return TokenizeConfig(
-            root=self.root, force=self.force, dataset=self.dataset, sides=self.sides, backbone=self.backbone,
-            max_length=self.max_length, title_sep=self.title_sep, shard_size=self.shard_size, verify=self.verify,
+            root=self.root,
+            force=self.force,
+            dataset=self.dataset,
+            sides=self.sides,
+            backbone=self.backbone,
+            max_length=self.max_length,
+            title_sep=self.title_sep,
+            shard_size=self.shard_size,
+            verify=self.verify,
             content_filter=readout_class(self.readout.readout).filter_kind(self.readout),
-        )  # fmt: skip
+        )
 
 
 def check_k_within(ks: list[int], max_length: int) -> None:
@@ -134,9 +161,11 @@ def check_k_within(ks: list[int], max_length: int) -> None:
     K = 64 is beyond --max-length 32: th
     """
     if ks and max(ks) > max_length:
-        raise ValueError(f"K = {max(ks)} is beyond --max-length {max_length}: the K slots come on top of the prompt "
-                         "and text it counts, so every input would be far longer than asked; raise --max-length or "
-                         "lower K")  # fmt: skip
+        raise ValueError(
+            f"K = {max(ks)} is beyond --max-length {max_length}: the K slots come on top of the prompt "
+            "and text it counts, so every input would be far longer than asked; raise --max-length or "
+            "lower K"
+        )
 
 
 def check_head_stats(head_stats: bool, readout: ReadoutConfig) -> None:
@@ -149,12 +178,15 @@ def check_head_stats(head_stats: bool, readout: ReadoutConfig) -> None:
     --head-stats reads the LM head at the mask slots
     """
     if head_stats and readout.readout != "diffretriever":
-        raise ValueError(f"--head-stats reads the LM head at the mask slots: the {readout.readout} readout has "
-                         "none (use --readout diffretriever)")  # fmt: skip
+        raise ValueError(
+            f"--head-stats reads the LM head at the mask slots: the {readout.readout} readout has "
+            "none (use --readout diffretriever)"
+        )
 
 
-def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, kind: str,
-                  tokens_hash: str) -> tuple[str | None, set[str]]:  # fmt: skip
+def stored_filter(
+    store: ArtifactStore, tokens: str, dataset: str, side: str, kind: str, tokens_hash: str
+) -> tuple[str | None, set[str]]:
     """The filters/ folder of a tokens folder and the shards it holds, when it is of these tokens (else none: the
     texts are filtered while encoding, as without it)."""
     if kind == "none":
@@ -169,8 +201,9 @@ def stored_filter(store: ArtifactStore, tokens: str, dataset: str, side: str, ki
     return folder, set(m.files)
 
 
-def encodings_config(settings: EncodeSettings, tokens: str, tokens_hash: str, k: int,
-                     head_stats: bool = False) -> dict[str, Any]:  # fmt: skip
+def encodings_config(
+    settings: EncodeSettings, tokens: str, tokens_hash: str, k: int, head_stats: bool = False
+) -> dict[str, Any]:
     """An encodings folder's config (``head_stats`` only when on: a folder without it keeps its hash)."""
     extra = {"head_stats": True} if head_stats else {}
     return {**numeric_settings(settings), "k": k, "tokens": tokens, **extra, "inputs": {"tokens": tokens_hash}}
@@ -209,13 +242,23 @@ def reader_for(settings: EncodeSettings) -> Readout:
     settings = float16_settings(settings)  # how the vectors are stored does not change the model
     key = settings.model_dump_json()
     with _LOAD_LOCK:  # the previous model is let go before the next one loads
-        return _READERS.get(key, lambda: make_reader(load_backbone(settings.backbone), settings.readout,
-                                                     settings.max_length))  # fmt: skip
+        return _READERS.get(
+            key, lambda: make_reader(load_backbone(settings.backbone), settings.readout, settings.max_length)
+        )
 
 
-def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens_folder: str, shard: str,
-                 filter_folder: str | None, side: str, k: int, head_stats: bool = False,
-                 advance: Callable[[int], None] | None = None) -> pa.Table:  # fmt: skip
+def encode_shard(
+    ctx: Context,
+    settings: EncodeSettings,
+    batch_size: int,
+    tokens_folder: str,
+    shard: str,
+    filter_folder: str | None,
+    side: str,
+    k: int,
+    head_stats: bool = False,
+    advance: Callable[[int], None] | None = None,
+) -> pa.Table:
     """One tokens shard encoded at K (float16 vectors, the encodings schema)."""
     reader = reader_for(settings)
     t = ctx.store.read_table(tokens_folder, shard)
@@ -223,13 +266,23 @@ def encode_shard(ctx: Context, settings: EncodeSettings, batch_size: int, tokens
     if filter_folder:  # the filter's ids, stored at tokenize time: the texts are not filtered again
         f = ctx.store.read_table(filter_folder, shard)
         if f.column("id").to_pylist() != ids:
-            raise StoreError(f"{ctx.store.abspath(filter_folder)}/{shard}: its ids are not the tokens shard's; run "
-                             "`diffret encode --verify`")  # fmt: skip
+            raise StoreError(
+                f"{ctx.store.abspath(filter_folder)}/{shard}: its ids are not the tokens shard's; run "
+                "`diffret encode --verify`"
+            )
         filtered = f.column("allowed_ids").to_pylist()
     return encode_rows(
-        reader, ids, t.column("token_ids").to_pylist(), None if filtered else t.column("text").to_pylist(),
-        side, k, batch_size, advance or (lambda _n: None), filtered=filtered, head_stats=head_stats,
-    )  # fmt: skip
+        reader,
+        ids,
+        t.column("token_ids").to_pylist(),
+        None if filtered else t.column("text").to_pylist(),
+        side,
+        k,
+        batch_size,
+        advance or (lambda _n: None),
+        filtered=filtered,
+        head_stats=head_stats,
+    )
 
 
 _CODECS: KeyedCache[str, Codec] = KeyedCache()
@@ -246,8 +299,14 @@ def _codec(ctx: Context, unit: EncodeUnit) -> Codec:
 
 
 class Encode(
-    Stage, name="encode", config=EncodeConfig, noun="shard(s)", verb="encoded", distributed=True,
-    reports_progress=True, task_tags=("gpu",),
+    Stage,
+    name="encode",
+    config=EncodeConfig,
+    noun="shard(s)",
+    verb="encoded",
+    distributed=True,
+    reports_progress=True,
+    task_tags=("gpu",),
 ):
     """Tokenize what is missing, then encode a dataset's queries and passages for every K of the grid: dense
     multi-vectors + sparse weights."""
@@ -282,8 +341,12 @@ class Encode(
         for side in config.sides:
             cls.check_k(config.budgets(side))
         if cls.name == "diffretriever":  # a masked readout needs a mask token: refused before any work
-            mask_token_id(tokenizer_of(config.backbone), resolve_family(config.backbone), config.backbone.mask_token,
-                          config.backbone.model)  # fmt: skip
+            mask_token_id(
+                tokenizer_of(config.backbone),
+                resolve_family(config.backbone),
+                config.backbone.mask_token,
+                config.backbone.model,
+            )
         settings = config.settings()
         record = encoder_record(settings)
         tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
@@ -291,10 +354,12 @@ class Encode(
         weights = weights_of(config.backbone)
         for side in config.sides:
             t_folder = tokens_dir(tokens, config.dataset, side)
-            t_man = tokens_manifest(ctx.store, t_folder, "run `diffret encode` (which tokenizes first) or the "
-                                    "tokenize stage")  # fmt: skip
-            f_folder, filtered = stored_filter(ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout),
-                                              t_man.config_hash)  # fmt: skip
+            t_man = tokens_manifest(
+                ctx.store, t_folder, "run `diffret encode` (which tokenizes first) or the tokenize stage"
+            )
+            f_folder, filtered = stored_filter(
+                ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout), t_man.config_hash
+            )
             for k in config.budgets(side):
                 folder = encodings_dir(record.system, config.dataset, side, k)
                 stats = config.head_stats and side == "query"
@@ -306,17 +371,29 @@ class Encode(
                     cfg = compressed_config(cfg, digest)
                 part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
                 ctx.hold(folder)  # another encode of this folder running now is refused, not raced
-                m, done = ctx.store.open_sharded(folder, "encodings", part, cfg, force=config.force,
-                                                 verify=config.verify)  # fmt: skip
+                m, done = ctx.store.open_sharded(
+                    folder, "encodings", part, cfg, force=config.force, verify=config.verify
+                )
                 plan.details["stages"][f"{side}/k={k}"] = folder
                 for shard in sorted(t_man.files):
                     if shard in done:
                         plan.skipped += 1
                         continue
                     rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit("", t_folder, shard, folder, side, k, rows, m.config_hash,
-                                      f_folder if shard in filtered else None, stats,
-                                      config.store if side == "passage" else FLOAT16, codebook)  # fmt: skip
+                    unit = EncodeUnit(
+                        "",
+                        t_folder,
+                        shard,
+                        folder,
+                        side,
+                        k,
+                        rows,
+                        m.config_hash,
+                        f_folder if shard in filtered else None,
+                        stats,
+                        config.store if side == "passage" else FLOAT16,
+                        codebook,
+                    )
                     plan.units.append(unit)
                     plan.work += rows
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
@@ -325,16 +402,30 @@ class Encode(
             check_weights(config.backbone)
             # the settings every shard shares, stored once; with the folders in it, the key belongs to the run
             # that holds their locks, which removes it when it ends
-            plan.details["plan"] = ctx.store.put_plan({
-                "settings": settings.model_dump(mode="json"), "batch_size": config.batch_size, "weights": weights,
-                "folders": list(plan.details["stages"].values()),
-            })  # fmt: skip
+            plan.details["plan"] = ctx.store.put_plan(
+                {
+                    "settings": settings.model_dump(mode="json"),
+                    "batch_size": config.batch_size,
+                    "weights": weights,
+                    "folders": list(plan.details["stages"].values()),
+                }
+            )
             for unit in plan.units:
                 unit.plan = plan.details["plan"]
         return plan
 
-    def _codebook(self, config: EncodeConfig, ctx: Context, settings: EncodeSettings, tokens: str, t_folder: str,
-                  t_man: Manifest, f_folder: str | None, filtered: set[str], k: int) -> str:  # fmt: skip
+    def _codebook(
+        self,
+        config: EncodeConfig,
+        ctx: Context,
+        settings: EncodeSettings,
+        tokens: str,
+        t_folder: str,
+        t_man: Manifest,
+        f_folder: str | None,
+        filtered: set[str],
+        k: int,
+    ) -> str:
         """The K_p codebook of a trained storage choice (trained now unless current): its sample is the float16
         vectors of the shards ``diffret compress`` would read, in its seeded order, taken from the float16 system
         when it holds them, else encoded here (the model's work before the units: the sample only)."""
@@ -351,14 +442,31 @@ class Encode(
             if shard in stored:
                 return vectors_of(ctx.store.read_table(source, shard))
             check_weights(config.backbone)
-            table = encode_shard(ctx, f16, config.batch_size, t_folder, shard, f_folder if shard in filtered else None,
-                                 "passage", k)  # fmt: skip
+            table = encode_shard(
+                ctx, f16, config.batch_size, t_folder, shard, f_folder if shard in filtered else None, "passage", k
+            )
             return vectors_of(table)
 
-        cb_cfg = codebook_config(config.store, config.store_seed, config.codebook_sample, config.dataset, k,
-                                 config_hash(source_cfg), t_man.total_rows() * k)  # fmt: skip
-        return ensure_codebook(ctx.store, encoder_slug(settings), config.dataset, k, cb_cfg, config.force,
-                               sorted(t_man.files), vectors, ctx.log)  # fmt: skip
+        cb_cfg = codebook_config(
+            config.store,
+            config.store_seed,
+            config.codebook_sample,
+            config.dataset,
+            k,
+            config_hash(source_cfg),
+            t_man.total_rows() * k,
+        )
+        return ensure_codebook(
+            ctx.store,
+            encoder_slug(settings),
+            config.dataset,
+            k,
+            cb_cfg,
+            config.force,
+            sorted(t_man.files),
+            vectors,
+            ctx.log,
+        )
 
     def work_of(self, unit: EncodeUnit) -> int:
         return unit.rows
@@ -368,9 +476,18 @@ class Encode(
 
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
         shared = shared_settings(ctx, unit.plan)
-        table = encode_shard(ctx, EncodeSettings.model_validate(shared["settings"]), shared["batch_size"],
-                             unit.tokens_folder, unit.shard, unit.filter_folder, unit.side, unit.k, unit.head_stats,
-                             ctx.advance)  # fmt: skip
+        table = encode_shard(
+            ctx,
+            EncodeSettings.model_validate(shared["settings"]),
+            shared["batch_size"],
+            unit.tokens_folder,
+            unit.shard,
+            unit.filter_folder,
+            unit.side,
+            unit.k,
+            unit.head_stats,
+            ctx.advance,
+        )
         if unit.store != FLOAT16:
             table = compress_table(table, _codec(ctx, unit))
         return ctx.store.write_shard(unit.out_folder, unit.shard, table)

@@ -42,14 +42,20 @@ def default_relevance_level(dataset: str) -> int:
 class EvaluateConfig(StageConfig, ClusterConfig):
     """Parameters of the evaluate flow."""
 
-    systems: list[str] | None = Field(default=None, description="Systems to evaluate (default: every run).",
-                                      json_schema_extra=cli(flag="--system"))  # fmt: skip
-    datasets: list[str] | None = Field(default=None, description="Datasets to evaluate (default: all).",
-                                       json_schema_extra=cli(flag="--dataset", short="-d"))  # fmt: skip
-    splits: list[str] | None = Field(default=None, description="Splits to evaluate (default: all).",
-                                     json_schema_extra=cli(flag="--split"))  # fmt: skip
+    systems: list[str] | None = Field(
+        default=None, description="Systems to evaluate (default: every run).", json_schema_extra=cli(flag="--system")
+    )
+    datasets: list[str] | None = Field(
+        default=None,
+        description="Datasets to evaluate (default: all).",
+        json_schema_extra=cli(flag="--dataset", short="-d"),
+    )
+    splits: list[str] | None = Field(
+        default=None, description="Splits to evaluate (default: all).", json_schema_extra=cli(flag="--split")
+    )
     measures: Annotated[list[str], AfterValidator(check_measures)] = Field(
-        default=list(DEFAULT_MEASURES), description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10.",
+        default=list(DEFAULT_MEASURES),
+        description="pytrec_eval measures; mrr_10 is recip_rank on the run cut at 10.",
         json_schema_extra=cli(flag="--measure"),
     )
     relevance_level: int | None = Field(
@@ -57,9 +63,10 @@ class EvaluateConfig(StageConfig, ClusterConfig):
     )
     # the reference's choice: docs/ARCHITECTURE.md, parity table
     ties: Literal["trec", "rank"] = Field(
-        default="trec", description="trec: a measure of depth d reads the run's first d documents, ordered among "
+        default="trec",
+        description="trec: a measure of depth d reads the run's first d documents, ordered among "
         "themselves as pytrec_eval orders them (ties by doc_id descending; the reference's choice); rank: the "
-        "stored rank order."
+        "stored rank order.",
     )
 
 
@@ -104,15 +111,20 @@ def list_runs(
     return out
 
 
-def select_runs(runs: list[RunRef], systems: list[str] | None = None, datasets: list[str] | None = None,
-                splits: list[str] | None = None) -> list[RunRef]:  # fmt: skip
+def select_runs(
+    runs: list[RunRef],
+    systems: list[str] | None = None,
+    datasets: list[str] | None = None,
+    splits: list[str] | None = None,
+) -> list[RunRef]:
     """The runs of the given systems, datasets and splits (None: any)."""
     wanted = (("system", systems), ("dataset", datasets), ("split", splits))
     return [r for r in runs if all(not values or r.partition.get(key) in values for key, values in wanted)]
 
 
-def check_selectors(runs: list[RunRef], systems: list[str] | None, datasets: list[str] | None,
-                    splits: list[str] | None) -> None:  # fmt: skip
+def check_selectors(
+    runs: list[RunRef], systems: list[str] | None, datasets: list[str] | None, splits: list[str] | None
+) -> None:
     """Refuse a selector value (``--system``, ``-d``, ``--split``) that none of the stored ``runs`` has: a typo
     would otherwise evaluate nothing and succeed. The error names what the store holds.
 
@@ -124,22 +136,30 @@ def check_selectors(runs: list[RunRef], systems: list[str] | None, datasets: lis
     ValueError: no stored run has dataset 'nosuch' (-d); the stored runs' datasets: scifact (`diffret sql "select \
 distinct dataset from runs"` lists them)
     """
-    for key, flag, given in (("system", "--system", systems), ("dataset", "-d", datasets),
-                             ("split", "--split", splits)):  # fmt: skip
+    for key, flag, given in (
+        ("system", "--system", systems),
+        ("dataset", "-d", datasets),
+        ("split", "--split", splits),
+    ):
         stored = {r.partition.get(key, "") for r in runs}
         missing = [v for v in given or [] if v not in stored]
         if not missing:
             continue
         if not runs:
-            raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}): the store holds no run yet (`diffret "
-                             "score`, `diffret bm25` or `diffret import-run` make them)")  # fmt: skip
-        raise ValueError(f"no stored run has {key} {missing[0]!r} ({flag}); the stored runs' {key}s: "
-                         f"{', '.join(sorted(stored))} (`diffret sql \"select distinct {key} from runs\"` lists "
-                         "them)")  # fmt: skip
+            raise ValueError(
+                f"no stored run has {key} {missing[0]!r} ({flag}): the store holds no run yet (`diffret "
+                "score`, `diffret bm25` or `diffret import-run` make them)"
+            )
+        raise ValueError(
+            f"no stored run has {key} {missing[0]!r} ({flag}); the stored runs' {key}s: "
+            f'{", ".join(sorted(stored))} (`diffret sql "select distinct {key} from runs"` lists '
+            "them)"
+        )
 
 
-def metrics_config(run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int,
-                   ties: str = "trec") -> dict[str, Any]:  # fmt: skip
+def metrics_config(
+    run: RunRef, qrels_sha256: str, measures: list[str], relevance_level: int, ties: str = "trec"
+) -> dict[str, Any]:
     return {
         "run": run.stage,
         "split": run.partition["split"],
@@ -186,8 +206,9 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         runs = list_runs(store, damaged=damaged)
         partitions = [RunRef(st, dict(part.split("=", 1) for part in st.split("/")[1:]), None) for st in damaged]
         check_selectors(runs + partitions, config.systems, config.datasets, config.splits)
-        damaged = {r.stage: damaged[r.stage] for r in select_runs(partitions, config.systems, config.datasets,
-                                                                    config.splits)}  # fmt: skip
+        damaged = {
+            r.stage: damaged[r.stage] for r in select_runs(partitions, config.systems, config.datasets, config.splits)
+        }
         if damaged and config.systems:  # a system asked for by name: its damaged run is refused, not skipped
             more = f" (and {len(damaged) - 1} more damaged run folder(s))" if len(damaged) > 1 else ""
             raise StoreError(next(iter(damaged.values())) + more)
@@ -213,8 +234,9 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         measures = unit.config["measures"]
         stored = read_run(store, unit.config["run"])
         # vectorised over queries (retrieval/evaluation/arrays.py): pytrec_eval's values, bit for bit
-        table = evaluate_tables(qrels, stored, measures, unit.config["relevance_level"],
-                                ties=unit.config.get("ties", "rank"))  # fmt: skip
+        table = evaluate_tables(
+            qrels, stored, measures, unit.config["relevance_level"], ties=unit.config.get("ties", "rank")
+        )
         means = {}
         n_queries = table.num_rows // len(measures)
         values = table.column("value").to_numpy().reshape(n_queries, len(measures)) if n_queries else None

@@ -32,12 +32,16 @@ from .systems import SystemRecord, register, slug_base
 class FuseConfig(QueriesConfig):
     """Parameters of the fuse flow."""
 
-    runs: list[str] = Field(description="The runs to fuse (two or more): SYSTEM[:MODE[:KQ:KP]] as compare takes them.",
-                            json_schema_extra=cli(flag="--run"))  # fmt: skip
-    splits: list[str] = Field(default=["test"], description="Query splits to fuse.",
-                              json_schema_extra=cli(flag="--split"))  # fmt: skip
+    runs: list[str] = Field(
+        description="The runs to fuse (two or more): SYSTEM[:MODE[:KQ:KP]] as compare takes them.",
+        json_schema_extra=cli(flag="--run"),
+    )
+    splits: list[str] = Field(
+        default=["test"], description="Query splits to fuse.", json_schema_extra=cli(flag="--split")
+    )
     weights: list[Annotated[float, Field(ge=0)]] | None = Field(
-        default=None, description="A weight per run: finite, 0 or more, not all 0 (default: equal, summing to 1).",
+        default=None,
+        description="A weight per run: finite, 0 or more, not all 0 (default: equal, summing to 1).",
         json_schema_extra=cli(flag="--weight"),
     )
     depth: int = Field(default=1000, ge=1, description="Top documents of each run normalised, and documents kept.")
@@ -50,8 +54,10 @@ class FuseConfig(QueriesConfig):
         if self.weights is not None and len(self.weights) != len(self.runs):
             raise ValueError(f"{len(self.weights)} weights for {len(self.runs)} runs: give one --weight per --run")
         if self.weights is not None and not any(self.weights):
-            raise ValueError(f"the weights {self.weights} are all 0: the fused run would score every document 0; give "
-                             "at least one --weight above 0")  # fmt: skip
+            raise ValueError(
+                f"the weights {self.weights} are all 0: the fused run would score every document 0; give "
+                "at least one --weight above 0"
+            )
         return self
 
     def weight_list(self) -> list[float]:
@@ -80,8 +86,9 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
         "runs": ["bm25", "splade"],
     }  # the deployment's parameters, besides root
 
-    next_step = ("evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run "
-                 "{system}`.")  # fmt: skip
+    next_step = (
+        "evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run {system}`."
+    )
 
     def plan(self, config: FuseConfig, ctx: Context) -> Plan:
         store, corpus = ctx.store, config.corpus_name()
@@ -89,8 +96,10 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
         refs = [p.ref() for p in picked[config.splits[0]]]
         for s, ps in picked.items():
             if [p.ref() for p in ps] != refs:
-                raise ValueError(f"the runs name other cells on split {s!r} than on {config.splits[0]!r}: name each as "
-                                 "SYSTEM:MODE:KQ:KP")  # fmt: skip
+                raise ValueError(
+                    f"the runs name other cells on split {s!r} than on {config.splits[0]!r}: name each as "
+                    "SYSTEM:MODE:KQ:KP"
+                )
         settings = {"runs": refs, "weights": config.weight_list(), "depth": config.depth, "norm": "minmax"}
         slug = f"{slug_base(config.name)}-{config_hash(settings)[:10]}"
         record = SystemRecord(system=slug, kind="fusion", settings=settings)
@@ -98,10 +107,21 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
         plan = Plan(system=slug)
         cells, inputs = [], {}
         for split, ps in picked.items():
-            cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
-                   "mode": FUSION_MODE, "topk": config.depth, "fusion": settings,
-                   "inputs": {"runs": [store.require_manifest(p.stage).config_hash for p in ps],
-                              "queries": dataset_manifest(store, config.dataset).config_hash}}  # fmt: skip
+            cfg = {
+                "system": slug,
+                "dataset": config.dataset,
+                "corpus": corpus,
+                "split": split,
+                "kq": 0,
+                "kp": 0,
+                "mode": FUSION_MODE,
+                "topk": config.depth,
+                "fusion": settings,
+                "inputs": {
+                    "runs": [store.require_manifest(p.stage).config_hash for p in ps],
+                    "queries": dataset_manifest(store, config.dataset).config_hash,
+                },
+            }
             folder = run_dir(slug, config.dataset, split, 0, 0, FUSION_MODE)
             if plan.needs(ctx, folder, cfg, config.force):
                 cells.append(Cell(split, 0, 0, FUSION_MODE, folder, cfg))

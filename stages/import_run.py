@@ -37,13 +37,18 @@ from .systems import SystemRecord, register, slug_base
 class ImportRunConfig(QueriesConfig):
     """Parameters of the import-run flow."""
 
-    path: str = Field(description="The run file: TREC (qid Q0 docid rank score tag) or Parquet (query_id, doc_id, "
-                      "score, optionally rank).", json_schema_extra=cli(positional=True))  # fmt: skip
+    path: str = Field(
+        description="The run file: TREC (qid Q0 docid rank score tag) or Parquet (query_id, doc_id, "
+        "score, optionally rank).",
+        json_schema_extra=cli(positional=True),
+    )
     split: str = Field(default="test", description="The query split the run answers.")
-    name: str | None = Field(default=None, description="The system's name (its slug; default: the file's name "
-                             "without its suffix).")  # fmt: skip
-    format: Literal["auto", "trec", "parquet"] = Field(default="auto", description="The file's format (auto: Parquet "
-                                                       "by its magic bytes, else TREC).")  # fmt: skip
+    name: str | None = Field(
+        default=None, description="The system's name (its slug; default: the file's name without its suffix)."
+    )
+    format: Literal["auto", "trec", "parquet"] = Field(
+        default="auto", description="The file's format (auto: Parquet by its magic bytes, else TREC)."
+    )
     depth: int = Field(default=1000, ge=1, description="Documents kept per query (the first by score).")
 
     def system(self) -> str:
@@ -86,8 +91,10 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
         "path": "./runs/splade.trec",
     }  # the deployment's parameters, besides root
 
-    next_step = ("evaluate it: `diffret evaluate -d {dataset}`; then `diffret compare -d {dataset} --baseline bm25 "
-                 "--run {system}`.")  # fmt: skip
+    next_step = (
+        "evaluate it: `diffret evaluate -d {dataset}`; then `diffret compare -d {dataset} --baseline bm25 "
+        "--run {system}`."
+    )
 
     def plan(self, config: ImportRunConfig, ctx: Context) -> Plan:
         path = Path(config.path).expanduser()
@@ -95,19 +102,37 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
             raise ValueError(f"run file {config.path!r} does not exist (give a TREC or Parquet run file)")
         store, slug, corpus = ctx.store, config.system(), config.corpus_name()
         fmt = run_file_format(path, config.format)
-        inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
-                  "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip
-        cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": config.split, "kq": 0, "kp": 0,
-               "mode": IMPORTED_MODE, "topk": config.depth,
-               "source": {"file": path.name, "format": fmt, "sha256": _sha256(path)}, "inputs": inputs}  # fmt: skip
+        inputs = {
+            "queries": dataset_manifest(store, config.dataset).config_hash,
+            "corpus": dataset_manifest(store, corpus).config_hash,
+        }
+        cfg = {
+            "system": slug,
+            "dataset": config.dataset,
+            "corpus": corpus,
+            "split": config.split,
+            "kq": 0,
+            "kp": 0,
+            "mode": IMPORTED_MODE,
+            "topk": config.depth,
+            "source": {"file": path.name, "format": fmt, "sha256": _sha256(path)},
+            "inputs": inputs,
+        }
         folder = run_dir(slug, config.dataset, config.split, 0, 0, IMPORTED_MODE)
         plan = Plan(system=slug)
         record = SystemRecord(system=slug, kind="run", settings={"imported": True})
         register(store, record, write=False, named=True)  # a name another kind of system holds: refused here
-        if plan.needs_folder(ctx, folder, cfg, config.force, hint=f"The store holds run {slug!r} of {config.dataset}/"
-                             f"{config.split} from another file; pass --force to replace it, or --name NEW."):
-            plan.units.append(ImportUnit(Cell(config.split, 0, 0, IMPORTED_MODE, folder, cfg), str(path), fmt,
-                                         record.model_dump()))  # fmt: skip
+        if plan.needs_folder(
+            ctx,
+            folder,
+            cfg,
+            config.force,
+            hint=f"The store holds run {slug!r} of {config.dataset}/"
+            f"{config.split} from another file; pass --force to replace it, or --name NEW.",
+        ):
+            plan.units.append(
+                ImportUnit(Cell(config.split, 0, 0, IMPORTED_MODE, folder, cfg), str(path), fmt, record.model_dump())
+            )
         plan.count = len(plan.units)
         return plan
 
@@ -117,13 +142,16 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
         table = ranked_run(rows, int(cfg["topk"]))
         register(store, SystemRecord.model_validate(unit.record))
         write_run(store, unit.cell, table, {**stats, "rows": table.num_rows})
-        ctx.log(f"{cfg['system']}: {stats['queries']:,} queries ({stats['judged']:,} of split {cfg['split']}'s "
-                f"{stats['split_queries']:,} judged ones), {table.num_rows:,} documents kept")  # fmt: skip
+        ctx.log(
+            f"{cfg['system']}: {stats['queries']:,} queries ({stats['judged']:,} of split {cfg['split']}'s "
+            f"{stats['split_queries']:,} judged ones), {table.num_rows:,} documents kept"
+        )
         return stats
 
 
-def checked_rows(store: ArtifactStore, path: str, fmt: str, dataset: str, corpus: str,
-                 split: str) -> tuple[list[tuple[str, str, float, int | None]], dict[str, Any]]:  # fmt: skip
+def checked_rows(
+    store: ArtifactStore, path: str, fmt: str, dataset: str, corpus: str, split: str
+) -> tuple[list[tuple[str, str, float, int | None]], dict[str, Any]]:
     """The file's rows, each query id checked against the dataset's queries and each document id against the
     corpus (a ValueError naming ``file:line`` and the repair), and how many of the split's judged queries it
     answers (none at all: refused, naming the split its queries are judged in)."""
@@ -133,25 +161,36 @@ def checked_rows(store: ArtifactStore, path: str, fmt: str, dataset: str, corpus
     if not judged:
         splits = sorted({s for s in queries.column("split").to_pylist() if s})
         raise ValueError(f"dataset {dataset!r} has no split {split!r}; it has {splits} (give --split)")
-    docs = set(store.read_table(dataset_dir(corpus), "corpus.parquet", columns=["doc_id"]).column("doc_id")
-               .to_pylist())  # fmt: skip
+    docs = set(store.read_table(dataset_dir(corpus), "corpus.parquet", columns=["doc_id"]).column("doc_id").to_pylist())
     rows = []
     for where, qid, doc, score, rank in iter_run_file(path, fmt):
         if qid not in known_q:
-            raise ValueError(f"{where}: query {qid!r} is not a query of {dataset!r} (is this run for another "
-                             "collection? give -d)")  # fmt: skip
+            raise ValueError(
+                f"{where}: query {qid!r} is not a query of {dataset!r} (is this run for another collection? give -d)"
+            )
         if doc not in docs:
-            raise ValueError(f"{where}: document {doc!r} is not in the corpus of {corpus!r} (is this run for another "
-                             "collection? give -d, or --corpus)")  # fmt: skip
+            raise ValueError(
+                f"{where}: document {doc!r} is not in the corpus of {corpus!r} (is this run for another "
+                "collection? give -d, or --corpus)"
+            )
         rows.append((qid, doc, score, rank))
     if not rows:
         raise ValueError(f"{path}: no run lines (an empty file?)")
     answered = {q for q, _, _, _ in rows}
     if not answered & judged:
-        where = sorted({s for q, s in zip(queries.column("query_id").to_pylist(), queries.column("split").to_pylist(),
-                                          strict=True) if q in answered and s})  # fmt: skip
-        raise ValueError(f"{path}: none of its {len(answered):,} queries is judged in split {split!r} (they are "
-                         f"judged in {where or 'no split'}): give --split")  # fmt: skip
+        where = sorted(
+            {
+                s
+                for q, s in zip(
+                    queries.column("query_id").to_pylist(), queries.column("split").to_pylist(), strict=True
+                )
+                if q in answered and s
+            }
+        )
+        raise ValueError(
+            f"{path}: none of its {len(answered):,} queries is judged in split {split!r} (they are "
+            f"judged in {where or 'no split'}): give --split"
+        )
     return rows, {"queries": len(answered), "judged": len(answered & judged), "split_queries": len(judged)}
 
 

@@ -67,23 +67,33 @@ class IndexConfig(QueriesConfig, ClusterConfig):
 
     system: SystemRef = Field(default_factory=SystemRef, description="The encoder system whose passages to index.")
     split: str = Field(default="test", description="Query split of the recall check.")
-    kq: KList | None = Field(default=None, description="Query budgets of the recall check (default: every K_q whose "
-                             "query encodings are stored).")  # fmt: skip
-    kp: KList | None = Field(default=None, description="Passage budgets to index, one index each (default: the K_p of "
-                             "the system's operating point: the budget selected on a train split, view "
-                             "budget_selection, else the best hybrid (or multi_dense) cell of a stored summary; "
-                             "without either, every K_p whose passage encodings are stored).")  # fmt: skip
+    kq: KList | None = Field(
+        default=None,
+        description="Query budgets of the recall check (default: every K_q whose query encodings are stored).",
+    )
+    kp: KList | None = Field(
+        default=None,
+        description="Passage budgets to index, one index each (default: the K_p of "
+        "the system's operating point: the budget selected on a train split, view "
+        "budget_selection, else the best hybrid (or multi_dense) cell of a stored summary; "
+        "without either, every K_p whose passage encodings are stored).",
+    )
     vectors: Literal["store", "float16", "float32"] = Field(
-        default="store", description="What the index holds. store: no more than the store's precision (a float16 "
+        default="store",
+        description="What the index holds. store: no more than the store's precision (a float16 "
         "system: a LanceDB table in float16; a residual:B system: its codes index, the passages of each centroid's "
         "cell, searched over the stored codes); float16 / float32: a LanceDB table of the (decoded) vectors at that "
-        "precision (float32: the earlier table, twice a float16 system's bytes).")  # fmt: skip
-    probes: int = like(ScoreConfig, "probes", description="A codes index's check: the nearest centroids each query "
-                       "vector probes.")  # fmt: skip
-    candidates: int = like(ScoreConfig, "candidates", description="A codes index's check: candidates a query "
-                           "re-scored by exact MaxSim.")  # fmt: skip
+        "precision (float32: the earlier table, twice a float16 system's bytes).",
+    )
+    probes: int = like(
+        ScoreConfig, "probes", description="A codes index's check: the nearest centroids each query vector probes."
+    )
+    candidates: int = like(
+        ScoreConfig, "candidates", description="A codes index's check: candidates a query re-scored by exact MaxSim."
+    )
     index_type: Literal["none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
-        default="IVF_PQ", description="The LanceDB index: IVF_PQ, IVF_HNSW_SQ, or none (a flat table).",
+        default="IVF_PQ",
+        description="The LanceDB index: IVF_PQ, IVF_HNSW_SQ, or none (a flat table).",
         json_schema_extra=cli(flag="--type"),
     )
     overfetch: int | None = Field(
@@ -158,9 +168,11 @@ def index_engine(record: SystemRecord, vectors: str) -> tuple[str, str]:
         return "lance", FLOAT16
     if parse_store(spec).kind == "residual":
         return "codes", spec
-    raise StoreError(f"{record.system} stores its passages as {spec}, whose codes have no centroids to search: "
-                     "`--vectors float16` (or float32) indexes its decoded vectors in a LanceDB table (more bytes "
-                     "than its codes), or compress the float16 system to residual:B")  # fmt: skip
+    raise StoreError(
+        f"{record.system} stores its passages as {spec}, whose codes have no centroids to search: "
+        "`--vectors float16` (or float32) indexes its decoded vectors in a LanceDB table (more bytes "
+        "than its codes), or compress the float16 system to residual:B"
+    )
 
 
 def operating_kp(store: ArtifactStore, record: SystemRecord, datasets: list[str]) -> tuple[int, str] | None:
@@ -176,13 +188,16 @@ def operating_kp(store: ArtifactStore, record: SystemRecord, datasets: list[str]
         systems.append(encoder_record(float16_settings(settings_of(record))).system)
     with StoreSQL(store) as db:
         for system in systems:
-            found = rows(db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?",
-                         [system])  # fmt: skip
+            found = rows(
+                db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?", [system]
+            )
             if found:
                 r = found[0]
-                return int(r["kp_star"]), (f"the operating point ({r['kq_star']}, {r['kp_star']}) {system} selected "
-                                           f"on {r['train_on']} train (hybrid NDCG@10 {r['train_ndcg_10']:.4f}, view "
-                                           "budget_selection)")  # fmt: skip
+                return int(r["kp_star"]), (
+                    f"the operating point ({r['kq_star']}, {r['kp_star']}) {system} selected "
+                    f"on {r['train_on']} train (hybrid NDCG@10 {r['train_ndcg_10']:.4f}, view "
+                    "budget_selection)"
+                )
     for system in systems:
         for dataset in dict.fromkeys(datasets):
             for split in store.list_partitions(f"summaries/system={system}/dataset={dataset}", "split"):
@@ -192,13 +207,21 @@ def operating_kp(store: ArtifactStore, record: SystemRecord, datasets: list[str]
                     best = [r for r in board if r.get("mode") == mode and r.get("kp")]
                     if best:
                         r = max(best, key=lambda r: r.get("ndcg_10") or 0.0)
-                        return int(r["kp"]), (f"the best {mode} cell ({r['kq']}, {r['kp']}) of {system}'s summary of "
-                                              f"{dataset}/{split} (NDCG@10 {r.get('ndcg_10') or 0:.4f})")  # fmt: skip
+                        return int(r["kp"]), (
+                            f"the best {mode} cell ({r['kq']}, {r['kp']}) of {system}'s summary of "
+                            f"{dataset}/{split} (NDCG@10 {r.get('ndcg_10') or 0:.4f})"
+                        )
     return None
 
 
-def index_budgets(store: ArtifactStore, given: list[int] | None, record: SystemRecord, corpus: str,
-                  datasets: list[str], log: Callable[[str], None]) -> list[int]:  # fmt: skip
+def index_budgets(
+    store: ArtifactStore,
+    given: list[int] | None,
+    record: SystemRecord,
+    corpus: str,
+    datasets: list[str],
+    log: Callable[[str], None],
+) -> list[int]:
     """``given``; else the operating point's K_p (:func:`operating_kp`, said in one log line), which must be stored;
     else every stored K_p (saying so)."""
     if given is not None:
@@ -206,14 +229,18 @@ def index_budgets(store: ArtifactStore, given: list[int] | None, record: SystemR
     found = operating_kp(store, record, datasets)
     if found is None:
         kps = budgets(store, None, record.system, corpus, "passage", lambda _: None)
-        log(f"index: no operating point selected for {record.system} (no train-split budget selection, no summary): "
-            f"every stored K_p = {', '.join(map(str, kps))}, as without one")  # fmt: skip
+        log(
+            f"index: no operating point selected for {record.system} (no train-split budget selection, no summary): "
+            f"every stored K_p = {', '.join(map(str, kps))}, as without one"
+        )
         return kps
     kp, why = found
     if not store.exists(encodings_dir(record.system, corpus, "passage", kp)):
-        raise IncompleteArtifactError(f"{record.system} has no K_p = {kp} passage encodings of {corpus!r}, the K_p of "
-                                      f"{why}: encode them (`diffret encode -d {corpus} --side passage --k {kp}`) or "
-                                      "give --kp")  # fmt: skip
+        raise IncompleteArtifactError(
+            f"{record.system} has no K_p = {kp} passage encodings of {corpus!r}, the K_p of "
+            f"{why}: encode them (`diffret encode -d {corpus} --side passage --k {kp}`) or "
+            "give --kp"
+        )
     log(f"index: K_p = {kp}, {why} (--kp indexes others)")
     return [kp]
 
@@ -226,15 +253,26 @@ def build_codes_index(store: ArtifactStore, folder: str, m: Manifest) -> CodesIn
     return CodesIndex.build(((centroid_ids(codes), n_reps) for codes, n_reps in iter_codes(store, folder, m)), cells)
 
 
-def check_codes(store: ArtifactStore, p_folder: str, index: CodesIndex, queries_by_kq: dict[int, Encodings],
-                k: int = 100, probes: int = 2, candidates: int = 1024) -> dict[str, Any]:  # fmt: skip
+def check_codes(
+    store: ArtifactStore,
+    p_folder: str,
+    index: CodesIndex,
+    queries_by_kq: dict[int, Encodings],
+    k: int = 100,
+    probes: int = 2,
+    candidates: int = 1024,
+) -> dict[str, Any]:
     """recall@10 / @100 and latency of the search over codes against exact MaxSim over the decoded codes (the same
     rules: the reference's), per K_q, and exact search's time a query in the same process (batched, as score)."""
     rules = ScoreRules()
     p_man = encoding_manifest(store, p_folder)
     t0 = time.perf_counter()
-    exact, _ = search_pass(queries_by_kq, iter_encodings(store, p_folder, p_man, "cpu", rules), ["multi_dense"],
-                           SearchSettings(topk=k, rules=rules))  # fmt: skip
+    exact, _ = search_pass(
+        queries_by_kq,
+        iter_encodings(store, p_folder, p_man, "cpu", rules),
+        ["multi_dense"],
+        SearchSettings(topk=k, rules=rules),
+    )
     exact_ms = (time.perf_counter() - t0) * 1000.0 / max(1, sum(len(q) for q in queries_by_kq.values()))
     coded = coded_passages(store, p_folder, p_man)
     out: dict[str, Any] = {}
@@ -250,9 +288,13 @@ def check_codes(store: ArtifactStore, p_folder: str, index: CodesIndex, queries_
             "latency_ms_p95": float(np.percentile(st.latencies_ms, 95)) if st.latencies_ms else 0.0,
             "exact_ms_per_query": exact_ms,
             "queries": len(q),
-            "search": {"probes": probes, "candidates": candidates, "probed_mean": float(np.mean(st.probed or [0])),
-                       "decoded_mean": float(np.mean(st.decoded or [0]))},
-        }  # fmt: skip
+            "search": {
+                "probes": probes,
+                "candidates": candidates,
+                "probed_mean": float(np.mean(st.probed or [0])),
+                "decoded_mean": float(np.mean(st.decoded or [0])),
+            },
+        }
     return out
 
 
@@ -290,9 +332,12 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         record = find_system(store, config.system)
         engine, dtype = index_engine(record, config.vectors)
         n_passages = corpus_size(store, corpus)
-        config = config.model_copy(update={
-            "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
-            "kp": index_budgets(store, config.kp, record, corpus, [config.dataset, corpus], ctx.log)})  # fmt: skip
+        config = config.model_copy(
+            update={
+                "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
+                "kp": index_budgets(store, config.kp, record, corpus, [config.dataset, corpus], ctx.log),
+            }
+        )
         q_hashes = {
             str(kq): encoding_manifest(store, encodings_dir(record.system, config.dataset, "query", kq)).config_hash
             for kq in config.kq
@@ -303,15 +348,29 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             check = {"dataset": config.dataset, "split": config.split, "kq": list(config.kq)}
             inputs = {"passage_encodings": p_man.config_hash, "query_encodings": q_hashes}
             if engine == "codes":
-                cfg = {"system": record.system, "corpus": corpus, "kp": kp, "engine": "codes", "store": dtype,
-                       "probes": config.probes, "candidates": config.candidates, "check": check, "inputs": inputs}
+                cfg = {
+                    "system": record.system,
+                    "corpus": corpus,
+                    "kp": kp,
+                    "engine": "codes",
+                    "store": dtype,
+                    "probes": config.probes,
+                    "candidates": config.candidates,
+                    "check": check,
+                    "inputs": inputs,
+                }
             else:  # a float32 table keeps the earlier config (its folders stay current); other precisions name theirs
                 cfg = {
-                    "system": record.system, "corpus": corpus, "kp": kp, "index_type": config.index_type,
+                    "system": record.system,
+                    "corpus": corpus,
+                    "kp": kp,
+                    "index_type": config.index_type,
                     "overfetch": config.overfetch or lance.DEFAULT_OVERFETCH,
                     "refine_factor": lance.DEFAULT_REFINE_FACTOR if config.index_type == "IVF_PQ" else None,
-                    **({"vectors": dtype} if dtype != "float32" else {}), "check": check, "inputs": inputs,
-                }  # fmt: skip
+                    **({"vectors": dtype} if dtype != "float32" else {}),
+                    "check": check,
+                    "inputs": inputs,
+                }
             folder = index_dir(record.system, corpus, kp)
             if plan.needs(ctx, folder, cfg, config.force):
                 plan.units.append(Folder(folder, cfg))
@@ -328,8 +387,10 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
         ids = split_queries(store, check["dataset"], check["split"])
         q_folders = {kq: encodings_dir(system, check["dataset"], "query", kq) for kq in check["kq"]}
         if c.get("engine") == "codes":
-            ctx.log(f"index K_p={kp}: the codes index of {p_man.total_rows():,} passages ({c['store']}: the cells of "
-                    "its codebook's centroids; no vector copied), read a shard at a time")  # fmt: skip
+            ctx.log(
+                f"index K_p={kp}: the codes index of {p_man.total_rows():,} passages ({c['store']}: the cells of "
+                "its codebook's centroids; no vector copied), read a shard at a time"
+            )
             with store.stage_writer(unit.stage, m) as w:
                 start = time.perf_counter()
                 index = build_codes_index(store, p_folder, p_man)
@@ -338,12 +399,21 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
                 seconds = time.perf_counter() - start
                 queries = {kq: query_encodings(store, st, ids, "cpu", ScoreRules()) for kq, st in q_folders.items()}
                 result = check_codes(store, p_folder, index, queries, 100, c["probes"], c["candidates"])
-                m.stats = {"rows": index.n_passages, "index": {"engine": "codes", "cells": index.n_centroids,
-                                                               "entries": int(len(index.passages)),
-                                                               "seconds": seconds}, "check": result}  # fmt: skip
+                m.stats = {
+                    "rows": index.n_passages,
+                    "index": {
+                        "engine": "codes",
+                        "cells": index.n_centroids,
+                        "entries": int(len(index.passages)),
+                        "seconds": seconds,
+                    },
+                    "check": result,
+                }
             worst = min(r["recall_10"] for r in result.values())
-            ctx.log(f"index K_p={kp} (codes, {c['probes']} probes, {c['candidates']} candidates): "
-                    f"{index.n_passages:,} passages in {index.n_centroids:,} cells; recall@10 vs exact >= {worst:.4f}")
+            ctx.log(
+                f"index K_p={kp} (codes, {c['probes']} probes, {c['candidates']} candidates): "
+                f"{index.n_passages:,} passages in {index.n_centroids:,} cells; recall@10 vs exact >= {worst:.4f}"
+            )
             return kp, result
         batches = _passage_batches(store, p_folder, p_man)
         first = next(batches, None)
@@ -351,8 +421,10 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             raise ValueError(f"{store.abspath(p_folder)}: no passages to index")
         hidden = int(first[1][0].shape[1])
         index_type, overfetch, dtype = c["index_type"], c["overfetch"], c.get("vectors", "float32")
-        ctx.log(f"index K_p={kp}: streaming {p_man.total_rows():,} passages into LanceDB ({dtype}) one shard at a time "
-                f"({len(p_man.files)} shard(s); memory: one shard), then one {index_type} build")  # fmt: skip
+        ctx.log(
+            f"index K_p={kp}: streaming {p_man.total_rows():,} passages into LanceDB ({dtype}) one shard at a time "
+            f"({len(p_man.files)} shard(s); memory: one shard), then one {index_type} build"
+        )
         with store.stage_writer(unit.stage, m) as w:
             rows = lance.build_table(w.work_dir, itertools.chain([first], batches), hidden, dtype=dtype)
             info = lance.create_index(w.work_dir, index_type) if index_type != "none" else None

@@ -62,28 +62,43 @@ class LateConfig(QueriesConfig, ClusterConfig):
     splits: list[str] = like(RetrievalConfig, "splits")
     self_hits: str = like(RetrievalConfig, "self_hits")
 
-    system: SystemRef = Field(default_factory=SystemRef, description="The system whose scores re-rank the "
-                              "candidates (its query encodings at K_q must be stored; passages are encoded as "
-                              "needed).")  # fmt: skip
+    system: SystemRef = Field(
+        default_factory=SystemRef,
+        description="The system whose scores re-rank the "
+        "candidates (its query encodings at K_q must be stored; passages are encoded as "
+        "needed).",
+    )
     kq: int = Field(default=1, ge=1, description="The re-scoring system's query budget K_q.")
     kp: int = Field(default=1, ge=1, description="The re-scoring system's passage budget K_p.")
     mode: str = Field(default="multi_dense", description="The re-scoring mode (multi_dense, sparse_max, a fusion).")
-    depths: list[Positive] = Field(default=[10, 20, 100], description="m: candidates re-scored per query, the first "
-                              "stage's top (one run each).", json_schema_extra=cli(flag="--depth"))  # fmt: skip
+    depths: list[Positive] = Field(
+        default=[10, 20, 100],
+        description="m: candidates re-scored per query, the first stage's top (one run each).",
+        json_schema_extra=cli(flag="--depth"),
+    )
     first_stage: str = like(RerankConfig, "first_stage")
     first_kq: int = like(RerankConfig, "first_kq")
     first_kp: int = like(RerankConfig, "first_kp")
     first_mode: str | None = like(RerankConfig, "first_mode")
     batch_size: int = like(EncodeConfig, "batch_size")
-    verify: bool = like(EncodeConfig, "verify", description="Check every part of the partial folder by sha256 "
-                        "(default: its size and mtime); a damaged part is encoded again, even when every run is "
-                        "current.")  # fmt: skip
+    verify: bool = like(
+        EncodeConfig,
+        "verify",
+        description="Check every part of the partial folder by sha256 "
+        "(default: its size and mtime); a damaged part is encoded again, even when every run is "
+        "current.",
+    )
     device: str = like(BackboneConfig, "device")
-    rules: ScoreRules = Field(default_factory=ScoreRules, description="How the mode scores (default: the "
-                              "reference evaluator's).")  # fmt: skip
-    unit_queries: int = Field(default=65_536, ge=1, description="Queries per unit of the re-scoring (rounded up to "
-                              "a multiple of 256): the units run on the workers and a killed run keeps the finished "
-                              "ones; the runs are the same whatever the cut.")  # fmt: skip
+    rules: ScoreRules = Field(
+        default_factory=ScoreRules, description="How the mode scores (default: the reference evaluator's)."
+    )
+    unit_queries: int = Field(
+        default=65_536,
+        ge=1,
+        description="Queries per unit of the re-scoring (rounded up to "
+        "a multiple of 256): the units run on the workers and a killed run keeps the finished "
+        "ones; the runs are the same whatever the cut.",
+    )
 
     def ignore_ids(self) -> bool:
         """Whether a document whose id is the query's is dropped (``self_hits="drop"``)."""
@@ -123,8 +138,10 @@ def capped_depths(depths: list[int], first_depth: int | None, log: Any = print) 
         return depths
     for m in depths:
         if m > first_depth:
-            log(f"m {m:,} is capped at {first_depth:,}, the first stage's depth (its run keeps {first_depth:,} "
-                "documents per query)")  # fmt: skip
+            log(
+                f"m {m:,} is capped at {first_depth:,}, the first stage's depth (its run keeps {first_depth:,} "
+                "documents per query)"
+            )
     return sorted({min(m, int(first_depth)) for m in depths})
 
 
@@ -200,13 +217,18 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         q_man = encoding_manifest(store, q_folder)
         tokens = q_man.config["tokens"]
         t_folder = tokens_dir(tokens, corpus, "passage")
-        t_man = tokens_manifest(store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model "
-                                f"{record.model}`")  # fmt: skip
+        t_man = tokens_manifest(
+            store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model {record.model}`"
+        )
         full = encodings_dir(record.system, corpus, "passage", config.kp)
         f_man = store.read_manifest(full)
         full_ok = f_man is not None and f_man.total_rows() == corpus_size(store, corpus)
-        first = {s: first_stage_run(store, config.dataset, s, config.first_stage, config.first_kq, config.first_kp,
-                                    config.first_mode) for s in config.splits}  # fmt: skip
+        first = {
+            s: first_stage_run(
+                store, config.dataset, s, config.first_stage, config.first_kq, config.first_kp, config.first_mode
+            )
+            for s in config.splits
+        }
         plan = LatePlan(system=record.system, work=0, work_unit="queries")
         cells = []
         for split in config.splits:
@@ -214,50 +236,96 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             for m in capped_depths(config.depths, store.require_manifest(src).config.get("topk"), ctx.log):
                 mode = f"late_{config.mode}_m{m}"
                 cfg = {
-                    "system": record.system, "dataset": config.dataset, "corpus": corpus, "split": split,
-                    "kq": config.kq, "kp": config.kp, "mode": mode, "topk": m, "rescore": config.mode,
-                    "first_stage": {"system": slug, "kq": config.first_kq, "kp": config.first_kp,
-                                    "mode": first_stage_mode(store, config.first_stage, config.first_mode)},
-                    "ignore_identical_ids": config.ignore_ids(), "rules": config.rules.model_dump(),
+                    "system": record.system,
+                    "dataset": config.dataset,
+                    "corpus": corpus,
+                    "split": split,
+                    "kq": config.kq,
+                    "kp": config.kp,
+                    "mode": mode,
+                    "topk": m,
+                    "rescore": config.mode,
+                    "first_stage": {
+                        "system": slug,
+                        "kq": config.first_kq,
+                        "kp": config.first_kp,
+                        "mode": first_stage_mode(store, config.first_stage, config.first_mode),
+                    },
+                    "ignore_identical_ids": config.ignore_ids(),
+                    "rules": config.rules.model_dump(),
                     "inputs": {"first": store.require_manifest(src).config_hash, "queries": q_man.config_hash},
-                }  # fmt: skip
+                }
                 stage = run_dir(record.system, config.dataset, split, config.kq, config.kp, mode)
                 if plan.needs(ctx, stage, cfg, config.force):
                     cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
         plan.count = len(cells)
         partial = partial_encodings_dir(record.system, corpus, config.kp)
-        candidates = Candidates(partial, encodings_config(settings, tokens, t_man.config_hash, config.kp), t_folder,
-                                record.system, corpus, settings.model_dump(), config.batch_size, config.verify)
+        candidates = Candidates(
+            partial,
+            encodings_config(settings, tokens, t_man.config_hash, config.kp),
+            t_folder,
+            record.system,
+            corpus,
+            settings.model_dump(),
+            config.batch_size,
+            config.verify,
+        )
         if not cells:
             damage = None if full_ok else store.shard_damage(partial, candidates.config, config.verify)
             if damage:  # every run is current, but the passages they needed are not: encoded again
                 ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
-                capped = [capped_depths(config.depths, store.require_manifest(first[s][1]).config.get("topk"),
-                                        lambda _: None) for s in config.splits]  # fmt: skip
+                capped = [
+                    capped_depths(config.depths, store.require_manifest(first[s][1]).config.get("topk"), lambda _: None)
+                    for s in config.splits
+                ]
                 candidates.verify = True
-                plan.repair = LateRepair(candidates, {s: first[s][1] for s in config.splits},
-                                         max(d for c in capped for d in c))  # fmt: skip
+                plan.repair = LateRepair(
+                    candidates, {s: first[s][1] for s in config.splits}, max(d for c in capped for d in c)
+                )
             return plan
         splits = sorted({c.split for c in cells})
         query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
         factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
         shared = {
-            "dataset": config.dataset, "tokens_stage": t_folder, "query_stage": q_folder, "query_ids": query_ids,
-            "first_runs": {s: first[s][1] for s in splits}, "passages": full if full_ok else partial,
-            "rescore": config.mode, "kq": config.kq, "depths": sorted({int(c.config["topk"]) for c in cells}),
-            "rules": config.rules.model_dump(mode="json"), "ignore": config.ignore_ids(), "sparse_factor": factor,
-        }  # fmt: skip
-        pass_cfg = {**{k: v for k, v in shared.items() if k != "query_ids"}, "query_ids": config_hash(
-            {"ids": query_ids}), "unit_queries": config.unit_queries,
-            "inputs": {"queries": q_man.config_hash, "tokens": t_man.config_hash,
-                       "first": {s: store.require_manifest(first[s][1]).config_hash for s in splits}}}  # fmt: skip
+            "dataset": config.dataset,
+            "tokens_stage": t_folder,
+            "query_stage": q_folder,
+            "query_ids": query_ids,
+            "first_runs": {s: first[s][1] for s in splits},
+            "passages": full if full_ok else partial,
+            "rescore": config.mode,
+            "kq": config.kq,
+            "depths": sorted({int(c.config["topk"]) for c in cells}),
+            "rules": config.rules.model_dump(mode="json"),
+            "ignore": config.ignore_ids(),
+            "sparse_factor": factor,
+        }
+        pass_cfg = {
+            **{k: v for k, v in shared.items() if k != "query_ids"},
+            "query_ids": config_hash({"ids": query_ids}),
+            "unit_queries": config.unit_queries,
+            "inputs": {
+                "queries": q_man.config_hash,
+                "tokens": t_man.config_hash,
+                "first": {s: store.require_manifest(first[s][1]).config_hash for s in splits},
+            },
+        }
         grain = -(-config.unit_queries // QUERY_GRAIN) * QUERY_GRAIN
         blocks = even_blocks(len(query_ids), grain, "queries")
         merge = LateMerge(cells, query_ids, full_ok, candidates)
-        done = self.add_pass(ctx, plan, system=record.system, dataset=config.dataset, kp=config.kp, config=pass_cfg,
-                             shared=shared, blocks=blocks, merge=merge, opened=[candidates.folder])  # fmt: skip
-        ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(blocks)} unit(s), {done} already "
-                "done")  # fmt: skip
+        done = self.add_pass(
+            ctx,
+            plan,
+            system=record.system,
+            dataset=config.dataset,
+            kp=config.kp,
+            config=pass_cfg,
+            shared=shared,
+            blocks=blocks,
+            merge=merge,
+            opened=[candidates.folder],
+        )
+        ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(blocks)} unit(s), {done} already done")
         return plan
 
     def prepare(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
@@ -269,8 +337,9 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             repair = plan.repair
             corpus_ids = _corpus_ids(store, repair.candidates.tokens)
             first = _first_tops(store, {"depths": [repair.depth], "first_runs": repair.first_runs}, corpus_ids)
-            needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
-                                              + [np.zeros(0, np.int64)]))  # fmt: skip
+            needed = np.unique(
+                np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)])
+            )
             encoded, _ = self._encode_missing(repair.candidates, ctx, needed, corpus_ids)
             ctx.log(f"{store.abspath(repair.candidates.folder)}: {encoded:,} passage(s) encoded again")
         for done in plan.passes.values():
@@ -278,19 +347,27 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             corpus_ids = _corpus_ids(store, info.candidates.tokens)
             shared = store.read_plan(done.plan_key)
             first = _first_tops(store, shared, corpus_ids)
-            needed = np.unique(np.concatenate([v for f in first.values() for v in f.values()]
-                                              + [np.zeros(0, np.int64)]))  # fmt: skip
+            needed = np.unique(
+                np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)])
+            )
             encoded, seconds = 0, 0.0
             if not info.full:
                 encoded, seconds = self._encode_missing(info.candidates, ctx, needed, corpus_ids)
             info.first, info.corpus_ids = first, corpus_ids
-            info.stats = {"needed": int(len(needed)), "encoded": encoded, "corpus": len(corpus_ids),
-                          "encode_seconds": round(seconds, 4)}  # fmt: skip
-            ctx.log(f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
-                    f"{encoded:,} encoded now")  # fmt: skip
+            info.stats = {
+                "needed": int(len(needed)),
+                "encoded": encoded,
+                "corpus": len(corpus_ids),
+                "encode_seconds": round(seconds, 4),
+            }
+            ctx.log(
+                f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
+                f"{encoded:,} encoded now"
+            )
 
-    def _encode_missing(self, candidates: Candidates, ctx: Context, needed: np.ndarray,
-                        corpus_ids: pa.Array) -> tuple[int, float]:  # fmt: skip
+    def _encode_missing(
+        self, candidates: Candidates, ctx: Context, needed: np.ndarray, corpus_ids: pa.Array
+    ) -> tuple[int, float]:
         """Encode the ``needed`` passages (global positions) the candidates folder lacks, as one new part; how many,
         and the seconds that took (the model's loading excluded)."""
         store, folder = ctx.store, candidates.folder
@@ -314,9 +391,16 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         reader = reader_for(EncodeSettings.model_validate(candidates.settings))
         start = time.perf_counter()
         advance = ctx.progress("late: encoding the candidates", len(miss), "docs")
-        new = encode_rows(reader, todo.column("id").to_pylist(), todo.column("token_ids").to_pylist(),
-                          todo.column("text").to_pylist(), "passage", int(candidates.config["k"]),
-                          candidates.batch_size, advance)  # fmt: skip
+        new = encode_rows(
+            reader,
+            todo.column("id").to_pylist(),
+            todo.column("token_ids").to_pylist(),
+            todo.column("text").to_pylist(),
+            "passage",
+            int(candidates.config["k"]),
+            candidates.batch_size,
+            advance,
+        )
         seconds = time.perf_counter() - start
         name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)  # a dropped part's
         # name (damaged, its passages encoded again) or the next free number
@@ -369,8 +453,18 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             cands = [_first_top(first, query_ids[i], m) for i in rows]
             needed_m = int(len(np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))))
             m_cells = sum(1 for c in info.cells if c.config["topk"] == cell.config["topk"])
-            write_run(store, cell, t, {"queries": len(rows), "rows": t.num_rows, **info.stats,
-                                       "needed_m": needed_m, **search_stats(seconds, len(query_ids), m_cells)})
+            write_run(
+                store,
+                cell,
+                t,
+                {
+                    "queries": len(rows),
+                    "rows": t.num_rows,
+                    **info.stats,
+                    "needed_m": needed_m,
+                    **search_stats(seconds, len(query_ids), m_cells),
+                },
+            )
 
 
 _CORPUS: KeyedCache[tuple[str, str], pa.Array] = KeyedCache()

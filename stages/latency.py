@@ -51,35 +51,53 @@ class LatencyConfig(StageConfig):
 
     backbone: BackboneConfig = Field(default_factory=default_backbone, description="The model and how it is loaded.")
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="How a text becomes vectors.")
-    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="The system's max_length (its slug, as "
-                            "encode names it); the synthetic inputs are not cut by it, only by the model's positions.")
+    max_length: int = Field(
+        default=DEFAULT_MAX_LENGTH,
+        ge=1,
+        description="The system's max_length (its slug, as "
+        "encode names it); the synthetic inputs are not cut by it, only by the model's positions.",
+    )
     kinds: list[Literal["encode", "search"]] = Field(default=["encode", "search"], description="What to time.")
-    sides: list[Literal["query", "passage"]] = Field(default=["query"], description="The prompt sides to encode.",
-                                                     json_schema_extra=cli(flag="--side"))
-    lengths: list[Positive] = Field(default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text "
-                               "tokens, before the prompt).")  # fmt: skip
-    batch_sizes: list[Positive] = Field(default=[1], description="Texts per forward pass (1: one query's latency).",
-                                   json_schema_extra=cli(flag="--batch-size"))
+    sides: list[Literal["query", "passage"]] = Field(
+        default=["query"], description="The prompt sides to encode.", json_schema_extra=cli(flag="--side")
+    )
+    lengths: list[Positive] = Field(
+        default=[16, 32, 64, 128, 256, 512], description="Synthetic input lengths (text tokens, before the prompt)."
+    )
+    batch_sizes: list[Positive] = Field(
+        default=[1],
+        description="Texts per forward pass (1: one query's latency).",
+        json_schema_extra=cli(flag="--batch-size"),
+    )
     k: KList = Field(default=[1, 16], description="Budgets: K masks (the mask readout), the cap N (PromptReps), 1.")
-    search_sizes: list[Positive] = Field(default=[1000, 10000, 100000], description="Index sizes (documents) to "
-                                         "search; synthetic, held in memory: documents x K_p x hidden x 4 bytes.")
-    search_k: list[str] = Field(default=["1x1", "4x16"], description="K_qxK_p budgets to search (1x1: one vector "
-                                "per text, single-vector; the others multi-vector).")  # fmt: skip
-    engines: list[Literal["exact", "lance"]] = Field(default=["exact", "lance"], description="Search engines to "
-                                                     "time: the exact block scorer, LanceDB (multivector + MaxSim).")
+    search_sizes: list[Positive] = Field(
+        default=[1000, 10000, 100000],
+        description="Index sizes (documents) to search; synthetic, held in memory: documents x K_p x hidden x 4 bytes.",
+    )
+    search_k: list[str] = Field(
+        default=["1x1", "4x16"],
+        description="K_qxK_p budgets to search (1x1: one vector per text, single-vector; the others multi-vector).",
+    )
+    engines: list[Literal["exact", "lance"]] = Field(
+        default=["exact", "lance"],
+        description="Search engines to time: the exact block scorer, LanceDB (multivector + MaxSim).",
+    )
     lance_index: Literal["auto", "none", "IVF_PQ", "IVF_HNSW_SQ"] = Field(
-        default="auto", description="LanceDB's index (auto: IVF_PQ where a table has the vectors to train it, else "
-        "its flat search).",
-    )  # fmt: skip
+        default="auto",
+        description="LanceDB's index (auto: IVF_PQ where a table has the vectors to train it, else its flat search).",
+    )
     search_queries: int = Field(default=16, ge=1, description="Queries searched a call (milliseconds per query).")
     topk: int = Field(default=100, ge=1, description="Documents kept per query.")
     repeats: int = Field(default=5, ge=1, description="Timed runs per row (min / median / max kept).")
     warmup: int = Field(default=1, ge=0, description="Untimed runs before them.")
-    both_ways: bool = Field(default=False, description="Also time the same checkpoint with the other readout (the mask "
-                            "readout <-> PromptReps; two systems), so that their ratio isolates one-pass against "
-                            "sequential decoding from the model. PromptReps reads a Dream / LLaDA checkpoint as the "
-                            "causal model it loads as, and without the mask token, which only the mask readout needs "
-                            "(--mask-token for a causal LM without one).")  # fmt: skip
+    both_ways: bool = Field(
+        default=False,
+        description="Also time the same checkpoint with the other readout (the mask "
+        "readout <-> PromptReps; two systems), so that their ratio isolates one-pass against "
+        "sequential decoding from the model. PromptReps reads a Dream / LLaDA checkpoint as the "
+        "causal model it loads as, and without the mask token, which only the mask readout needs "
+        "(--mask-token for a causal LM without one).",
+    )
 
     _check = field_validator("lengths", "batch_sizes", "search_sizes")(_positive_sorted)
 
@@ -126,7 +144,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
     )
     example = {}  # the deployment's parameters, besides root
 
-    next_step = "query them: `diffret sql \"SELECT * FROM encode_latency\"`; plot them: `diffret report`."
+    next_step = 'query them: `diffret sql "SELECT * FROM encode_latency"`; plot them: `diffret report`.'
 
     def printed(self, result: StageResult) -> list[str]:
         return [f"latency rows measured: {result.details.get('rows')}"]
@@ -140,16 +158,34 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
         plan = Plan(system=encoder_slug(every[0]), details={"folders": {}})
         for n, settings in enumerate(every):
             system = encoder_slug(settings)
-            common = {"system": system, "settings": settings.model_dump(mode="json"), "environment": env,
-                      "repeats": config.repeats, "warmup": config.warmup}  # fmt: skip
+            common = {
+                "system": system,
+                "settings": settings.model_dump(mode="json"),
+                "environment": env,
+                "repeats": config.repeats,
+                "warmup": config.warmup,
+            }
             for kind in config.kinds:
                 if kind == "encode":
-                    cfg = {**common, "kind": kind, "sides": config.sides, "lengths": config.lengths,
-                           "batch_sizes": config.batch_sizes, "k": config.k}  # fmt: skip
+                    cfg = {
+                        **common,
+                        "kind": kind,
+                        "sides": config.sides,
+                        "lengths": config.lengths,
+                        "batch_sizes": config.batch_sizes,
+                        "k": config.k,
+                    }
                 elif n == 0:  # search does not depend on the readout: timed once, with the first system
-                    cfg = {**common, "kind": kind, "sizes": config.search_sizes, "search_k": config.search_budgets(),
-                           "queries": config.search_queries, "topk": config.topk, "engines": config.engines,
-                           "lance_index": config.lance_index}  # fmt: skip
+                    cfg = {
+                        **common,
+                        "kind": kind,
+                        "sizes": config.search_sizes,
+                        "search_k": config.search_budgets(),
+                        "queries": config.search_queries,
+                        "topk": config.topk,
+                        "engines": config.engines,
+                        "lance_index": config.lance_index,
+                    }
                 else:
                     continue
                 folder = latency_dir(system, kind, config_hash(cfg)[:12])
@@ -173,9 +209,14 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                 for k in c["k"]:
                     ctx.log(f"encode latency: {side}, K={k}, lengths {c['lengths']}")
                     rows += encode_latency(reader, side, c["lengths"], c["batch_sizes"], k, c["repeats"], c["warmup"])
-            extra = {"system": c["system"], "model": settings.backbone.model, "family": bb.family,
-                     "readout": settings.readout.readout, "denoise_steps": settings.readout.denoise_steps,
-                     "hidden": bb.hidden_size}  # fmt: skip
+            extra = {
+                "system": c["system"],
+                "model": settings.backbone.model,
+                "family": bb.family,
+                "readout": settings.readout.readout,
+                "denoise_steps": settings.readout.denoise_steps,
+                "hidden": bb.hidden_size,
+            }
             name, schema = ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA
         else:
             rows = []
@@ -183,12 +224,32 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                 modes = ["single_dense"] if (kq, kp) == (1, 1) else ["multi_dense"]
                 ctx.log(f"search latency: {', '.join(c['engines'])}, (K_q, K_p) = ({kq}, {kp}), sizes {c['sizes']}")
                 if "exact" in c["engines"]:
-                    rows += exact_search_latency(c["sizes"], kq, kp, bb.hidden_size, modes, c["queries"], c["topk"],
-                                                 c["repeats"], c["warmup"], bb.device)  # fmt: skip
+                    rows += exact_search_latency(
+                        c["sizes"],
+                        kq,
+                        kp,
+                        bb.hidden_size,
+                        modes,
+                        c["queries"],
+                        c["topk"],
+                        c["repeats"],
+                        c["warmup"],
+                        bb.device,
+                    )
                 if "lance" in c["engines"]:
                     with tempfile.TemporaryDirectory(prefix="diffret-latency-") as work:
-                        rows += lance_search_latency(c["sizes"], kq, kp, bb.hidden_size, work, c["queries"], c["topk"],
-                                                     c["lance_index"], c["repeats"], c["warmup"])  # fmt: skip
+                        rows += lance_search_latency(
+                            c["sizes"],
+                            kq,
+                            kp,
+                            bb.hidden_size,
+                            work,
+                            c["queries"],
+                            c["topk"],
+                            c["lance_index"],
+                            c["repeats"],
+                            c["warmup"],
+                        )
             extra = {"system": c["system"]}
             name, schema = SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA
         when = {"measured_at": datetime.now(UTC)}

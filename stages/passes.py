@@ -210,9 +210,11 @@ class PassTracker:
         if first is not None:
             if first != entry.sha256:
                 where = f"{ctx.store.abspath(unit.folder)}/{unit.name}"
-                raise ChecksumError(f"{where}: computed twice with different bytes (sha256 {first[:12]}… recorded, "
-                                    f"{entry.sha256[:12]}… now), so it is not trusted; run the same command again "
-                                    "to redo it")  # fmt: skip
+                raise ChecksumError(
+                    f"{where}: computed twice with different bytes (sha256 {first[:12]}… recorded, "
+                    f"{entry.sha256[:12]}… now), so it is not trusted; run the same command again "
+                    "to redo it"
+                )
             return False
         ctx.store.record_shard(unit.folder, unit.name, entry, unit.config_hash)
         self.recorded[(unit.folder, unit.name)] = entry.sha256
@@ -228,13 +230,20 @@ class PassTracker:
 _QUERIES: KeyedCache[tuple[str, str, str], dict[int, Encodings]] = KeyedCache()  # one pass's query sets
 
 
-def pass_queries(ctx: Context, key: str, shared: dict[str, Any], device: str,
-                 rules: ScoreRules | None = None) -> dict[int, Encodings]:  # fmt: skip
+def pass_queries(
+    ctx: Context, key: str, shared: dict[str, Any], device: str, rules: ScoreRules | None = None
+) -> dict[int, Encodings]:
     """A pass's query encodings by K_q (``shared``: its ``query_stages``, ``query_ids`` and ``sparse_factor``) on
     ``device``: every unit of the pass a process runs reads them once."""
-    return _QUERIES.get((ctx.store.root, key, device), lambda: {
-        int(kq): query_encodings(ctx.store, folder, shared["query_ids"], device, rules, float(shared["sparse_factor"]))
-        for kq, folder in shared["query_stages"].items()})  # fmt: skip
+    return _QUERIES.get(
+        (ctx.store.root, key, device),
+        lambda: {
+            int(kq): query_encodings(
+                ctx.store, folder, shared["query_ids"], device, rules, float(shared["sparse_factor"])
+            )
+            for kq, folder in shared["query_stages"].items()
+        },
+    )
 
 
 @dataclass
@@ -291,9 +300,20 @@ class PassStage(Stage):
 
     distributed: ClassVar[bool] = True
 
-    def add_pass(self, ctx: Context, plan: PassPlan, *, system: str, dataset: str, kp: int, config: dict[str, Any],
-                 shared: dict[str, Any], blocks: list[Block], merge: Any,
-                 opened: list[str] | None = None) -> int:  # fmt: skip
+    def add_pass(
+        self,
+        ctx: Context,
+        plan: PassPlan,
+        *,
+        system: str,
+        dataset: str,
+        kp: int,
+        config: dict[str, Any],
+        shared: dict[str, Any],
+        blocks: list[Block],
+        merge: Any,
+        opened: list[str] | None = None,
+    ) -> int:
         """Plan one pass: its partials folder (named by ``config``; the units a killed run finished are kept), its
         ``shared`` settings stored once, a unit per block not yet done, ``merge``, what :meth:`merge` needs, and
         ``opened``, sharded folders the pass opens for its units to fill. Returns how many blocks an earlier run

@@ -76,7 +76,8 @@ class PipelineConfig(StageConfig):
     # each field is declared by the stage it goes to (retrieval.fields.like): the same default and help
 
     preset: Literal["paper", "laptop"] = Field(
-        default="paper", description="paper: the 5 x 5 grid, batch 32; laptop (CPU only): {1, 4, 16}^2, batch 16. "
+        default="paper",
+        description="paper: the 5 x 5 grid, batch 32; laptop (CPU only): {1, 4, 16}^2, batch 16. "
         "kq, kp and batch_size given explicitly win.",
     )
     dataset: str = like(DownloadConfig, "name", default="scifact", json_schema_extra=cli(short="-d"))
@@ -91,10 +92,18 @@ class PipelineConfig(StageConfig):
     readout: ReadoutConfig = like(EncodeConfig, "readout")
     max_length: int = like(EncodeConfig, "max_length")
     title_sep: str = like(EncodeConfig, "title_sep")
-    kq: KList | None = like(ScoreConfig, "kq", default=None, description="Query budgets K_q (default: the preset's; "
-                            "a released checkpoint's trained K_q).")  # fmt: skip
-    kp: KList | None = like(ScoreConfig, "kp", default=None, description="Passage budgets K_p (default: the "
-                            "preset's; a released checkpoint's trained K_p).")  # fmt: skip
+    kq: KList | None = like(
+        ScoreConfig,
+        "kq",
+        default=None,
+        description="Query budgets K_q (default: the preset's; a released checkpoint's trained K_q).",
+    )
+    kp: KList | None = like(
+        ScoreConfig,
+        "kp",
+        default=None,
+        description="Passage budgets K_p (default: the preset's; a released checkpoint's trained K_p).",
+    )
     modes: ModeList = like(ScoreConfig, "modes")
     q1p1_multi: Literal["skip", "keep"] = like(ScoreConfig, "q1p1_multi")
     bm25: bool = Field(default=True, description="Add the BM25 baseline.")
@@ -104,11 +113,15 @@ class PipelineConfig(StageConfig):
     )
     topk: int = like(ScoreConfig, "topk")
     train_topk: int = like(ScoreConfig, "train_topk")
-    batch_size: int | None = like(EncodeConfig, "batch_size", default=None, description="Texts per forward pass "
-                                  "(default: the preset's).")  # fmt: skip
+    batch_size: int | None = like(
+        EncodeConfig, "batch_size", default=None, description="Texts per forward pass (default: the preset's)."
+    )
     shard_size: int = like(EncodeConfig, "shard_size")
-    workers: int = like(EncodeConfig, "workers", description="Local Dask workers of the distributed stages: 0 none, "
-                        "N (a GPU each on a GPU), -1 one per GPU.")  # fmt: skip
+    workers: int = like(
+        EncodeConfig,
+        "workers",
+        description="Local Dask workers of the distributed stages: 0 none, N (a GPU each on a GPU), -1 one per GPU.",
+    )
     workers_per_gpu: int = like(EncodeConfig, "workers_per_gpu", description="Local workers a GPU may hold.")
     workers_per_core: int = like(EncodeConfig, "workers_per_core", description="Local CPU workers a core may hold.")
     dask_address: str | None = like(EncodeConfig, "dask_address", description="Join a Dask cluster instead.")
@@ -133,8 +146,10 @@ class PipelineConfig(StageConfig):
             model = bb.get("adapter") or bb.get("model")  # a released checkpoint given as --adapter too
             if isinstance(model, str) and (ckpt := read_released(model)) is not None:
                 preset.update(kq=[ckpt.kq], kp=[ckpt.kp])
-            data = {**{k: v for k, v in preset.items() if data.get(k) is None}, **{k: v for k, v in data.items()
-                                                                                   if v is not None}}  # fmt: skip
+            data = {
+                **{k: v for k, v in preset.items() if data.get(k) is None},
+                **{k: v for k, v in data.items() if v is not None},
+            }
         return data
 
     @model_validator(mode="after")
@@ -149,8 +164,12 @@ class PipelineConfig(StageConfig):
 
     def _cluster(self) -> dict[str, Any]:
         """Where the distributed stages' units run (the same for each of them)."""
-        return {"workers": self.workers, "workers_per_gpu": self.workers_per_gpu,
-                "workers_per_core": self.workers_per_core, "dask_address": self.dask_address}  # fmt: skip
+        return {
+            "workers": self.workers,
+            "workers_per_gpu": self.workers_per_gpu,
+            "workers_per_core": self.workers_per_core,
+            "dask_address": self.dask_address,
+        }
 
     def name(self) -> str:
         """The stored name of ``dataset`` (an ir_datasets id is stored under the catalog's name, or with / as -).
@@ -165,8 +184,13 @@ class PipelineConfig(StageConfig):
 
     def downloads(self) -> list[DownloadConfig]:
         def dl(name: str, source: str | None) -> DownloadConfig:
-            return DownloadConfig(name=name, source=source, cache_dir=self.cache_dir,
-                                  unknown_judgments=self.unknown_judgments, **self._common())  # fmt: skip
+            return DownloadConfig(
+                name=name,
+                source=source,
+                cache_dir=self.cache_dir,
+                unknown_judgments=self.unknown_judgments,
+                **self._common(),
+            )
 
         out = [dl(self.dataset, self.source)]
         if self.corpus() != self.name():
@@ -175,15 +199,25 @@ class PipelineConfig(StageConfig):
 
     def encodes(self) -> list[EncodeConfig]:
         common = dict(
-            backbone=self.backbone, readout=self.readout, max_length=self.max_length, title_sep=self.title_sep,
-            batch_size=self.batch_size, shard_size=self.shard_size, verify=self.verify, head_stats=self.head_stats,
-            store=self.store, store_seed=self.store_seed, codebook_sample=self.codebook_sample, **self._cluster(),
+            backbone=self.backbone,
+            readout=self.readout,
+            max_length=self.max_length,
+            title_sep=self.title_sep,
+            batch_size=self.batch_size,
+            shard_size=self.shard_size,
+            verify=self.verify,
+            head_stats=self.head_stats,
+            store=self.store,
+            store_seed=self.store_seed,
+            codebook_sample=self.codebook_sample,
+            **self._cluster(),
             **self._common(),
-        )  # fmt: skip
+        )
         if self.corpus() == self.name():  # one pass per K_q on the queries, one per K_p on the passages
             ks = sorted(set(self.kq) | set(self.kp))
-            return [EncodeConfig(dataset=self.name(), sides=["query", "passage"], k=ks, kq=self.kq, kp=self.kp,
-                                 **common)]  # fmt: skip
+            return [
+                EncodeConfig(dataset=self.name(), sides=["query", "passage"], k=ks, kq=self.kq, kp=self.kp, **common)
+            ]
         return [  # the queries' dataset and the corpus's, each side at its own budgets
             EncodeConfig(dataset=self.name(), sides=["query"], k=self.kq, **common),
             EncodeConfig(dataset=self.corpus(), sides=["passage"], k=self.kp, **common),
@@ -191,27 +225,58 @@ class PipelineConfig(StageConfig):
 
     def score(self, system: str) -> ScoreConfig:
         return ScoreConfig(
-            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), splits=self.splits,
-            kq=self.kq, kp=self.kp, modes=self.modes, q1p1_multi=self.q1p1_multi, topk=self.topk,
-            train_topk=self.train_topk, device=self.backbone.device, rules=self.rules, self_hits=self.self_hits,
+            dataset=self.name(),
+            corpus=self.corpus(),
+            system=SystemRef(system=system),
+            splits=self.splits,
+            kq=self.kq,
+            kp=self.kp,
+            modes=self.modes,
+            q1p1_multi=self.q1p1_multi,
+            topk=self.topk,
+            train_topk=self.train_topk,
+            device=self.backbone.device,
+            rules=self.rules,
+            self_hits=self.self_hits,
             **self._cluster(),
             **self._common(),
-        )  # fmt: skip
+        )
 
     def bm25_config(self) -> BM25Config:
-        return BM25Config(dataset=self.name(), corpus=self.corpus(), splits=self.splits, topk=self.topk,
-                          train_topk=self.train_topk, self_hits=self.self_hits, bm25=BM25Settings(),
-                          **self._cluster(), **self._common())  # fmt: skip
+        return BM25Config(
+            dataset=self.name(),
+            corpus=self.corpus(),
+            splits=self.splits,
+            topk=self.topk,
+            train_topk=self.train_topk,
+            self_hits=self.self_hits,
+            bm25=BM25Settings(),
+            **self._cluster(),
+            **self._common(),
+        )
 
     def index_config(self, system: str) -> IndexConfig:
         return IndexConfig(
-            dataset=self.name(), corpus=self.corpus(), system=SystemRef(system=system), split=self.splits[0],
-            kq=self.kq, kp=self.kp, index_type=self.index, **self._cluster(), **self._common(),
-        )  # fmt: skip
+            dataset=self.name(),
+            corpus=self.corpus(),
+            system=SystemRef(system=system),
+            split=self.splits[0],
+            kq=self.kq,
+            kp=self.kp,
+            index_type=self.index,
+            **self._cluster(),
+            **self._common(),
+        )
 
     def evaluate(self, systems: list[str]) -> EvaluateConfig:
-        return EvaluateConfig(systems=systems, datasets=[self.name()], splits=self.splits, ties=self.ties,
-                              **self._cluster(), **self._common())  # fmt: skip
+        return EvaluateConfig(
+            systems=systems,
+            datasets=[self.name()],
+            splits=self.splits,
+            ties=self.ties,
+            **self._cluster(),
+            **self._common(),
+        )
 
     def summary(self, system: str, bm25: str | None) -> SummaryConfig:
         return SummaryConfig(system=system, bm25=bm25, dataset=self.name(), splits=self.splits, **self._common())
@@ -241,8 +306,12 @@ def pipeline_plan(config: PipelineConfig) -> list[tuple[str, str]]:
     return plan
 
 
-def run_pipeline(config: PipelineConfig, run: StageRunner, log: Callable[[str], None] = print,
-                 check: Callable[[Stage, StageConfig], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def run_pipeline(
+    config: PipelineConfig,
+    run: StageRunner,
+    log: Callable[[str], None] = print,
+    check: Callable[[Stage, StageConfig], None] | None = None,
+) -> dict[str, Any]:
     """Every stage in order, each through ``run`` (``flows.runner.run_stage``: sub-flow runs under Prefect); the
     result lines, the system, and the leaderboard and summary folder of each split. ``check`` refuses, before
     anything is downloaded, a placement of the distributed stages' units this machine cannot hold

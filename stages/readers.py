@@ -63,8 +63,9 @@ def side_texts(
     return ids, texts, m.config_hash
 
 
-def cut_ranges(batches: Iterable[tuple[list, list]], ranges: list[tuple[int, int]]
-               ) -> Iterator[tuple[int, int, list, list]]:  # fmt: skip
+def cut_ranges(
+    batches: Iterable[tuple[list, list]], ranges: list[tuple[int, int]]
+) -> Iterator[tuple[int, int, list, list]]:
     """(start, end, ids, texts) of each ``[start, end)`` row range (ascending, not overlapping) of a stream of
     (ids, texts) batches, holding only the rows from the next range's start on.
 
@@ -109,11 +110,15 @@ def side_text_ranges(
         return
     corpus_size(store, dataset)
     batches = (
-        (b.column("doc_id").to_pylist(),
-         [passage_text(ti, tx, title_sep) for ti, tx in
-          zip(b.column("title").to_pylist(), b.column("text").to_pylist(), strict=True)])
+        (
+            b.column("doc_id").to_pylist(),
+            [
+                passage_text(ti, tx, title_sep)
+                for ti, tx in zip(b.column("title").to_pylist(), b.column("text").to_pylist(), strict=True)
+            ],
+        )
         for b in store.iter_batches(dataset_dir(dataset), "corpus.parquet", columns=["doc_id", "title", "text"])
-    )  # fmt: skip
+    )
     yield from cut_ranges(batches, ranges)
 
 
@@ -196,16 +201,19 @@ def stored_budgets(store: ArtifactStore, system: str, dataset: str, side: str) -
     return sorted(int(k) for k in found)
 
 
-def budgets(store: ArtifactStore, given: list[int] | None, system: str, dataset: str, side: str,
-            log: Callable[[str], None]) -> list[int]:  # fmt: skip
+def budgets(
+    store: ArtifactStore, given: list[int] | None, system: str, dataset: str, side: str, log: Callable[[str], None]
+) -> list[int]:
     """``given``, else every K stored for the side (saying which, through ``log``); none stored: an error naming
     the command that makes them."""
     if given is not None:
         return given
     found = stored_budgets(store, system, dataset, side)
     if not found:
-        raise IncompleteArtifactError(f"{system} has no {side} encodings of {dataset!r}: run `diffret encode -d "
-                                      f"{dataset} --side {side}` with its model first")  # fmt: skip
+        raise IncompleteArtifactError(
+            f"{system} has no {side} encodings of {dataset!r}: run `diffret encode -d "
+            f"{dataset} --side {side}` with its model first"
+        )
     name = "K_q" if side == "query" else "K_p"
     log(f"no {name} given: the {side} encodings stored for {dataset}, {name} = {', '.join(map(str, found))}")
     return found
@@ -226,8 +234,15 @@ def encoding_manifest(store: ArtifactStore, folder: str, expected_rows: int | No
     return m
 
 
-def iter_encodings(store: ArtifactStore, folder: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
-                   sparse_factor: float = 1.0, names: list[str] | None = None) -> Iterator[Encodings]:  # fmt: skip
+def iter_encodings(
+    store: ArtifactStore,
+    folder: str,
+    m: Manifest,
+    device: str = "cpu",
+    rules: ScoreRules | None = None,
+    sparse_factor: float = 1.0,
+    names: list[str] | None = None,
+) -> Iterator[Encodings]:
     """The shards of an encoding folder in order (``names``: only those), each verified against the manifest, ready
     to score under ``rules`` (see ``encodings_from_table``); a compressed folder's codes decoded (:func:`codec_for`)."""
     codec = codec_for(store, folder, m)
@@ -249,8 +264,14 @@ def passage_ids(store: ArtifactStore, folder: str) -> pa.Array:
     return shard_ids(store, folder, encoding_manifest(store, folder))
 
 
-def read_encodings(store: ArtifactStore, folder: str, m: Manifest, device: str = "cpu", rules: ScoreRules | None = None,
-                   sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
+def read_encodings(
+    store: ArtifactStore,
+    folder: str,
+    m: Manifest,
+    device: str = "cpu",
+    rules: ScoreRules | None = None,
+    sparse_factor: float = 1.0,
+) -> Encodings:
     tables = [store.read_table(folder, name) for name in sorted(m.files)]
     return encodings_from_table(pa.concat_tables(tables), device, rules, sparse_factor, codec_for(store, folder, m))
 
@@ -261,8 +282,10 @@ def codebook_digest(store: ArtifactStore, folder: str) -> str:
     m = store.read_manifest(folder)
     entry = m.files.get(CODEBOOK_FILE) if m is not None else None
     if entry is None:
-        raise IncompleteArtifactError(f"{store.abspath(folder)}: no codebook; run `diffret compress` (or `diffret "
-                                      "encode --store`) with the settings that made this system")  # fmt: skip
+        raise IncompleteArtifactError(
+            f"{store.abspath(folder)}: no codebook; run `diffret compress` (or `diffret "
+            "encode --store`) with the settings that made this system"
+        )
     store.verify_file(folder, CODEBOOK_FILE, entry)
     return entry.sha256
 
@@ -285,11 +308,14 @@ def codec_for(store: ArtifactStore, folder: str, m: Manifest) -> Codec | None:
     codebook, digest = read_codebook(store, cb_folder)
     want = (m.config.get("inputs") or {}).get("codebook")
     if digest != want:
-        raise StoreError(f"{store.abspath(folder)}: coded with codebook {str(want)[:12]}…, but "
-                         f"{store.abspath(cb_folder)} holds {digest[:12]}…; {store.repair_hint(folder)}")  # fmt: skip
+        raise StoreError(
+            f"{store.abspath(folder)}: coded with codebook {str(want)[:12]}…, but "
+            f"{store.abspath(cb_folder)} holds {digest[:12]}…; {store.repair_hint(folder)}"
+        )
     try:
-        codebook.check(spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"],
-                       system=m.partition["system"])  # fmt: skip
+        codebook.check(
+            spec, codebook.dim, k=int(m.partition["k"]), dataset=m.partition["dataset"], system=m.partition["system"]
+        )
     except ValueError as exc:
         raise StoreError(f"{store.abspath(cb_folder)}: {exc}") from None
     return Codec(spec, codebook.dim, codebook, digest)
@@ -308,8 +334,10 @@ def coded_passages(store: ArtifactStore, folder: str, m: Manifest) -> CodedPassa
     reads its candidates' vectors from them)."""
     codec = codec_for(store, folder, m)
     if codec is None or parse_store(codec.spec).kind != "residual":
-        raise StoreError(f"{store.abspath(folder)}: search over codes needs a residual:B system's passages, not "
-                         f"{m.config.get('store', FLOAT16)}")  # fmt: skip
+        raise StoreError(
+            f"{store.abspath(folder)}: search over codes needs a residual:B system's passages, not "
+            f"{m.config.get('store', FLOAT16)}"
+        )
     return CodedPassages.from_blocks(list(iter_codes(store, folder, m)), codec)
 
 
@@ -318,8 +346,10 @@ def codes_index_manifest(store: ArtifactStore, folder: str) -> Manifest:
     command when it holds none (absent, or a LanceDB table built with ``--vectors float16``)."""
     m = store.read_manifest(folder)
     if m is None or CODES_INDEX_FILE not in m.files:
-        raise IncompleteArtifactError(f"{store.abspath(folder)}: no codes index; run `diffret index` for this system "
-                                      "and K_p first (`--kp K`, `--vectors store`)")  # fmt: skip
+        raise IncompleteArtifactError(
+            f"{store.abspath(folder)}: no codes index; run `diffret index` for this system "
+            "and K_p first (`--kp K`, `--vectors store`)"
+        )
     return m
 
 
@@ -329,8 +359,14 @@ def codes_index(store: ArtifactStore, folder: str, n_passages: int) -> CodesInde
     return CodesIndex.from_table(store.read_table(folder, CODES_INDEX_FILE), n_passages)
 
 
-def query_encodings(store: ArtifactStore, folder: str, ids: list[str], device: str = "cpu",
-                    rules: ScoreRules | None = None, sparse_factor: float = 1.0) -> Encodings:  # fmt: skip
+def query_encodings(
+    store: ArtifactStore,
+    folder: str,
+    ids: list[str],
+    device: str = "cpu",
+    rules: ScoreRules | None = None,
+    sparse_factor: float = 1.0,
+) -> Encodings:
     """The encodings of the queries ``ids``, in that order (a clear error when one is missing)."""
     enc = read_encodings(store, folder, encoding_manifest(store, folder), device, rules, sparse_factor)
     try:

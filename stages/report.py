@@ -29,10 +29,14 @@ class ReportConfig(StageConfig):
     """Parameters of the report flow."""
 
     name: str = Field(default="default", description="Report name: reports/report={name}/ in the store.")
-    out_dir: str | None = Field(default=None, description="Also copy the report into this folder (outside the store).",
-                                json_schema_extra=cli(flag="--out", short="-o"))  # fmt: skip
+    out_dir: str | None = Field(
+        default=None,
+        description="Also copy the report into this folder (outside the store).",
+        json_schema_extra=cli(flag="--out", short="-o"),
+    )
     refs: list[str] | None = Field(
-        default=None, description="Systems the tables' significance markers compare with († first, ‡ second; "
+        default=None,
+        description="Systems the tables' significance markers compare with († first, ‡ second; "
         "default: bm25); the first is the baseline of the section 'Runs against'.",
         json_schema_extra=cli(flag="--ref"),
     )
@@ -57,8 +61,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
     example = {"name": "default"}  # the deployment's parameters, besides root
 
     next_step = (
-        "query any number behind it: `diffret sql \"select * from best_cells\"`; `diffret views` lists the "
-        "tables."
+        'query any number behind it: `diffret sql "select * from best_cells"`; `diffret views` lists the tables.'
     )
 
     def printed(self, result: StageResult) -> list[str]:
@@ -80,24 +83,35 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
                 raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the report into")
         ctx.store.require_root()
         if not ctx.store.stage_dirs("metrics/*/*/*/*/*/*") and not ctx.store.stage_dirs("latency/*/*/*"):
-            raise StoreError(f"no metrics in the store {ctx.store.root} yet: run `diffret evaluate` (or `diffret run`) "
-                             "first, or `diffret latency` for the latency figures alone")  # fmt: skip
+            raise StoreError(
+                f"no metrics in the store {ctx.store.root} yet: run `diffret evaluate` (or `diffret run`) "
+                "first, or `diffret latency` for the latency figures alone"
+            )
         known = {r.system for r, _ in list_systems(ctx.store)}
         named = [*(config.refs or []), *config.finetuned, *config.finetuned.values()]
         unknown = [s for s in named if s not in known and s != "bm25"]
         if unknown:
-            raise StoreError(f"unknown system {unknown[0]!r} in --ref / --finetuned; the store's systems: "
-                             f"{', '.join(sorted(known)) or 'none'}")  # fmt: skip
+            raise StoreError(
+                f"unknown system {unknown[0]!r} in --ref / --finetuned; the store's systems: "
+                f"{', '.join(sorted(known)) or 'none'}"
+            )
         # the test and correction recorded when not the defaults: a report of the defaults keeps its settings (it is
         # rebuilt, not refused, as REPORT_FORMAT is one of its inputs)
         plain = {k for k in ("test", "correction") if getattr(config, k) == ReportConfig.model_fields[k].default}
         cfg = config.model_dump(mode="json", exclude={"root", "out_dir", "force", *plain})
-        cfg["inputs"] = {"store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query",
-                                                        "latency/*/*/*"), "format": REPORT_FORMAT}  # fmt: skip
+        cfg["inputs"] = {
+            "store": ctx.store.fingerprint("metrics/*/*/*/*/*/*", "tokens/*/*/side=query", "latency/*/*/*"),
+            "format": REPORT_FORMAT,
+        }
         folder = report_dir(config.name)
         plan = Plan()
-        if plan.needs_folder(ctx, folder, cfg, config.force, hint="Pass --force to replace it, or --name NEW for a "
-                             "second report beside it."):  # fmt: skip
+        if plan.needs_folder(
+            ctx,
+            folder,
+            cfg,
+            config.force,
+            hint="Pass --force to replace it, or --name NEW for a second report beside it.",
+        ):
             plan.units.append(Folder(folder, cfg))
         return plan
 
@@ -105,10 +119,25 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         c = unit.config
         notes = {r.system: n for r, _ in list_systems(ctx.store) if (n := random_weights_note(r.settings))}
         with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
-            rep = build_report(db, c["name"], c["refs"], c["finetuned"], c["n_boot"], c["hidden"], c["backbones"],
-                               c["settings"], c.get("test", "t"), c.get("correction", "holm"), notes)  # fmt: skip
-        m = Manifest.new("reports", {"report": c["name"]}, c, stats={"sections": [t for t, _ in rep.sections],
-                                                                     "warnings": rep.warnings})  # fmt: skip
+            rep = build_report(
+                db,
+                c["name"],
+                c["refs"],
+                c["finetuned"],
+                c["n_boot"],
+                c["hidden"],
+                c["backbones"],
+                c["settings"],
+                c.get("test", "t"),
+                c.get("correction", "holm"),
+                notes,
+            )
+        m = Manifest.new(
+            "reports",
+            {"report": c["name"]},
+            c,
+            stats={"sections": [t for t, _ in rep.sections], "warnings": rep.warnings},
+        )
         with ctx.store.stage_writer(unit.stage, m) as w:
             for fname, data in sorted(rep.files.items()):
                 w.write_file(fname, data)
@@ -127,8 +156,13 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
                 with open(os.path.join(config.out_dir, fname), "wb") as f:
                     f.write(data)
         sections = {t: body for t, body in results[0].sections} if results else {}
-        return {"name": config.name, "folder": ctx.store.abspath(folder), "files": sorted(m.files),
-                "sections": sections, "warnings": m.stats.get("warnings", [])}
+        return {
+            "name": config.name,
+            "folder": ctx.store.abspath(folder),
+            "files": sorted(m.files),
+            "sections": sections,
+            "warnings": m.stats.get("warnings", []),
+        }
 
 
 stage = ReportStage()

@@ -43,46 +43,64 @@ class RerankConfig(QueriesConfig, ClusterConfig):
 
     dataset: str = like(QueriesConfig, "dataset", default="scifact")
 
-    splits: list[str] = Field(default=["test"], description="Query splits to rerank.",
-                              json_schema_extra=cli(flag="--split"))  # fmt: skip
-    first_stage: str = Field(default="bm25", description="The run to rerank: a system slug (or unique prefix), or "
-                             "bm25 for the store's BM25 system.")  # fmt: skip
+    splits: list[str] = Field(
+        default=["test"], description="Query splits to rerank.", json_schema_extra=cli(flag="--split")
+    )
+    first_stage: str = Field(
+        default="bm25",
+        description="The run to rerank: a system slug (or unique prefix), or bm25 for the store's BM25 system.",
+    )
     first_kq: int = Field(default=0, ge=0, description="The first-stage run's K_q (0 for BM25).")
     first_kp: int = Field(default=0, ge=0, description="The first-stage run's K_p (0 for BM25).")
-    first_mode: str | None = Field(default=None, description="The first-stage run's mode (default: bm25 for BM25, "
-                                   "imported for an imported run, fusion for a fusion; an encoder's must be named).")
+    first_mode: str | None = Field(
+        default=None,
+        description="The first-stage run's mode (default: bm25 for BM25, "
+        "imported for an imported run, fusion for a fusion; an encoder's must be named).",
+    )
     depth: int = Field(default=100, ge=1, description="Candidates reranked per query (the first stage's top).")
     method: RerankerName = Field(default="logits_listwise", description="DiffuRank's method.")
-    backbone: BackboneConfig = Field(default_factory=default_backbone,
-                                     description="The diffusion LM that reranks, and how it is loaded.")  # fmt: skip
-    prompt: str | None = Field(default=None, description="A built-in rerank prompt or a YAML file (default: the "
-                               "method's).")  # fmt: skip
+    backbone: BackboneConfig = Field(
+        default_factory=default_backbone, description="The diffusion LM that reranks, and how it is loaded."
+    )
+    prompt: str | None = Field(
+        default=None, description="A built-in rerank prompt or a YAML file (default: the method's)."
+    )
     doc_tokens: int = like(RerankTrainSettings, "doc_tokens")
     window: int = Field(default=20, ge=1, description="Documents per listwise window.")
     step: int = Field(default=10, ge=1, description="Window step (RankGPT's sliding window).")
     steps: int = Field(default=4, ge=1, description="Denoising steps of permutation_sampling.")
     batch_size: int = Field(default=8, ge=1, description="Prompts per forward pass (pairs or windows).")
-    unit_queries: int = Field(default=4096, ge=1, description="Queries per unit (at least; a unit ends where the "
-                              "whole run's batches end, so that its forward passes are the whole run's): the units run "
-                              "on the workers and a killed run keeps the finished ones.")  # fmt: skip
+    unit_queries: int = Field(
+        default=4096,
+        ge=1,
+        description="Queries per unit (at least; a unit ends where the "
+        "whole run's batches end, so that its forward passes are the whole run's): the units run "
+        "on the workers and a killed run keeps the finished ones.",
+    )
 
     @model_validator(mode="after")
     def _windows_overlap(self) -> RerankConfig:
         if self.step > self.window:  # RankGPT's windows would leave the documents between them where they were
-            raise ValueError(f"--step {self.step} is larger than --window {self.window}: the documents between two "
-                             "windows would never be reranked; give a step no larger than the window (the default: "
-                             "window 20, step 10)")  # fmt: skip
+            raise ValueError(
+                f"--step {self.step} is larger than --window {self.window}: the documents between two "
+                "windows would never be reranked; give a step no larger than the window (the default: "
+                "window 20, step 10)"
+            )
         return self
 
     def settings(self) -> dict[str, Any]:
         """What the reranker system's slug hashes (everything that changes its numbers)."""
         prompt = load_rerank_prompt(self.prompt or _default_prompt(self.method))
         return {
-            "backbone": backbone_settings(self.backbone), "method": self.method,
-            "prompt": config_hash(prompt.__dict__)[:16], "doc_tokens": self.doc_tokens,
-            "window": self.window, "step": self.step, "depth": self.depth,
+            "backbone": backbone_settings(self.backbone),
+            "method": self.method,
+            "prompt": config_hash(prompt.__dict__)[:16],
+            "doc_tokens": self.doc_tokens,
+            "window": self.window,
+            "step": self.step,
+            "depth": self.depth,
             **({"steps": self.steps} if self.method == "permutation_sampling" else {}),
-        }  # fmt: skip
+        }
 
 
 def _default_prompt(method: str) -> str:
@@ -98,16 +116,19 @@ def reranker_slug(model: str, method: str, settings: dict[str, Any], first: dict
     return f"{slug_base(model)}-{method}-{config_hash({'settings': settings, 'first_stage': first})[:10]}"
 
 
-def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str, kq: int, kp: int,
-                    mode: str | None) -> tuple[str, str]:  # fmt: skip
+def first_stage_run(
+    store: ArtifactStore, dataset: str, split: str, system: str, kq: int, kp: int, mode: str | None
+) -> tuple[str, str]:
     """(system, run folder) of a stored first-stage run (see :func:`first_stage_system`; ``mode`` None: the
     system's own, :func:`first_stage_mode`); a missing run is a clear error naming what to run."""
     slug = first_stage_system(store, system)
     mode = first_stage_mode(store, system, mode)
     src = run_dir(slug, dataset, split, kq, kp, mode)
     if store.read_manifest(src) is None:
-        raise StoreError(f"no first-stage run {slug} kq={kq} kp={kp} mode={mode} on {dataset}/{split} in "
-                         f"{store.root}; run it first (`diffret run`, `diffret bm25` or `diffret score`)")  # fmt: skip
+        raise StoreError(
+            f"no first-stage run {slug} kq={kq} kp={kp} mode={mode} on {dataset}/{split} in "
+            f"{store.root}; run it first (`diffret run`, `diffret bm25` or `diffret score`)"
+        )
     return slug, src
 
 
@@ -115,16 +136,18 @@ def first_stage_run(store: ArtifactStore, dataset: str, split: str, system: str,
 KIND_MODES = {"bm25": "bm25", "run": IMPORTED_MODE, "fusion": FUSION_MODE}
 
 
-def first_stage_mode(store: ArtifactStore, system: str, mode: str | None,
-                     options: str = "--first-mode (and --first-kq, --first-kp)") -> str:  # fmt: skip
+def first_stage_mode(
+    store: ArtifactStore, system: str, mode: str | None, options: str = "--first-mode (and --first-kq, --first-kp)"
+) -> str:
     """``mode``, or when None the first-stage system's one mode (BM25, an imported run, a fusion); an encoder's
     runs have a grid, so its mode must be named (with ``options``, as the command spells them)."""
     if mode is not None:
         return mode
     kind = "bm25" if system == "bm25" else find_system(store, SystemRef(system=system)).kind
     if kind not in KIND_MODES:
-        raise ValueError(f"the first stage {system!r} is an {kind} system with a grid of runs: name its run with "
-                         f"{options}")  # fmt: skip
+        raise ValueError(
+            f"the first stage {system!r} is an {kind} system with a grid of runs: name its run with {options}"
+        )
     return KIND_MODES[kind]
 
 
@@ -145,8 +168,16 @@ class RerankMerge:
     cell: Cell
 
 
-class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb="reranked", reports_progress=True,
-             distributed=True, task_tags=("gpu",)):  # fmt: skip
+class Rerank(
+    PassStage,
+    name="rerank",
+    config=RerankConfig,
+    noun="run(s)",
+    verb="reranked",
+    reports_progress=True,
+    distributed=True,
+    task_tags=("gpu",),
+):
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -170,23 +201,45 @@ class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb=
         store = ctx.store
         settings = config.settings()
         first = first_stage_system(store, config.first_stage)
-        first_ref = {"system": first, "kq": config.first_kq, "kp": config.first_kp,
-                     "mode": first_stage_mode(store, config.first_stage, config.first_mode)}  # fmt: skip
+        first_ref = {
+            "system": first,
+            "kq": config.first_kq,
+            "kp": config.first_kp,
+            "mode": first_stage_mode(store, config.first_stage, config.first_mode),
+        }
         name = model_name(config.backbone) if config.backbone.random_weights else config.backbone.model
         slug = reranker_slug(name, config.method, settings, first_ref)
         corpus = config.corpus_name()
-        inputs = {"queries": dataset_manifest(store, config.dataset).config_hash,
-                  "corpus": dataset_manifest(store, corpus).config_hash}  # fmt: skip
+        inputs = {
+            "queries": dataset_manifest(store, config.dataset).config_hash,
+            "corpus": dataset_manifest(store, corpus).config_hash,
+        }
         plan = PassPlan(system=slug, work=0, work_unit="queries")
-        record = SystemRecord(system=slug, kind="reranker", model=config.backbone.model, readout=config.method,
-                              settings={**settings, "first_stage": first_ref})  # fmt: skip
+        record = SystemRecord(
+            system=slug,
+            kind="reranker",
+            model=config.backbone.model,
+            readout=config.method,
+            settings={**settings, "first_stage": first_ref},
+        )
         for split in config.splits:
-            _, src = first_stage_run(store, config.dataset, split, config.first_stage, config.first_kq,
-                                     config.first_kp, config.first_mode)  # fmt: skip
+            _, src = first_stage_run(
+                store, config.dataset, split, config.first_stage, config.first_kq, config.first_kp, config.first_mode
+            )
             m = store.require_manifest(src)
-            cfg = {"system": slug, "dataset": config.dataset, "corpus": corpus, "split": split, "kq": 0, "kp": 0,
-                   "mode": RERANK_MODE, "topk": config.depth, "first_stage": {**first_ref, "run": m.config_hash},
-                   "settings": settings, "inputs": inputs}  # fmt: skip
+            cfg = {
+                "system": slug,
+                "dataset": config.dataset,
+                "corpus": corpus,
+                "split": split,
+                "kq": 0,
+                "kp": 0,
+                "mode": RERANK_MODE,
+                "topk": config.depth,
+                "first_stage": {**first_ref, "run": m.config_hash},
+                "settings": settings,
+                "inputs": inputs,
+            }
             folder = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
             if not plan.needs(ctx, folder, cfg, config.force):
                 continue
@@ -194,11 +247,21 @@ class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb=
             sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
             cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
             shared = {"config": config.model_dump(mode="json"), "first": src, "record": record.model_dump(mode="json")}
-            blocks = [Block(a, b, f"{split} queries {a:,}-{b - 1:,}")
-                      for a, b in _slices(len(sizes), config.unit_queries, cuts)]  # fmt: skip
-            self.add_pass(ctx, plan, system=slug, dataset=config.dataset, kp=0,
-                          config={**cfg, "unit_queries": config.unit_queries}, shared=shared, blocks=blocks,
-                          merge=RerankMerge(cell))  # fmt: skip
+            blocks = [
+                Block(a, b, f"{split} queries {a:,}-{b - 1:,}")
+                for a, b in _slices(len(sizes), config.unit_queries, cuts)
+            ]
+            self.add_pass(
+                ctx,
+                plan,
+                system=slug,
+                dataset=config.dataset,
+                kp=0,
+                config={**cfg, "unit_queries": config.unit_queries},
+                shared=shared,
+                blocks=blocks,
+                merge=RerankMerge(cell),
+            )
         plan.count = len(plan.passes)
         if plan.passes:
             register(store, record, write=False)  # refuses a slug registered with other settings, before any work
@@ -233,8 +296,10 @@ class Rerank(PassStage, name="rerank", config=RerankConfig, noun="run(s)", verb=
             tables.append(table.replace_schema_metadata(None))
         table = pa.concat_tables(tables) if tables else RUN_SCHEMA.empty_table()
         cell = done.merge.cell
-        ctx.log(f"reranked {cell.config['dataset']}/{cell.split}: {stats['queries']:,} queries, "
-                f"{stats['forward_passes']:,} forward passes")  # fmt: skip
+        ctx.log(
+            f"reranked {cell.config['dataset']}/{cell.split}: {stats['queries']:,} queries, "
+            f"{stats['forward_passes']:,} forward passes"
+        )
         write_run(store, cell, table, stats)
 
 
@@ -268,8 +333,12 @@ def _texts(store: ArtifactStore, dataset: str, side: str, ids: pa.Array) -> dict
     if side == "passage":
         t = store.read_table(folder, "corpus.parquet", columns=["doc_id", "title", "text"])
         t = t.filter(pc.is_in(t.column("doc_id"), value_set=ids))
-        return {d: passage_text(ti, tx) for d, ti, tx in zip(t.column("doc_id").to_pylist(), t.column("title")
-                                                            .to_pylist(), t.column("text").to_pylist(), strict=True)}
+        return {
+            d: passage_text(ti, tx)
+            for d, ti, tx in zip(
+                t.column("doc_id").to_pylist(), t.column("title").to_pylist(), t.column("text").to_pylist(), strict=True
+            )
+        }
     t = store.read_table(folder, "queries.parquet", columns=["query_id", "text"])
     t = t.filter(pc.is_in(t.column("query_id"), value_set=ids))
     out: dict[str, str] = {}
@@ -283,20 +352,40 @@ _RERANKERS: KeyedCache[str, Reranker] = KeyedCache()  # one loaded model at a ti
 
 def _reranker(cfg: RerankConfig) -> Reranker:
     """One loaded reranker per process and settings (a worker keeps it across units)."""
-    key = cfg.model_dump_json(include={"method", "backbone", "prompt", "doc_tokens", "window", "step", "steps",
-                                       "batch_size"})  # fmt: skip
-    return _RERANKERS.get(key, lambda: make_reranker(
-        cfg.method, load_backbone(cfg.backbone), prompt=cfg.prompt, doc_tokens=cfg.doc_tokens, window=cfg.window,
-        step=cfg.step, batch_size=cfg.batch_size, steps=cfg.steps,
-    ))  # fmt: skip
+    key = cfg.model_dump_json(
+        include={"method", "backbone", "prompt", "doc_tokens", "window", "step", "steps", "batch_size"}
+    )
+    return _RERANKERS.get(
+        key,
+        lambda: make_reranker(
+            cfg.method,
+            load_backbone(cfg.backbone),
+            prompt=cfg.prompt,
+            doc_tokens=cfg.doc_tokens,
+            window=cfg.window,
+            step=cfg.step,
+            batch_size=cfg.batch_size,
+            steps=cfg.steps,
+        ),
+    )
 
 
-def rerank_run(reranker: Reranker, first: pa.Table, query_text: dict[str, str], doc_text: dict[str, str],
-               depth: int, advance: Any = None) -> tuple[pa.Table, dict[str, Any]]:  # fmt: skip
+def rerank_run(
+    reranker: Reranker,
+    first: pa.Table,
+    query_text: dict[str, str],
+    doc_text: dict[str, str],
+    depth: int,
+    advance: Any = None,
+) -> tuple[pa.Table, dict[str, Any]]:
     """The reranked run (RUN_SCHEMA) of ``first``'s top ``depth`` per query, and what it took."""
     by_query: dict[str, list[tuple[int, str]]] = {}
-    for q, d, r in zip(first.column("query_id").to_pylist(), first.column("doc_id").to_pylist(),
-                       first.column("rank").to_pylist(), strict=True):  # fmt: skip
+    for q, d, r in zip(
+        first.column("query_id").to_pylist(),
+        first.column("doc_id").to_pylist(),
+        first.column("rank").to_pylist(),
+        strict=True,
+    ):
         by_query.setdefault(q, []).append((r, d))
     qids = list(by_query)
     items = []
@@ -313,9 +402,12 @@ def rerank_run(reranker: Reranker, first: pa.Table, query_text: dict[str, str], 
             cols["rank"].append(rank)
             cols["score"].append(s)
     table = pa.Table.from_pydict(cols, schema=RUN_SCHEMA)
-    stats = {"queries": len(qids), "rows": table.num_rows,
-             "forward_passes": reranker.stats.forward_passes - before,
-             "invalid_without_constraint": reranker.stats.invalid_without_constraint}  # fmt: skip
+    stats = {
+        "queries": len(qids),
+        "rows": table.num_rows,
+        "forward_passes": reranker.stats.forward_passes - before,
+        "invalid_without_constraint": reranker.stats.invalid_without_constraint,
+    }
     return table, stats
 
 

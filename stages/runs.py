@@ -1,6 +1,6 @@
 """Run folders: what every retrieval stage (score, bm25) writes, one folder per cell.
 
-    runs/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=<K_p>/mode=<m>/run.parquet
+runs/system=<slug>/dataset=<d>/split=<s>/kq=<K_q>/kp=<K_p>/mode=<m>/run.parquet
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from .base import StageConfig
 TRAIN_SPLIT = "train"
 TRAIN_TOPK = 100  # train runs feed negatives (top 30) and the train-split budget selection (NDCG@10)
 
+
 class QueriesConfig(StageConfig):
     """Which queries (a dataset) against which passages (its corpus, or the collection its qrels judge)."""
 
     dataset: str = Field(description="Queries and qrels (a dataset in the store).", json_schema_extra=cli(short="-d"))
-    corpus: str | None = Field(default=None, description="Passages (default: the dataset's own corpus; TREC DL ->"
-                               " msmarco-passage).")  # fmt: skip
+    corpus: str | None = Field(
+        default=None, description="Passages (default: the dataset's own corpus; TREC DL -> msmarco-passage)."
+    )
 
     def corpus_name(self) -> str:
         return self.corpus or corpus_of(self.dataset)
@@ -45,12 +47,17 @@ class RetrievalConfig(QueriesConfig):
         default=["test"], description="Query splits to score.", json_schema_extra=cli(flag="--split")
     )
     topk: int = Field(default=1000, ge=1, description="Documents kept per query.")
-    train_topk: int = Field(default=TRAIN_TOPK, ge=1, description="Documents kept per query of the train split "
-                            "(at most topk): enough for hard negatives and budget selection.")  # fmt: skip
+    train_topk: int = Field(
+        default=TRAIN_TOPK,
+        ge=1,
+        description="Documents kept per query of the train split "
+        "(at most topk): enough for hard negatives and budget selection.",
+    )
     # the reference's choice: docs/ARCHITECTURE.md, parity table
     self_hits: Literal["keep", "drop"] = Field(
-        default="keep", description="A retrieved document whose id is the query's (ArguAna, Quora): keep (the "
-        "reference's choice) or drop (BEIR's evaluation)."
+        default="keep",
+        description="A retrieved document whose id is the query's (ArguAna, Quora): keep (the "
+        "reference's choice) or drop (BEIR's evaluation).",
     )
 
     def ignore_ids(self) -> bool:
@@ -76,14 +83,33 @@ class Cell:
     config: dict[str, Any]
 
 
-def cell_config(system: str, dataset: str, corpus: str, split: str, kq: int, kp: int, mode: str, topk: int,
-                fusion_depth: int, ignore: bool, inputs: dict[str, str],
-                rules: ScoreRules | None = None) -> dict[str, Any]:  # fmt: skip
+def cell_config(
+    system: str,
+    dataset: str,
+    corpus: str,
+    split: str,
+    kq: int,
+    kp: int,
+    mode: str,
+    topk: int,
+    fusion_depth: int,
+    ignore: bool,
+    inputs: dict[str, str],
+    rules: ScoreRules | None = None,
+) -> dict[str, Any]:
     """A run folder's config: what it searched, how deep, and the scoring rules its mode depends on."""
     cfg: dict[str, Any] = {
-        "system": system, "dataset": dataset, "corpus": corpus, "split": split, "kq": kq, "kp": kp, "mode": mode,
-        "topk": topk, "ignore_identical_ids": ignore, "inputs": inputs,
-    }  # fmt: skip
+        "system": system,
+        "dataset": dataset,
+        "corpus": corpus,
+        "split": split,
+        "kq": kq,
+        "kp": kp,
+        "mode": mode,
+        "topk": topk,
+        "ignore_identical_ids": ignore,
+        "inputs": inputs,
+    }
     if rules is not None:
         cfg["rules"] = rules.for_mode(mode, FUSIONS.get(mode, ()))
     if mode in FUSIONS:
@@ -114,9 +140,16 @@ def write_run(store: ArtifactStore, cell: Cell, table: pa.Table, stats: dict[str
         w.manifest.files[RUN_FILE] = entry.model_copy(update={"rows": table.num_rows})
 
 
-def write_runs(store: ArtifactStore, cells: list[Cell], runs: dict[tuple[int, str], TopK], query_ids: list[str],
-               doc_ids: list[str], split_rows: dict[str, list[int]], seconds: float | None = None,
-               extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+def write_runs(
+    store: ArtifactStore,
+    cells: list[Cell],
+    runs: dict[tuple[int, str], TopK],
+    query_ids: list[str],
+    doc_ids: list[str],
+    split_rows: dict[str, list[int]],
+    seconds: float | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Each cell's run (its split's queries, cut to its depth) from the (K_q, mode) results of one pass;
     ``seconds``: the pass's search time, recorded with every cell it wrote (:func:`search_stats`), ``extra``
     more of its stats (BM25's ``index_seconds``)."""
@@ -152,11 +185,10 @@ def read_run(store: ArtifactStore, folder: str, columns: list[str] | None = None
     want = RUN_SCHEMA if columns is None else pa.schema([RUN_SCHEMA.field(c) for c in columns])
     if [(f.name, f.type) for f in table.schema] != [(f.name, f.type) for f in want]:
         got = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
-        raise StoreError(f"{store.abspath(folder)}/{RUN_FILE}: not a run file of this version ({got}); "
-                         "re-score it with --force")  # fmt: skip
+        raise StoreError(
+            f"{store.abspath(folder)}/{RUN_FILE}: not a run file of this version ({got}); re-score it with --force"
+        )
     return table
-
-
 
 
 @dataclass(frozen=True)
@@ -190,8 +222,11 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
     except ValueError:
         raise ValueError(f"run {ref!r}: KQ and KP must be integers (SYSTEM:MODE:KQ:KP)") from None
     mode = parts[1] if len(parts) > 1 else None
-    record = find_system(store, SystemRef(), kind="bm25") if parts[0] == "bm25" else find_system(
-        store, SystemRef(system=parts[0]))  # fmt: skip
+    record = (
+        find_system(store, SystemRef(), kind="bm25")
+        if parts[0] == "bm25"
+        else find_system(store, SystemRef(system=parts[0]))
+    )
     found = []
     for folder in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
         p = dict(part.split("=", 1) for part in folder.split("/")[1:])  # the folder's partition, as it was written
@@ -204,8 +239,11 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
     if len(found) == 1:
         return found[0]
     if not found:
-        raise StoreError(f"no run {ref!r} ({record.system}) on {dataset}/{split} in {store.root}; run it first, or "
-                         "list the runs: diffret sql \"select distinct system, mode, kq, kp from runs\"")  # fmt: skip
+        raise StoreError(
+            f"no run {ref!r} ({record.system}) on {dataset}/{split} in {store.root}; run it first, or "
+            'list the runs: diffret sql "select distinct system, mode, kq, kp from runs"'
+        )
     names = ", ".join(f"{r.system}:{r.mode}:{r.kq}:{r.kp}" for r in sorted(found, key=lambda r: (r.mode, r.kq, r.kp)))
-    raise StoreError(f"run {ref!r} names {len(found)} runs on {dataset}/{split}; name one as SYSTEM:MODE:KQ:KP "
-                     f"({names[:600]})")  # fmt: skip
+    raise StoreError(
+        f"run {ref!r} names {len(found)} runs on {dataset}/{split}; name one as SYSTEM:MODE:KQ:KP ({names[:600]})"
+    )

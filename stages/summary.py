@@ -26,14 +26,20 @@ from .systems import SystemRef, find_system, list_systems, load, random_weights_
 class SummaryConfig(StageConfig):
     """Parameters of the summary stage (the last step of `diffret run`)."""
 
-    system: str | None = Field(default=None, description="The system to summarise (a slug or a unique prefix; "
-                               "default: the store's only encoder system).")  # fmt: skip
+    system: str | None = Field(
+        default=None,
+        description="The system to summarise (a slug or a unique prefix; default: the store's only encoder system).",
+    )
     dataset: str = Field(description="The dataset its runs were scored on.", json_schema_extra=cli(short="-d"))
-    splits: list[str] = Field(default=["test"], description="The splits to summarise.",
-                              json_schema_extra=cli(flag="--split"))  # fmt: skip
-    bm25: str | None = Field(default="auto", description="The BM25 system to compare with (a slug or prefix); "
-                             "auto: the store's BM25 system evaluated on the dataset, if any; none: no BM25 "
-                             "row.")  # fmt: skip
+    splits: list[str] = Field(
+        default=["test"], description="The splits to summarise.", json_schema_extra=cli(flag="--split")
+    )
+    bm25: str | None = Field(
+        default="auto",
+        description="The BM25 system to compare with (a slug or prefix); "
+        "auto: the store's BM25 system evaluated on the dataset, if any; none: no BM25 "
+        "row.",
+    )
 
 
 class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
@@ -58,18 +64,29 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
         systems = [system] + ([bm25] if bm25 else [])
         for split in config.splits:  # a summary of nothing is never written
             if not store.stage_dirs(f"metrics/system={system}/dataset={config.dataset}/split={split}/*/*/*"):
-                have = sorted({d.split("/")[2].split("=", 1)[1] + "/" + d.split("/")[3].split("=", 1)[1]
-                               for d in store.stage_dirs(f"metrics/system={system}/*/*/*/*/*")})  # fmt: skip
-                raise StoreError(f"no metrics of {system} on {config.dataset}/{split} in {store.root}, so there is "
-                                 f"nothing to summarise (it has metrics on: {', '.join(have) or 'nothing'}); score "
-                                 f"and evaluate it first (`diffret score -d {config.dataset} --split {split}`, "
-                                 "`diffret evaluate`)")  # fmt: skip
+                have = sorted(
+                    {
+                        d.split("/")[2].split("=", 1)[1] + "/" + d.split("/")[3].split("=", 1)[1]
+                        for d in store.stage_dirs(f"metrics/system={system}/*/*/*/*/*")
+                    }
+                )
+                raise StoreError(
+                    f"no metrics of {system} on {config.dataset}/{split} in {store.root}, so there is "
+                    f"nothing to summarise (it has metrics on: {', '.join(have) or 'nothing'}); score "
+                    f"and evaluate it first (`diffret score -d {config.dataset} --split {split}`, "
+                    "`diffret evaluate`)"
+                )
             cfg = {
-                "system": system, "bm25": bm25, "dataset": config.dataset, "split": split,
-                "inputs": {"metrics": ctx.store.fingerprint(
-                    *(f"metrics/system={s}/dataset={config.dataset}/split={split}/*/*/*" for s in systems)
-                )},
-            }  # fmt: skip
+                "system": system,
+                "bm25": bm25,
+                "dataset": config.dataset,
+                "split": split,
+                "inputs": {
+                    "metrics": ctx.store.fingerprint(
+                        *(f"metrics/system={s}/dataset={config.dataset}/split={split}/*/*/*" for s in systems)
+                    )
+                },
+            }
             folder = summary_dir(system, config.dataset, split)
             plan.add_folder(ctx, folder, cfg, config.force)
         return plan
@@ -81,8 +98,9 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
             s = build_summary(db, c["system"], c["dataset"], c["split"], c["bm25"], note)
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"]}
         board = [r.as_dict() for r in s.rows]
-        m = Manifest.new("summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board,
-                                                      "warnings": s.warnings()})  # fmt: skip
+        m = Manifest.new(
+            "summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board, "warnings": s.warnings()}
+        )
         with ctx.store.stage_writer(unit.stage, m) as w:
             for name, data in s.files().items():
                 w.write_file(name, data)
@@ -109,11 +127,16 @@ def _bm25(store: ArtifactStore, given: str | None, dataset: str) -> str | None:
         return None
     if given != "auto":
         return find_system(store, SystemRef(system=given)).system
-    found = [r.system for r, _ in list_systems(store) if r.kind == "bm25"
-             and store.stage_dirs(f"metrics/system={r.system}/dataset={dataset}/*/*/*/*")]  # fmt: skip
+    found = [
+        r.system
+        for r, _ in list_systems(store)
+        if r.kind == "bm25" and store.stage_dirs(f"metrics/system={r.system}/dataset={dataset}/*/*/*/*")
+    ]
     if len(found) > 1:
-        raise StoreError(f"{len(found)} BM25 systems are evaluated on {dataset} ({', '.join(found)}): name one with "
-                         "--bm25 SLUG (or --bm25 none)")  # fmt: skip
+        raise StoreError(
+            f"{len(found)} BM25 systems are evaluated on {dataset} ({', '.join(found)}): name one with "
+            "--bm25 SLUG (or --bm25 none)"
+        )
     return found[0] if found else None
 
 

@@ -41,14 +41,22 @@ class EncodeSettings(Settings):
 
     backbone: BackboneConfig
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig)
-    max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Tokens per input: the prompt and the text "
-                            "(see the readout's truncation); run_encode.sh's 256, encode.py's own default 512.")
+    max_length: int = Field(
+        default=DEFAULT_MAX_LENGTH,
+        ge=1,
+        description="Tokens per input: the prompt and the text "
+        "(see the readout's truncation); run_encode.sh's 256, encode.py's own default 512.",
+    )
     # the reference's choice: docs/ARCHITECTURE.md, parity table
-    title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text ('. ': the "
-                           "reference's choice).")  # fmt: skip
-    store: str = Field(default=FLOAT16, description="How passage vectors are stored: float16, int8, residual:B "
-                       "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (search/codecs.py). "
-                       "A compressed system is a system of its own; queries stay float16.")  # fmt: skip
+    title_sep: str = Field(
+        default=TITLE_SEP, description="Between a passage's title and its text ('. ': the reference's choice)."
+    )
+    store: str = Field(
+        default=FLOAT16,
+        description="How passage vectors are stored: float16, int8, residual:B "
+        "(B = 1, 2, 4 bits; e.g. residual:2:16384 for 16,384 centroids) or pq:M (search/codecs.py). "
+        "A compressed system is a system of its own; queries stay float16.",
+    )
     store_seed: int = Field(default=0, ge=0, description="Seed of a compressed store's codebook sample and training.")
 
     @model_validator(mode="after")
@@ -70,8 +78,10 @@ def released_readout(readout: ReadoutConfig, backbone: BackboneConfig) -> Readou
     ckpt = read_released(backbone.adapter or backbone.model)
     if ckpt is None:
         if readout.prompt == CHECKPOINT_PROMPT:
-            raise ValueError(f"--prompt {CHECKPOINT_PROMPT} reads a released checkpoint's {RELEASED_CONFIG}; "
-                             f"{backbone.adapter or backbone.model} has none (give auto or a prompt variant)")
+            raise ValueError(
+                f"--prompt {CHECKPOINT_PROMPT} reads a released checkpoint's {RELEASED_CONFIG}; "
+                f"{backbone.adapter or backbone.model} has none (give auto or a prompt variant)"
+            )
         return readout
     if readout.readout != "diffretriever":
         return readout
@@ -126,8 +136,13 @@ def numeric_settings(s: EncodeSettings) -> dict[str, Any]:
     """The settings that change the numbers (device, attention kernel and batch size do not); the storage choice
     only when it is not float16."""
     stored = {"store": s.store, "store_seed": s.store_seed} if s.store != FLOAT16 else {}
-    return {**backbone_settings(s.backbone), "readout": s.readout.numbers(), "max_length": s.max_length,
-            "title_sep": s.title_sep, **stored}  # fmt: skip
+    return {
+        **backbone_settings(s.backbone),
+        "readout": s.readout.numbers(),
+        "max_length": s.max_length,
+        "title_sep": s.title_sep,
+        **stored,
+    }
 
 
 def float16_settings(s: EncodeSettings) -> EncodeSettings:
@@ -190,8 +205,10 @@ def random_weights_note(settings: dict[str, Any]) -> str | None:
     if settings.get("load_format") != "random":
         return None
     shape = f"shape {settings['shape']}" if settings.get("shape") else "the folder's own shape"
-    return (f"RANDOM WEIGHTS (load format random, {shape}, tokenizer of {settings.get('model')}): its numbers measure "
-            "speed and plumbing, not retrieval")
+    return (
+        f"RANDOM WEIGHTS (load format random, {shape}, tokenizer of {settings.get('model')}): its numbers measure "
+        "speed and plumbing, not retrieval"
+    )
 
 
 def weights_of(b: BackboneConfig) -> dict[str, str]:
@@ -237,8 +254,13 @@ def tokenizer_slug(
 ) -> str:
     """The tokens folder of a (tokenizer, max_length, passage join): the vocabulary is hashed, so a changed
     tokenizer is new."""
-    key = {"model": model, "gguf": gguf_file, "max_length": max_length, "vocab": vocab_hash(tokenizer),
-           "title_sep": title_sep}
+    key = {
+        "model": model,
+        "gguf": gguf_file,
+        "max_length": max_length,
+        "vocab": vocab_hash(tokenizer),
+        "title_sep": title_sep,
+    }
     h = config_hash(key)[:10]
     return f"{slug_base(model)}-{h}"
 
@@ -304,8 +326,13 @@ def settings_of(record: SystemRecord, device: str = "auto") -> EncodeSettings:
     st = dict(record.settings)
     backbone = {k: st.pop(k) for k in list(st) if k in BackboneConfig.model_fields}
     stored = {k: st[k] for k in STORED if k in st}
-    s = EncodeSettings(backbone=BackboneConfig(**backbone, device=device), readout=ReadoutConfig(**st["readout"]),
-                       max_length=st["max_length"], title_sep=st["title_sep"], **stored)  # fmt: skip
+    s = EncodeSettings(
+        backbone=BackboneConfig(**backbone, device=device),
+        readout=ReadoutConfig(**st["readout"]),
+        max_length=st["max_length"],
+        title_sep=st["title_sep"],
+        **stored,
+    )
     if encoder_slug(s) != record.system:
         raise StoreError(f"{record.system}: its registry record does not give back its settings; encode it again")
     return s
@@ -314,13 +341,23 @@ def settings_of(record: SystemRecord, device: str = "auto") -> EncodeSettings:
 def encoder_record(s: EncodeSettings) -> SystemRecord:
     cls = readout_class(s.readout.readout)
     return SystemRecord(
-        system=encoder_slug(s), kind="encoder", model=s.backbone.model, readout=cls.name,
-        multi_vector=cls.multi_vector, has_sparse=cls.has_sparse, settings=numeric_settings(s),
-    )  # fmt: skip
+        system=encoder_slug(s),
+        kind="encoder",
+        model=s.backbone.model,
+        readout=cls.name,
+        multi_vector=cls.multi_vector,
+        has_sparse=cls.has_sparse,
+        settings=numeric_settings(s),
+    )
 
 
-def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str] | None = None,
-             write: bool = True, named: bool = False) -> None:  # fmt: skip
+def register(
+    store: ArtifactStore,
+    record: SystemRecord,
+    weights: dict[str, str] | None = None,
+    write: bool = True,
+    named: bool = False,
+) -> None:
     """Write the record unless the registry holds it already (a record never changes: its slug is its hash).
 
     ``weights`` (:func:`weights_of`) are recorded with it; when the registry holds the system with other
@@ -343,11 +380,13 @@ def register(store: ArtifactStore, record: SystemRecord, weights: dict[str, str]
                 f"{record.model}: its weights are not the ones system {record.system} was built from ({changed[0]} "
                 f"{before[changed[0]]} in the registry, {weights[changed[0]]} now), so its stored artifacts are "
                 "another model's; save the new model under another path (it is then a system of its own)"
-            )  # fmt: skip
+            )
         return
     if old is not None and named:  # the name is the user's: another one, not the other system's folder
-        raise StoreError(f"{record.system!r} is the name of another system in {store.root} (a {old.config.get('kind')} "
-                         f"system); choose another name for this one (--name NEW)")  # fmt: skip
+        raise StoreError(
+            f"{record.system!r} is the name of another system in {store.root} (a {old.config.get('kind')} "
+            f"system); choose another name for this one (--name NEW)"
+        )
     if old is not None:
         raise StoreError(
             f"{store.abspath(folder)}: another system is registered under {record.system!r} "
@@ -393,8 +432,11 @@ def _known(store: ArtifactStore) -> str:
     names = [r.system for r, _ in list_systems(store)]
     damaged = sorted(set(store.list_partitions(SYSTEMS_STAGE, "system")) - set(names))
     root = f" --root {shlex.quote(at)}" if (at := store.printed_root()) else ""
-    note = (f"; damaged registry record(s): {', '.join(damaged)} (`diffret verify{root}` names the repair)"
-            if damaged else "")  # fmt: skip
+    note = (
+        f"; damaged registry record(s): {', '.join(damaged)} (`diffret verify{root}` names the repair)"
+        if damaged
+        else ""
+    )
     if not names:
         return "the store has no systems yet (diffret encode)" + note
     return f"systems in the store: {', '.join(names)}" + note
@@ -406,14 +448,16 @@ class SystemRef(Settings):
     With neither, the store's only encoder system is used.
     """
 
-    system: str | None = Field(default=None, description="A system slug, as `diffret systems` lists it (a unique "
-                               "prefix is enough).")  # fmt: skip
+    system: str | None = Field(
+        default=None, description="A system slug, as `diffret systems` lists it (a unique prefix is enough)."
+    )
     model: str | None = Field(default=None, description="The HF id or local folder the system was encoded with.")
 
     @field_validator("model")
     @classmethod
     def _canonical(cls, v: str | None) -> str | None:
         return canonical_model(v) if v else v
+
     where: dict[str, Any] = Field(
         default_factory=dict,
         description="Settings the system must have, by name: e.g. {'dtype': 'bfloat16', 'readout.prompt': "
@@ -450,6 +494,7 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
         hint = "run `diffret encode` with these settings first" if kind == "encoder" else "run it first"
         raise StoreError(f"no {kind} system with {asked or 'any settings'} in {store.root}; {_known(store)}; {hint}")
     differ = _differing(r.flat_settings() for r, _ in cands)
+
     def apart(r: SystemRecord) -> str:
         return ", ".join(f"{k}={r.flat_settings().get(k)!r}" for k in differ) or "the same settings"
 
@@ -458,8 +503,9 @@ def find_system(store: ArtifactStore, ref: SystemRef, kind: str = "encoder") -> 
     given |= set(ref.where)
     flags = [f"--{k.split('.')[-1].replace('_', '-')}" for k in differ if k not in given]
     how = f"or add the setting that tells them apart ({', '.join(flags)})" if flags else "as the settings given fit all"
-    raise StoreError(f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with "
-                     f"--system SLUG, {how}")  # fmt: skip
+    raise StoreError(
+        f"{len(cands)} {kind} systems match {asked or 'any settings'}: {listing}. Name one with --system SLUG, {how}"
+    )
 
 
 def _refuse_disagreement(ref: SystemRef, record: SystemRecord, stats: dict[str, Any]) -> None:
@@ -476,8 +522,10 @@ def _refuse_disagreement(ref: SystemRef, record: SystemRecord, stats: dict[str, 
             have = flat.get(key, "nothing (not a setting of this system)")
             wrong.append(f"--{key.split('.')[-1].replace('_', '-')} {want} (it has {have})")
     if wrong:
-        raise StoreError(f"--system {record.system} does not match {'; '.join(wrong)}: give the slug alone, or the "
-                         "model and settings alone (`diffret systems` lists both)")  # fmt: skip
+        raise StoreError(
+            f"--system {record.system} does not match {'; '.join(wrong)}: give the slug alone, or the "
+            "model and settings alone (`diffret systems` lists both)"
+        )
 
 
 def _differing(settings: Any) -> list[str]:

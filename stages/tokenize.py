@@ -44,12 +44,13 @@ def default_backbone() -> BackboneConfig:
 class TokenizeConfig(StageConfig):
     """Parameters of the tokenize stage (part of the encode flow)."""
 
-    dataset: str = Field(description="A dataset already in the store (diffret download).",
-                         json_schema_extra=cli(short="-d"))  # fmt: skip
-    sides: list[Literal["query", "passage"]] = Field(default=["query", "passage"], description="The sides to "
-                                                     "tokenize.", json_schema_extra=cli(flag="--side"))  # fmt: skip
-    backbone: BackboneConfig = Field(default_factory=default_backbone,
-                                     description="The model whose tokenizer is used.")  # fmt: skip
+    dataset: str = Field(
+        description="A dataset already in the store (diffret download).", json_schema_extra=cli(short="-d")
+    )
+    sides: list[Literal["query", "passage"]] = Field(
+        default=["query", "passage"], description="The sides to tokenize.", json_schema_extra=cli(flag="--side")
+    )
+    backbone: BackboneConfig = Field(default_factory=default_backbone, description="The model whose tokenizer is used.")
     max_length: int = Field(default=DEFAULT_MAX_LENGTH, ge=1, description="Text tokens kept per text.")
     title_sep: str = Field(default=TITLE_SEP, description="Between a passage's title and its text.")
     shard_size: int = Field(default=1000, ge=1, description="Texts per shard (unit of parallelism and resume).")
@@ -57,21 +58,29 @@ class TokenizeConfig(StageConfig):
         default=False, description="Check every stored shard's sha256 when planning (default: its size and mtime)."
     )
     content_filter: Literal["none", "nltk", "regex"] = Field(
-        default="none", description="Also store the sparse content-word filter's ids of every text (filters/), "
+        default="none",
+        description="Also store the sparse content-word filter's ids of every text (filters/), "
         "computed once here and read by every K pass of every system of this tokenizer (the encode flow asks for "
         "its readout's filter).",
-    )  # fmt: skip
+    )
     filter_workers: int = Field(
-        default=0, ge=0, description="Processes that split the texts into words for the content filter (0: one per "
+        default=0,
+        ge=0,
+        description="Processes that split the texts into words for the content filter (0: one per "
         "CPU core where a side has 5,000 texts or more to filter; 1: this process only).",
-    )  # fmt: skip
+    )
 
 
 def filter_config(slug: str, dataset: str, side: str, kind: str, tokens_hash: str, flt: Any) -> dict[str, Any]:
     """A filters/ folder's config: what it is of, and (as inputs, so that a new NLTK makes it stale, not drifted)
     the tokens it read and the filter's version."""
-    return {"tokenizer": slug, "dataset": dataset, "side": side, "filter": kind,
-            "inputs": {"tokens": tokens_hash, "filter": flt.version()}}  # fmt: skip
+    return {
+        "tokenizer": slug,
+        "dataset": dataset,
+        "side": side,
+        "filter": kind,
+        "inputs": {"tokens": tokens_hash, "filter": flt.version()},
+    }
 
 
 def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
@@ -83,8 +92,9 @@ def shard_ranges(n: int, shard_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + shard_size, n)) for s in range(0, n, shard_size)] or [(0, 0)]
 
 
-def tokens_config(slug: str, dataset: str, side: str, max_length: int, title_sep: str, shard_size: int, rows: int,
-                  dataset_hash: str) -> dict[str, Any]:  # fmt: skip
+def tokens_config(
+    slug: str, dataset: str, side: str, max_length: int, title_sep: str, shard_size: int, rows: int, dataset_hash: str
+) -> dict[str, Any]:
     return {
         "tokenizer": slug,
         "dataset": dataset,
@@ -137,8 +147,9 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
         for side in config.sides:
             n, ds_hash = side_size(ctx.store, config.dataset, side)
             folder = tokens_dir(slug, config.dataset, side)
-            cfg = tokens_config(slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n,
-                                ds_hash)  # fmt: skip
+            cfg = tokens_config(
+                slug, config.dataset, side, config.max_length, config.title_sep, config.shard_size, n, ds_hash
+            )
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
             ctx.hold(folder)  # another tokenize of this folder running now is refused, not raced
             m, done = ctx.store.open_sharded(folder, "tokens", part, cfg, force=config.force, verify=config.verify)
@@ -146,15 +157,36 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
             todo = [sh for sh in shards if sh[0] not in done]
             plan.skipped += len(shards) - len(todo)
-            unit = TokenizeUnit(config.dataset, side, folder, config.backbone.model_dump(), config.max_length,
-                                config.title_sep, n, todo, m.config_hash)  # fmt: skip
+            unit = TokenizeUnit(
+                config.dataset,
+                side,
+                folder,
+                config.backbone.model_dump(),
+                config.max_length,
+                config.title_sep,
+                n,
+                todo,
+                m.config_hash,
+            )
             if config.content_filter != "none":
                 f_folder = filters_dir(slug, config.dataset, side, config.content_filter)
-                f_cfg = filter_config(slug, config.dataset, side, config.content_filter, m.config_hash,
-                                      make_filter(tokenizer_of(config.backbone), config.content_filter))  # fmt: skip
+                f_cfg = filter_config(
+                    slug,
+                    config.dataset,
+                    side,
+                    config.content_filter,
+                    m.config_hash,
+                    make_filter(tokenizer_of(config.backbone), config.content_filter),
+                )
                 ctx.hold(f_folder)
-                fm, f_done = ctx.store.open_sharded(f_folder, "filters", {**part, "filter": config.content_filter},
-                                                    f_cfg, force=config.force, verify=config.verify)  # fmt: skip
+                fm, f_done = ctx.store.open_sharded(
+                    f_folder,
+                    "filters",
+                    {**part, "filter": config.content_filter},
+                    f_cfg,
+                    force=config.force,
+                    verify=config.verify,
+                )
                 plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_folder
                 unit.filter_kind, unit.filter_folder, unit.filter_hash = config.content_filter, f_folder, fm.config_hash
                 unit.filter_workers = config.filter_workers
@@ -181,8 +213,9 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
         todo = sum(e - s for s, e in filters)
         with word_pool(unit.filter_workers, todo) if filters else contextlib.nullcontext() as pool:
             # the side's texts a shard at a time (memory: a shard, not the corpus)
-            for s, e, ids, texts in side_text_ranges(ctx.store, unit.dataset, unit.side, sorted({*tokens, *filters}),
-                                                     unit.title_sep):  # fmt: skip
+            for s, e, ids, texts in side_text_ranges(
+                ctx.store, unit.dataset, unit.side, sorted({*tokens, *filters}), unit.title_sep
+            ):
                 if (s, e) in tokens:
                     name = tokens[(s, e)]
                     t = tokenize_texts(tokenizer, texts, unit.max_length)

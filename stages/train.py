@@ -59,22 +59,34 @@ from .tokenize import default_backbone
 class TrainConfig(StageConfig):
     """Parameters of the train flow."""
 
-    training_set: str = Field(description="A stored training set (diffret training-data).",
-                              json_schema_extra=cli(short="-t"))  # fmt: skip
-    backbone: BackboneConfig = Field(default_factory=default_backbone,
-                                     description="The model to fine-tune, and how it is loaded.")  # fmt: skip
+    training_set: str = Field(
+        description="A stored training set (diffret training-data).", json_schema_extra=cli(short="-t")
+    )
+    backbone: BackboneConfig = Field(
+        default_factory=default_backbone, description="The model to fine-tune, and how it is loaded."
+    )
     readout: ReadoutConfig = Field(default_factory=ReadoutConfig, description="The readout it is trained through.")
     settings: TrainSettings = Field(default_factory=TrainSettings, description="The training settings.")
     name: str | None = Field(default=None, description="The model's name (default: {base}-ft-{hash}).")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints (resume points).")
-    merge: bool = Field(default=False, description="LoRA: save the weights with the adapter merged (a plain model "
-                        "folder, no base needed) instead of the adapter alone.")  # fmt: skip
-    memory_gb: float | None = Field(default=None, gt=0, description="Memory one training process may use (GiB): "
-                                    "a pool whose estimated peak exceeds it is refused before the model is loaded "
-                                    "(default: the GPU's memory, or the memory the CPU has available).")  # fmt: skip
-    bot: str | None = Field(default=None, description="Retrieved negatives: the bag-of-tokens index's tokenizer slug "
-                            "(`diffret sql 'from bot_indexes'`); default: the training corpus's one index with the "
-                            "model's vocabulary.")  # fmt: skip
+    merge: bool = Field(
+        default=False,
+        description="LoRA: save the weights with the adapter merged (a plain model "
+        "folder, no base needed) instead of the adapter alone.",
+    )
+    memory_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory one training process may use (GiB): "
+        "a pool whose estimated peak exceeds it is refused before the model is loaded "
+        "(default: the GPU's memory, or the memory the CPU has available).",
+    )
+    bot: str | None = Field(
+        default=None,
+        description="Retrieved negatives: the bag-of-tokens index's tokenizer slug "
+        "(`diffret sql 'from bot_indexes'`); default: the training corpus's one index with the "
+        "model's vocabulary.",
+    )
 
 
 @dataclass
@@ -86,8 +98,9 @@ class TrainUnit:
     checkpoint_every: int
 
 
-class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trained", reports_progress=True,
-            task_tags=("gpu",)):  # fmt: skip
+class Train(
+    Stage, name="train", config=TrainConfig, noun="model(s)", verb="trained", reports_progress=True, task_tags=("gpu",)
+):
     """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -116,29 +129,37 @@ class Train(Stage, name="train", config=TrainConfig, noun="model(s)", verb="trai
         config = config.model_copy(update={"settings": config.settings.resolved(config.readout.readout)})
         stored = max_negatives(ctx.store, config.training_set, data)
         if config.settings.n_negatives and config.settings.n_negatives > stored:
-            raise ValueError(f"--n-negatives {config.settings.n_negatives} but training set {config.training_set!r} "
-                             f"stores at most {stored} per group, so every group's would be drawn again and again; "
-                             "lower --n-negatives or mine more (`diffret training-data --n-negatives N`)")  # fmt: skip
+            raise ValueError(
+                f"--n-negatives {config.settings.n_negatives} but training set {config.training_set!r} "
+                f"stores at most {stored} per group, so every group's would be drawn again and again; "
+                "lower --n-negatives or mine more (`diffret training-data --n-negatives N`)"
+            )
         budget_from = "given"
         n = config.settings.promptreps_n
         if (config.settings.kq is None or config.settings.kp is None) and config.readout.readout == "promptreps" and n:
             kq, kp, budget_from = n, n, f"PromptReps' cap N = {n} (the paper's fine-tuning)"
             given = {k: v for k, v in (("kq", config.settings.kq), ("kp", config.settings.kp)) if v is not None}
-            config = config.model_copy(update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp,
-                                                                                               **given})})  # fmt: skip
+            config = config.model_copy(
+                update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp, **given})}
+            )
         if config.settings.kq is None or config.settings.kp is None:
             kq, kp, budget_from = selected_budget(ctx, config)
             given = {k: v for k, v in (("kq", config.settings.kq), ("kp", config.settings.kp)) if v is not None}
-            config = config.model_copy(update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp,
-                                                                                               **given})})  # fmt: skip
+            config = config.model_copy(
+                update={"settings": config.settings.model_copy(update={"kq": kq, "kp": kp, **given})}
+            )
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         check_memory(config)
         cfg = {
-            "training_set": config.training_set, "backbone": config.backbone.model_dump(exclude={"device"}),
-            "readout": config.readout.numbers(), "settings": config.settings.recorded(),
+            "training_set": config.training_set,
+            "backbone": config.backbone.model_dump(exclude={"device"}),
+            "readout": config.readout.numbers(),
+            "settings": config.settings.recorded(),
             "inputs": {"training": data.config_hash},
-            "world_size": world()[1], "merge": config.merge, "budget_from": budget_from,
-        }  # fmt: skip
+            "world_size": world()[1],
+            "merge": config.merge,
+            "budget_from": budget_from,
+        }
         if config.settings.retrieved_negatives is not None:
             if config.readout.readout != "sidr":
                 raise ValueError("--retrieved-negatives is SIDR's in-training retrieval: train with --readout sidr")
@@ -211,16 +232,22 @@ def _bot_index(store: Any, config: TrainConfig, corpus: str) -> tuple[str, Manif
             found.append((stage, m))
     hint = f"build one with `diffret bot -d {corpus} --model {config.backbone.model}`"
     if not found:
-        raise IncompleteArtifactError(f"retrieved negatives: no bag-of-tokens index of {corpus!r} with the "
-                                      f"vocabulary of {config.backbone.model}; {hint}")  # fmt: skip
+        raise IncompleteArtifactError(
+            f"retrieved negatives: no bag-of-tokens index of {corpus!r} with the "
+            f"vocabulary of {config.backbone.model}; {hint}"
+        )
     if len({m.files[BOT_FILE].sha256 for _, m in found}) > 1:  # the same bags under several names: any of them
-        raise StoreError(f"retrieved negatives: several different bag-of-tokens indexes of {corpus!r} fit "
-                         f"({', '.join(m.partition['tokenizer'] for _, m in found)}); name one with --bot")
+        raise StoreError(
+            f"retrieved negatives: several different bag-of-tokens indexes of {corpus!r} fit "
+            f"({', '.join(m.partition['tokenizer'] for _, m in found)}); name one with --bot"
+        )
     stage, m = found[0]
     theirs = m.config.get("vocab_hash")
     if theirs is not None and theirs != mine:
-        raise StoreError(f"the bag-of-tokens index {m.partition.get('tokenizer')!r} was built with another tokenizer "
-                         f"than {config.backbone.model}: their token ids do not mean the same words; {hint}")
+        raise StoreError(
+            f"the bag-of-tokens index {m.partition.get('tokenizer')!r} was built with another tokenizer "
+            f"than {config.backbone.model}: their token ids do not mean the same words; {hint}"
+        )
     return stage, m
 
 
@@ -230,8 +257,9 @@ def _bot_with(store: Any, corpus: str, sha256: str) -> str:
         m = store.read_manifest(folder)
         if m is not None and BOT_FILE in m.files and m.files[BOT_FILE].sha256 == sha256:
             return folder
-    raise IncompleteArtifactError(f"the bag-of-tokens index of {corpus!r} this training planned with is gone; run "
-                                  "it again")  # fmt: skip
+    raise IncompleteArtifactError(
+        f"the bag-of-tokens index of {corpus!r} this training planned with is gone; run it again"
+    )
 
 
 def _retrieved_negatives(store: Any, bot_folder: str, depth: int) -> RetrievedNegatives:
@@ -242,21 +270,32 @@ def _retrieved_negatives(store: Any, bot_folder: str, depth: int) -> RetrievedNe
     row = {d: i for i, d in enumerate(corpus.column("doc_id").to_pylist())}
     missing = [d for d in doc_ids[:1000] if d not in row]
     if missing:
-        raise StoreError(f"{store.abspath(bot_folder)}: ids not in the corpus {man.config['dataset']!r} "
-                         f"({', '.join(missing[:3])}); build the index again (`diffret bot --force`)")
+        raise StoreError(
+            f"{store.abspath(bot_folder)}: ids not in the corpus {man.config['dataset']!r} "
+            f"({', '.join(missing[:3])}); build the index again (`diffret bot --force`)"
+        )
     where = np.asarray([row.get(d, -1) for d in doc_ids], np.int64)
 
     def passages(rows: list[int]) -> list[dict[str, str]]:
         t = corpus.take(pa.array(where[rows]))
-        return [{"docid": d, "title": ti or "", "text": x or ""} for d, ti, x in
-                zip(*(t.column(c).to_pylist() for c in ("doc_id", "title", "text")), strict=True)]  # fmt: skip
+        return [
+            {"docid": d, "title": ti or "", "text": x or ""}
+            for d, ti, x in zip(*(t.column(c).to_pylist() for c in ("doc_id", "title", "text")), strict=True)
+        ]
 
     return RetrievedNegatives(bags, doc_ids, passages, depth)
 
 
-def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer: Any, ctx: Context,
-                 stats: dict[str, Any], ylabel: str = "InfoNCE",
-                 extra: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def fit_and_save(
+    trainer: Loop,
+    unit: TrainUnit,
+    cfg: dict[str, Any],
+    tokenizer: Any,
+    ctx: Context,
+    stats: dict[str, Any],
+    ylabel: str = "InfoNCE",
+    extra: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Train ``trainer`` to its last step from the unit's checkpoint (when a killed run left one), checkpointing
     every ``unit.checkpoint_every`` steps; then save the model folder (adapter or merged weights, tokenizer, log,
     loss curve) and drop the checkpoint. Under DDP only the first process logs and writes. The train stages'
@@ -264,9 +303,11 @@ def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer:
     store = ctx.store
     lead = trainer.rank == 0
     log = ctx.log if lead else (lambda _m: None)
-    log(f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
+    log(
+        f"training {unit.name}: {trainer.trainable:,} of {trainer.total:,} parameters trainable "
         f"({100 * trainer.trainable / trainer.total:.2f}%), {trainer.steps} steps"
-        + (f", {trainer.world} processes" if trainer.world > 1 else ""))  # fmt: skip
+        + (f", {trainer.world} processes" if trainer.world > 1 else "")
+    )
     ckpt = checkpoint_path(f"{unit.name}-{config_hash(cfg)[:10]}")
     if store.exists(ckpt):
         trainer.load_state(store.read_bytes(ckpt))
@@ -279,20 +320,36 @@ def fit_and_save(trainer: Loop, unit: TrainUnit, cfg: dict[str, Any], tokenizer:
         ctx.advance(1)
 
     trainer.run(on_step=on_step, checkpoint=save, every=unit.checkpoint_every)
-    stats = {"steps": trainer.step, "trainable": trainer.trainable, "parameters": trainer.total,
-             "final_loss": trainer.log[-1]["loss"], "first_loss": trainer.log[0]["loss"], **stats,
-             "processes": trainer.world, **(extra() if extra else {})}  # fmt: skip
+    stats = {
+        "steps": trainer.step,
+        "trainable": trainer.trainable,
+        "parameters": trainer.total,
+        "final_loss": trainer.log[-1]["loss"],
+        "first_loss": trainer.log[0]["loss"],
+        **stats,
+        "processes": trainer.world,
+        **(extra() if extra else {}),
+    }
     if lead:
         _save(unit, cfg, trainer, tokenizer, stats, ctx, ylabel)
         store.fs.rm(store.abspath(ckpt.rsplit("/", 1)[0]), recursive=True)
-        log(f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
-            f"use it with --model {store.abspath(unit.stage)}")  # fmt: skip
+        log(
+            f"{unit.name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
+            f"use it with --model {store.abspath(unit.stage)}"
+        )
     trainer.close()
     return {**stats, "log": trainer.log}
 
 
-def _save(unit: TrainUnit, cfg: dict[str, Any], trainer: Loop, tokenizer: Any, stats: dict[str, Any],
-          ctx: Context, ylabel: str) -> None:  # fmt: skip
+def _save(
+    unit: TrainUnit,
+    cfg: dict[str, Any],
+    trainer: Loop,
+    tokenizer: Any,
+    stats: dict[str, Any],
+    ctx: Context,
+    ylabel: str,
+) -> None:
     m = Manifest.new("models", {"model": unit.name}, cfg, stats=stats)
     log = trainer.log
     with tempfile.TemporaryDirectory(prefix="diffret-model-") as tmp:
@@ -344,11 +401,13 @@ def check_memory(config: TrainConfig) -> None:
     gib = 2**30
     parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in need.items() if v)
     stated = f"--memory-gb {config.memory_gb:g}" if config.memory_gb else f"this {device.type}'s {have / gib:.1f} GiB"
-    raise ValueError(f"a training step would need about {sum(need.values()) / gib:.1f} GiB ({parts}; "
-                     f"{s.batch_size} groups of 1 + {s.n_negatives} passages a pass, a pool of {s.pool_size}), more "
-                     f"than {stated}: lower --batch-size (gradient caching keeps the pool), --n-negatives or "
-                     "--p-max-len, add --gradient-checkpointing, or state the memory there is with "
-                     "--memory-gb")  # fmt: skip
+    raise ValueError(
+        f"a training step would need about {sum(need.values()) / gib:.1f} GiB ({parts}; "
+        f"{s.batch_size} groups of 1 + {s.n_negatives} passages a pass, a pool of {s.pool_size}), more "
+        f"than {stated}: lower --batch-size (gradient caching keeps the pool), --n-negatives or "
+        "--p-max-len, add --gradient-checkpointing, or state the memory there is with "
+        "--memory-gb"
+    )
 
 
 def max_negatives(store: Any, name: str, data: Manifest) -> int:
@@ -368,15 +427,18 @@ def selected_budget(ctx: Context, config: TrainConfig) -> tuple[int, int, str]:
     from diffret.storage.sql import StoreSQL
 
     ref = SystemRef(model=config.backbone.model, where={"readout.readout": config.readout.readout})
-    hint = ("run the base model zero-shot on a train split first (`diffret run --model ... --split train`), or "
-            "give --kq and --kp")  # fmt: skip
+    hint = (
+        "run the base model zero-shot on a train split first (`diffret run --model ... --split train`), or "
+        "give --kq and --kp"
+    )
     try:
         system = find_system(ctx.store, ref).system
     except StoreError as exc:
         raise StoreError(f"no training budget given and {exc}; {hint}") from None
     with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
-        found = rows(db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?",
-                     [system])  # fmt: skip
+        found = rows(
+            db, "select kq_star, kp_star, train_ndcg_10, train_on from budget_selection where system = ?", [system]
+        )
     if not found:
         raise StoreError(f"no training budget given and {system} has no train-split cells to select one; {hint}")
     kq, kp, ndcg, on = found[0].values()

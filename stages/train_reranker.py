@@ -45,14 +45,23 @@ from .train import Train, TrainConfig, TrainUnit, fit_and_save
 class TrainRerankerConfig(StageConfig):
     """Parameters of the train-reranker flow (one of ``source`` or ``dataset``)."""
 
-    source: str | None = Field(default=None, description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.",
-                               json_schema_extra=cli(short="-s"))  # fmt: skip
-    dataset: str | None = Field(default=None, description="Teacher lists from this stored dataset: its qrels over a "
-                                "first-stage run.", json_schema_extra=cli(short="-d"))  # fmt: skip
+    source: str | None = Field(
+        default=None,
+        description="A RankZephyr-format jsonl / jsonl.gz file of ranked lists.",
+        json_schema_extra=cli(short="-s"),
+    )
+    dataset: str | None = Field(
+        default=None,
+        description="Teacher lists from this stored dataset: its qrels over a first-stage run.",
+        json_schema_extra=cli(short="-d"),
+    )
     split: str = Field(default="train", description="The split whose queries become lists.")
-    teacher: Literal["qrels", "run"] = Field(default="qrels", description="qrels: the judged queries, relevant "
-                                             "documents first, then the run's; run: the run's own order (distill a "
-                                             "stronger first stage), every query it ranks.")  # fmt: skip
+    teacher: Literal["qrels", "run"] = Field(
+        default="qrels",
+        description="qrels: the judged queries, relevant "
+        "documents first, then the run's; run: the run's own order (distill a "
+        "stronger first stage), every query it ranks.",
+    )
     first_stage: str = Field(default="bm25", description="The run giving the candidates: bm25 or a system slug.")
     first_kq: int = like(RerankConfig, "first_kq")
     first_kp: int = like(RerankConfig, "first_kp")
@@ -66,13 +75,21 @@ class TrainRerankerConfig(StageConfig):
     @model_validator(mode="after")
     def _one_origin(self) -> TrainRerankerConfig:
         if (self.source is None) == (self.dataset is None):
-            raise ValueError("give exactly one of source (a RankZephyr-format file) and dataset (qrels lists from the "
-                             "store)")  # fmt: skip
+            raise ValueError(
+                "give exactly one of source (a RankZephyr-format file) and dataset (qrels lists from the store)"
+            )
         return self
 
 
-class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, noun="model(s)", verb="trained",
-                    reports_progress=True, task_tags=("gpu",)):  # fmt: skip
+class TrainReranker(
+    Train,
+    name="train-reranker",
+    config=TrainRerankerConfig,
+    noun="model(s)",
+    verb="trained",
+    reports_progress=True,
+    task_tags=("gpu",),
+):
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
 
     deployment = (  # the Prefect deployment's description (flows/deployments.py)
@@ -92,15 +109,21 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
     next_step = "rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment)."
 
     def printed(self, result: StageResult) -> list[str]:
-        return [f"model: {result.details.get('model_dir')} (rerank with it: diffret rerank --model <it> --method <the "
-                "same>)"]  # fmt: skip
+        return [
+            f"model: {result.details.get('model_dir')} (rerank with it: diffret rerank --model <it> --method <the "
+            "same>)"
+        ]
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
         store = ctx.store
-        cfg: dict[str, Any] = {"task": "reranker", "backbone": config.backbone.model_dump(exclude={"device"}),
-                               "settings": config.settings.model_dump(), "world_size": world()[1],
-                               "merge": config.merge}  # fmt: skip
+        cfg: dict[str, Any] = {
+            "task": "reranker",
+            "backbone": config.backbone.model_dump(exclude={"device"}),
+            "settings": config.settings.model_dump(),
+            "world_size": world()[1],
+            "merge": config.merge,
+        }
         if config.source is not None:
             path = Path(config.source).expanduser()
             if not path.is_file():
@@ -109,17 +132,30 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
             n_lists = sum(1 for _ in iter_lines(path))  # non-blank lines; bad UTF-8 is refused here already
         else:
             dataset = str(config.dataset)
-            _, run = first_stage_run(store, dataset, config.split, config.first_stage, config.first_kq,
-                                     config.first_kp, config.first_mode)  # fmt: skip
+            _, run = first_stage_run(
+                store, dataset, config.split, config.first_stage, config.first_kq, config.first_kp, config.first_mode
+            )
             qrels = qrels_table(store, dataset, config.split)
             if qrels.num_rows == 0 and config.teacher == "qrels":
-                raise StoreError(f"{dataset}/{config.split} has no judgments to build teacher lists from; give "
-                                 "--teacher run to learn the run's order")  # fmt: skip
-            cfg |= {"dataset": dataset, "split": config.split, "first_stage": run, "teacher": config.teacher,
-                    "inputs": {"dataset": dataset_manifest(store, dataset).config_hash,
-                               "run": store.require_manifest(run).config_hash}}  # fmt: skip
-            n_lists = len(set(qrels.column("query_id").to_pylist())) if config.teacher == "qrels" else len(
-                split_queries(store, dataset, config.split))
+                raise StoreError(
+                    f"{dataset}/{config.split} has no judgments to build teacher lists from; give "
+                    "--teacher run to learn the run's order"
+                )
+            cfg |= {
+                "dataset": dataset,
+                "split": config.split,
+                "first_stage": run,
+                "teacher": config.teacher,
+                "inputs": {
+                    "dataset": dataset_manifest(store, dataset).config_hash,
+                    "run": store.require_manifest(run).config_hash,
+                },
+            }
+            n_lists = (
+                len(set(qrels.column("query_id").to_pylist()))
+                if config.teacher == "qrels"
+                else len(split_queries(store, dataset, config.split))
+            )
         return self.model_plan(ctx, config, cfg, "rr", n_lists)
 
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
@@ -127,8 +163,9 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
         lists, stats = self.lists(cfg, ctx)
         if not lists:
             raise DatasetError(f"no ranked list to train on ({stats})")
-        ctx.log(f"{len(lists):,} ranked lists" + "".join(f", {k} {v:,}" for k, v in stats.items() if k != "lists"
-                                                            and v))  # fmt: skip
+        ctx.log(
+            f"{len(lists):,} ranked lists" + "".join(f", {k} {v:,}" for k, v in stats.items() if k != "lists" and v)
+        )
         bb = load_backbone(BackboneConfig.model_validate(cfg["backbone"]))
         trainer = RerankTrainer(bb, lists, RerankTrainSettings.model_validate(cfg["settings"]))
         loss = cfg["settings"]["loss"]
@@ -147,8 +184,9 @@ class TrainReranker(Train, name="train-reranker", config=TrainRerankerConfig, no
         for q, d in zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(), strict=True):
             ranked.setdefault(q, []).append(d)
         q_ids, q_texts, _ = side_texts(store, dataset, "query")
-        doc_ids, doc_texts, _ = side_texts(store, store.require_manifest(cfg["first_stage"]).config["corpus"],
-                                           "passage")  # fmt: skip
+        doc_ids, doc_texts, _ = side_texts(
+            store, store.require_manifest(cfg["first_stage"]).config["corpus"], "passage"
+        )
         queries = {q: t for q, t in zip(q_ids, q_texts, strict=True)}
         text_of, size = dict(zip(doc_ids, doc_texts, strict=True)), cfg["settings"]["list_size"]
         if cfg.get("teacher", "qrels") == "run":

@@ -40,10 +40,16 @@ class TrainingDataConfig(StageConfig):
     """Parameters of the training-data stage (one of ``source`` or ``dataset``)."""
 
     name: str | None = Field(default=None, description="The set's name (default: the dataset, or the file's stem).")
-    source: str | None = Field(default=None, description="A Tevatron file (jsonl / jsonl.gz / Parquet) or hub id.",
-                               json_schema_extra=cli(short="-s"))  # fmt: skip
-    dataset: str | None = Field(default=None, description="Mine groups from this stored dataset's train split.",
-                                json_schema_extra=cli(short="-d"))  # fmt: skip
+    source: str | None = Field(
+        default=None,
+        description="A Tevatron file (jsonl / jsonl.gz / Parquet) or hub id.",
+        json_schema_extra=cli(short="-s"),
+    )
+    dataset: str | None = Field(
+        default=None,
+        description="Mine groups from this stored dataset's train split.",
+        json_schema_extra=cli(short="-d"),
+    )
     split: str = Field(default="train", description="The split whose judged queries become groups.")
     negatives: str = Field(default="bm25", description="The stored system whose run gives the hard negatives.")
     kq: int | None = Field(default=None, ge=0, description="The run's K_q (when the system has several runs).")
@@ -77,8 +83,9 @@ def _source_files(source: str) -> list[Path]:
     try:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(source, repo_type="dataset",
-                                        allow_patterns=["*.jsonl", "*.jsonl.gz", "*.parquet"]))  # fmt: skip
+        folder = Path(
+            snapshot_download(source, repo_type="dataset", allow_patterns=["*.jsonl", "*.jsonl.gz", "*.parquet"])
+        )
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo: one clear error
         raise DatasetError(
             f"{source}: cannot fetch the hub dataset ({type(exc).__name__}); pass a local file"
@@ -124,14 +131,23 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
             run = self._run_folder(config, ctx)
             run_depth = store.require_manifest(run).config.get("topk")
             if run_depth is not None and int(run_depth) < config.depth:
-                raise StoreError(f"{run} keeps {run_depth} documents per query, fewer than the negatives' "
-                                 f"depth {config.depth}; lower --depth or re-score deeper (--train-topk)")  # fmt: skip
+                raise StoreError(
+                    f"{run} keeps {run_depth} documents per query, fewer than the negatives' "
+                    f"depth {config.depth}; lower --depth or re-score deeper (--train-topk)"
+                )
             cfg |= {
-                "dataset": dataset, "corpus": corpus_of(dataset), "split": config.split, "negatives": run,
-                "depth": config.depth, "n_negatives": config.n_negatives, "seed": config.seed,
-                "inputs": {"dataset": dataset_manifest(store, dataset).config_hash,
-                           "run": store.require_manifest(run).config_hash},
-            }  # fmt: skip
+                "dataset": dataset,
+                "corpus": corpus_of(dataset),
+                "split": config.split,
+                "negatives": run,
+                "depth": config.depth,
+                "n_negatives": config.n_negatives,
+                "seed": config.seed,
+                "inputs": {
+                    "dataset": dataset_manifest(store, dataset).config_hash,
+                    "run": store.require_manifest(run).config_hash,
+                },
+            }
         plan = Plan(system=name)
         folder = training_dir(name)
         if plan.needs(ctx, folder, cfg, config.force):
@@ -142,9 +158,11 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
         store, dataset = ctx.store, str(config.dataset)
         split_queries(store, dataset, config.split)  # a clear error without the split
         system = find_system(store, SystemRef(system=config.negatives)).system
-        parts = [f"kq={config.kq}" if config.kq is not None else "kq=*",
-                 f"kp={config.kp}" if config.kp is not None else "kp=*",
-                 f"mode={config.mode}" if config.mode else "mode=*"]  # fmt: skip
+        parts = [
+            f"kq={config.kq}" if config.kq is not None else "kq=*",
+            f"kp={config.kp}" if config.kp is not None else "kp=*",
+            f"mode={config.mode}" if config.mode else "mode=*",
+        ]
         found = store.stage_dirs(f"runs/system={system}/dataset={dataset}/split={config.split}/{'/'.join(parts)}")
         if len(found) == 1:
             return found[0]
@@ -154,8 +172,10 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
                 f"(e.g. `diffret bm25 -d {dataset} --split {config.split}`)"
             )
         cells = ", ".join("/".join(f.split("/")[-3:]) for f in found[:8])
-        raise StoreError(f"{system} has {len(found)} runs on {dataset}/{config.split} ({cells}, ...); "
-                         "choose one with --kq, --kp and --mode")  # fmt: skip
+        raise StoreError(
+            f"{system} has {len(found)} runs on {dataset}/{config.split} ({cells}, ...); "
+            "choose one with --kq, --kp and --mode"
+        )
 
     def run(self, unit: TrainingUnit, ctx: Context) -> dict[str, Any]:
         cfg = unit.config
@@ -172,17 +192,23 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
         m = Manifest.new("training", {"set": cfg["set"]}, cfg, stats=stats)
         with ctx.store.stage_writer(unit.stage, m) as w:
             w.write_parquet(GROUPS_FILE, GROUPS_SCHEMA, [groups_table(groups)])
-        counted = {k: v for k, v in stats.items() if k not in ("examples", "negatives_per_group", "short",
-                                                              "negatives_short", "repeated_negatives") and v}
+        counted = {
+            k: v
+            for k, v in stats.items()
+            if k not in ("examples", "negatives_per_group", "short", "negatives_short", "repeated_negatives") and v
+        }
         ctx.log(f"training set {cfg['set']!r}: " + ", ".join(f"{k} {v:,}" for k, v in counted.items()))
         if stats.get("short"):
             held = [len(g.negatives) for g in groups if len(g.negatives) < cfg["n_negatives"]]
-            ctx.log(f"{stats['short']:,} group(s) have fewer than {cfg['n_negatives']:,} distinct negatives in the "
-                    f"run's top {cfg['depth']} (positives left out): stored as they are, {min(held)}-{max(held)} each "
-                    f"({stats['negatives_short']:,} fewer in all), no duplicates; for more, raise --depth")  # fmt: skip
+            ctx.log(
+                f"{stats['short']:,} group(s) have fewer than {cfg['n_negatives']:,} distinct negatives in the "
+                f"run's top {cfg['depth']} (positives left out): stored as they are, {min(held)}-{max(held)} each "
+                f"({stats['negatives_short']:,} fewer in all), no duplicates; for more, raise --depth"
+            )
         if stats.get("repeated_negatives"):
-            ctx.log(f"{stats['repeated_negatives']:,} repeated negative(s) dropped (a passage is stored once per "
-                    "group)")  # fmt: skip
+            ctx.log(
+                f"{stats['repeated_negatives']:,} repeated negative(s) dropped (a passage is stored once per group)"
+            )
         return stats
 
     def _mine(self, unit: TrainingUnit, ctx: Context) -> tuple[list[Group], Any]:
@@ -194,16 +220,25 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
             positives.setdefault(q, []).append(d)
         q_ids, q_texts, _ = side_texts(store, cfg["dataset"], "query")
         corpus = store.read_table(dataset_dir(cfg["corpus"]), "corpus.parquet", columns=["doc_id", "title", "text"])
-        passage = {d: (t or "", x) for d, t, x in zip(*(corpus.column(c).to_pylist() for c in
-                                                           ("doc_id", "title", "text")), strict=True)}  # fmt: skip
+        passage = {
+            d: (t or "", x)
+            for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")), strict=True)
+        }
         run = read_run(store, unit.run, columns=["query_id", "doc_id", "rank"]).sort_by(
             [("query_id", "ascending"), ("rank", "ascending")]
         )
         ranked: dict[str, list[str]] = {}
         for q, d in zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(), strict=True):
             ranked.setdefault(q, []).append(d)
-        return mine_groups(dict(zip(q_ids, q_texts, strict=True)), positives, ranked, passage, cfg["depth"],
-                           cfg["n_negatives"], cfg["seed"])  # fmt: skip
+        return mine_groups(
+            dict(zip(q_ids, q_texts, strict=True)),
+            positives,
+            ranked,
+            passage,
+            cfg["depth"],
+            cfg["n_negatives"],
+            cfg["seed"],
+        )
 
 
 stage = TrainingData()

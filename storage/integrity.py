@@ -94,8 +94,11 @@ class IntegrityMixin:
         "repair: remove the folder: `rm -r '/data/s/runs/system=a b'`"
         """
         path = self.abspath(stage_dir)
-        return f"repair: remove the folder: `rm -r {shlex.quote(path)}`" if self.is_local else (
-            f"repair: remove the folder {path}")  # fmt: skip
+        return (
+            f"repair: remove the folder: `rm -r {shlex.quote(path)}`"
+            if self.is_local
+            else (f"repair: remove the folder {path}")
+        )
 
     def edited_problem(self, stage_dir: str, m: Manifest, subject: str = "") -> str | None:
         """The damage line of a manifest edited by hand (``subject``: what it names first; default its folder), with
@@ -107,11 +110,14 @@ class IntegrityMixin:
             return None
         subject = subject or self.abspath(stage_dir)
         if what == "its config" and (fields := m.non_finite()):
-            return (f"{subject}: its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, "
-                    "written as null), which every setting refuses now, so no command builds the folder again as it "
-                    f"was; {self.removal_hint(stage_dir)}")  # fmt: skip
-        return (f"{subject}: manifest edited by hand ({what}), so the folder is not trusted; "
-                f"{self.repair_hint(stage_dir)}")  # fmt: skip
+            return (
+                f"{subject}: its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, "
+                "written as null), which every setting refuses now, so no command builds the folder again as it "
+                f"was; {self.removal_hint(stage_dir)}"
+            )
+        return (
+            f"{subject}: manifest edited by hand ({what}), so the folder is not trusted; {self.repair_hint(stage_dir)}"
+        )
 
     def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(config, stats) of a folder's manifest as written, or None (missing, unreadable): no checks, no hints."""
@@ -134,8 +140,13 @@ class IntegrityMixin:
         side = keys.get("side", "passage")
         source = f"encodings/system={f16}/dataset={keys.get('dataset')}/side={side}/k={keys.get('k')}"
         stored = f16 is not None and self.exists(layout.manifest_path(source))
-        return {"compressed": {"store": spec, "seed": settings.get("store_seed", 0),
-                               "float16_system": f16 if stored else None}}  # fmt: skip
+        return {
+            "compressed": {
+                "store": spec,
+                "seed": settings.get("store_seed", 0),
+                "float16_system": f16 if stored else None,
+            }
+        }
 
     def _model_task(self, stage_dir: str) -> str:
         """A stored model's task: its manifest's (``reranker`` for train-reranker's), else its train log's."""
@@ -218,8 +229,9 @@ class IntegrityMixin:
             raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}; {repair}")
         digest, _ = sha256_file(path, self.fs)
         if digest != entry.sha256:
-            raise ChecksumError(f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…); "
-                                f"{repair}")  # fmt: skip
+            raise ChecksumError(
+                f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…); {repair}"
+            )
         self._verified[key] = digest
 
     def check_file(self, stage_dir: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
@@ -276,13 +288,18 @@ class IntegrityMixin:
         """
         if not self.fs.exists(self.base):
             raise StoreError(f"no store at {self.root}: check --root (stages create it when they first write)")
-        names = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.base, detail=False))
-                       if not n.startswith("."))  # fmt: skip
+        names = sorted(
+            n
+            for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.base, detail=False))
+            if not n.startswith(".")
+        )
         if names and not set(names) & layout.STORE_TOP_FOLDERS:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
-            raise StoreError(f"{self.root} is not a diffret store: it holds {shown} but none of a store's folders "
-                             "(datasets/, runs/, metrics/, ...): check --root (a TREC run file enters a store with "
-                             "`diffret import-run`)")  # fmt: skip
+            raise StoreError(
+                f"{self.root} is not a diffret store: it holds {shown} but none of a store's folders "
+                "(datasets/, runs/, metrics/, ...): check --root (a TREC run file enters a store with "
+                "`diffret import-run`)"
+            )
 
     def verify_all(self) -> tuple[int, list[str]]:
         """Check every file of every stage folder against its manifest (full sha256, no cache): the number
@@ -342,8 +359,10 @@ class IntegrityMixin:
                     continue
                 files = [p for p in self.fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_"))]
                 if files:
-                    out.append(f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
-                               f"{self.repair_hint(rel)}")  # fmt: skip
+                    out.append(
+                        f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
+                        f"{self.repair_hint(rel)}"
+                    )
         return out
 
     def state(

@@ -253,39 +253,68 @@ def latency_dir(system: str, kind: str, setting: str) -> str:
 ENCODE_LATENCY_FILE = "encode_latency.parquet"
 SEARCH_LATENCY_FILE = "search_latency.parquet"
 _ENVIRONMENT_FIELDS = [
-    pa.field("device", pa.string()), pa.field("device_name", pa.string()), pa.field("threads", pa.int32()),
-    pa.field("dtype", pa.string()), pa.field("attention", pa.string()), pa.field("torch", pa.string()),
+    pa.field("device", pa.string()),
+    pa.field("device_name", pa.string()),
+    pa.field("threads", pa.int32()),
+    pa.field("dtype", pa.string()),
+    pa.field("attention", pa.string()),
+    pa.field("torch", pa.string()),
     pa.field("transformers", pa.string()),
-]  # fmt: skip
+]
 _TIMING_FIELDS = [
-    pa.field("min_ms", pa.float64()), pa.field("median_ms", pa.float64()), pa.field("max_ms", pa.float64()),
-    pa.field("repeats", pa.int32()), pa.field("measured_at", pa.timestamp("us", tz="UTC")),
-]  # fmt: skip
+    pa.field("min_ms", pa.float64()),
+    pa.field("median_ms", pa.float64()),
+    pa.field("max_ms", pa.float64()),
+    pa.field("repeats", pa.int32()),
+    pa.field("measured_at", pa.timestamp("us", tz="UTC")),
+]
 # one row per (side, input length, batch size, K): milliseconds per text
 ENCODE_LATENCY_SCHEMA = pa.schema(
-    [pa.field("system", pa.string()), pa.field("model", pa.string()), pa.field("family", pa.string()),
-     pa.field("readout", pa.string()), pa.field("denoise_steps", pa.int32()), pa.field("hidden", pa.int32()),
-     pa.field("side", pa.string()), pa.field("length", pa.int32()), pa.field("batch_size", pa.int32()),
-     pa.field("k", pa.int32()),
-     pa.field("input_tokens", pa.float64()), pa.field("slots", pa.float64())]
-    + _TIMING_FIELDS + _ENVIRONMENT_FIELDS
-)  # fmt: skip
+    [
+        pa.field("system", pa.string()),
+        pa.field("model", pa.string()),
+        pa.field("family", pa.string()),
+        pa.field("readout", pa.string()),
+        pa.field("denoise_steps", pa.int32()),
+        pa.field("hidden", pa.int32()),
+        pa.field("side", pa.string()),
+        pa.field("length", pa.int32()),
+        pa.field("batch_size", pa.int32()),
+        pa.field("k", pa.int32()),
+        pa.field("input_tokens", pa.float64()),
+        pa.field("slots", pa.float64()),
+    ]
+    + _TIMING_FIELDS
+    + _ENVIRONMENT_FIELDS
+)
 # one row per (engine, mode, index size, K_q, K_p): milliseconds per query
 SEARCH_LATENCY_SCHEMA = pa.schema(
-    [pa.field("system", pa.string()), pa.field("engine", pa.string()), pa.field("index_type", pa.string()),
-     pa.field("mode", pa.string()),
-     pa.field("docs", pa.int64()), pa.field("kq", pa.int32()), pa.field("kp", pa.int32()),
-     pa.field("hidden", pa.int32()), pa.field("queries", pa.int32()), pa.field("topk", pa.int32())]
-    + _TIMING_FIELDS + _ENVIRONMENT_FIELDS
-)  # fmt: skip
+    [
+        pa.field("system", pa.string()),
+        pa.field("engine", pa.string()),
+        pa.field("index_type", pa.string()),
+        pa.field("mode", pa.string()),
+        pa.field("docs", pa.int64()),
+        pa.field("kq", pa.int32()),
+        pa.field("kp", pa.int32()),
+        pa.field("hidden", pa.int32()),
+        pa.field("queries", pa.int32()),
+        pa.field("topk", pa.int32()),
+    ]
+    + _TIMING_FIELDS
+    + _ENVIRONMENT_FIELDS
+)
 
 
 FEATURES_FILE = "features.parquet"
 # one row per (query, feature): what a query's budget is chosen from (diffret budget)
 FEATURES_SCHEMA = pa.schema(
-    [pa.field("query_id", pa.string(), nullable=False), pa.field("feature", pa.string(), nullable=False),
-     pa.field("value", pa.float64(), nullable=False)]
-)  # fmt: skip
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("feature", pa.string(), nullable=False),
+        pa.field("value", pa.float64(), nullable=False),
+    ]
+)
 
 
 def features_dir(system: str, dataset: str, split: str, feature_set: str) -> str:
@@ -340,11 +369,20 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "latency": ("latency/*/*/*", "diffret latency"),
     "features": ("features/*/*/*/*", "diffret budget"),
 }
-_RUN_COMMANDS = {"bm25": "diffret bm25", "rerank": "diffret rerank", "beta": "diffret beta",
-                 "imported": "diffret import-run", "fusion": "diffret fuse"}  # fmt: skip
+_RUN_COMMANDS = {
+    "bm25": "diffret bm25",
+    "rerank": "diffret rerank",
+    "beta": "diffret beta",
+    "imported": "diffret import-run",
+    "fusion": "diffret fuse",
+}
 # the command that registers each kind of system (a registry record is written again by its next run)
-_SYSTEM_COMMANDS = {"bm25": "diffret bm25", "run": "diffret import-run", "fusion": "diffret fuse",
-                    "reranker": "diffret rerank"}  # fmt: skip
+_SYSTEM_COMMANDS = {
+    "bm25": "diffret bm25",
+    "run": "diffret import-run",
+    "fusion": "diffret fuse",
+    "reranker": "diffret rerank",
+}
 # The names a store root holds (every stage folder, and the store's own bookkeeping): a folder holding none of them
 # (beside hidden entries) is not a store (:meth:`storage.ArtifactStore.require_root`)
 STORE_TOP_FOLDERS = frozenset([*STAGE_FOLDERS, STAGING_DIR, LOCKS_DIR, PLANS_DIR, "checkpoints"])
@@ -384,8 +422,13 @@ def repair_hint(rel: str, facts: dict[str, Any] | None = None, root: str = "") -
         command = f"diffret download {keys['dataset']}"
     elif kind == "runs":
         mode = keys.get("mode", "")
-        command = ("diffret budget" if mode.startswith("adaptive_") else "diffret late" if mode.startswith("late_")
-                   else _RUN_COMMANDS.get(mode, command))  # fmt: skip
+        command = (
+            "diffret budget"
+            if mode.startswith("adaptive_")
+            else "diffret late"
+            if mode.startswith("late_")
+            else _RUN_COMMANDS.get(mode, command)
+        )
     elif kind == "filters" and "filter" in keys:
         command = f"diffret tokenize --content-filter {keys['filter']} --verify"
     elif kind in ("encodings", "codebooks") and (c := facts.get("compressed")):
@@ -401,6 +444,8 @@ def repair_hint(rel: str, facts: dict[str, Any] | None = None, root: str = "") -
         command = _SYSTEM_COMMANDS[facts["kind"]]
     elif kind == "summaries" and "bm25" in facts and {"system", "dataset", "split"} <= keys.keys():
         bm25 = f" --bm25 {facts['bm25']}" if facts["bm25"] else ""
-        return (f"repair: run `diffret summary --system {keys['system']} -d {keys['dataset']} --split "
-                f"{keys['split']}{bm25}{at}` again")  # fmt: skip
+        return (
+            f"repair: run `diffret summary --system {keys['system']} -d {keys['dataset']} --split "
+            f"{keys['split']}{bm25}{at}` again"
+        )
     return f"repair: run `{command}{at}` again with the settings that made it"

@@ -105,8 +105,12 @@ class ShardRecord(BaseModel):
     file: FileEntry
 
     def to_json(self) -> str:
-        return json.dumps({"config_hash": self.config_hash, "name": self.name, "file": self.file.to_dict()},
-                          sort_keys=True) + "\n"  # fmt: skip
+        return (
+            json.dumps(
+                {"config_hash": self.config_hash, "name": self.name, "file": self.file.to_dict()}, sort_keys=True
+            )
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "shard record") -> ShardRecord:
@@ -262,8 +266,11 @@ def diff_configs(stored: dict[str, Any], requested: dict[str, Any]) -> list[tupl
         if a.get(k, _MISSING) != b.get(k, _MISSING)
     ]
     # an empty mapping on one side and its fields on the other: the fields say it (not "{} vs unset" as well)
-    return [d for d in out if not (d[1] in ({}, _MISSING) and d[2] in ({}, _MISSING)
-                                   and any(o[0].startswith(d[0] + ".") for o in out))]  # fmt: skip
+    return [
+        d
+        for d in out
+        if not (d[1] in ({}, _MISSING) and d[2] in ({}, _MISSING) and any(o[0].startswith(d[0] + ".") for o in out))
+    ]
 
 
 def library_versions() -> dict[str, str]:

@@ -114,8 +114,9 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tu
     for path in store.fs.glob(store.abspath(pattern)):
         folder, _, name = store.relpath(path).rpartition("/")
         on_disk.setdefault(folder, set()).add(name)
-    for path in store.fs.glob(store.abspath(f"{folder_glob}/{layout.MANIFEST_NAME}" if folder_glob else
-                                            layout.MANIFEST_NAME)):  # fmt: skip
+    for path in store.fs.glob(
+        store.abspath(f"{folder_glob}/{layout.MANIFEST_NAME}" if folder_glob else layout.MANIFEST_NAME)
+    ):
         on_disk.setdefault(store.relpath(path).rpartition("/")[0], set())
     out: list[str] = []
     left_out: dict[str, str] = {}
@@ -129,8 +130,10 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tu
             continue
         if m is None:
             if on_disk[folder] and store.is_local:
-                left_out[folder] = (f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
-                                    f"trusted; {store.repair_hint(folder)}")  # fmt: skip
+                left_out[folder] = (
+                    f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
+                    f"trusted; {store.repair_hint(folder)}"
+                )
             continue
         names = sorted(n for n in m.files if fnmatch.fnmatchcase(n, name_glob))
         try:
@@ -172,9 +175,7 @@ def _python_warning(line: str) -> None:
 
 def measure_columns() -> str:
     """``avg(value) FILTER (WHERE measure = 'ndcg_cut_10') AS ndcg_10, ...`` for the headline measures."""
-    return ",\n       ".join(
-        f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in schemas.MEASURES
-    )
+    return ",\n       ".join(f"avg(value) FILTER (WHERE measure = '{m.pytrec}') AS {m.short}" for m in schemas.MEASURES)
 
 
 def _sql_str(text: str) -> str:
@@ -237,8 +238,9 @@ class StoreSQL:
             try:
                 if view.files:
                     files, self.left_out[view.name] = listed_files(store, view.files, verify=verify)
-                    sql = sql.replace("@files", _sql_list([url(p) for p in files] or [_placeholder(view.files,
-                                                                                                   self._tmp.name)]))
+                    sql = sql.replace(
+                        "@files", _sql_list([url(p) for p in files] or [_placeholder(view.files, self._tmp.name)])
+                    )
                 self.con.execute(sql)
             except (duckdb.Error, StoreError) as exc:
                 self._fail_alone(view, exc, files)
@@ -294,8 +296,9 @@ class StoreSQL:
                 why = f"queries/{view.origin}: view {view.name!r} failed: {' '.join(str(exc).split())}"
         self.damaged[view.name] = why
         reason = _sql_str(f"view {view.name}: " + why)  # raised by any query that reads a row of it, count(*) too
-        self.con.execute(f"CREATE OR REPLACE VIEW {view.name} AS SELECT 1 AS damaged FROM range(1) "
-                         f"WHERE error({reason}) IS NULL")  # fmt: skip
+        self.con.execute(
+            f"CREATE OR REPLACE VIEW {view.name} AS SELECT 1 AS damaged FROM range(1) WHERE error({reason}) IS NULL"
+        )
 
     def _checked(self, sql: str) -> str:
         """``sql`` if every statement in it is read-only, else :class:`SQLRefused` naming the first that is not."""
@@ -304,8 +307,10 @@ class StoreSQL:
         except duckdb.Error as exc:
             raise StoreError(f"SQL error: {' '.join(str(exc).split())}") from None
         if not statements:  # comments, ';' (DuckDB would run nothing and return no result)
-            raise StoreError(f"no SQL statement in {sql.strip()[:60]!r} (only comments or ';'): give a SELECT over "
-                             "the views (`diffret views` lists them)")  # fmt: skip
+            raise StoreError(
+                f"no SQL statement in {sql.strip()[:60]!r} (only comments or ';'): give a SELECT over "
+                "the views (`diffret views` lists them)"
+            )
         for st in statements:
             kind = st.type.name
             if kind not in READ_ONLY:
@@ -317,8 +322,9 @@ class StoreSQL:
 
     def _run(self, sql: str, relation: bool = False) -> Any:
         if not sql.strip():
-            raise StoreError("empty SQL query (only whitespace): give a SELECT over the views (`diffret views` lists "
-                             "them)")  # fmt: skip
+            raise StoreError(
+                "empty SQL query (only whitespace): give a SELECT over the views (`diffret views` lists them)"
+            )
         try:
             rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
             self._warn_left_out(sql)

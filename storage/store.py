@@ -144,8 +144,10 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         if self.is_local:
             base = os.path.realpath(self.base)
             if out == base or out.startswith(base.rstrip(os.sep) + os.sep):
-                raise StoreError(f"{flag} {path} is inside the store root {self.root}: write results outside the "
-                                 "store (its files are only written by its stages)")  # fmt: skip
+                raise StoreError(
+                    f"{flag} {path} is inside the store root {self.root}: write results outside the "
+                    "store (its files are only written by its stages)"
+                )
         return out
 
     def local_path(self, rel: str) -> str:
@@ -215,8 +217,10 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         try:
             data = self.read_bytes(rel)
         except FileNotFoundError as exc:
-            raise StoreError(f"{self.abspath(rel)}: the stage run's shared settings are missing (removed while "
-                             "it ran?); run the stage again") from exc  # fmt: skip
+            raise StoreError(
+                f"{self.abspath(rel)}: the stage run's shared settings are missing (removed while "
+                "it ran?); run the stage again"
+            ) from exc
         if hashlib.sha256(data).hexdigest()[:24] != key:
             raise StoreError(f"{self.abspath(rel)}: changed since it was written; run the stage again")
         return json.loads(data)
@@ -249,8 +253,10 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         if m is None:
             hint = ""
             if self.exists(stage_dir):
-                hint = (f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
-                        f"{self.repair_hint(stage_dir)})")  # fmt: skip
+                hint = (
+                    f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
+                    f"{self.repair_hint(stage_dir)})"
+                )
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
         return m
 
@@ -293,8 +299,9 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
             schema = pf.schema_arrow if columns is None else pa.schema([pf.schema_arrow.field(c) for c in columns])
             return pa.Table.from_batches(batches, schema=schema)
 
-    def iter_batches(self, stage_dir: str, name: str, columns: list[str] | None = None,
-                     batch_size: int = 65_536) -> Iterator[pa.RecordBatch]:  # fmt: skip
+    def iter_batches(
+        self, stage_dir: str, name: str, columns: list[str] | None = None, batch_size: int = 65_536
+    ) -> Iterator[pa.RecordBatch]:
         """:meth:`read_table`'s file (verified the same way) as record batches of at most ``batch_size`` rows, so
         that memory holds one row group and not the file: a corpus of millions of passages read a slice at a time."""
         self.read_table_entry(stage_dir, name)

@@ -114,8 +114,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--record-durations", action="store_true",
-                     help="write each test group's seconds (setup, call, teardown) to tests/durations.json")
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write each test group's seconds (setup, call, teardown) to tests/durations.json",
+    )
 
 
 _seconds: dict[str, float] = {}

@@ -15,13 +15,13 @@ MLM_ARCHS = tuple(a for a in ARCHS if a not in CAUSAL_ARCHS)
 SIDES = ("left", "right")
 
 
-
 def ids_of(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def encode(bb: Backbone, texts: list[str], k: int = 4, side: str = "query", max_length: int = 256,
-           **cfg) -> list[Encoded]:  # fmt: skip
+def encode(
+    bb: Backbone, texts: list[str], k: int = 4, side: str = "query", max_length: int = 256, **cfg
+) -> list[Encoded]:
     reader = make_reader(bb, ReadoutConfig(**cfg), max_length)
     return reader.encode([ids_of(bb.tokenizer, t) for t in texts], texts, side, k)
 

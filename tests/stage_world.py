@@ -45,11 +45,30 @@ QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[2 * i : 2 * i + 2])} for i in
 QRELS = {"test": [("q0", "d0", 1), ("q1", "d2", 1), ("q2", "d4", 2)], "train": [("q3", "d6", 1), ("q4", "d8", 1)]}
 
 
-TRAIN = TrainSettings(adapter="full", kq=1, kp=2, batch_size=2, grad_accum=1, n_negatives=2, max_steps=4, lr=1e-3,
-                      q_max_len=8, p_max_len=12)  # fmt: skip
+TRAIN = TrainSettings(
+    adapter="full",
+    kq=1,
+    kp=2,
+    batch_size=2,
+    grad_accum=1,
+    n_negatives=2,
+    max_steps=4,
+    lr=1e-3,
+    q_max_len=8,
+    p_max_len=12,
+)
 TINY_PROMPT = str(Path(__file__).parent / "unit" / "data" / "rerank_tiny.yaml")
-RERANK_TRAIN = RerankTrainSettings(adapter="full", method="logits_listwise", prompt=TINY_PROMPT, list_size=3,
-                                   doc_tokens=8, batch_size=1, grad_accum=1, max_steps=4, lr=1e-3)  # fmt: skip
+RERANK_TRAIN = RerankTrainSettings(
+    adapter="full",
+    method="logits_listwise",
+    prompt=TINY_PROMPT,
+    list_size=3,
+    doc_tokens=8,
+    batch_size=1,
+    grad_accum=1,
+    max_steps=4,
+    lr=1e-3,
+)
 
 
 def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
@@ -61,8 +80,9 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "download": DownloadConfig(name="tiny", source=str(beir), **common),
         "tokenize": TokenizeConfig(dataset="tiny", backbone=bb, max_length=96, shard_size=5, **common),
         "bot": BotConfig(dataset="tiny", backbone=bb, max_length=96, **common),
-        "encode": EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4,
-                               **common),  # fmt: skip
+        "encode": EncodeConfig(
+            dataset="tiny", k=[1, 2], backbone=bb, max_length=96, shard_size=5, batch_size=4, **common
+        ),
         "compress": CompressConfig(dataset="tiny", system=ref, store="int8", **common),
         "score": ScoreConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], kp=[1, 2], **common),
         "beta": BetaConfig(dataset="tiny", system=ref, splits=["test", "train"], kq=[1, 2], **common),
@@ -70,19 +90,33 @@ def configs(root: str, model: Path, beir: Path) -> dict[str, object]:
         "import-run": ImportRunConfig(dataset="tiny", path=str(Path(beir).parent / "ext.trec"), **common),
         "fuse": FuseConfig(dataset="tiny", runs=["bm25", "ext"], **common),
         "late": LateConfig(dataset="tiny", system=ref, kq=1, kp=2, depths=[3, 5], **common),
-        "rerank": RerankConfig(dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8,
-                               prompt=TINY_PROMPT, **common),  # fmt: skip
+        "rerank": RerankConfig(
+            dataset="tiny", backbone=bb, depth=5, window=3, step=1, doc_tokens=8, prompt=TINY_PROMPT, **common
+        ),
         "training-data": TrainingDataConfig(dataset="tiny", depth=5, n_negatives=3, **common),
-        "train": TrainConfig(training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2,
-                             **common),  # fmt: skip
-        "train-reranker": TrainRerankerConfig(dataset="tiny", backbone=bb, name="tiny-rr", settings=RERANK_TRAIN,
-                                              checkpoint_every=2, **common),  # fmt: skip
+        "train": TrainConfig(
+            training_set="tiny", backbone=bb, name="tiny-ft", settings=TRAIN, checkpoint_every=2, **common
+        ),
+        "train-reranker": TrainRerankerConfig(
+            dataset="tiny", backbone=bb, name="tiny-rr", settings=RERANK_TRAIN, checkpoint_every=2, **common
+        ),
         "evaluate": EvaluateConfig(**common),
         "compare": CompareConfig(dataset="tiny", runs=["ext", "fusion"], **common),
         "index": IndexConfig(dataset="tiny", system=ref, kq=[1], kp=[2], index_type="none", **common),
         "summary": SummaryConfig(dataset="tiny", bm25="bm25", splits=["test"], **common),
-        "latency": LatencyConfig(backbone=bb, max_length=96, lengths=[8, 16], k=[1, 2], search_sizes=[10, 100],
-                                 search_k=["1x1", "2x2"], search_queries=2, topk=5, repeats=1, warmup=0, **common),
+        "latency": LatencyConfig(
+            backbone=bb,
+            max_length=96,
+            lengths=[8, 16],
+            k=[1, 2],
+            search_sizes=[10, 100],
+            search_k=["1x1", "2x2"],
+            search_queries=2,
+            topk=5,
+            repeats=1,
+            warmup=0,
+            **common,
+        ),
         "report": ReportConfig(name="t", n_boot=20, **common),
     }
 

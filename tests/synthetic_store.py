@@ -33,8 +33,10 @@ from diffret.stages.systems import encoder_record, register, tokens_slug, weight
 from diffret.storage import ArtifactStore
 from diffret.storage.layout import encodings_dir, encodings_schema, tokens_dir
 
-WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query quick brown warm "
-         "softly loudly").split()  # fmt: skip
+WORDS = (
+    "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query quick brown warm "
+    "softly loudly"
+).split()
 
 
 @dataclass
@@ -83,14 +85,16 @@ class _Vectors:
 
     def topics(self, passages: np.ndarray) -> np.ndarray:
         """Each passage's topic z_p (regenerated from the passage's index: any shard, any order)."""
-        return np.stack([np.random.default_rng([self.seed, 1, int(p)]).standard_normal(len(self.s))
-                         for p in passages]).astype(np.float32)  # fmt: skip
+        return np.stack(
+            [np.random.default_rng([self.seed, 1, int(p)]).standard_normal(len(self.s)) for p in passages]
+        ).astype(np.float32)
 
     def vectors(self, passages: np.ndarray, k: int, tag: int, own: float = 1.0) -> np.ndarray:
         """[len(passages), k, H] float32 vectors around the passages' topics (``tag`` seeds their own parts)."""
         rng = np.random.default_rng([self.seed, 2, tag, k])
         z = self.topics(passages)[:, None, :] * self.a + own * self.b * rng.standard_normal(
-            (len(passages), k, len(self.s)), dtype=np.float32)  # fmt: skip
+            (len(passages), k, len(self.s)), dtype=np.float32
+        )
         x = (z * self.s) @ self.basis
         x += self.noise * rng.standard_normal(x.shape, dtype=np.float32)
         return x
@@ -111,18 +115,39 @@ def _shard(ids: list[str], x: np.ndarray, sparse: tuple[pa.Array, pa.Array], n_t
     n, k, h = x.shape
     inner = pa.FixedSizeListArray.from_arrays(pa.array(x.astype(np.float16).reshape(-1)), h)
     dense = pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), inner)
-    tokens = pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)),
-                                      pa.array(np.full(n * k, 5, np.int32)))  # fmt: skip
-    cols = {"id": pa.array(ids, pa.string()), "n_reps": pa.array(np.full(n, k, np.int16)), "dense": dense,
-            "sparse_ids": sparse[0], "sparse_weights": sparse[1], "n_tokens": pa.array(np.full(n, n_tokens, np.int32)),
-            "stopped": pa.array([False] * n), "tokens": tokens}  # fmt: skip
+    tokens = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), pa.array(np.full(n * k, 5, np.int32))
+    )
+    cols = {
+        "id": pa.array(ids, pa.string()),
+        "n_reps": pa.array(np.full(n, k, np.int16)),
+        "dense": dense,
+        "sparse_ids": sparse[0],
+        "sparse_weights": sparse[1],
+        "n_tokens": pa.array(np.full(n, n_tokens, np.int32)),
+        "stopped": pa.array([False] * n),
+        "tokens": tokens,
+    }
     return pa.table(cols, schema=encodings_schema(h))
 
 
-def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[int], n_queries: int = 20,
-          shard_size: int = 1000, spectrum: Spectrum | None = None, seed: int = 0, sparse_terms: int = 128,
-          sparse_vocab: int = 30_000, model: Path | None = None, train: bool = False, dev: int = 0,
-          log: Any = None) -> Synthetic:  # fmt: skip
+def build(
+    base: Path,
+    n_passages: int,
+    hidden: int,
+    kps: list[int],
+    kqs: list[int],
+    n_queries: int = 20,
+    shard_size: int = 1000,
+    spectrum: Spectrum | None = None,
+    seed: int = 0,
+    sparse_terms: int = 128,
+    sparse_vocab: int = 30_000,
+    model: Path | None = None,
+    train: bool = False,
+    dev: int = 0,
+    log: Any = None,
+) -> Synthetic:
     """A store under ``base``/store with dataset ``synth`` (``n_passages`` passages, ``n_queries`` test queries) and
     one encoder system whose passage encodings at each K_p of ``kps`` and query encodings at each K_q of ``kqs`` are
     synthetic vectors of width ``hidden`` (module docstring). ``model``: the tokenizer's folder (default: the
@@ -133,10 +158,17 @@ def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[in
     root = str(base / "store")
     model = model or save_tiny_mlm(base / "model")
     rng = np.random.default_rng([seed, 3])
-    corpus = [{"_id": f"p{i}", "title": WORDS[i % len(WORDS)],
-               "text": " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), 8))} for i in range(n_passages)]
-    queries = [{"_id": f"q{i}", "text": " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), 4))}
-               for i in range(n_queries)]  # fmt: skip
+    corpus = [
+        {
+            "_id": f"p{i}",
+            "title": WORDS[i % len(WORDS)],
+            "text": " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), 8)),
+        }
+        for i in range(n_passages)
+    ]
+    queries = [
+        {"_id": f"q{i}", "text": " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), 4))} for i in range(n_queries)
+    ]
     judged = [(f"q{i}", f"p{i * n_passages // n_queries}", 1) for i in range(n_queries)]
     qrels = {"test": judged[::2], "train": judged[1::2]} if train else {"test": judged}
     if dev:
@@ -144,8 +176,9 @@ def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[in
     beir = write_beir(base / "synth", corpus, queries, qrels)
     execute(stages()["download"], DownloadConfig(name="synth", source=str(beir), root=root), log=log)
     bb = BackboneConfig(model=str(model))
-    enc = EncodeConfig(root=root, dataset="synth", k=sorted(set(kps) | set(kqs)), backbone=bb, max_length=64,
-                       shard_size=shard_size)  # fmt: skip
+    enc = EncodeConfig(
+        root=root, dataset="synth", k=sorted(set(kps) | set(kqs)), backbone=bb, max_length=64, shard_size=shard_size
+    )
     execute(stages()["tokenize"], enc.tokenize_config(), log=log)
     settings = enc.settings()
     record = encoder_record(settings)
@@ -161,8 +194,9 @@ def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[in
         for k in ks:
             folder = encodings_dir(record.system, "synth", side, k)
             part = {"system": record.system, "dataset": "synth", "side": side, "k": str(k)}
-            m, done = store.open_sharded(folder, "encodings", part, encodings_config(settings, tokens,
-                                                                                   t_man.config_hash, k))  # fmt: skip
+            m, done = store.open_sharded(
+                folder, "encodings", part, encodings_config(settings, tokens, t_man.config_hash, k)
+            )
             for i, name in enumerate(sorted(t_man.files)):
                 if name in done:
                     continue
@@ -175,5 +209,6 @@ def build(base: Path, n_passages: int, hidden: int, kps: list[int], kqs: list[in
                 store.record_shard(folder, name, store.write_shard(folder, name, table), m.config_hash)
                 log(f"{side} K={k} {name}: {len(ids):,} texts")
             store.compact_shards(folder)
-    return Synthetic(root, record.system, enc, spectrum, hidden, n_passages, n_queries,
-                     {"singular_values": gen.s.tolist()})  # fmt: skip
+    return Synthetic(
+        root, record.system, enc, spectrum, hidden, n_passages, n_queries, {"singular_values": gen.s.tolist()}
+    )

@@ -26,22 +26,53 @@ class WheelEnv:
         """``code`` in the fresh environment, with ``-P``: the working folder is not put on the import path, so
         ``import diffret`` finds the installed wheel even when ``cwd`` is the checkout (and PYTHONPATH is dropped)."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        return subprocess.run([str(self.python), "-P", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [str(self.python), "-P", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def build_wheel_env(repo: Path, tmp: Path) -> WheelEnv:
     src = tmp / "src"  # a copy: building writes build/ and *.egg-info beside the sources
     shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(*SKIP))
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     wheel = next((tmp / "dist").glob("diffret-*.whl"))
     env = tmp / "venv"
     venv.EnvBuilder(with_pip=False).create(env)
     target = next((env / "lib").glob("python*/site-packages"))
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
-                        str(target), str(wheel)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     # the dependencies: this environment's site-packages as plain path entries, after the wheel's own folder (a path
     # file adds no path files of its own, so this environment's editable diffret stays out)

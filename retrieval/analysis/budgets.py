@@ -58,8 +58,10 @@ class Grid:
         holes = np.argwhere(np.isnan(scores))
         if len(holes):
             q, j = holes[0]
-            raise ValueError(f"{len(holes)} (query, cell) pairs lack a metric, e.g. query {queries[q]!r} at "
-                             f"(K_q, K_p) = {cells[j]}: the cells were evaluated on different queries")  # fmt: skip
+            raise ValueError(
+                f"{len(holes)} (query, cell) pairs lack a metric, e.g. query {queries[q]!r} at "
+                f"(K_q, K_p) = {cells[j]}: the cells were evaluated on different queries"
+            )
         return cls(queries, cells, scores)
 
     def restrict(self, over: str, fixed: Cell) -> Grid:
@@ -85,8 +87,9 @@ class Grid:
     def best_mean(self) -> int:
         """The cell index with the best mean score (ties: the smaller budget, then the smaller K_q)."""
         means = self.scores.mean(0)
-        return min(range(len(self.cells)), key=lambda j: (-round(float(means[j]), 12), sum(self.cells[j]),
-                                                          self.cells[j]))  # fmt: skip
+        return min(
+            range(len(self.cells)), key=lambda j: (-round(float(means[j]), 12), sum(self.cells[j]), self.cells[j])
+        )
 
     def oracle(self) -> np.ndarray:
         """Per query, its best score over the cells."""
@@ -152,8 +155,9 @@ class Selector:
         return fitted
 
 
-def cross_validate(selector: Selector, X: np.ndarray, names: list[str], grid: Grid, params: dict[str, Any],
-                   seed: int, folds: int) -> float:  # fmt: skip
+def cross_validate(
+    selector: Selector, X: np.ndarray, names: list[str], grid: Grid, params: dict[str, Any], seed: int, folds: int
+) -> float:
     """Mean score of the cells ``selector`` (with ``params``) chooses for held-out queries, over ``folds`` seeded
     folds of the train queries."""
     from sklearn.model_selection import KFold
@@ -206,8 +210,12 @@ class Rule(Selector):
                 if total > best[0] + 1e-12:
                     best = (float(total), f, float((values[i] + values[i + 1]) / 2), a, b)
         _, f, t, a, b = best
-        learned = {"feature": names[f] if f is not None else None, "threshold": t if f is not None else None,
-                   "below": list(grid.cells[a]), "above": list(grid.cells[b])}  # fmt: skip
+        learned = {
+            "feature": names[f] if f is not None else None,
+            "threshold": t if f is not None else None,
+            "below": list(grid.cells[a]),
+            "above": list(grid.cells[b]),
+        }
         imp = {name: float(name == learned["feature"]) for name in names}
         return Fitted(self.name, learned=learned, importances=imp, names=list(names))
 
@@ -220,8 +228,9 @@ class Rule(Selector):
         return np.where(X[:, f] <= rule["threshold"], below, above)
 
 
-_GB_GRID = [{"max_depth": d, "n_estimators": n, "learning_rate": 0.1}
-            for d, n in itertools.product((1, 2, 3), (50, 150))]  # fmt: skip
+_GB_GRID = [
+    {"max_depth": d, "n_estimators": n, "learning_rate": 0.1} for d, n in itertools.product((1, 2, 3), (50, 150))
+]
 
 
 class Classifier(Selector):
@@ -288,8 +297,14 @@ def gap_closed(fixed: np.ndarray, selected: np.ndarray, oracle: np.ndarray) -> d
     f, s, o = float(fixed.mean()), float(selected.mean()), float(oracle.mean())
     diff = selected - fixed
     p = float(stats.ttest_rel(selected, fixed).pvalue) if np.any(diff) else math.nan
-    return {"fixed": f, "selected": s, "oracle": o, "gap_closed": (s - f) / (o - f) if o > f else math.nan,
-            "p_value": p, "queries": len(fixed)}  # fmt: skip
+    return {
+        "fixed": f,
+        "selected": s,
+        "oracle": o,
+        "gap_closed": (s - f) / (o - f) if o > f else math.nan,
+        "p_value": p,
+        "queries": len(fixed),
+    }
 
 
 # Features read from a query's stored encoding at one K, and what each costs at query time: nothing beyond the
@@ -311,9 +326,14 @@ HEAD_FEATURES = {
 }
 
 
-def encoding_features(dense: np.ndarray, n_reps: int, tokens: Sequence[int] | None,
-                      sparse_weights: Sequence[float] | None, entropy: Sequence[float] | None = None,
-                      maxprob: Sequence[float] | None = None) -> dict[str, float]:  # fmt: skip
+def encoding_features(
+    dense: np.ndarray,
+    n_reps: int,
+    tokens: Sequence[int] | None,
+    sparse_weights: Sequence[float] | None,
+    entropy: Sequence[float] | None = None,
+    maxprob: Sequence[float] | None = None,
+) -> dict[str, float]:
     """The :data:`ENCODING_FEATURES` of one text's encoding at one K, and the :data:`HEAD_FEATURES` when its
     slots' ``entropy`` and ``maxprob`` (all K slots; the first ``n_reps`` were read) are given.
 
@@ -333,8 +353,13 @@ def encoding_features(dense: np.ndarray, n_reps: int, tokens: Sequence[int] | No
         agreement = 1.0
     read = list(tokens or [])[:n_reps]
     weights = np.asarray(sparse_weights if sparse_weights is not None else [], dtype=np.float64)
-    out = {"slots": float(n_reps), "distinct": float(len(set(read))), "sparse_mass": float(weights.sum()),
-           "support": float(np.count_nonzero(weights)), "agreement": agreement}  # fmt: skip
+    out = {
+        "slots": float(n_reps),
+        "distinct": float(len(set(read))),
+        "sparse_mass": float(weights.sum()),
+        "support": float(np.count_nonzero(weights)),
+        "agreement": agreement,
+    }
     for stat, values in (("entropy", entropy), ("maxprob", maxprob)):
         if values is not None:
             v = np.asarray(values, dtype=np.float64)[: max(1, n_reps)]
@@ -366,5 +391,8 @@ def first_pass_features(scores: Sequence[float]) -> dict[str, float]:
         return {"fp_top": 0.0, "fp_gap": 0.0, "fp_entropy": 0.0}
     p = np.exp(s - s.max())
     p /= p.sum()
-    return {"fp_top": float(s[0]), "fp_gap": float(s[0] - s[1]) if len(s) > 1 else 0.0,
-            "fp_entropy": float(-(p * np.log(p)).sum())}  # fmt: skip
+    return {
+        "fp_top": float(s[0]),
+        "fp_gap": float(s[0] - s[1]) if len(s) > 1 else 0.0,
+        "fp_entropy": float(-(p * np.log(p)).sum()),
+    }

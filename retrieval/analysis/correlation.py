@@ -51,9 +51,15 @@ def rank_correlation(x: list[float], y: list[float], n_boot: int = 1000, seed: i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             res = stats.bootstrap(
-                (xa, ya), fn, paired=True, vectorized=False, n_resamples=n_boot, confidence_level=0.95,
-                method="BCa", rng=np.random.default_rng(seed),
-            )  # fmt: skip
+                (xa, ya),
+                fn,
+                paired=True,
+                vectorized=False,
+                n_resamples=n_boot,
+                confidence_level=0.95,
+                method="BCa",
+                rng=np.random.default_rng(seed),
+            )
         lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
         if np.isfinite(lo) and np.isfinite(hi):
             return (lo, hi)
@@ -84,12 +90,19 @@ def feature_correlations(db: Views, n_boot: int = 1000) -> list[dict[str, Any]]:
             c = rank_correlation([r[feature] for r in rs], peak, n_boot)
             out.append(
                 {
-                    "system": system, "dataset": dataset, "split": split, "mode": mode, "feature": feature,
-                    "n": c.n, "off_mode": off_mode, "spearman": c.spearman, "spearman_lo": c.spearman_ci[0],
-                    "spearman_hi": c.spearman_ci[1], "kendall": c.kendall, "kendall_lo": c.kendall_ci[0],
+                    "system": system,
+                    "dataset": dataset,
+                    "split": split,
+                    "mode": mode,
+                    "feature": feature,
+                    "n": c.n,
+                    "off_mode": off_mode,
+                    "spearman": c.spearman,
+                    "spearman_lo": c.spearman_ci[0],
+                    "spearman_hi": c.spearman_ci[1],
+                    "kendall": c.kendall,
+                    "kendall_lo": c.kendall_ci[0],
                     "kendall_hi": c.kendall_ci[1],
                 }
-            )  # fmt: skip
+            )
     return out
-
-

@@ -27,7 +27,11 @@ def _pyplot() -> Any:
 
 
 def heatmap_png(
-    kqs: list[int], kps: list[int], grid: np.ndarray, title: str, marks: dict[str, tuple] | None = None,
+    kqs: list[int],
+    kps: list[int],
+    grid: np.ndarray,
+    title: str,
+    marks: dict[str, tuple] | None = None,
     reference: float | None = None,
 ) -> bytes:
     """A (K_q rows, K_p columns) heatmap with the values written in; ``marks``: label -> (kq, kp) boxed.
@@ -140,8 +144,9 @@ def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
     rows of the ``encode_latency`` view."""
     families = sorted({r["family"] for r in data})
     plt = _pyplot()
-    fig, axes = plt.subplots(1, max(1, len(families)), figsize=(4.6 * max(1, len(families)), 4.8), dpi=110,
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        1, max(1, len(families)), figsize=(4.6 * max(1, len(families)), 4.8), dpi=110, squeeze=False
+    )
     for ax, family in zip(axes[0], families, strict=False):
         series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
         for r in data:
@@ -150,13 +155,22 @@ def encode_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
         for (readout, system, k), pts in sorted(series.items()):
             pts = sorted(pts, key=lambda p: p["length"])
             name = "N" if readout == "promptreps" else "K"
-            ax.plot([p["length"] for p in pts], [p["median_ms"] for p in pts], **_marker(k > 1),
-                    linestyle="--" if readout == "promptreps" else "-",
-                    label=f"{readout} {name}={k} ({_model(system)})")  # fmt: skip
+            ax.plot(
+                [p["length"] for p in pts],
+                [p["median_ms"] for p in pts],
+                **_marker(k > 1),
+                linestyle="--" if readout == "promptreps" else "-",
+                label=f"{readout} {name}={k} ({_model(system)})",
+            )
             if readout == "promptreps" and k > 1:  # the slots it decoded before its stop rule, at each point
                 for p in pts:
-                    ax.annotate(f"{p['slots']:g}", (p["length"], p["median_ms"]), fontsize=5,
-                                textcoords="offset points", xytext=(3, 3))  # fmt: skip
+                    ax.annotate(
+                        f"{p['slots']:g}",
+                        (p["length"], p["median_ms"]),
+                        fontsize=5,
+                        textcoords="offset points",
+                        xytext=(3, 3),
+                    )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("input length (tokens)")
         ax.set_ylabel("encoding latency (ms per text, median)")
@@ -178,9 +192,13 @@ def search_latency_png(data: list[dict[str, Any]], title: str) -> bytes:
         series.setdefault((r["system"], r["hidden"], engine, r["kq"], r["kp"]), []).append(r)
     for (system, hidden, engine, kq, kp), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda p: p["docs"])
-        ax.plot([p["docs"] for p in pts], [p["median_ms"] for p in pts], **_marker(kq * kp > 1),
-                linestyle="--" if engine.startswith("lance") else "-",
-                label=f"{engine} (K_q, K_p) = ({kq}, {kp}), H = {hidden} ({_model(system)})")  # fmt: skip
+        ax.plot(
+            [p["docs"] for p in pts],
+            [p["median_ms"] for p in pts],
+            **_marker(kq * kp > 1),
+            linestyle="--" if engine.startswith("lance") else "-",
+            label=f"{engine} (K_q, K_p) = ({kq}, {kp}), H = {hidden} ({_model(system)})",
+        )
     ax.set_yscale("log")
     return _log_x(fig, ax, "index size (documents)", "search latency (ms per query, median)", title)
 
@@ -198,8 +216,14 @@ def cost_effect_png(points: list[dict[str, Any]], title: str) -> bytes:
         if len(pts) > 1:
             ax.plot([p["ms"] for p in pts], [p["ndcg_10"] for p in pts], "--", color=color, linewidth=0.8)
         for p in pts:
-            ax.plot([p["ms"]], [p["ndcg_10"]], color=color, linestyle="none", **_marker(p["multi"]),
-                    label=f"{system.rsplit('-', 1)[0]} ({'multi' if p['multi'] else 'single'})")  # fmt: skip
+            ax.plot(
+                [p["ms"]],
+                [p["ndcg_10"]],
+                color=color,
+                linestyle="none",
+                **_marker(p["multi"]),
+                label=f"{system.rsplit('-', 1)[0]} ({'multi' if p['multi'] else 'single'})",
+            )
     return _log_x(fig, ax, "query encoding + search latency (ms per query)", "NDCG@10 (mean over datasets)", title)
 
 
@@ -216,8 +240,14 @@ def compression_png(points: list[dict[str, Any]], title: str) -> bytes:
         if p["store"] not in low or p["ndcg_10_change"] < low[p["store"]]["ndcg_10_change"]:
             low[p["store"]] = p
     for p in low.values():
-        ax.annotate(p["store"], (p["bytes_per_passage"], p["ndcg_10_change"]), fontsize=7, rotation=-30,
-                    xytext=(2, -4), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            p["store"],
+            (p["bytes_per_passage"], p["ndcg_10_change"]),
+            fontsize=7,
+            rotation=-30,
+            xytext=(2, -4),
+            textcoords="offset points",
+        )
     ax.axhline(0, color="grey", lw=0.8)
     ax.legend(fontsize=7, frameon=False)
     return _log_x(fig, ax, "bytes per passage (all K_p, measured)", "mean NDCG@10 change vs float16", title)

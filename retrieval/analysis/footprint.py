@@ -70,4 +70,3 @@ def human_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} PB"
-

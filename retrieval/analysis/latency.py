@@ -34,8 +34,10 @@ class Timing:
 
     def per(self, n: int) -> dict[str, float]:
         """Milliseconds per item of ``n`` items a run: ``{"min_ms", "median_ms", "max_ms"}``."""
-        return {f"{k}_ms": round(1000 * v / max(1, n), 4) for k, v in
-                (("min", self.min_s), ("median", self.median_s), ("max", self.max_s))}  # fmt: skip
+        return {
+            f"{k}_ms": round(1000 * v / max(1, n), 4)
+            for k, v in (("min", self.min_s), ("median", self.median_s), ("max", self.max_s))
+        }
 
 
 def _sync(device: torch.device) -> None:
@@ -92,10 +94,15 @@ def environment(model: torch.nn.Module | None = None, device: torch.device | str
     cfg = getattr(model, "config", None)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else None
     return {
-        "device": device.type, "device_name": name, "cpu": cpu_name(), "threads": torch.get_num_threads(),
-        "dtype": dtype, "attention": getattr(cfg, "_attn_implementation", None),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-    }  # fmt: skip
+        "device": device.type,
+        "device_name": name,
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "attention": getattr(cfg, "_attn_implementation", None),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def synthetic_ids(tokenizer: Any, length: int, n: int = 1, seed: int = 0) -> list[list[int]]:
@@ -135,8 +142,16 @@ class EncodeLatency:
     repeats: int
 
 
-def encode_latency(reader: Readout, side: str, lengths: list[int], batch_sizes: list[int], k: int,
-                   repeats: int = 5, warmup: int = 1, seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+def encode_latency(
+    reader: Readout,
+    side: str,
+    lengths: list[int],
+    batch_sizes: list[int],
+    k: int,
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Encoding latency per text of ``reader`` at budget ``k`` for synthetic texts of each length, at each batch
     size (``batch_size`` texts a call; milliseconds per text). Lengths beyond what the readout takes are cut by
     it as real texts are (``input_tokens`` says what reached the model).
@@ -148,17 +163,26 @@ def encode_latency(reader: Readout, side: str, lengths: list[int], batch_sizes: 
             # the sparse filter reads the text, as it does for a query at search time
             texts = reader.bb.tokenizer.batch_decode(ids) if reader.filter is not None else None
             out = reader.encode(ids, texts, side, k)
-            timing = measure(lambda ids=ids, texts=texts: reader.encode(ids, texts, side, k), repeats, warmup,
-                             reader.bb.device)  # fmt: skip
-            row = EncodeLatency(side, length, bs, k, sum(e.n_tokens for e in out) / len(out),
-                                sum(e.dense.shape[0] for e in out) / len(out), **timing.per(bs),
-                                repeats=repeats)  # fmt: skip
+            timing = measure(
+                lambda ids=ids, texts=texts: reader.encode(ids, texts, side, k), repeats, warmup, reader.bb.device
+            )
+            row = EncodeLatency(
+                side,
+                length,
+                bs,
+                k,
+                sum(e.n_tokens for e in out) / len(out),
+                sum(e.dense.shape[0] for e in out) / len(out),
+                **timing.per(bs),
+                repeats=repeats,
+            )
             rows.append(asdict(row))
     return rows
 
 
-def synthetic_encodings(n: int, k: int, hidden: int, seed: int = 0, prefix: str = "d",
-                        device: torch.device | str = "cpu") -> Encodings:  # fmt: skip
+def synthetic_encodings(
+    n: int, k: int, hidden: int, seed: int = 0, prefix: str = "d", device: torch.device | str = "cpu"
+) -> Encodings:
     """``n`` texts of ``k`` random unit vectors each (``hidden`` wide, seeded), no sparse side: an index of any size
     for timing dense search.
 
@@ -169,9 +193,15 @@ def synthetic_encodings(n: int, k: int, hidden: int, seed: int = 0, prefix: str 
     gen = torch.Generator().manual_seed(seed)
     multi = normalise(torch.randn((n, k, hidden), generator=gen)).to(device)
     empty = [np.zeros(0, np.int64)] * n
-    return Encodings([f"{prefix}{i}" for i in range(n)], multi, torch.ones((n, k), dtype=torch.bool, device=device),
-                     normalise(multi.mean(1)), empty, [np.zeros(0, np.float32)] * n,
-                     SparseFlat.from_lists(empty, [np.zeros(0, np.float32)] * n))  # fmt: skip
+    return Encodings(
+        [f"{prefix}{i}" for i in range(n)],
+        multi,
+        torch.ones((n, k), dtype=torch.bool, device=device),
+        normalise(multi.mean(1)),
+        empty,
+        [np.zeros(0, np.float32)] * n,
+        SparseFlat.from_lists(empty, [np.zeros(0, np.float32)] * n),
+    )
 
 
 @dataclass
@@ -193,9 +223,18 @@ class SearchLatency:
     repeats: int
 
 
-def exact_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, modes: list[str], queries: int = 16,
-                         topk: int = 100, repeats: int = 3, warmup: int = 1,
-                         device: torch.device | str = "cpu") -> list[dict[str, Any]]:  # fmt: skip
+def exact_search_latency(
+    sizes: list[int],
+    kq: int,
+    kp: int,
+    hidden: int,
+    modes: list[str],
+    queries: int = 16,
+    topk: int = 100,
+    repeats: int = 3,
+    warmup: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[dict[str, Any]]:
     """Exact search (the block scorer, :func:`retrieval.search.exact.search_pass`) over synthetic indexes of each
     size: milliseconds per query for a batch of ``queries``, single-vector or multi-vector (K_q against K_p).
     """
@@ -205,16 +244,31 @@ def exact_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, modes:
         docs = synthetic_encodings(n, kp, hidden, seed=2 + n, device=device)
         for mode in modes:
             st = SearchSettings(topk=min(topk, n))
-            timing = measure(lambda docs=docs, mode=mode, st=st: search_pass({kq: q}, [docs], [mode], st),
-                             repeats, warmup, device)  # fmt: skip
-            rows.append(asdict(SearchLatency("exact", "", mode, n, kq, kp, hidden, queries, st.topk,
-                                             **timing.per(queries), repeats=repeats)))  # fmt: skip
+            timing = measure(
+                lambda docs=docs, mode=mode, st=st: search_pass({kq: q}, [docs], [mode], st), repeats, warmup, device
+            )
+            rows.append(
+                asdict(
+                    SearchLatency(
+                        "exact", "", mode, n, kq, kp, hidden, queries, st.topk, **timing.per(queries), repeats=repeats
+                    )
+                )
+            )
     return rows
 
 
-def lance_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, workdir: str, queries: int = 16,
-                         topk: int = 100, index_type: str = "auto", repeats: int = 3,
-                         warmup: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+def lance_search_latency(
+    sizes: list[int],
+    kq: int,
+    kp: int,
+    hidden: int,
+    workdir: str,
+    queries: int = 16,
+    topk: int = 100,
+    index_type: str = "auto",
+    repeats: int = 3,
+    warmup: int = 1,
+) -> list[dict[str, Any]]:
     """LanceDB search (:func:`retrieval.search.lance.search`: multivector candidates, exact MaxSim re-rank) over
     synthetic tables of each size built under ``workdir``: milliseconds per query. ``index_type`` ``auto``:
     IVF_PQ where the table holds enough vectors to train it, else LanceDB's flat search (``none``).
@@ -230,13 +284,19 @@ def lance_search_latency(sizes: list[int], kq: int, kp: int, hidden: int, workdi
         lance.build_table(db, [(docs.ids, docs.multi.numpy())], hidden)
         kind = index_type
         if kind == "auto":
-            need = lance.min_vectors_for_index("IVF_PQ", lance.default_index_params("IVF_PQ", n * kp, hidden)[
-                "num_partitions"])  # fmt: skip
+            need = lance.min_vectors_for_index(
+                "IVF_PQ", lance.default_index_params("IVF_PQ", n * kp, hidden)["num_partitions"]
+            )
             kind = "IVF_PQ" if n * kp >= need else "none"
         lance.create_index(db, kind)  # type: ignore[arg-type]
         k = min(topk, n)
         timing = measure(lambda db=db, k=k: lance.search(db, qs, k), repeats, warmup)
         mode = "single_dense" if kq == kp == 1 else "multi_dense"
-        rows.append(asdict(SearchLatency("lance", kind, mode, n, kq, kp, hidden, queries, k, **timing.per(queries),
-                                         repeats=repeats)))  # fmt: skip
+        rows.append(
+            asdict(
+                SearchLatency(
+                    "lance", kind, mode, n, kq, kp, hidden, queries, k, **timing.per(queries), repeats=repeats
+                )
+            )
+        )
     return rows

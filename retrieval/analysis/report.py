@@ -43,8 +43,21 @@ __all__ = [
 
 KIND_MODES = ("bm25", "imported", "fusion", "rerank")  # modes named by their system alone (a single run)
 COMPARE_ROWS = 30  # at most this many runs per dataset in the report's comparison (the best by NDCG@10)
-CORRELATION_COLUMNS = ["system", "dataset", "split", "mode", "feature", "n", "off_mode", "spearman", "spearman_lo",
-                       "spearman_hi", "kendall", "kendall_lo", "kendall_hi"]  # fmt: skip
+CORRELATION_COLUMNS = [
+    "system",
+    "dataset",
+    "split",
+    "mode",
+    "feature",
+    "n",
+    "off_mode",
+    "spearman",
+    "spearman_lo",
+    "spearman_hi",
+    "kendall",
+    "kendall_lo",
+    "kendall_hi",
+]
 
 
 # ---------------------------------------------------------------------------------------- sections
@@ -74,8 +87,11 @@ def section_selection(db: Views, rep: Report) -> None:
 
 
 def section_landscapes(db: Views, rep: Report) -> None:
-    cells = rows(db, "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' "
-                 "and mode not in ('bm25', 'rerank')")  # fmt: skip
+    cells = rows(
+        db,
+        "select system, dataset, kq, kp, mode, ndcg_10 from cells where split = 'test' "
+        "and mode not in ('bm25', 'rerank')",
+    )
     sel = {r["system"]: (r["kq_star"], r["kp_star"]) for r in rows(db, "select * from budget_selection")}
     by: dict[tuple[str, str, str], dict[tuple[int, int], float]] = {}
     for c in cells:
@@ -136,7 +152,7 @@ def section_oracle(db: Views, rep: Report, finetuned: dict[str, str]) -> None:
         + _md_table(
             data,
             ["system", "dataset", "split", "mode", "fixed", "kq_oracle", "kp_oracle", "joint", "finetuned", "queries"],
-        )  # fmt: skip
+        )
     )
     if data:
         rep.files["oracle.png"] = oracle_png(data)
@@ -173,16 +189,23 @@ def section_correlation(db: Views, rep: Report, n_boot: int) -> None:
     rep.sections.append(("Feature correlation", body))
 
 
-def section_tables(db: Views, rep: Report, refs: list[str], finetuned: dict[str, str], test: Test = "t",
-                   correction: Correction = "holm") -> None:  # fmt: skip
+def section_tables(
+    db: Views,
+    rep: Report,
+    refs: list[str],
+    finetuned: dict[str, str],
+    test: Test = "t",
+    correction: Correction = "holm",
+) -> None:
     resolved = [_resolve_system(db, r) for r in refs]
     t = paper_table(db, resolved, finetuned=finetuned, test=test, correction=correction)
     rep.files["paper_table.csv"] = _csv(t.csv_rows())
     rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
 
 
-def section_comparisons(db: Views, rep: Report, refs: list[str], test: Test = "t",
-                        correction: Correction = "holm") -> None:  # fmt: skip
+def section_comparisons(
+    db: Views, rep: Report, refs: list[str], test: Test = "t", correction: Correction = "holm"
+) -> None:
     """Per test dataset: each system's best cell per mode (view ``best_cells``: an imported run, a fusion, a
     reranker's run too) against the first reference's, on NDCG@10 and MRR@10, the p-values corrected across the
     table (``diffret compare`` for any other choice of runs); CSV and LaTeX beside it."""
@@ -191,18 +214,25 @@ def section_comparisons(db: Views, rep: Report, refs: list[str], test: Test = "t
     ref = _resolve_system(db, refs[0])
     measures = [m.pytrec for m in MEASURES[:2]]
     body = []
-    for (dataset,) in db.execute("select distinct dataset from best_cells where split = 'test' "
-                                     "order by 1").fetchall():  # fmt: skip
-        cells = rows(db, "select system, mode, kq, kp from best_cells where split = 'test' and dataset = ? "
-                         "order by system = ? desc, ndcg_10 desc, system, mode, kq, kp", [dataset, ref])  # fmt: skip
+    for (dataset,) in db.execute("select distinct dataset from best_cells where split = 'test' order by 1").fetchall():
+        cells = rows(
+            db,
+            "select system, mode, kq, kp from best_cells where split = 'test' and dataset = ? "
+            "order by system = ? desc, ndcg_10 desc, system, mode, kq, kp",
+            [dataset, ref],
+        )
         if not cells or cells[0]["system"] != ref:
             continue
         scores: dict[str, dict[str, dict[str, float]]] = {}
         for c in cells[: 1 + COMPARE_ROWS]:
-            label = c["system"] + (f":{c['mode']}" if c["mode"] not in KIND_MODES else "") + (
-                f":{c['kq']}:{c['kp']}" if (c["kq"], c["kp"]) != (0, 0) else "")  # fmt: skip
-            scores[label] = {m: per_query(db, c["system"], dataset, "test", c["mode"], c["kq"], c["kp"], m)
-                             for m in measures}  # fmt: skip
+            label = (
+                c["system"]
+                + (f":{c['mode']}" if c["mode"] not in KIND_MODES else "")
+                + (f":{c['kq']}:{c['kp']}" if (c["kq"], c["kp"]) != (0, 0) else "")
+            )
+            scores[label] = {
+                m: per_query(db, c["system"], dataset, "test", c["mode"], c["kq"], c["kp"], m) for m in measures
+            }
         base = next(iter(scores))
         try:
             comp = compare_runs(scores, base, measures, test, correction, where=f"{dataset}/test")
@@ -229,46 +259,66 @@ def _resolve_system(db: Views, name: str) -> str:
 
 def section_reranking(db: Views, rep: Report) -> None:
     """DiffuRank rerankers against the first-stage runs they reordered (view ``rerank_gains``)."""
-    gains = rows(db, "select system, method, dataset, split, depth, first_stage, first_mode, ndcg_10, first_ndcg_10, "
-                     "ndcg_10_gain, queries from rerank_gains order by dataset, split, ndcg_10 desc")  # fmt: skip
+    gains = rows(
+        db,
+        "select system, method, dataset, split, depth, first_stage, first_mode, ndcg_10, first_ndcg_10, "
+        "ndcg_10_gain, queries from rerank_gains order by dataset, split, ndcg_10 desc",
+    )
     if not gains:
         return
     rep.files["rerank_gains.csv"] = _dicts_csv(gains)
-    body = ("NDCG@10 of each reranker (`diffret rerank`) and of the run it reordered, on the same queries "
-            "(view `rerank_gains`).\n\n" + _md_table(gains))  # fmt: skip
+    body = (
+        "NDCG@10 of each reranker (`diffret rerank`) and of the run it reordered, on the same queries "
+        "(view `rerank_gains`).\n\n" + _md_table(gains)
+    )
     rep.sections.append(("Reranking", body))
 
 
 def section_late(db: Views, rep: Report) -> None:
     """Late-parametric re-scoring (SIDR's full / beta / beta(m) against BM25; view ``late_gains``) and what each
     pipeline costs: bag-of-tokens builds (view ``bot_indexes``) and passages encoded (view ``late_runs``)."""
-    gains = rows(db, "select system, dataset, split, rescore, m, first_system, first_mode, first_ndcg_10, ndcg_10, "
-                     "full_ndcg_10, bm25_ndcg_10, passages_needed, corpus from late_gains "
-                     "order by dataset, split, system, rescore, m")  # fmt: skip
+    gains = rows(
+        db,
+        "select system, dataset, split, rescore, m, first_system, first_mode, first_ndcg_10, ndcg_10, "
+        "full_ndcg_10, bm25_ndcg_10, passages_needed, corpus from late_gains "
+        "order by dataset, split, system, rescore, m",
+    )
     if not gains:
         return
     rep.files["late_gains.csv"] = _dicts_csv(gains)
-    bots = rows(db, "select index, name, dataset, bytes, round(build_seconds, 3) build_seconds from index_costs "
-                    "order by dataset, index, name")  # fmt: skip
-    body = ("NDCG@10 of each first stage's top m re-scored (`diffret late`), beside the first stage (`beta`: SIDR_beta"
-            " over the bag of tokens), the full-corpus run of the same mode (SIDR_full for a sidr system) and BM25; "
-            "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + _md_table(gains))
+    bots = rows(
+        db,
+        "select index, name, dataset, bytes, round(build_seconds, 3) build_seconds from index_costs "
+        "order by dataset, index, name",
+    )
+    body = (
+        "NDCG@10 of each first stage's top m re-scored (`diffret late`), beside the first stage (`beta`: SIDR_beta"
+        " over the bag of tokens), the full-corpus run of the same mode (SIDR_full for a sidr system) and BM25; "
+        "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + _md_table(gains)
+    )
     if bots:
         rep.files["index_costs.csv"] = _dicts_csv(bots)
-        body += ("\nIndexes: the bag of tokens (`diffret bot`: no model), BM25's and SIDR systems' passage encodings "
-                 "(view `index_costs`).\n\n" + _md_table(bots))
-    costs = rows(db, "select system, dataset, split, rescore, m, first_mode, round(first_ms_per_query, 3) first_ms, "
-                     "round(rescore_ms_per_query, 3) rescore_ms, round(encode_ms_per_passage, 3) encode_ms, "
-                     "round(on_the_fly_ms_per_query, 2) on_the_fly_ms, round(full_ms_per_query, 3) full_ms, "
-                     "round(full_index_encode_seconds, 1) full_index_encode_s, passages_needed, corpus "
-                     "from late_costs "
-                     "order by dataset, split, system, rescore, m")  # fmt: skip
+        body += (
+            "\nIndexes: the bag of tokens (`diffret bot`: no model), BM25's and SIDR systems' passage encodings "
+            "(view `index_costs`).\n\n" + _md_table(bots)
+        )
+    costs = rows(
+        db,
+        "select system, dataset, split, rescore, m, first_mode, round(first_ms_per_query, 3) first_ms, "
+        "round(rescore_ms_per_query, 3) rescore_ms, round(encode_ms_per_passage, 3) encode_ms, "
+        "round(on_the_fly_ms_per_query, 2) on_the_fly_ms, round(full_ms_per_query, 3) full_ms, "
+        "round(full_index_encode_seconds, 1) full_index_encode_s, passages_needed, corpus "
+        "from late_costs "
+        "order by dataset, split, system, rescore, m",
+    )
     if costs:
         rep.files["late_costs.csv"] = _dicts_csv(costs)
-        body += ("\nCost per query, measured on this store's runs (ms per query of a batched pass, query encoding "
-                 "excluded; view `late_costs`): the first stage's search, the re-scoring of its top m, encode_ms: "
-                 "one passage's encoding; on_the_fly: SIDR's way, the m passages encoded for each query; full: the "
-                 "full-corpus search, after encoding the corpus once (full_index_encode_s).\n\n" + _md_table(costs))
+        body += (
+            "\nCost per query, measured on this store's runs (ms per query of a batched pass, query encoding "
+            "excluded; view `late_costs`): the first stage's search, the re-scoring of its top m, encode_ms: "
+            "one passage's encoding; on_the_fly: SIDR's way, the m passages encoded for each query; full: the "
+            "full-corpus search, after encoding the corpus once (full_index_encode_s).\n\n" + _md_table(costs)
+        )
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
 
@@ -281,25 +331,46 @@ def section_adaptive(db: Views, rep: Report) -> None:
 
     from .budgets import Grid, gap_closed
 
-    runs = rows(db, "select * from adaptive_runs order by system, dataset, split, base_mode, over_axis, features, "
-                    "selector")  # fmt: skip
+    runs = rows(
+        db, "select * from adaptive_runs order by system, dataset, split, base_mode, over_axis, features, selector"
+    )
     if not runs:
         return
     table, missing = [], []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["system"], r["dataset"], r["split"], r["base_mode"], r["over_axis"], r["features"],
-                           r["measure"], r["cross_fit"]), []).append(r)  # fmt: skip
+        groups.setdefault(
+            (
+                r["system"],
+                r["dataset"],
+                r["split"],
+                r["base_mode"],
+                r["over_axis"],
+                r["features"],
+                r["measure"],
+                r["cross_fit"],
+            ),
+            [],
+        ).append(r)
 
     def per_query(system: str, dataset: str, split: str, mode: str, measure: str) -> dict[str, float]:
-        return {r["query_id"]: r["value"] for r in rows(
-            db, "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
-                "and measure = ?", [system, dataset, split, mode, measure])}  # fmt: skip
+        return {
+            r["query_id"]: r["value"]
+            for r in rows(
+                db,
+                "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "
+                "and measure = ?",
+                [system, dataset, split, mode, measure],
+            )
+        }
 
     for (system, dataset, split, base, over, features, measure, cross_fit), sels in groups.items():
-        cells = rows(db, "select query_id, kq, kp, value from metrics where system = ? and dataset = ? and "
-                         "split = ? and mode = ? and measure = ? and kq > 0",
-                     [system, dataset, split, base, measure])  # fmt: skip
+        cells = rows(
+            db,
+            "select query_id, kq, kp, value from metrics where system = ? and dataset = ? and "
+            "split = ? and mode = ? and measure = ? and kq > 0",
+            [system, dataset, split, base, measure],
+        )
         allowed = [tuple(c) for c in json.loads(sels[0]["cells"])]  # the grid it chose from, nothing more
         grid = Grid.from_rows([(c["query_id"], c["kq"], c["kp"], c["value"]) for c in cells], allowed)
         if cross_fit:  # each fold has its own fixed cell: the baseline is the cross-fitted fixed selector's run
@@ -322,26 +393,41 @@ def section_adaptive(db: Views, rep: Report) -> None:
             hist = json.loads(s["histogram"]) if s["histogram"] else {}
             imp = json.loads(s["importances"]) if s["importances"] else {}
             top = sorted(imp.items(), key=lambda kv: -kv[1])[:3]
-            table.append({
-                "system": system, "dataset": dataset, "split": split, "mode": base, "over": over,
-                "features": features + (" (cross-fitted)" if cross_fit else ""), "selector": s["selector"],
-                "fixed": fixed_name,
-                "fixed_ndcg_10": round(summary["fixed"], 4), "ndcg_10": round(summary["selected"], 4),
-                "oracle": round(summary["oracle"], 4), "gap_closed": round(summary["gap_closed"], 3),
-                "p_value": round(summary["p_value"], 4), "chosen": " ".join(f"{c}:{n}" for c, n in hist.items() if n),
-                "top_features": ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0),
-                "index_copies": s["passage_indexes"], "query_passes": s["query_passes"],
-            })  # fmt: skip
-    body = ("Adaptive budgets (`diffret budget`; view `adaptive_runs`): a (K_q, K_p) per query chosen from features "
-            "known before search, learned on the train split and applied here (cross-fitted: learned on the other "
-            "folds of this split). fixed: the train-selected cell of the cells the choice may take (over kq: K_p "
-            "fixed; kp: K_q fixed; joint); oracle: each query's best of them; gap_closed: (selector - fixed) / "
-            "(oracle - fixed); p_value: paired t-test of the selector against fixed; chosen: queries per cell; "
-            "top_features: importances; index_copies / query_passes: what the choice costs at query time.\n\n")
+            table.append(
+                {
+                    "system": system,
+                    "dataset": dataset,
+                    "split": split,
+                    "mode": base,
+                    "over": over,
+                    "features": features + (" (cross-fitted)" if cross_fit else ""),
+                    "selector": s["selector"],
+                    "fixed": fixed_name,
+                    "fixed_ndcg_10": round(summary["fixed"], 4),
+                    "ndcg_10": round(summary["selected"], 4),
+                    "oracle": round(summary["oracle"], 4),
+                    "gap_closed": round(summary["gap_closed"], 3),
+                    "p_value": round(summary["p_value"], 4),
+                    "chosen": " ".join(f"{c}:{n}" for c, n in hist.items() if n),
+                    "top_features": ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0),
+                    "index_copies": s["passage_indexes"],
+                    "query_passes": s["query_passes"],
+                }
+            )
+    body = (
+        "Adaptive budgets (`diffret budget`; view `adaptive_runs`): a (K_q, K_p) per query chosen from features "
+        "known before search, learned on the train split and applied here (cross-fitted: learned on the other "
+        "folds of this split). fixed: the train-selected cell of the cells the choice may take (over kq: K_p "
+        "fixed; kp: K_q fixed; joint); oracle: each query's best of them; gap_closed: (selector - fixed) / "
+        "(oracle - fixed); p_value: paired t-test of the selector against fixed; chosen: queries per cell; "
+        "top_features: importances; index_copies / query_passes: what the choice costs at query time.\n\n"
+    )
     body += _md_table(table) if table else ""
     if missing:
-        body += (f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
-                 "(and `diffret budget --selector fixed` for a cross-fitted baseline).\n")
+        body += (
+            f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
+            "(and `diffret budget --selector fixed` for a cross-fitted baseline).\n"
+        )
     rep.files["adaptive_budgets.csv"] = _dicts_csv(table)
     rep.sections.append(("Adaptive budgets", body))
 

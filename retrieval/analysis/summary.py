@@ -36,8 +36,15 @@ class Row:
     p_vs_bm25: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"system": self.system, "mode": self.mode, "kq": self.kq, "kp": self.kp, **self.values,
-                "queries": self.queries, "p_vs_bm25": self.p_vs_bm25}  # fmt: skip
+        return {
+            "system": self.system,
+            "mode": self.mode,
+            "kq": self.kq,
+            "kp": self.kp,
+            **self.values,
+            "queries": self.queries,
+            "p_vs_bm25": self.p_vs_bm25,
+        }
 
 
 @dataclass
@@ -72,17 +79,21 @@ class Summary:
         if value >= NEAR_CHANCE * bm25:
             return first
         label = MEASURES[0].label
-        return first + [f"{self.system} scores near chance on {self.dataset}/{self.split}: its best {label} is "
-                        f"{value:.4f} ({best.mode}), BM25 scores {bm25:.4f}; under a tenth of BM25, its heatmaps show "
-                        "noise, not a landscape (a model not trained for this readout, or too small?)"]  # fmt: skip
+        return first + [
+            f"{self.system} scores near chance on {self.dataset}/{self.split}: its best {label} is "
+            f"{value:.4f} ({best.mode}), BM25 scores {bm25:.4f}; under a tenth of BM25, its heatmaps show "
+            "noise, not a landscape (a model not trained for this readout, or too small?)"
+        ]
 
     def markdown(self, figures: dict[str, str] | None = None) -> str:
         labels = " | ".join(m.label for m in MEASURES)
         # no system column (the heading names the system, the line below the baseline): the table fits a page
         head = f"| mode | K_q | K_p | {labels} | queries | p vs BM25 |"
         sep = "|---|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|"
-        lines = [f"# {self.dataset} / {self.split}: `{self.system}`" + (" (RANDOM WEIGHTS)" if self.random_weights
-                                                                        else ""), ""]
+        lines = [
+            f"# {self.dataset} / {self.split}: `{self.system}`" + (" (RANDOM WEIGHTS)" if self.random_weights else ""),
+            "",
+        ]
         lines += [f"**Warning**: {w}" for w in self.warnings()] + ([""] if self.warnings() else [])
         lines += [head, sep]
         for r in self.rows:
@@ -130,8 +141,9 @@ class Summary:
         return out
 
 
-def build_summary(db: Views, system: str, dataset: str, split: str, bm25: str | None = None,
-                  random_weights: str | None = None) -> Summary:  # fmt: skip
+def build_summary(
+    db: Views, system: str, dataset: str, split: str, bm25: str | None = None, random_weights: str | None = None
+) -> Summary:
     """The best cell per mode (view ``best_cells``), BM25, paired t-tests against it, and the grids per mode;
     ``random_weights``: the registry's note on a system built with random weights (said first in its warnings)."""
     s = Summary(system, dataset, split, random_weights=random_weights)
@@ -146,9 +158,7 @@ def build_summary(db: Views, system: str, dataset: str, split: str, bm25: str | 
     )
     rows = [row(system, r) for r in best.fetchall()]
     if bm25:
-        b = db.execute(
-            f"select {cols} from cells where {where} and mode = 'bm25'", [bm25, dataset, split]
-        ).fetchall()
+        b = db.execute(f"select {cols} from cells where {where} and mode = 'bm25'", [bm25, dataset, split]).fetchall()
         rows += [row(bm25, r) for r in b]
     if bm25 and any(r.mode == "bm25" for r in rows):
         base = per_query(db, bm25, dataset, split, "bm25", 0, 0)

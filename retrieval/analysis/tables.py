@@ -37,8 +37,13 @@ class PaperTable:
 
     def markdown(self) -> str:
         tag = bool(self.settings)
-        head = ("| system | " + ("setting | " if tag else "") + "K_q*, K_p* | "
-                + " | ".join(f"{d} {c}" for d, c in self.columns()) + " |")  # fmt: skip
+        head = (
+            "| system | "
+            + ("setting | " if tag else "")
+            + "K_q*, K_p* | "
+            + " | ".join(f"{d} {c}" for d, c in self.columns())
+            + " |"
+        )
         sep = "|---|---|" + ("---|" if tag else "") + "---:|" * len(self.columns())
         lines = [head, sep]
         for system, cells in self.rows.items():
@@ -57,15 +62,22 @@ class PaperTable:
         marks = ", ".join(
             f"{m} p < 0.05 (two-sided) against `{r}`" for m, r in zip(("†", "‡"), self.refs, strict=False)
         )
-        how = (f"{TEST_NAMES[self.test]} on per-query NDCG@10, same dataset and column; p "
-               + ("uncorrected" if self.correction == "none" else
-                  f"{CORRECTION_NAMES[self.correction]}-corrected across the table's comparisons with that system"))
+        how = f"{TEST_NAMES[self.test]} on per-query NDCG@10, same dataset and column; p " + (
+            "uncorrected"
+            if self.correction == "none"
+            else f"{CORRECTION_NAMES[self.correction]}-corrected across the table's comparisons with that system"
+        )
         tail = f"; {marks} ({how})." if marks else "."
-        lines += ["", "NDCG@10 on test at each system's train-selected budget; D = multi_dense, S = sparse_max "
-                  "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + tail]  # fmt: skip
+        lines += [
+            "",
+            "NDCG@10 on test at each system's train-selected budget; D = multi_dense, S = sparse_max "
+            "(BM25 in S), H = fusion_multi_sparse_max; best per column in bold" + tail,
+        ]
         if tag:
-            lines[-1] += (" A fine-tuned system enters at its base model's selected budget (a selection on the"
-                          " train split it was trained on would favour it).")  # fmt: skip
+            lines[-1] += (
+                " A fine-tuned system enters at its base model's selected budget (a selection on the"
+                " train split it was trained on would favour it)."
+            )
         return "\n".join(lines) + "\n"
 
     def csv_rows(self) -> list[list[Any]]:
@@ -95,8 +107,12 @@ def system_budgets(db: Views) -> dict[str, tuple[int, int]]:
 
 
 def paper_table(
-    db: Views, refs: list[str] | None = None, alpha: float = 0.05, finetuned: dict[str, str] | None = None,
-    test: Test = "t", correction: Correction = "holm",
+    db: Views,
+    refs: list[str] | None = None,
+    alpha: float = 0.05,
+    finetuned: dict[str, str] | None = None,
+    test: Test = "t",
+    correction: Correction = "holm",
 ) -> PaperTable:
     """Tables 2-3: D / S / H NDCG@10 per test dataset and their average, best per column, significance markers: a
     paired ``test`` against each reference, its p-values corrected across the table (``correction``: Holm by
@@ -179,5 +195,3 @@ def paper_table(
                 if v == top:
                     table.rows[s][col].best = True
     return table
-
-

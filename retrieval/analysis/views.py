@@ -30,9 +30,9 @@ def rows(db: Views, sql: str, params: list | None = None) -> Rows:
     return out
 
 
-
-def per_query(db: Views, system: str, dataset: str, split: str, mode: str, kq: int, kp: int,
-              measure: str = PRIMARY.pytrec) -> dict[str, float]:  # fmt: skip
+def per_query(
+    db: Views, system: str, dataset: str, split: str, mode: str, kq: int, kp: int, measure: str = PRIMARY.pytrec
+) -> dict[str, float]:
     """{query_id: value} of one cell and measure (view ``metrics``; default NDCG@10): the t-tests' input."""
     r = db.execute(
         "select query_id, value from metrics where system = ? and dataset = ? and split = ? and mode = ? "

@@ -107,8 +107,10 @@ class DatasetReport:
             if dropped:
                 line += "; left out: " + "; ".join(dropped)
             if s.kept_unknown_doc_rows:
-                line += (f"; kept: {s.kept_unknown_doc_rows} naming documents not in the corpus "
-                         f"(e.g. {s.unknown_doc_examples})")  # fmt: skip
+                line += (
+                    f"; kept: {s.kept_unknown_doc_rows} naming documents not in the corpus "
+                    f"(e.g. {s.unknown_doc_examples})"
+                )
             out.append(line)
         out.extend(f"note: {n}" for n in self.notes)
         return out

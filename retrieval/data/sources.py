@@ -380,8 +380,11 @@ def resolve_source(
 
 
 def _official(entry: CatalogEntry, cache: Path, progress: Progress | None) -> SourceFiles:
-    got = [irds_download(f.url, cache / f.url.rsplit("/", 1)[-1]) or download(f.url, cache / f.url.rsplit("/", 1)[-1],
-                                                                              f.md5, progress) for f in entry.files]
+    got = [
+        irds_download(f.url, cache / f.url.rsplit("/", 1)[-1])
+        or download(f.url, cache / f.url.rsplit("/", 1)[-1], f.md5, progress)
+        for f in entry.files
+    ]
     inputs = {  # by the publisher's file name (ir_datasets keeps its own names in its cache)
         f.url.rsplit("/", 1)[-1]: (f"md5:{f.md5}" if f.md5 else "sha256:" + file_digest(p))
         for p, f in zip(got, entry.files, strict=True)
@@ -412,13 +415,20 @@ def _official(entry: CatalogEntry, cache: Path, progress: Progress | None) -> So
 # -------------------------------------------------------------------------------------------- ir_datasets
 # ir_datasets ids of the catalog's collections: the same stored dataset (the same files, every split of it) as the name
 IRDS_NAMES: dict[str, str] = {
-    **{f"beir/{n}{sub}": n for n in BEIR_MD5 if n not in ("msmarco", "cqadupstack", "webis-touche2020")
-       for sub in ("", "/train", "/dev", "/test")},
+    **{
+        f"beir/{n}{sub}": n
+        for n in BEIR_MD5
+        if n not in ("msmarco", "cqadupstack", "webis-touche2020")
+        for sub in ("", "/train", "/dev", "/test")
+    },
     "beir/webis-touche2020/v2": "webis-touche2020",  # the catalog's zip is v2's
-    "msmarco-passage/train": "msmarco-passage", "msmarco-passage/dev/small": "msmarco-passage",
-    "msmarco-passage/trec-dl-2019": "trec-dl-2019", "msmarco-passage/trec-dl-2019/judged": "trec-dl-2019",
-    "msmarco-passage/trec-dl-2020": "trec-dl-2020", "msmarco-passage/trec-dl-2020/judged": "trec-dl-2020",
-}  # fmt: skip
+    "msmarco-passage/train": "msmarco-passage",
+    "msmarco-passage/dev/small": "msmarco-passage",
+    "msmarco-passage/trec-dl-2019": "trec-dl-2019",
+    "msmarco-passage/trec-dl-2019/judged": "trec-dl-2019",
+    "msmarco-passage/trec-dl-2020": "trec-dl-2020",
+    "msmarco-passage/trec-dl-2020/judged": "trec-dl-2020",
+}
 IRDS_SPLITS = ("train", "dev", "test", "validation", "valid", "eval")
 
 
@@ -515,8 +525,10 @@ def irds_source(dataset_id: str, cache_dir: Path) -> SourceFiles:
     name = stored_name(dataset_id)
     files = _local_source(name, folder, None)
     files.origin = f"ir_datasets:{dataset_id}"
-    files.notes.append(f"read through ir_datasets {dataset_id!r} (splits {', '.join(sorted(splits))}); stored as "
-                       f"{name!r}: give -d {name} to the other commands")  # fmt: skip
+    files.notes.append(
+        f"read through ir_datasets {dataset_id!r} (splits {', '.join(sorted(splits))}); stored as "
+        f"{name!r}: give -d {name} to the other commands"
+    )
     return files
 
 

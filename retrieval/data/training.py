@@ -198,8 +198,7 @@ def drop_repeated_negatives(groups: Sequence[Group]) -> int:
 
 def groups_from_table(table: pa.Table) -> list[Group]:
     """The groups of a ``GROUPS_SCHEMA`` table (the inverse of :func:`groups_table`)."""
-    return [Group(r["query_id"], r["query"], r["positive_passages"], r["negative_passages"])
-            for r in table.to_pylist()]  # fmt: skip
+    return [Group(r["query_id"], r["query"], r["positive_passages"], r["negative_passages"]) for r in table.to_pylist()]
 
 
 def groups_table(groups: Sequence[Group]) -> pa.Table:

@@ -123,17 +123,15 @@ def _hash_strings(column: pa.ChunkedArray, block: int = 1 << 20) -> np.ndarray:
     """A 64-bit hash of each string, from the Arrow buffers 8 bytes at a time (``block`` rows at a time): equal
     strings hash equal, so distinct hashes prove distinct strings (equal hashes prove nothing: the strings are
     compared then)."""
-    parts = [
-        _hash_block(chunk.slice(i, block))
-        for chunk in column.chunks
-        for i in range(0, len(chunk), block)
-    ]  # fmt: skip
+    parts = [_hash_block(chunk.slice(i, block)) for chunk in column.chunks for i in range(0, len(chunk), block)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 
 def _hash_block(chunk: pa.Array) -> np.ndarray:
-    if not any(f(chunk.type) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
-                                       pa.types.is_large_binary)):  # fmt: skip
+    if not any(
+        f(chunk.type)
+        for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    ):
         chunk = chunk.cast(pa.large_string())
     wide = pa.types.is_large_string(chunk.type) or pa.types.is_large_binary(chunk.type)
     itype = np.dtype(np.int64 if wide else np.int32)
@@ -283,8 +281,9 @@ class _Run:
         run_id = np.cumsum(~np.isin(at - 1, t))
         src = at if perm is None else perm[at]
         docs = run.column("doc_id").take(pa.array(src if order is None else order[src]))
-        by_doc = pc.sort_indices(pa.table({"run": run_id, "doc": docs}),
-                                 sort_keys=[("run", "ascending"), ("doc", "descending")]).to_numpy()  # fmt: skip
+        by_doc = pc.sort_indices(
+            pa.table({"run": run_id, "doc": docs}), sort_keys=[("run", "ascending"), ("doc", "descending")]
+        ).to_numpy()
         perm = np.arange(self.n) if perm is None else perm.copy()
         perm[at] = src[by_doc]
         return perm
@@ -513,11 +512,14 @@ def evaluate_tables(
     if theirs:
         order = "rank" if ties == "rank" else "score"
         table = run.sort_by([("query_id", "ascending"), ("rank", "ascending")]) if ties == "trec" else run
-        other = evaluate(qrels_from_table(qrels), run_from_table(table, order=order), theirs, relevance_level,
-                         ranked=ties == "trec")  # fmt: skip
+        other = evaluate(
+            qrels_from_table(qrels), run_from_table(table, order=order), theirs, relevance_level, ranked=ties == "trec"
+        )
         ids = judged.ids.to_pylist()
-        by = {(q, m): v for q, m, v in zip(*(other.column(c).to_pylist() for c in ("query_id", "measure", "value")),
-                                           strict=True)}  # fmt: skip
+        by = {
+            (q, m): v
+            for q, m, v in zip(*(other.column(c).to_pylist() for c in ("query_id", "measure", "value")), strict=True)
+        }
         for name in theirs:
             values[name] = np.array([by[(q, name)] for q in ids], dtype=np.float64)
     n = len(judged.ids)

@@ -64,12 +64,17 @@ class Comparison:
         return sum(1 for c in self.cells.values() if c.p_value is not None)
 
     def caption(self) -> str:
-        corr = ("uncorrected" if self.correction == "none" else
-                f"{CORRECTION_NAMES[self.correction]}-corrected across the table's {self.comparisons} comparisons")
+        corr = (
+            "uncorrected"
+            if self.correction == "none"
+            else f"{CORRECTION_NAMES[self.correction]}-corrected across the table's {self.comparisons} comparisons"
+        )
         of = f" of {self.where}" if self.where else ""
-        return (f"Mean per-query scores over the {self.queries:,} judged queries{of}"
-                f"; {TEST_NAMES[self.test]} (two-sided) of each run against {self.baseline}, p {corr}; † p < "
-                f"{self.alpha:g}. W/T/L: queries on which the run scores higher / the same / lower than the baseline.")
+        return (
+            f"Mean per-query scores over the {self.queries:,} judged queries{of}"
+            f"; {TEST_NAMES[self.test]} (two-sided) of each run against {self.baseline}, p {corr}; † p < "
+            f"{self.alpha:g}. W/T/L: queries on which the run scores higher / the same / lower than the baseline."
+        )
 
     def markdown(self) -> str:
         """The table as Markdown (one column group per measure: mean, delta, corrected p, W/T/L).
@@ -92,8 +97,12 @@ class Comparison:
                 if c.p_value is None:
                     vals += [f"{c.mean:.4f}", "–", "–", "–"]
                 else:
-                    vals += [f"{c.mean:.4f}{mark}", f"{c.delta:+.4f}", _p(c.p_corrected),
-                             f"{c.wins}/{c.ties}/{c.losses}"]  # fmt: skip
+                    vals += [
+                        f"{c.mean:.4f}{mark}",
+                        f"{c.delta:+.4f}",
+                        _p(c.p_corrected),
+                        f"{c.wins}/{c.ties}/{c.losses}",
+                    ]
             lines.append("| " + " | ".join(vals) + " |")
         return "\n".join(lines) + "\n\n" + self.caption() + "\n"
 
@@ -102,17 +111,46 @@ class Comparison:
         buf = io.StringIO()
         extra = sorted({k for d in self.details.values() for k in d})
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["run", *extra, "measure", "mean", "baseline_mean", "delta", "test", "p_value", "correction",
-                    "p_corrected", "significant", "wins", "ties", "losses", "queries"])  # fmt: skip
+        w.writerow(
+            [
+                "run",
+                *extra,
+                "measure",
+                "mean",
+                "baseline_mean",
+                "delta",
+                "test",
+                "p_value",
+                "correction",
+                "p_corrected",
+                "significant",
+                "wins",
+                "ties",
+                "losses",
+                "queries",
+            ]
+        )
         for row in self.rows:
             for m in self.measures:
                 c, base = self.cells[(row, m)], self.cells[(self.baseline, m)]
                 tested = c.p_value is not None
-                w.writerow([row, *(self.details.get(row, {}).get(k, "") for k in extra), m, _num(c.mean),
-                            _num(base.mean), _num(c.delta) if tested else "", self.test if tested else "",
-                            _num(c.p_value), self.correction if tested else "", _num(c.p_corrected),
-                            str(c.significant(self.alpha)).lower() if tested else "",
-                            *((c.wins, c.ties, c.losses) if tested else ("", "", "")), self.queries])  # fmt: skip
+                w.writerow(
+                    [
+                        row,
+                        *(self.details.get(row, {}).get(k, "") for k in extra),
+                        m,
+                        _num(c.mean),
+                        _num(base.mean),
+                        _num(c.delta) if tested else "",
+                        self.test if tested else "",
+                        _num(c.p_value),
+                        self.correction if tested else "",
+                        _num(c.p_corrected),
+                        str(c.significant(self.alpha)).lower() if tested else "",
+                        *((c.wins, c.ties, c.losses) if tested else ("", "", "")),
+                        self.queries,
+                    ]
+                )
         return buf.getvalue()
 
     def latex(self, label: str = "tab:comparison") -> str:
@@ -120,8 +158,14 @@ class Comparison:
         ``$^\\dagger$`` where the corrected p is below alpha, the caption saying how it was tested."""
         spec = "l" + "rr" * len(self.measures)
         head = ["Run"] + [x for m in self.measures for x in (latex_escape(_label(m)), "W/T/L")]
-        out = ["\\begin{table}[t]", "\\centering", f"\\begin{{tabular}}{{{spec}}}", "\\hline",
-               " & ".join(head) + " \\\\", "\\hline"]  # fmt: skip
+        out = [
+            "\\begin{table}[t]",
+            "\\centering",
+            f"\\begin{{tabular}}{{{spec}}}",
+            "\\hline",
+            " & ".join(head) + " \\\\",
+            "\\hline",
+        ]
         for row in self.rows:
             vals = [latex_escape(row) + (" (baseline)" if row == self.baseline else "")]
             for m in self.measures:
@@ -146,8 +190,18 @@ def _num(v: float | None) -> str:
     return "" if v is None else repr(float(v))
 
 
-_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-          "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}  # fmt: skip
+_LATEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
 
 
 def latex_escape(text: str) -> str:
@@ -193,9 +247,15 @@ def correct(p_values: Sequence[float], method: Correction = "holm", alpha: float
     return [float(p) for p in multipletests(list(p_values), alpha=alpha, method=method)[1]]
 
 
-def compare_runs(scores: Mapping[str, Mapping[str, Mapping[str, float]]], baseline: str,
-                 measures: Sequence[str] | None = None, test: Test = "t", correction: Correction = "holm",
-                 alpha: float = 0.05, where: str = "") -> Comparison:  # fmt: skip
+def compare_runs(
+    scores: Mapping[str, Mapping[str, Mapping[str, float]]],
+    baseline: str,
+    measures: Sequence[str] | None = None,
+    test: Test = "t",
+    correction: Correction = "holm",
+    alpha: float = 0.05,
+    where: str = "",
+) -> Comparison:
     """Every run of ``scores`` (run -> measure -> {query_id: value}) against ``baseline`` on each measure.
 
     Every run must score the same queries as the baseline (evaluate scores every judged query, 0 when a run
@@ -216,8 +276,9 @@ def compare_runs(scores: Mapping[str, Mapping[str, Mapping[str, float]]], baseli
     for m in measures:
         base = scores[baseline].get(m)
         if not base:
-            raise ValueError(f"the baseline {baseline!r} has no per-query {m!r} scores (evaluate it with --measure "
-                             f"{m})")  # fmt: skip
+            raise ValueError(
+                f"the baseline {baseline!r} has no per-query {m!r} scores (evaluate it with --measure {m})"
+            )
         qids = sorted(base)
         queries = max(queries, len(qids))
         b = [base[q] for q in qids]
@@ -228,15 +289,20 @@ def compare_runs(scores: Mapping[str, Mapping[str, Mapping[str, float]]], baseli
                 raise ValueError(f"run {row!r} has no per-query {m!r} scores (evaluate it with --measure {m})")
             if set(got) != set(base):
                 only = sorted(set(got) ^ set(base))
-                raise ValueError(f"run {row!r} and the baseline score different queries on {m!r} ({len(only)} differ, "
-                                 f"e.g. {only[:3]}): are they evaluated against the same qrels?")  # fmt: skip
+                raise ValueError(
+                    f"run {row!r} and the baseline score different queries on {m!r} ({len(only)} differ, "
+                    f"e.g. {only[:3]}): are they evaluated against the same qrels?"
+                )
             a = [got[q] for q in qids]
             mean = math.fsum(a) / len(a)
             cells[(row, m)] = Cell(
-                mean=mean, delta=mean - cells[(baseline, m)].mean, p_value=paired_test(a, b, test),
-                wins=sum(x > y for x, y in zip(a, b, strict=True)), ties=sum(x == y for x, y in zip(a, b, strict=True)),
+                mean=mean,
+                delta=mean - cells[(baseline, m)].mean,
+                p_value=paired_test(a, b, test),
+                wins=sum(x > y for x, y in zip(a, b, strict=True)),
+                ties=sum(x == y for x, y in zip(a, b, strict=True)),
                 losses=sum(x < y for x, y in zip(a, b, strict=True)),
-            )  # fmt: skip
+            )
     tested = [k for k, c in cells.items() if c.p_value is not None]
     for k, p in zip(tested, correct([cells[k].p_value for k in tested], correction, alpha), strict=True):
         cells[k].p_corrected = p

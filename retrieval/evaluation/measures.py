@@ -51,8 +51,10 @@ def _check_measure(measure: str) -> None:
         out = pytrec_eval.RelevanceEvaluator({"q": {"d": 1}}, [measure]).evaluate({"q": {"d": 1.0}})["q"]
     except ValueError:
         names = sorted(set(pytrec_eval.supported_measures) - set(_NON_NUMERIC), key=str.lower)
-        raise ValueError(f"unknown measure {measure!r}: measures are pytrec_eval's ({', '.join(names)}; those with "
-                         "a cutoff as NAME_<k>, e.g. ndcg_cut_10, recall_100, P_5) and mrr_<k>") from None
+        raise ValueError(
+            f"unknown measure {measure!r}: measures are pytrec_eval's ({', '.join(names)}; those with "
+            "a cutoff as NAME_<k>, e.g. ndcg_cut_10, recall_100, P_5) and mrr_<k>"
+        ) from None
     if measure not in out:
         raise ValueError(f"pytrec_eval reports measure {measure!r} as {sorted(out)}; ask for one of those names")
 
@@ -192,5 +194,3 @@ def mean_metrics(table: pa.Table, query_ids: Collection[str] | None = None) -> d
         if keep is None or q in keep:
             values.setdefault(m, []).append(float(v))
     return {m: pytrec_eval.compute_aggregated_measure(m, vs) for m, vs in values.items()}
-
-

@@ -90,4 +90,3 @@ def paired_ttest_values(
         res = stats.ttest_rel(xa, xb)
         t, p = float(res.statistic), float(res.pvalue)
     return TTest(measure, len(common), float(xa.mean()), float(xb.mean()), mean_diff, t, p)
-

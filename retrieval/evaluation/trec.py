@@ -105,8 +105,9 @@ def iter_run_file(path: PathLike, fmt: str = "auto") -> Iterator[RunRow]:
         try:
             score = float(score_text)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: score {score_text!r} is not a number (the fifth field of qid Q0 docid rank "
-                             "score tag)") from None  # fmt: skip
+            raise ValueError(
+                f"{where}: score {score_text!r} is not a number (the fifth field of qid Q0 docid rank score tag)"
+            ) from None
         if not math.isfinite(score):
             raise ValueError(f"{where}: score {score_text!r} is not a finite number")
         rank = None
@@ -117,8 +118,10 @@ def iter_run_file(path: PathLike, fmt: str = "auto") -> Iterator[RunRow]:
                 raise ValueError(f"{where}: rank {rank_text!r} is not an integer") from None
         key = (qid, doc)
         if key in seen:
-            raise ValueError(f"{where}: document {doc!r} appears twice for query {qid!r} (first at {seen[key]}); a "
-                             "run lists each (query, document) pair once")  # fmt: skip
+            raise ValueError(
+                f"{where}: document {doc!r} appears twice for query {qid!r} (first at {seen[key]}); a "
+                "run lists each (query, document) pair once"
+            )
         seen[key] = where
         yield where, qid, doc, score, rank
 
@@ -136,8 +139,10 @@ def _run_records(path: PathLike, fmt: str) -> Iterator[tuple[str, str, str, Any,
         raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
     missing = [c for c in ("query_id", "doc_id", "score") if c not in table.schema.names]
     if missing:
-        raise ValueError(f"{path}: a Parquet run needs columns query_id, doc_id, score (and optionally rank); it lacks "
-                         f"{missing} (it has {table.schema.names})")  # fmt: skip
+        raise ValueError(
+            f"{path}: a Parquet run needs columns query_id, doc_id, score (and optionally rank); it lacks "
+            f"{missing} (it has {table.schema.names})"
+        )
     names = ["query_id", "doc_id", "score"] + (["rank"] if "rank" in table.schema.names else [])
     row = 0
     for batch in table.select(names).to_batches(65536):
@@ -297,5 +302,3 @@ def run_to_table(run: Mapping[str, Mapping[str, float]]) -> pa.Table:
     arrays = [pa.array(qcol, pa.string()), pa.array(dcol, pa.string())]
     arrays += [pa.array(rcol, pa.int32()), pa.array(scol, pa.float64()).cast(pa.float32())]
     return pa.Table.from_arrays(arrays, schema=RUN_SCHEMA)
-
-

@@ -78,8 +78,14 @@ def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
             "n_tokens": pa.array([e.n_tokens for e in encs], pa.int32()),
             "stopped": pa.array([e.stopped for e in encs], pa.bool_()),
             "tokens": pa.array([None if e.tokens is None else e.tokens.tolist() for e in encs], pa.list_(pa.int32())),
-            **({name: pa.array([getattr(e, attr).tolist() for e in encs], pa.list_(pa.float32()))
-                for name, attr in (("slot_entropy", "entropy"), ("slot_maxprob", "maxprob"))} if head_stats else {}),
+            **(
+                {
+                    name: pa.array([getattr(e, attr).tolist() for e in encs], pa.list_(pa.float32()))
+                    for name, attr in (("slot_entropy", "entropy"), ("slot_maxprob", "maxprob"))
+                }
+                if head_stats
+                else {}
+            ),
         },
         schema=schema,
     )
@@ -137,5 +143,3 @@ def encode_rows(
         if last is not None:
             finish(*last)
     return encoded_table(ids, out, reader.bb.hidden_size)  # type: ignore[arg-type]
-
-

@@ -75,9 +75,12 @@ def load_prompt(variant: str) -> PromptTemplate:
     try:
         user = {side: (data[side].get("user_prefix", ""), data[side].get("user_suffix", "")) for side in SIDES}
         return PromptTemplate(
-            data.get("variant", variant), data.get("system", "") or "", user, data["assistant_prefix"],
+            data.get("variant", variant),
+            data.get("system", "") or "",
+            user,
+            data["assistant_prefix"],
             chat=data.get("template", "chat") != "none",
-        )  # fmt: skip
+        )
     except (KeyError, TypeError, AttributeError) as exc:
         raise PromptError(f"prompt {variant!r}: missing field {exc} (see retrieval/models/prompts/*.yaml)") from None
 

@@ -107,8 +107,12 @@ def is_released_folder(folder: Path) -> bool:
     >>> is_released_folder(Path(tempfile.mkdtemp()))
     False
     """
-    return ((folder / RELEASED_CONFIG).is_file() and (folder / ADAPTER_CONFIG).is_file()
-            and any((folder / w).is_file() for w in ADAPTER_WEIGHTS) and not (folder / "config.json").exists())
+    return (
+        (folder / RELEASED_CONFIG).is_file()
+        and (folder / ADAPTER_CONFIG).is_file()
+        and any((folder / w).is_file() for w in ADAPTER_WEIGHTS)
+        and not (folder / "config.json").exists()
+    )
 
 
 def released_folder(model: str | None) -> Path | None:
@@ -169,8 +173,11 @@ def _hub_fetch(repo: str) -> Path | None:
     """:func:`_hub_snapshot`'s download (its answers kept for the process; an unreachable hub's is not)."""
     from huggingface_hub import constants, errors, hf_hub_download, snapshot_download, try_to_load_from_cache
 
-    not_there = (getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError),
-                 errors.RepositoryNotFoundError, errors.RevisionNotFoundError)  # fmt: skip
+    not_there = (
+        getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError),
+        errors.RepositoryNotFoundError,
+        errors.RevisionNotFoundError,
+    )
 
     try:
         hf_hub_download(repo, RELEASED_CONFIG)
@@ -178,8 +185,11 @@ def _hub_fetch(repo: str) -> Path | None:
     except errors.LocalEntryNotFoundError as exc:  # offline or unreachable, and not in the cache
         if isinstance(try_to_load_from_cache(repo, "config.json"), str):
             return None  # a full model in the cache (a released checkpoint has no config.json)
-        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
-               else f"the Hugging Face hub cannot be reached ({_first_line(exc.__cause__ or exc)})")  # fmt: skip
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if constants.HF_HUB_OFFLINE
+            else f"the Hugging Face hub cannot be reached ({_first_line(exc.__cause__ or exc)})"
+        )
         raise ReleasedUnreadable(
             f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}: a released checkpoint's trained K_q, K_p and "
             f"prompt): {why} and the hub cache ({constants.HF_HUB_CACHE}) holds no copy; connect once (it is then "
@@ -188,12 +198,15 @@ def _hub_fetch(repo: str) -> Path | None:
         ) from None
     except not_there as exc:
         if isinstance(exc, errors.GatedRepoError):  # there, but not readable with this token
-            raise ReleasedUnreadable(f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}): the repository is "
-                                     "gated; log in (`hf auth login`) with access to it") from None  # fmt: skip
+            raise ReleasedUnreadable(
+                f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}): the repository is "
+                "gated; log in (`hf auth login`) with access to it"
+            ) from None
         return None  # the hub says: no such repository, or no settings file in it
     except Exception as exc:  # noqa: BLE001 - any other hub failure (refused, server error): cannot tell
-        raise ReleasedUnreadable(f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}) from the Hugging Face "
-                                 f"hub: {_first_line(exc)}") from None  # fmt: skip
+        raise ReleasedUnreadable(
+            f"cannot read the settings of {repo!r} ({RELEASED_CONFIG}) from the Hugging Face hub: {_first_line(exc)}"
+        ) from None
     return folder if is_released_folder(folder) else None
 
 
@@ -233,8 +246,9 @@ def _parse(folder: str, _size: int, _mtime: int) -> ReleasedCheckpoint:
         raise ReleasedError(f"{path}: not a JSON object")
     mtype = str(cfg.get("model_type", "dream"))
     if mtype not in MODEL_TYPES:
-        raise ReleasedError(f"{path}: model_type {mtype!r} is not one diffret loads natively "
-                            f"({', '.join(MODEL_TYPES)})")  # fmt: skip
+        raise ReleasedError(
+            f"{path}: model_type {mtype!r} is not one diffret loads natively ({', '.join(MODEL_TYPES)})"
+        )
     on = [k for k in _UNSUPPORTED if cfg.get(k)]
     if on:
         raise ReleasedError(f"{path}: {on[0]} is set; the K-router heads of the reference are not supported")
@@ -247,16 +261,25 @@ def _parse(folder: str, _size: int, _mtime: int) -> ReleasedCheckpoint:
         max_length, steps = int(cfg.get("max_length", 512)), int(cfg.get("num_denoise_steps") or 1)
         mask = int(cfg["mask_token_id"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ReleasedError(f"{path}: mask_token_id, max_length and num_denoise_steps must be integers ({exc})") \
-            from None
+        raise ReleasedError(
+            f"{path}: mask_token_id, max_length and num_denoise_steps must be integers ({exc})"
+        ) from None
     family, hub = MODEL_TYPES[mtype]
     n_tail = cfg["n_tail"] if "n_tail" in cfg else (1 if cfg.get("use_eos") else 0)  # the reference's legacy rule
     return ReleasedCheckpoint(
-        folder=folder, model_type=mtype, family=family, base=_base(Path(folder), hub), kq=kq, kp=kp,
-        max_length=max_length, denoise_steps=min(steps, max(kq, kp)), mask_token_id=mask,
+        folder=folder,
+        model_type=mtype,
+        family=family,
+        base=_base(Path(folder), hub),
+        kq=kq,
+        kp=kp,
+        max_length=max_length,
+        denoise_steps=min(steps, max(kq, kp)),
+        mask_token_id=mask,
         prefix={s: _ids(cfg, f"{s}_prefix_ids", path) for s in ("query", "passage")},
-        suffix={s: _ids(cfg, f"{s}_suffix_ids", path) for s in ("query", "passage")}, n_tail=int(n_tail),
-    )  # fmt: skip
+        suffix={s: _ids(cfg, f"{s}_suffix_ids", path) for s in ("query", "passage")},
+        n_tail=int(n_tail),
+    )
 
 
 def _base(folder: Path, hub: str) -> str:
@@ -303,8 +326,9 @@ def adapter_state(folder: Path) -> dict[str, Any]:
     return torch.load(str(folder / ADAPTER_WEIGHTS[1]), map_location="cpu", weights_only=True)
 
 
-def remap_adapter(state: dict[str, Any], key_mapping: dict[str, str], targets: list[str]) -> tuple[dict[str, Any],
-                                                                                                   list[str]]:
+def remap_adapter(
+    state: dict[str, Any], key_mapping: dict[str, str], targets: list[str]
+) -> tuple[dict[str, Any], list[str]]:
     """An adapter saved on a checkpoint's own module names (LLaDA's ``transformer.blocks.N.attn_out``, ...) renamed
     onto transformers' classes with the loader's ``key_mapping`` (the weights' own mapping), and the target module
     names it then wraps.

@@ -247,8 +247,9 @@ def pooled_weights(logits: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.relu(logits.float())).amax(dim=-2)
 
 
-def topk_sparse(weights: torch.Tensor, allowed: Iterable[int] | None, k: int,
-                quantise: str = "none") -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def topk_sparse(
+    weights: torch.Tensor, allowed: Iterable[int] | None, k: int, quantise: str = "none"
+) -> tuple[np.ndarray, np.ndarray]:
     """Keep the ``allowed`` vocabulary ids (None = all), drop zeros, return the top ``k`` as (ids, weights), the
     weights quantised to steps of 0.01 as :func:`quantised` says (``none``: as they are).
 
@@ -287,7 +288,10 @@ def topk_pairs(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[np.ndarra
 
 
 def per_position_sparse(
-    ids: torch.Tensor, logits: torch.Tensor, topk: int = PER_POSITION_TOPK, quantise: str = "truncate",
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int = PER_POSITION_TOPK,
+    quantise: str = "truncate",
     pooled_bf16: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The reference's sparse vector from the logits of the candidate ids at each of K slots.
@@ -309,8 +313,12 @@ def per_position_sparse(
 
 
 def per_position_sparse_batch(
-    ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, topk: int = PER_POSITION_TOPK,
-    quantise: str = "truncate", pooled_bf16: bool = True,
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    topk: int = PER_POSITION_TOPK,
+    quantise: str = "truncate",
+    pooled_bf16: bool = True,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`per_position_sparse` of a batch of texts at once, with no loop over the texts.
 
@@ -328,8 +336,12 @@ def per_position_sparse_batch(
 
 
 def per_position_sparse_tensors(
-    ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, topk: int = PER_POSITION_TOPK,
-    quantise: str = "truncate", pooled_bf16: bool = True,
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    topk: int = PER_POSITION_TOPK,
+    quantise: str = "truncate",
+    pooled_bf16: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`per_position_sparse_batch` left on the device of ``logits``, nothing read back: (ids [B, C] int32 and
     weights [B, C] float32, each text's heaviest first, then [B] how many of them are positive); a text's vector is
@@ -342,9 +354,11 @@ def per_position_sparse_tensors(
     """
     bsz, k, width = logits.shape
     if width == 0 or k == 0:
-        return (torch.zeros((bsz, 0), dtype=torch.int32, device=logits.device),
-                torch.zeros((bsz, 0), dtype=torch.float32, device=logits.device),
-                torch.zeros(bsz, dtype=torch.long, device=logits.device))  # fmt: skip
+        return (
+            torch.zeros((bsz, 0), dtype=torch.int32, device=logits.device),
+            torch.zeros((bsz, 0), dtype=torch.float32, device=logits.device),
+            torch.zeros(bsz, dtype=torch.long, device=logits.device),
+        )
     kept = torch.arange(k, device=logits.device)[None, :] < slots.to(logits.device)[:, None]  # [B, K]
     real = kept[:, :, None] & (ids >= 0).to(logits.device)[:, None, :]
     w = torch.log1p(torch.relu(logits.float())).masked_fill(~real, -1.0)  # [B, K, C]

@@ -49,8 +49,9 @@ def window_starts(n: int, window: int, step: int) -> list[tuple[int, int]]:
     return out
 
 
-def sliding_window_rerank(order: Sequence[int], rank_window: Callable[[list[int]], Sequence[int]],
-                          window: int = 20, step: int = 10) -> list[int]:  # fmt: skip
+def sliding_window_rerank(
+    order: Sequence[int], rank_window: Callable[[list[int]], Sequence[int]], window: int = 20, step: int = 10
+) -> list[int]:
     """RankGPT's sliding-window reranking: each window's candidates (in their current order) are reordered by
     ``rank_window``, which returns the window's positions best first (a permutation of ``range(len(w))``);
     windows move from the bottom of the list to the top, so a strong candidate can climb ``step`` places per
@@ -89,8 +90,11 @@ class Decoded:
     unconstrained_valid: bool  # whether the same decoding without the constraint gave a permutation too
 
 
-def permutation_decoder(n: int, steps: int, constrained: bool = True,
-                        ) -> Generator[list[int | None], np.ndarray, list[int | None]]:  # fmt: skip
+def permutation_decoder(
+    n: int,
+    steps: int,
+    constrained: bool = True,
+) -> Generator[list[int | None], np.ndarray, list[int | None]]:
     """:func:`constrained_permutation` as a generator: it yields the state before each denoising step and
     receives that step's ``[n, n]`` logits, returning the final state; so that many windows decode in lockstep,
     one batched forward pass per step (the permutation reranker's batching across queries).
@@ -128,8 +132,9 @@ def permutation_decoder(n: int, steps: int, constrained: bool = True,
     return state
 
 
-def constrained_permutation(slot_logits: Callable[[list[int | None]], np.ndarray], n: int, steps: int,
-                            constrained: bool = True) -> list[int | None]:  # fmt: skip
+def constrained_permutation(
+    slot_logits: Callable[[list[int | None]], np.ndarray], n: int, steps: int, constrained: bool = True
+) -> list[int | None]:
     """Fill ``n`` masked rank slots over ``steps`` denoising steps with low-confidence remasking (LLaDA's
     Algorithm 5, greedy): at each step every open slot proposes its most probable identifier, and the most
     confident proposals are committed, ``n / steps`` per step (the remainder in the first steps).

@@ -72,11 +72,16 @@ def load_rerank_prompt(name: str) -> RerankPrompt:
     data = yaml.safe_load(text)
     try:
         return RerankPrompt(
-            name=data.get("name", name), system=data.get("system", "") or "", user=data["user"],
-            assistant=data["assistant"], document=data.get("document", "{text}"), slot=data.get("slot", "{slot}"),
-            slot_separator=data.get("slot_separator", " "), answers=tuple(str(a) for a in data.get("answers", [])),
+            name=data.get("name", name),
+            system=data.get("system", "") or "",
+            user=data["user"],
+            assistant=data["assistant"],
+            document=data.get("document", "{text}"),
+            slot=data.get("slot", "{slot}"),
+            slot_separator=data.get("slot_separator", " "),
+            answers=tuple(str(a) for a in data.get("answers", [])),
             identifiers=tuple(str(a) for a in data.get("identifiers", [])),
-        )  # fmt: skip
+        )
     except (KeyError, TypeError, AttributeError) as exc:
         raise RerankError(f"rerank prompt {name!r}: missing field {exc}") from None
 
@@ -120,7 +125,7 @@ class PromptBuilder:
         before = slot_text.split(_SLOT, 1)[0]
         tries = [(before, "")]
         if before != before.rstrip():
-            tries.append((before.rstrip(), before[len(before.rstrip()):]))
+            tries.append((before.rstrip(), before[len(before.rstrip()) :]))
         for prefix, space in tries:
             base = _ids(self.tok, prefix)
             out = []
@@ -131,13 +136,14 @@ class PromptBuilder:
                 out.append(full[-1])
             else:
                 if len(set(out)) != len(out):
-                    raise RerankError(f"answers / identifiers {list(words)} share tokens in {self.bb.name}'s "
-                                      "tokenizer")  # fmt: skip
+                    raise RerankError(f"answers / identifiers {list(words)} share tokens in {self.bb.name}'s tokenizer")
                 self.strip_before_slot = bool(space)
                 return out
         pieces = self.tok.convert_ids_to_tokens(_ids(self.tok, w))
-        raise RerankError(f"{w!r} is not a single token after {before!r} in {self.bb.name}'s tokenizer "
-                          f"({pieces}); choose single-token answers / identifiers in the prompt")  # fmt: skip
+        raise RerankError(
+            f"{w!r} is not a single token after {before!r} in {self.bb.name}'s tokenizer "
+            f"({pieces}); choose single-token answers / identifiers in the prompt"
+        )
 
     def encode(self, user: str, assistant: str) -> Encoded:
         if self.chat:
@@ -159,8 +165,10 @@ class PromptBuilder:
                 ids.append(self.mask_id)
         ids += self.tail
         if self.context and len(ids) > self.context:
-            raise RerankError(f"a prompt of {len(ids)} tokens exceeds {self.bb.name}'s context of {self.context}; "
-                              "use a smaller --window or --doc-tokens")  # fmt: skip
+            raise RerankError(
+                f"a prompt of {len(ids)} tokens exceeds {self.bb.name}'s context of {self.context}; "
+                "use a smaller --window or --doc-tokens"
+            )
         return Encoded(ids, slots)
 
     def pointwise(self, query: str, doc: str) -> Encoded:
@@ -170,8 +178,9 @@ class PromptBuilder:
     def listwise(self, query: str, docs: Sequence[str], ids: Sequence[str] = ()) -> Encoded:
         n = len(docs)
         idents = list(ids) or [str(i + 1) for i in range(n)]
-        documents = "\n".join(self.p.document.format(n=i + 1, id=idents[i], text=self.cut(d))
-                              for i, d in enumerate(docs))  # fmt: skip
+        documents = "\n".join(
+            self.p.document.format(n=i + 1, id=idents[i], text=self.cut(d)) for i, d in enumerate(docs)
+        )
         user = self.p.user.format(query=query, documents=documents, n=n)
         slots = self.p.slot_separator.join(self.p.slot.format(n=i + 1, slot=_SLOT) for i in range(n))
         return self.encode(user, self.p.assistant.format(slots=slots))
@@ -230,8 +239,16 @@ class Reranker(Declared):
     name: ClassVar[str]
     prompt_name: ClassVar[str]
 
-    def __init__(self, backbone: Backbone, prompt: str | None = None, doc_tokens: int = 128, window: int = 20,
-                 step: int = 10, batch_size: int = 8, steps: int = 4):  # fmt: skip
+    def __init__(
+        self,
+        backbone: Backbone,
+        prompt: str | None = None,
+        doc_tokens: int = 128,
+        window: int = 20,
+        step: int = 10,
+        batch_size: int = 8,
+        steps: int = 4,
+    ):
         if window < 1 or step < 1 or batch_size < 1 or steps < 1:
             raise RerankError("window, step, batch size and steps must be positive")
         self.bb = backbone
@@ -252,8 +269,9 @@ class Reranker(Declared):
     def setup(self) -> None:
         """Check the prompt's answer / identifier tokens against the tokenizer (fails clearly)."""
 
-    def rerank(self, items: list[tuple[str, list[tuple[str, str]]]],
-               progress: Callable[[int], None] | None = None) -> list[list[tuple[str, float]]]:  # fmt: skip
+    def rerank(
+        self, items: list[tuple[str, list[tuple[str, str]]]], progress: Callable[[int], None] | None = None
+    ) -> list[list[tuple[str, float]]]:
         raise NotImplementedError
 
 
@@ -264,7 +282,6 @@ def _ranked(order: list[int], docs: list[tuple[str, str]]) -> list[tuple[str, fl
 
 
 class Pointwise(Reranker, name="pointwise", prompt_name="pointwise"):
-
     def setup(self) -> None:
         self.cols = self.builder.token_of(self.builder.p.answers, self.builder.p.assistant.format(slot=_SLOT))
 
@@ -326,7 +343,6 @@ class _Windowed(Reranker):
 
 
 class LogitsListwise(_Windowed, name="logits_listwise", prompt_name="logits_listwise"):
-
     def setup(self) -> None:
         first_slot = self.builder.p.slot.format(n=1, slot=_SLOT)
         self.cols = self.builder.token_of(self.builder.p.answers, first_slot)
@@ -339,7 +355,6 @@ class LogitsListwise(_Windowed, name="logits_listwise", prompt_name="logits_list
 
 
 class _Permutation(_Windowed, prompt_name="permutation"):
-
     def setup(self) -> None:
         idents = self.builder.p.identifiers
         if self.window > len(idents):
@@ -355,7 +370,6 @@ class _Permutation(_Windowed, prompt_name="permutation"):
 
 
 class PermutationAssignment(_Permutation, name="permutation_assignment"):
-
     def rank_windows(self, windows):  # type: ignore[no-untyped-def]
         self.stats.forward_passes += 1
         out = []

@@ -96,8 +96,9 @@ def parse_ranked_list(obj: Mapping[str, Any], where: str) -> RankedList:
     return _ordered(qid, str(obj["query"]), docs, [int(r) for r in ranking], labels, where)
 
 
-def _ordered(qid: str, query: str, docs: dict[int, str], ranking: list[int], labels: list[Any] | None,
-             where: str) -> RankedList:  # fmt: skip
+def _ordered(
+    qid: str, query: str, docs: dict[int, str], ranking: list[int], labels: list[Any] | None, where: str
+) -> RankedList:
     seen = list(dict.fromkeys(r for r in ranking if r in docs))
     if len(seen) != len(ranking) or not seen:
         raise RerankError(f"{where}: the ranking {ranking[:25]} names unknown or repeated candidates (1..{len(docs)})")
@@ -118,9 +119,13 @@ def read_ranked_lists(path: str | Path) -> Iterator[RankedList]:
         yield parse_ranked_list(_parse_json_object(p, n, line), f"{p}:{n}")
 
 
-def qrels_lists(queries: Mapping[str, str], judged: Mapping[str, Mapping[str, int]],
-                ranked: Mapping[str, Sequence[str]], text_of: Mapping[str, str], size: int,
-                ) -> tuple[list[RankedList], dict[str, int]]:  # fmt: skip
+def qrels_lists(
+    queries: Mapping[str, str],
+    judged: Mapping[str, Mapping[str, int]],
+    ranked: Mapping[str, Sequence[str]],
+    text_of: Mapping[str, str],
+    size: int,
+) -> tuple[list[RankedList], dict[str, int]]:
     """Teacher lists from qrels over a first-stage run: each judged query's relevant documents (grade > 0, best
     grade first, then in the run's order), then the run's other documents in its order, ``size`` in all; the
     labels are the grades (0 for the rest). Queries without a relevant document in the corpus are left out.
@@ -145,14 +150,16 @@ def qrels_lists(queries: Mapping[str, str], judged: Mapping[str, Mapping[str, in
         rel.sort(key=lambda d: (-grades[d], position.get(d, len(run)), d))
         rest = [d for d in run if grades.get(d, 0) <= 0 and d in text_of]
         docs = (rel + rest)[:size]
-        out.append(RankedList(q, queries[q], [text_of[d] for d in docs], [float(max(0, grades.get(d, 0)))
-                                                                          for d in docs]))  # fmt: skip
+        out.append(
+            RankedList(q, queries[q], [text_of[d] for d in docs], [float(max(0, grades.get(d, 0))) for d in docs])
+        )
         stats["lists"] += 1
     return out, stats
 
 
-def run_lists(queries: Mapping[str, str], ranked: Mapping[str, Sequence[str]], text_of: Mapping[str, str],
-              size: int) -> list[RankedList]:  # fmt: skip
+def run_lists(
+    queries: Mapping[str, str], ranked: Mapping[str, Sequence[str]], text_of: Mapping[str, str], size: int
+) -> list[RankedList]:
     """Teacher lists from a run alone (distillation from a stronger first stage): each query's top ``size``
     documents in the run's order, no labels.
 
@@ -212,16 +219,22 @@ class RerankTrainSettings(LoopSettings):
 
     method: RerankerName = Field(default="pointwise", description="The reranker trained (its prompt and slots).")
     loss: Literal["listwise_ce", "ranknet", "mdlm"] | None = Field(
-        default=None, description="listwise_ce or ranknet (pointwise, logits_listwise), mdlm (permutations); "
-        "default: listwise_ce, or mdlm for the permutation methods.")  # fmt: skip
-    masking: Literal["docid", "random"] = Field(default="docid", description="MDLM SFT: mask identifier slots only "
-                                                "(docid) or any answer token (random, the ablation).")  # fmt: skip
+        default=None,
+        description="listwise_ce or ranknet (pointwise, logits_listwise), mdlm (permutations); "
+        "default: listwise_ce, or mdlm for the permutation methods.",
+    )
+    masking: Literal["docid", "random"] = Field(
+        default="docid",
+        description="MDLM SFT: mask identifier slots only (docid) or any answer token (random, the ablation).",
+    )
     list_size: int = Field(default=20, ge=2, description="Candidates per list (the teacher's top).")
     doc_tokens: int = Field(default=128, ge=1, description="Tokens of each document in a prompt.")
-    prompt: str | None = Field(default=None, description="A built-in rerank prompt or YAML file (default: the "
-                               "method's).")  # fmt: skip
-    schedule: Literal["constant", "linear"] = Field(default="constant", description="constant lr (DiffuRank), or "
-                                                    "linear warm-up and decay.")  # fmt: skip
+    prompt: str | None = Field(
+        default=None, description="A built-in rerank prompt or YAML file (default: the method's)."
+    )
+    schedule: Literal["constant", "linear"] = Field(
+        default="constant", description="constant lr (DiffuRank), or linear warm-up and decay."
+    )
     lora_alpha: int = like(LoopSettings, "lora_alpha", default=32)
     lora_dropout: float = like(LoopSettings, "lora_dropout", default=0.0)
     warmup_ratio: float = like(LoopSettings, "warmup_ratio", default=0.0)
@@ -235,8 +248,10 @@ class RerankTrainSettings(LoopSettings):
         if self.loss is None:
             self.loss = "mdlm" if perm else "listwise_ce"
         if perm != (self.loss == "mdlm"):
-            raise ValueError(f"loss {self.loss} does not train {self.method}: use mdlm for the permutation methods, "
-                             "listwise_ce or ranknet for pointwise and logits_listwise")  # fmt: skip
+            raise ValueError(
+                f"loss {self.loss} does not train {self.method}: use mdlm for the permutation methods, "
+                "listwise_ce or ranknet for pointwise and logits_listwise"
+            )
         return self
 
     def lr_factor(self, step: int, steps: int) -> float:
@@ -277,8 +292,9 @@ class RerankTrainer(Loop):
         if not lists:
             raise RerankError("no ranked list with two or more candidates to train on")
         # the prompt, its single-token answers / identifiers and the context are checked before any training
-        self.reranker = make_reranker(settings.method, bb, prompt=settings.prompt, doc_tokens=settings.doc_tokens,
-                                      window=settings.list_size)  # fmt: skip
+        self.reranker = make_reranker(
+            settings.method, bb, prompt=settings.prompt, doc_tokens=settings.doc_tokens, window=settings.list_size
+        )
         self.builder = self.reranker.builder
         self.cols: list[int] = list(self.reranker.cols)  # type: ignore[attr-defined]
         super().__init__(bb, lists, settings)
@@ -347,8 +363,11 @@ class RerankTrainer(Loop):
         if self.s.loss == "mdlm":
             tgt = torch.as_tensor([t for row in x.targets for t in row], device=lsm.device)
             nll = -lsm.gather(1, tgt[:, None])[:, 0]
-            weight = torch.as_tensor([w for w, row in zip(x.weights, x.targets, strict=True) for _ in row],
-                                     device=lsm.device, dtype=nll.dtype)  # fmt: skip
+            weight = torch.as_tensor(
+                [w for w, row in zip(x.weights, x.targets, strict=True) for _ in row],
+                device=lsm.device,
+                dtype=nll.dtype,
+            )
             loss = (nll * weight).sum() / len(x.targets)
             return loss, {"loss": float(loss.detach())}
         cols = torch.as_tensor(self.cols, device=lsm.device)

@@ -164,16 +164,34 @@ def bm25_search_shards(
         nonocc = None
         if retriever.method in retriever.methods_requiring_nonoccurrence:
             nonocc = scoring._build_nonoccurrence_array(
-                doc_frequencies=global_df, n_docs=n_docs, compute_idf_fn=idf_fn,
-                calculate_tfc_fn=scoring._select_tfc_scorer(retriever.method), l_d=avg_len, l_avg=avg_len,
-                k1=retriever.k1, b=retriever.b, delta=retriever.delta, dtype=retriever.dtype)  # fmt: skip
-        idf = scoring._build_idf_array(doc_frequencies=global_df, n_docs=n_docs, compute_idf_fn=idf_fn,
-                                       dtype=retriever.dtype)  # fmt: skip
+                doc_frequencies=global_df,
+                n_docs=n_docs,
+                compute_idf_fn=idf_fn,
+                calculate_tfc_fn=scoring._select_tfc_scorer(retriever.method),
+                l_d=avg_len,
+                l_avg=avg_len,
+                k1=retriever.k1,
+                b=retriever.b,
+                delta=retriever.delta,
+                dtype=retriever.dtype,
+            )
+        idf = scoring._build_idf_array(
+            doc_frequencies=global_df, n_docs=n_docs, compute_idf_fn=idf_fn, dtype=retriever.dtype
+        )
         data, rows, cols = scoring._build_scores_and_indices_for_matrix(
-            corpus_token_ids=tok.ids, idf_array=idf, avg_doc_len=avg_len,
-            doc_frequencies={i: int(c) for i, c in enumerate(shard_df)}, k1=retriever.k1, b=retriever.b,
-            delta=retriever.delta, nonoccurrence_array=nonocc, method=retriever.method, dtype=retriever.dtype,
-            int_dtype=retriever.int_dtype, show_progress=False)  # fmt: skip
+            corpus_token_ids=tok.ids,
+            idf_array=idf,
+            avg_doc_len=avg_len,
+            doc_frequencies={i: int(c) for i, c in enumerate(shard_df)},
+            k1=retriever.k1,
+            b=retriever.b,
+            delta=retriever.delta,
+            nonoccurrence_array=nonocc,
+            method=retriever.method,
+            dtype=retriever.dtype,
+            int_dtype=retriever.int_dtype,
+            show_progress=False,
+        )
         m = sp.csc_matrix((data, (rows, cols)), shape=(len(tok.ids), len(vocab)), dtype=retriever.dtype)
         retriever.scores = {"data": m.data, "indices": m.indices, "indptr": m.indptr, "num_docs": len(tok.ids)}
         retriever.nonoccurrence_array = nonocc
@@ -193,8 +211,9 @@ def bm25_search_shards(
             s_q, p_q = _best_first(row, topk)
             scores[qi, : len(s_q)], pos[qi, : len(p_q)] = s_q, p_q
         shard_ids = np.asarray(ids, dtype=object)[np.maximum(pos, 0)]
-        best, best_pos, best_ids = _keep_best(np.hstack([best, scores]), np.hstack([best_pos, pos + at]),
-                                              np.hstack([best_ids, shard_ids]), topk)  # fmt: skip
+        best, best_pos, best_ids = _keep_best(
+            np.hstack([best, scores]), np.hstack([best_pos, pos + at]), np.hstack([best_ids, shard_ids]), topk
+        )
         at += len(ids)
         built += t1 - t0
         searched += time.perf_counter() - t1
@@ -234,9 +253,9 @@ def _best_first(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return row[pos][order], pos[order]
 
 
-def _keep_best(scores: np.ndarray, pos: np.ndarray, ids: np.ndarray, k: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def _keep_best(
+    scores: np.ndarray, pos: np.ndarray, ids: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row, the ``k`` highest scores, ties by corpus position (pads, -inf, last), with their positions and ids."""
     order = np.lexsort((pos, -scores.astype(np.float64)), axis=1)[:, :k]
-    return (np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1),
-            np.take_along_axis(ids, order, 1))  # fmt: skip
+    return (np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1), np.take_along_axis(ids, order, 1))

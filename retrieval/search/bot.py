@@ -69,8 +69,9 @@ def bot_blocks(bags: SparseFlat, rows: int = BOT_ROWS) -> Iterator[SparseFlat]:
         yield bags.rows(a, min(a + rows, len(bags)))
 
 
-def beta_search(queries: SparseFlat, blocks: Iterable[SparseFlat], k: int, device: torch.device | str = "cpu",
-                query_rows: int = 256) -> TopK:  # fmt: skip
+def beta_search(
+    queries: SparseFlat, blocks: Iterable[SparseFlat], k: int, device: torch.device | str = "cpu", query_rows: int = 256
+) -> TopK:
     """SIDR_beta: each query's sparse vector dotted with every passage's bag of tokens, the top ``k`` (ties: the
     earlier passage first). ``blocks``: the passages' bags in corpus order, block by block (bounded memory).
 

@@ -78,8 +78,10 @@ def parse_store(spec: str) -> StoreSpec:
             return StoreSpec("pq", m=int(parts[1]))
     except ValueError:
         pass
-    raise ValueError(f"unknown store {spec!r}: expected float16, int8, residual:B (B in 1, 2, 4; residual:2:16384 "
-                     "for 16,384 centroids) or pq:M")  # fmt: skip
+    raise ValueError(
+        f"unknown store {spec!r}: expected float16, int8, residual:B (B in 1, 2, 4; residual:2:16384 "
+        "for 16,384 centroids) or pq:M"
+    )
 
 
 def store_tag(spec: str) -> str:
@@ -174,8 +176,11 @@ class Codebook:
         for key, value in want.items():
             if key in have and have[key] != value:
                 same = ", ".join(f"{k}={v!r}" for k, v in want.items() if k != key and k not in ("spec", "dim"))
-                raise CodebookError(f"codebook trained for {key}={have[key]!r}, not {key}={value!r}"
-                                    + (f" ({same})" if same else "") + ": train one for these vectors")  # fmt: skip
+                raise CodebookError(
+                    f"codebook trained for {key}={have[key]!r}, not {key}={value!r}"
+                    + (f" ({same})" if same else "")
+                    + ": train one for these vectors"
+                )
 
     def __getstate__(self) -> dict[str, Any]:  # pickled to Dask workers: the faiss objects are rebuilt there
         state = dict(self.__dict__)
@@ -188,8 +193,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int | None = None,
-                   **meta: Any) -> Codebook:  # fmt: skip
+def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int | None = None, **meta: Any) -> Codebook:
     """Train a storage choice's codebook on a sample of vectors ([n, H]; unit vectors for residual), seeded.
 
     ``n_corpus``: vectors in the whole corpus (ColBERTv2's centroid count; default: the sample's). ``meta`` is
@@ -212,8 +216,10 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
     if s.kind == "pq":
         code_bytes(spec, dim)  # the width must divide
         if n < 2**PQ_BITS:
-            raise CodebookError(f"pq:{s.m} needs at least {2**PQ_BITS} vectors to train its 8-bit sub-quantisers; "
-                                f"the sample has {n}: use int8 or residual:B for so few vectors")  # fmt: skip
+            raise CodebookError(
+                f"pq:{s.m} needs at least {2**PQ_BITS} vectors to train its 8-bit sub-quantisers; "
+                f"the sample has {n}: use int8 or residual:B for so few vectors"
+            )
         pq = faiss.ProductQuantizer(dim, s.m, PQ_BITS)
         pq.cp.seed = seed
         pq.train(x)
@@ -227,8 +233,16 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
     train, heldout = (x[order[held:]], x[order[:held]]) if held and n - held >= 2 else (x, x)
     c = s.centroids or colbert_centroids(n_corpus or n)
     c = max(2, min(c, len(train)))
-    km = faiss.Kmeans(dim, c, niter=20, seed=seed, spherical=True, min_points_per_centroid=1,
-                      max_points_per_centroid=max(256, -(-len(train) // c)), verbose=False)  # fmt: skip
+    km = faiss.Kmeans(
+        dim,
+        c,
+        niter=20,
+        seed=seed,
+        spherical=True,
+        min_points_per_centroid=1,
+        max_points_per_centroid=max(256, -(-len(train) // c)),
+        verbose=False,
+    )
     km.train(np.ascontiguousarray(train))
     cents = _unit(km.centroids)
     residual = heldout - cents[_nearest(cents, heldout)]
@@ -408,8 +422,10 @@ def vectors_of(table: pa.Table, codec: Codec | None = None) -> np.ndarray:
     inner = table.column("codes").combine_chunks().flatten()
     size = inner.type.byte_width
     if codec.dim and size != code_bytes(codec.spec, codec.dim):
-        raise CodebookError(f"codes of {size} bytes, but {codec.spec} at {codec.dim} dimensions makes "
-                            f"{code_bytes(codec.spec, codec.dim)}")  # fmt: skip
+        raise CodebookError(
+            f"codes of {size} bytes, but {codec.spec} at {codec.dim} dimensions makes "
+            f"{code_bytes(codec.spec, codec.dim)}"
+        )
     buf = inner.buffers()[1]
     raw = np.frombuffer(buf, np.uint8)[inner.offset * size : (inner.offset + len(inner)) * size]
     return decode(raw.reshape(len(inner), size), codec.spec, codec.codebook, codec.dim)

@@ -36,8 +36,9 @@ from .scoring import NEG, TopK, maxsim
 DEFAULT_PROBES = 2  # PLAID's nprobe for k = 100 (ColBERTv2's PLAID settings: 1 / 2 / 4 for k = 10 / 100 / 1000)
 DEFAULT_CANDIDATES = 1024  # PLAID's candidates re-ranked for k = 100
 CENTROID_SCORES = 16 << 20  # the most (query vector, centroid) scores held at once (64 MiB of float32)
-IVF_SCHEMA = pa.schema([pa.field("centroid", pa.int32(), nullable=False),
-                        pa.field("passages", pa.list_(pa.int32()), nullable=False)])  # fmt: skip
+IVF_SCHEMA = pa.schema(
+    [pa.field("centroid", pa.int32(), nullable=False), pa.field("passages", pa.list_(pa.int32()), nullable=False)]
+)
 
 
 def centroid_ids(codes: np.ndarray) -> np.ndarray:
@@ -96,8 +97,9 @@ class CodesIndex:
     def to_table(self) -> pa.Table:
         """One row per cell: ``centroid`` and its ``passages`` (:data:`IVF_SCHEMA`)."""
         lists = pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), pa.array(self.passages, pa.int32()))
-        return pa.table({"centroid": pa.array(np.arange(self.n_centroids, dtype=np.int32)), "passages": lists},
-                        schema=IVF_SCHEMA)  # fmt: skip
+        return pa.table(
+            {"centroid": pa.array(np.arange(self.n_centroids, dtype=np.int32)), "passages": lists}, schema=IVF_SCHEMA
+        )
 
     @classmethod
     def from_table(cls, table: pa.Table, n_passages: int) -> CodesIndex:
@@ -158,9 +160,16 @@ class CodesSearchStats:
     decoded: list[int] = field(default_factory=list)
 
 
-def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex, k: int,
-                 probes: int = DEFAULT_PROBES, candidates: int = DEFAULT_CANDIDATES, rules: ScoreRules | None = None,
-                 stats: CodesSearchStats | None = None) -> TopK:  # fmt: skip
+def search_codes(
+    queries: Encodings,
+    passages: CodedPassages,
+    index: CodesIndex,
+    k: int,
+    probes: int = DEFAULT_PROBES,
+    candidates: int = DEFAULT_CANDIDATES,
+    rules: ScoreRules | None = None,
+    stats: CodesSearchStats | None = None,
+) -> TopK:
     """The top ``k`` passages (corpus positions) of each query by MaxSim, searched over a ``residual:B`` pass's
     codes in PLAID's order (module docstring). ``queries``: normalised as exact search reads them
     (:func:`retrieval.search.encodings.encodings_from_table` under ``rules``). Ties rank the earlier passage first.
@@ -207,8 +216,7 @@ def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex,
             real = queries.mask[qi].numpy()
             s = scores[qi - a][real]  # [kq, C]: the real query vectors
             probed = np.unique(nearest[qi - a][real]) if nearest is not None else np.arange(index.n_centroids)
-            cand = np.unique(index.passages[_ranges(index.offsets[probed], index.offsets[probed + 1])]).astype(
-                np.int64)  # fmt: skip
+            cand = np.unique(index.passages[_ranges(index.offsets[probed], index.offsets[probed + 1])]).astype(np.int64)
             n_probed = len(cand)
             if len(cand) > candidates:  # centroid interaction: MaxSim against the candidates' vectors' centroids
                 starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
@@ -218,8 +226,17 @@ def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex,
                 cand = np.sort(cand[np.lexsort((cand, -approx))[:candidates]])
             if len(cand):
                 starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
-                vecs = normalised(torch.from_numpy(decode(passages.codes[_ranges(starts, ends)], passages.codec.spec,
-                                                          passages.codec.codebook, passages.codec.dim)), rules)
+                vecs = normalised(
+                    torch.from_numpy(
+                        decode(
+                            passages.codes[_ranges(starts, ends)],
+                            passages.codec.spec,
+                            passages.codec.codebook,
+                            passages.codec.dim,
+                        )
+                    ),
+                    rules,
+                )
                 lengths = ends - starts
                 kp = int(lengths.max())
                 if (lengths == kp).all():  # every candidate has K_p vectors: a view, as exact search reads them
@@ -228,8 +245,15 @@ def search_codes(queries: Encodings, passages: CodedPassages, index: CodesIndex,
                     mask = torch.arange(kp)[None, :] < torch.from_numpy(lengths)[:, None]
                     multi = torch.zeros(len(cand), kp, vecs.shape[1])
                     multi[mask] = vecs
-                sc = maxsim(queries.multi[qi : qi + 1].float(), queries.mask[qi : qi + 1], multi, mask,
-                            clamp=rules.maxsim_clamp, reduce=rules.maxsim_reduce, bf16=rules.bf16)[0].numpy()
+                sc = maxsim(
+                    queries.multi[qi : qi + 1].float(),
+                    queries.mask[qi : qi + 1],
+                    multi,
+                    mask,
+                    clamp=rules.maxsim_clamp,
+                    reduce=rules.maxsim_reduce,
+                    bf16=rules.bf16,
+                )[0].numpy()
                 order = np.lexsort((cand, -sc))[:width]
                 out_s[qi, : len(order)], out_i[qi, : len(order)] = sc[order], cand[order]
             if stats is not None:

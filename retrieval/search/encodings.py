@@ -121,8 +121,13 @@ def padded(vectors: list[np.ndarray], device: str | torch.device = "cpu") -> tup
     return multi.to(dev), mask.to(dev)
 
 
-def encodings_from_table(table: pa.Table, device: str | torch.device = "cpu", rules: ScoreRules | None = None,
-                         sparse_factor: float = 1.0, codec: Codec | None = None) -> Encodings:  # fmt: skip
+def encodings_from_table(
+    table: pa.Table,
+    device: str | torch.device = "cpu",
+    rules: ScoreRules | None = None,
+    sparse_factor: float = 1.0,
+    codec: Codec | None = None,
+) -> Encodings:
     """Convert rows of the encodings schema (diffret.schemas.encodings_schema) into tensors to score.
 
     Each vector is L2-normalised; ``single`` is the mean of a text's normalised vectors (normalised again with

@@ -82,19 +82,39 @@ def search_pass(
         offset = len(doc_ids)
         doc_ids.extend(block.ids)
         if len(block):
-            plan = plan_blocks(st.block_bytes, len(block), n_queries, kq_max, st.topk, set(modes), len(ctx.vocab),
-                               device)  # fmt: skip
+            plan = plan_blocks(
+                st.block_bytes, len(block), n_queries, kq_max, st.topk, set(modes), len(ctx.vocab), device
+            )
             ctx.tile_elems = plan.tile_elems
             for start in range(0, len(block), plan.passages):
-                _score_block(queries, block.rows(start, min(start + plan.passages, len(block))), offset + start, modes,
-                             plan, ctx, prepared, qpos, tops, device)  # fmt: skip
+                _score_block(
+                    queries,
+                    block.rows(start, min(start + plan.passages, len(block))),
+                    offset + start,
+                    modes,
+                    plan,
+                    ctx,
+                    prepared,
+                    qpos,
+                    tops,
+                    device,
+                )
         del block  # before the stream reads the next one: one passage block in memory at a time
     return {key: tops.pop(key).result() for key in list(tops)}, doc_ids  # each state freed once decoded
 
 
-def _score_block(queries: dict[int, Encodings], p: Encodings, offset: int, modes: list[str], plan: BlockPlan,
-                 ctx: ScoreContext, prepared: dict, qpos: dict[int, dict[str, int]],
-                 tops: dict[tuple[int, str], RunningTopK], device: torch.device) -> None:  # fmt: skip
+def _score_block(
+    queries: dict[int, Encodings],
+    p: Encodings,
+    offset: int,
+    modes: list[str],
+    plan: BlockPlan,
+    ctx: ScoreContext,
+    prepared: dict,
+    qpos: dict[int, dict[str, int]],
+    tops: dict[tuple[int, str], RunningTopK],
+    device: torch.device,
+) -> None:
     """One passage sub-block against every query set, mode and query block."""
     p_prep = {m: MODES[m].prepare_passages(p, ctx, device) for m in modes if MODES[m].prepare_passages}
     for kq, q in queries.items():

@@ -31,9 +31,16 @@ def chunk_queries(width: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
-def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Encodings, passage_index: np.ndarray,
-            modes: Sequence[str], kq: int = 1, settings: SearchSettings | None = None,
-            width: int | None = None) -> dict[str, TopK]:  # fmt: skip
+def rescore(
+    queries: Encodings,
+    candidates: Sequence[np.ndarray],
+    passages: Encodings,
+    passage_index: np.ndarray,
+    modes: Sequence[str],
+    kq: int = 1,
+    settings: SearchSettings | None = None,
+    width: int | None = None,
+) -> dict[str, TopK]:
     """Each query's ``candidates`` (global passage indices) ranked in every mode of ``modes`` (fusions over the
     candidates' scores); the TopK indices are global.
 
@@ -55,8 +62,9 @@ def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Enco
     st = settings or SearchSettings()
     base = base_modes_needed(modes)
     width = max([len(c) for c in candidates] + [1]) if width is None else width
-    out = {m: (np.full((len(queries), width), NEG, np.float32), np.full((len(queries), width), -1, np.int64))
-           for m in base}  # fmt: skip
+    out = {
+        m: (np.full((len(queries), width), NEG, np.float32), np.full((len(queries), width), -1, np.int64)) for m in base
+    }
     step = chunk_queries(width)
     for a in range(0, len(queries), step):
         b = min(a + step, len(queries))
@@ -67,8 +75,12 @@ def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Enco
         if rows.max() >= len(passage_index) or not np.array_equal(passage_index[rows], union):
             raise KeyError("a candidate passage has no encoding")
         p = take(passages, rows)
-        tops, _ = search_pass({kq: queries.rows(a, b)}, [p], base,
-                              SearchSettings(len(union), st.ignore_identical_ids, st.block_bytes, st.rules))
+        tops, _ = search_pass(
+            {kq: queries.rows(a, b)},
+            [p],
+            base,
+            SearchSettings(len(union), st.ignore_identical_ids, st.block_bytes, st.rules),
+        )
         for m in base:
             top = tops[(kq, m)]
             for i in range(b - a):
@@ -80,4 +92,3 @@ def rescore(queries: Encodings, candidates: Sequence[np.ndarray], passages: Enco
     base_tops = {(kq, m): TopK(*out[m]) for m in base}
     fused = all_modes(base_tops, width, st.rules)
     return {m: fused[(kq, m)] for m in modes}
-

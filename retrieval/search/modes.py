@@ -56,8 +56,18 @@ def _multi(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any,
         step = end - start
     for s in range(start, end, step):
         e = min(s + step, end)
-        maxsim(q.multi[s:e], q.mask[s:e], p.multi, p.mask, ctx.workspace, out[s - start : e - start], ctx.tile_elems,
-               ctx.rules.maxsim_clamp, ctx.rules.maxsim_reduce, ctx.rules.bf16)  # fmt: skip
+        maxsim(
+            q.multi[s:e],
+            q.mask[s:e],
+            p.multi,
+            p.mask,
+            ctx.workspace,
+            out[s - start : e - start],
+            ctx.tile_elems,
+            ctx.rules.maxsim_clamp,
+            ctx.rules.maxsim_reduce,
+            ctx.rules.bf16,
+        )
     return out
 
 
@@ -69,8 +79,9 @@ def _prepare_sparse_passages(p: Encodings, ctx: ScoreContext, device: torch.devi
     return SparsePassages(p.sparse(), ctx.vocab, device)
 
 
-def _sparse(_q: Encodings, start: int, end: int, p: Encodings, qp: SparseQueries, pp: SparsePassages,
-            ctx: ScoreContext) -> torch.Tensor:  # fmt: skip
+def _sparse(
+    _q: Encodings, start: int, end: int, p: Encodings, qp: SparseQueries, pp: SparsePassages, ctx: ScoreContext
+) -> torch.Tensor:
     sc = qp.scores(pp, start, end, out=ctx.workspace.get("score", end - start, len(p), pp.dense))
     if ctx.rules.bf16:
         round_bf16_(sc)
@@ -103,8 +114,13 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("single_dense", needs_sparse=False, score=_single),
         Mode("multi_dense", needs_sparse=False, score=_multi),
-        Mode("sparse_max", needs_sparse=True, score=_sparse, prepare=_prepare_sparse,
-             prepare_passages=_prepare_sparse_passages),
+        Mode(
+            "sparse_max",
+            needs_sparse=True,
+            score=_sparse,
+            prepare=_prepare_sparse,
+            prepare_passages=_prepare_sparse_passages,
+        ),
         Mode("fusion_single_sparse_max", needs_sparse=True, fuses=("single_dense", "sparse_max")),
         Mode("fusion_multi_sparse_max", needs_sparse=True, fuses=("multi_dense", "sparse_max")),
     )
@@ -161,8 +177,9 @@ def base_modes_needed(modes: Iterable[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- fusion
-def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float] = (0.5, 0.5),
-                flat: str = "zero") -> TopK:  # fmt: skip
+def fuse_minmax(
+    a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float] = (0.5, 0.5), flat: str = "zero"
+) -> TopK:
     """Per query: min-max normalise each run's top ``depth``, weighted sum over the union (missing = 0).
 
     Each run's scores become ``(s - min) / max(max - min, 1e-9)`` (the reference's ``normalized_fusion``), so
@@ -187,8 +204,9 @@ def fuse_minmax(a: TopK, b: TopK, depth: int = 1000, weights: tuple[float, float
     return fuse_runs([a, b], depth, weights, flat)
 
 
-def fuse_runs(runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] | None = None,
-              flat: str = "zero") -> TopK:  # fmt: skip
+def fuse_runs(
+    runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] | None = None, flat: str = "zero"
+) -> TopK:
     """:func:`fuse_minmax` of any number of runs over the same queries (``weights``: default equal, summing to 1).
 
     >>> a = TopK(np.array([[3.0, 1.0]], np.float32), np.array([[7, 8]]))
@@ -245,8 +263,9 @@ def fuse_runs(runs: Sequence[TopK], depth: int = 1000, weights: Sequence[float] 
 _NO_DOC = np.iinfo(np.int64).max  # padding, sorted after every document
 
 
-def all_modes(base: dict[tuple[int, str], TopK], depth: int = 1000,
-              rules: ScoreRules | None = None) -> dict[tuple[int, str], TopK]:  # fmt: skip
+def all_modes(
+    base: dict[tuple[int, str], TopK], depth: int = 1000, rules: ScoreRules | None = None
+) -> dict[tuple[int, str], TopK]:
     """The base runs plus every fusion whose two inputs are present (keys: (K_q, mode))."""
     flat = (rules or ScoreRules()).fusion_flat
     out = dict(base)

@@ -47,23 +47,40 @@ class ScoreRules(Settings):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    maxsim_clamp: bool = Field(default=True, description="MaxSim: clamp each query slot's best passage-slot "
-                               "score at 0 (the reference's choice; off: unclamped).")  # fmt: skip
-    maxsim_reduce: Literal["sum", "mean"] = Field(default="sum", description="MaxSim over the query slots: sum "
-                                                  "(the reference's choice) or mean (same ranking).")
-    single_renorm: bool = Field(default=False, description="single_dense: L2-normalise the mean of the normalised "
-                                "slots again (the reference's choice: off).")  # fmt: skip
-    sparse_scale: Literal["x100", "unit"] = Field(default="x100", description="sparse_max: x100 scores the "
-                                                  "integers round(100 w) the reference stores (weights in steps of "
-                                                  "0.01; the reference's choice); unit: the weights.")  # fmt: skip
-    sparse_floor: Literal["zero", "positive"] = Field(default="zero", description="zero: a sparse run is filled to "
-                                                      "its depth with zero-score documents, which count in fusion's "
-                                                      "minimum (the reference's choice); positive: documents sharing "
-                                                      "a term only.")  # fmt: skip
-    fusion_flat: Literal["zero", "one"] = Field(default="zero", description="Fusion: a run whose scores for a query "
-                                                "are all equal normalises to 0 (the reference's choice) or 1.")
-    score_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Score arithmetic: float32, or "
-                                                  "bfloat16 where the released evaluator rounds (its ties).")
+    maxsim_clamp: bool = Field(
+        default=True,
+        description="MaxSim: clamp each query slot's best passage-slot "
+        "score at 0 (the reference's choice; off: unclamped).",
+    )
+    maxsim_reduce: Literal["sum", "mean"] = Field(
+        default="sum", description="MaxSim over the query slots: sum (the reference's choice) or mean (same ranking)."
+    )
+    single_renorm: bool = Field(
+        default=False,
+        description="single_dense: L2-normalise the mean of the normalised slots again (the reference's choice: off).",
+    )
+    sparse_scale: Literal["x100", "unit"] = Field(
+        default="x100",
+        description="sparse_max: x100 scores the "
+        "integers round(100 w) the reference stores (weights in steps of "
+        "0.01; the reference's choice); unit: the weights.",
+    )
+    sparse_floor: Literal["zero", "positive"] = Field(
+        default="zero",
+        description="zero: a sparse run is filled to "
+        "its depth with zero-score documents, which count in fusion's "
+        "minimum (the reference's choice); positive: documents sharing "
+        "a term only.",
+    )
+    fusion_flat: Literal["zero", "one"] = Field(
+        default="zero",
+        description="Fusion: a run whose scores for a query "
+        "are all equal normalises to 0 (the reference's choice) or 1.",
+    )
+    score_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="Score arithmetic: float32, or bfloat16 where the released evaluator rounds (its ties).",
+    )
 
     def for_mode(self, mode: str, fuses: tuple[str, ...] = ()) -> dict[str, Any]:
         """The rules a run of ``mode`` depends on (a fusion: its inputs' and its own), for its recorded config."""

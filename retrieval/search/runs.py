@@ -46,8 +46,14 @@ def retrieved_ids(tops: dict[Any, TopK], corpus_ids: pa.Array) -> tuple[dict[Any
     return out, corpus_ids.take(pa.array(used, pa.int64())).to_pylist()
 
 
-def run_table(top: TopK, query_ids: list[str], doc_ids: list[str], query_rows: list[int] | None = None,
-              lex: np.ndarray | None = None, depth: int | None = None) -> pa.Table:  # fmt: skip
+def run_table(
+    top: TopK,
+    query_ids: list[str],
+    doc_ids: list[str],
+    query_rows: list[int] | None = None,
+    lex: np.ndarray | None = None,
+    depth: int | None = None,
+) -> pa.Table:
     """A run (RUN_SCHEMA): per query, rank by score descending then doc_id ascending; pads dropped.
 
     ``query_rows`` selects (and orders) the queries of ``top`` to include (e.g. one split's); ``lex`` is
@@ -129,12 +135,18 @@ def topk_table(tops: dict[tuple[int, str], TopK], first_row: int = 0) -> pa.Tabl
         lengths = ok.sum(1).astype(np.int64)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         n = len(lengths)
-        parts.append(pa.table({
-            "kq": pa.array(np.full(n, kq, np.int32)), "mode": pa.array([mode] * n, pa.string()),
-            "row": pa.array(np.arange(first_row, first_row + n, dtype=np.int32)),
-            "index": pa.ListArray.from_arrays(offsets, pa.array(top.index[ok], pa.int64())),
-            "score": pa.ListArray.from_arrays(offsets, pa.array(top.scores[ok], pa.float32())),
-        }, schema=TOPK_SCHEMA))  # fmt: skip
+        parts.append(
+            pa.table(
+                {
+                    "kq": pa.array(np.full(n, kq, np.int32)),
+                    "mode": pa.array([mode] * n, pa.string()),
+                    "row": pa.array(np.arange(first_row, first_row + n, dtype=np.int32)),
+                    "index": pa.ListArray.from_arrays(offsets, pa.array(top.index[ok], pa.int64())),
+                    "score": pa.ListArray.from_arrays(offsets, pa.array(top.scores[ok], pa.float32())),
+                },
+                schema=TOPK_SCHEMA,
+            )
+        )
     return pa.concat_tables(parts) if parts else TOPK_SCHEMA.empty_table()
 
 
@@ -180,7 +192,10 @@ def ranked_run(rows: Sequence[tuple[str, str, float, int | None]], depth: int | 
             cols["doc_id"].append(doc)
             cols["rank"].append(i)
             cols["score"].append(-neg)
-    arrays = {"query_id": pa.array(cols["query_id"], pa.string()), "doc_id": pa.array(cols["doc_id"], pa.string()),
-              "rank": pa.array(cols["rank"], pa.int32()),
-              "score": pa.array(cols["score"], pa.float64()).cast(pa.float32())}  # fmt: skip
+    arrays = {
+        "query_id": pa.array(cols["query_id"], pa.string()),
+        "doc_id": pa.array(cols["doc_id"], pa.string()),
+        "rank": pa.array(cols["rank"], pa.int32()),
+        "score": pa.array(cols["score"], pa.float64()).cast(pa.float32()),
+    }
     return pa.table(arrays, schema=RUN_SCHEMA)

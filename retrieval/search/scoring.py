@@ -292,8 +292,16 @@ def maxsim(
     return out
 
 
-def _maxsim_tile(q_multi: torch.Tensor, q_mask: torch.Tensor, p_multi: torch.Tensor, p_mask: torch.Tensor,
-                 ws: Workspace, clamp: bool, reduce: str, bf16: bool) -> torch.Tensor:  # fmt: skip
+def _maxsim_tile(
+    q_multi: torch.Tensor,
+    q_mask: torch.Tensor,
+    p_multi: torch.Tensor,
+    p_mask: torch.Tensor,
+    ws: Workspace,
+    clamp: bool,
+    reduce: str,
+    bf16: bool,
+) -> torch.Tensor:
     nq, kq, h = q_multi.shape
     n, kp, _ = p_multi.shape
     qf = q_multi.reshape(nq * kq, h)
@@ -364,8 +372,9 @@ class SparseQueries:
     def __len__(self) -> int:
         return len(self.crow_host) - 1
 
-    def scores(self, passages: SparsePassages, start: int = 0, end: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def scores(
+        self, passages: SparsePassages, start: int = 0, end: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[end - start, N] inner products of query rows ``start:end`` with the passages (0: no shared term)."""
         end = len(self) if end is None else end
         n = passages.dense.shape[1]
@@ -429,8 +438,16 @@ class BlockPlan:
     bytes: int
 
 
-def plan_blocks(block_bytes: int, n_passages: int, n_queries: int, kq_max: int, topk: int, modes: set[str],
-                vocab_size: int, device: torch.device) -> BlockPlan:  # fmt: skip
+def plan_blocks(
+    block_bytes: int,
+    n_passages: int,
+    n_queries: int,
+    kq_max: int,
+    topk: int,
+    modes: set[str],
+    vocab_size: int,
+    device: torch.device,
+) -> BlockPlan:
     """The largest sub-blocks whose scoring memory fits ``block_bytes``, or ValueError when one query row
     against one passage does not fit.
 
@@ -457,11 +474,14 @@ def plan_blocks(block_bytes: int, n_passages: int, n_queries: int, kq_max: int, 
         cap = 0  # not even one query's K_q rows fit a tile
     if cap < 1 or n_queries < 1:
         need = 2 * (row_fixed + per_pair + per_passage) + (8 * kq_max if multi and cpu else 0)
-        raise ValueError(f"score block budget of {block_bytes:,} bytes is too small: one query against one passage "
-                         f"needs about {need:,} bytes here (top-k {topk}, K_q {kq_max}, query vocabulary "
-                         f"{vocab_size:,}); raise --block-mb")  # fmt: skip
+        raise ValueError(
+            f"score block budget of {block_bytes:,} bytes is too small: one query against one passage "
+            f"needs about {need:,} bytes here (top-k {topk}, K_q {kq_max}, query vocabulary "
+            f"{vocab_size:,}); raise --block-mb"
+        )
     n = max(1, min(n_passages, cap))
     passage_side = per_passage * n
     rows = max(1, min(n_queries, (rest - passage_side) // (per_pair * n + row_fixed)))
-    return BlockPlan(n, rows, tiles // 8 if tiles else CPU_TILE_ELEMS,
-                     tiles + passage_side + rows * (per_pair * n + row_fixed))  # fmt: skip
+    return BlockPlan(
+        n, rows, tiles // 8 if tiles else CPU_TILE_ELEMS, tiles + passage_side + rows * (per_pair * n + row_fixed)
+    )

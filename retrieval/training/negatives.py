@@ -65,8 +65,9 @@ class RetrievedNegatives:
         if len(self.doc_ids) != len(self.bags):
             raise ValueError(f"retrieved negatives: {len(self.doc_ids)} ids for {len(self.bags)} bags of tokens")
 
-    def draw(self, queries: SparseFlat, relevant: Sequence[set[str]], n: int,
-             rngs: Sequence[random.Random]) -> list[list[Passage] | None]:  # fmt: skip
+    def draw(
+        self, queries: SparseFlat, relevant: Sequence[set[str]], n: int, rngs: Sequence[random.Random]
+    ) -> list[list[Passage] | None]:
         """``n`` negatives per query from its top ``depth`` without its ``relevant`` ids; None for a query whose
         top holds no other passage sharing a token with it (its stored negatives stay)."""
         extra = max((len(r) for r in relevant), default=0)

@@ -50,10 +50,16 @@ def info_nce(scores: torch.Tensor, targets: torch.Tensor, tau: float = 1.0) -> t
 
 
 def contrastive_loss(
-    q_dense: torch.Tensor, q_mask: torch.Tensor, p_dense: torch.Tensor, p_mask: torch.Tensor,
-    group: int, tau: float = 0.01, q_sparse: torch.Tensor | None = None, p_sparse: torch.Tensor | None = None,
+    q_dense: torch.Tensor,
+    q_mask: torch.Tensor,
+    p_dense: torch.Tensor,
+    p_mask: torch.Tensor,
+    group: int,
+    tau: float = 0.01,
+    q_sparse: torch.Tensor | None = None,
+    p_sparse: torch.Tensor | None = None,
     offset: int = 0,
-) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+) -> tuple[torch.Tensor, dict[str, float]]:
     """L_dense + L_sparse for Q queries and the pool's passages in groups of ``group`` (each query's positive
     first in its group; query i's group is ``offset + i``, the other groups in-batch negatives).
 
@@ -95,8 +101,15 @@ def topk_own(v: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
     return v * (keep | (own > 0))
 
 
-def sidr_loss(q: torch.Tensor, q_bin: torch.Tensor, p: torch.Tensor, p_bin: torch.Tensor, group: int,
-              topk: int = 768, offset: int = 0) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+def sidr_loss(
+    q: torch.Tensor,
+    q_bin: torch.Tensor,
+    p: torch.Tensor,
+    p_bin: torch.Tensor,
+    group: int,
+    topk: int = 768,
+    offset: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """SIDR's semi-parametric objective: 1/4 [L(q_topk, p) + L(q, p_topk) + L(q_bin, p) + L(q, p_bin)], each L
     symmetric (:func:`symmetric_nce`); ``q`` / ``p`` [N, V] the parametric vectors, ``*_bin`` the texts' binary bags
     of tokens, passages in groups of ``group`` with each query's positive first.
@@ -107,8 +120,9 @@ def sidr_loss(q: torch.Tensor, q_bin: torch.Tensor, p: torch.Tensor, p_bin: torc
     ['bot', 'loss', 'topk']
     """
     targets = (torch.arange(q.shape[0], device=q.device) + offset) * group
-    topk_part = (symmetric_nce(topk_own(q, q_bin, topk), p, targets) +
-                 symmetric_nce(q, topk_own(p, p_bin, topk), targets)) / 4  # fmt: skip
+    topk_part = (
+        symmetric_nce(topk_own(q, q_bin, topk), p, targets) + symmetric_nce(q, topk_own(p, p_bin, topk), targets)
+    ) / 4
     bot_part = (symmetric_nce(q_bin, p, targets) + symmetric_nce(q, p_bin, targets)) / 4
     loss = topk_part + bot_part
     return loss, {"topk": float(topk_part.detach()), "bot": float(bot_part.detach()), "loss": float(loss.detach())}

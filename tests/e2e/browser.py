@@ -22,9 +22,14 @@ import pytest
 # headless, as root in a container, on a machine whose network is closed: no sandbox, no GPU, no background
 # connections (each refused one would be retried)
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_MS = 30_000
 
 
@@ -145,7 +150,7 @@ class PrefectUI:
         p.goto(f"{self.root}/artifacts/artifact/{artifact_id}")
         imgs = "main img[src]:not([src=''])"  # the page's own placeholders have no source
         p.locator(imgs).first.wait_for()
-        p.wait_for_function(f"() => [...document.querySelectorAll(\"{imgs}\")].every(i => i.complete)")
+        p.wait_for_function(f'() => [...document.querySelectorAll("{imgs}")].every(i => i.complete)')
         if shot:
             self.shot(shot)
         return p.locator(imgs).evaluate_all(

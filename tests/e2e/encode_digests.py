@@ -30,8 +30,15 @@ def main(shared: Path, out: Path) -> dict[str, str]:
         root = out / name
         quiet = lambda *_: None  # noqa: E731
         execute(stages()["download"], DownloadConfig(name="mini", source=str(mini), root=str(root)), log=quiet)
-        cfg = EncodeConfig(dataset="mini", k=[1, 4, 16], backbone=BackboneConfig(model=str(shared / "models" / name)),
-                           max_length=128, shard_size=20, batch_size=8, root=str(root))  # fmt: skip
+        cfg = EncodeConfig(
+            dataset="mini",
+            k=[1, 4, 16],
+            backbone=BackboneConfig(model=str(shared / "models" / name)),
+            max_length=128,
+            shard_size=20,
+            batch_size=8,
+            root=str(root),
+        )
         execute(stages()["tokenize"], cfg.tokenize_config(), log=quiet)
         execute(stages()["encode"], cfg, log=quiet)
         for p in sorted(root.glob("encodings/**/shard=*.parquet")):

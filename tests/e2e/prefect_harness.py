@@ -275,8 +275,10 @@ def wait_state(server: PrefectServer, flow_run_id: str, state: str, timeout_s: f
     t0 = time.monotonic()
     while (now := server.flow_run(flow_run_id).get("state_type")) != state:
         if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"flow run {flow_run_id} still {now}, not {state}, after {timeout_s} s\n"
-                        f"--- server log\n{tail(server.log, 30)}")  # fmt: skip
+            pytest.fail(
+                f"flow run {flow_run_id} still {now}, not {state}, after {timeout_s} s\n"
+                f"--- server log\n{tail(server.log, 30)}"
+            )
         time.sleep(1)
     return time.monotonic() - t0
 

@@ -29,9 +29,7 @@ def test_scifact_nfcorpus_cranfield(tmp_path, shared_data):
     assert rows == [{"split": "test", "q": 300, "n": 339}, {"split": "train", "q": 809, "n": 919}]
     counts = {r["dataset"]: r["n"] for r in sql(root, "select dataset, count(*) n from corpus group by 1")}
     assert counts == {"scifact": 5183, "nfcorpus": 3633, "cranfield": 1400}
-    nf = sql(
-        root, "select count(distinct query_id) q, count(*) n from qrels where dataset='nfcorpus' and split='test'"
-    )
+    nf = sql(root, "select count(distinct query_id) q, count(*) n from qrels where dataset='nfcorpus' and split='test'")
     assert nf == [{"q": 323, "n": 12334}]
     cran = sql(root, "select count(distinct query_id) q from queries where dataset = 'cranfield'")
     assert cran == [{"q": 225}]

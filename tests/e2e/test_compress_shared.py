@@ -15,8 +15,21 @@ from conftest import SHARED
 
 MINI = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
 DREAM = SHARED / "models" / "tiny-dream-random"
-GRID = ["-d", "scifact-mini", "--kq", "1,4", "--kp", "1,4", "--max-length", "128", "--split", "test", "--no-bm25",
-        "--batch-size", "8"]
+GRID = [
+    "-d",
+    "scifact-mini",
+    "--kq",
+    "1,4",
+    "--kp",
+    "1,4",
+    "--max-length",
+    "128",
+    "--split",
+    "test",
+    "--no-bm25",
+    "--batch-size",
+    "8",
+]
 
 pytestmark = pytest.mark.e2e
 
@@ -29,13 +42,51 @@ def stores(tmp_path_factory) -> dict[str, Path]:
     a, b = base / "a", base / "b"
     run("run", "--source", str(MINI), "--root", str(a), "--model", str(DREAM), *GRID)  # float16
     for to in ("residual:2", "int8"):
-        run("compress", "-d", "scifact-mini", "--model", str(DREAM), "--store", to, "--store-seed", "5", "--root",
-            str(a))
-        run("score", "-d", "scifact-mini", "--model", str(DREAM), "--store", to, "--kq", "1,4", "--kp", "1,4",
-            "--split", "test", "--root", str(a))  # fmt: skip
+        run(
+            "compress",
+            "-d",
+            "scifact-mini",
+            "--model",
+            str(DREAM),
+            "--store",
+            to,
+            "--store-seed",
+            "5",
+            "--root",
+            str(a),
+        )
+        run(
+            "score",
+            "-d",
+            "scifact-mini",
+            "--model",
+            str(DREAM),
+            "--store",
+            to,
+            "--kq",
+            "1,4",
+            "--kp",
+            "1,4",
+            "--split",
+            "test",
+            "--root",
+            str(a),
+        )
     run("evaluate", "--root", str(a))
-    run("run", "--source", str(MINI), "--root", str(b), "--model", str(DREAM), *GRID, "--store", "residual:2",
-        "--store-seed", "5")  # fmt: skip
+    run(
+        "run",
+        "--source",
+        str(MINI),
+        "--root",
+        str(b),
+        "--model",
+        str(DREAM),
+        *GRID,
+        "--store",
+        "residual:2",
+        "--store-seed",
+        "5",
+    )
     return {"a": a, "b": b}
 
 

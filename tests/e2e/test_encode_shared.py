@@ -116,8 +116,10 @@ def test_encode_errors_are_clear(tmp_path, scifact_store):
     cases = [
         (["--model", str(tmp_path / "nope"), "--dataset", "scifact"], "does not exist"),
         (["--model", str(SPLADE), "--dataset", "scifact", "--k", "0,4"], "K must be positive"),
-        (["--model", str(SPLADE), "--dataset", "scifact", "--family", "transformer-xl"],
-         "'transformer-xl' is not one of 'auto', 'mlm', 'dream', 'llada', 'causal'"),  # the choices, in the usage error
+        (
+            ["--model", str(SPLADE), "--dataset", "scifact", "--family", "transformer-xl"],
+            "'transformer-xl' is not one of 'auto', 'mlm', 'dream', 'llada', 'causal'",
+        ),  # the choices, in the usage error
         (["--model", str(SPLADE), "--dataset", "nosuch"], "no complete artifact"),
     ]
     if SMOL.exists():

@@ -65,14 +65,40 @@ pytestmark = pytest.mark.e2e
 
 
 def run_args(source: Path, root: Path) -> list[str]:
-    return ["run", "--source", str(source), "-d", "mini", "--root", str(root), "--model", str(SPLADE),
-            "--kq", "1", "--kp", "1", "--max-length", "64", "--shard-size", str(SHARD)]  # fmt: skip
+    return [
+        "run",
+        "--source",
+        str(source),
+        "-d",
+        "mini",
+        "--root",
+        str(root),
+        "--model",
+        str(SPLADE),
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--max-length",
+        "64",
+        "--shard-size",
+        str(SHARD),
+    ]
 
 
 def pipeline_config(source: Path, root: Path, cache: Path) -> dict:
     """The same run as ``run_args`` as the pipeline deployment's ``config``."""
-    return {"root": str(root), "dataset": "mini", "source": str(source), "cache_dir": str(cache), "kq": [1],
-            "kp": [1], "max_length": 64, "shard_size": SHARD, "backbone": {"model": str(SPLADE)}}  # fmt: skip
+    return {
+        "root": str(root),
+        "dataset": "mini",
+        "source": str(source),
+        "cache_dir": str(cache),
+        "kq": [1],
+        "kp": [1],
+        "max_length": 64,
+        "shard_size": SHARD,
+        "backbone": {"model": str(SPLADE)},
+    }
 
 
 def diffret(*args: str) -> subprocess.CompletedProcess:
@@ -231,8 +257,10 @@ def kill_points(baseline: Baseline, seed: int) -> list[KillPoint]:
         return [t for t, rel in events if rel.split(os.sep)[0] == folder]
 
     encode = times("encodings")
+    # fmt: off
     spans = {"early": (max(0.0, times("datasets")[0] - 1.0), encode[0]), "middle": (encode[0], encode[-1]),
-             "late": (encode[-1], events[-1][0])}  # fmt: skip
+             "late": (encode[-1], events[-1][0])}
+    # fmt: on
     points = []
     for phase in PHASES:
         at = rng.uniform(*spans[phase])
@@ -252,8 +280,14 @@ def test_kill_9_at_a_random_point_then_rerun(trial: int, baseline: Baseline, tmp
     root = tmp_path / "store"
     log = tmp_path / "killed.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([*DIFFRET, *run_args(baseline.source, root)], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=ENV, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [*DIFFRET, *run_args(baseline.source, root)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=ENV,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while point.anchor is not None and not (root / point.anchor).exists():
@@ -349,8 +383,11 @@ def test_prefect_worker_killed_mid_encode_then_retried_from_the_ui(
         killed = kill_9_tree(worker)
     assert len(killed) >= 2, f"the worker had no flow run process to kill: {killed}"
     finished = recorded_shards(root)
-    left = {rel: st for rel, st in outputs(root).items()  # an encoding shard not yet recorded is not finished
-            if "encodings" not in rel or not rel.endswith(".parquet") or rel in finished}  # fmt: skip
+    left = {
+        rel: st
+        for rel, st in outputs(root).items()  # an encoding shard not yet recorded is not finished
+        if "encodings" not in rel or not rel.endswith(".parquet") or rel in finished
+    }
     assert len(finished) >= 2, finished
     shards_left = [rel for rel in left if "encodings" in rel and rel.endswith(".parquet")]
     assert server.flow_run(flow_run_id)["state_type"] == "RUNNING"  # nobody told the server
@@ -368,8 +405,11 @@ def test_prefect_worker_killed_mid_encode_then_retried_from_the_ui(
     logs = server.flow_run_logs(flow_run_id)
 
     after = outputs(root)
-    same = {rel for rel, st in left.items()
-            if rel in after and (after[rel].st_ino, after[rel].st_mtime_ns) == (st.st_ino, st.st_mtime_ns)}  # fmt: skip
+    same = {
+        rel
+        for rel, st in left.items()
+        if rel in after and (after[rel].st_ino, after[rel].st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    }
     # data files only: the bookkeeping of the stage that was running (its manifest, shard records) is rewritten
     changed = sorted(rel for rel in set(left) - same if not os.path.basename(rel).startswith("_"))
     assert not changed, f"finished before the kill, redone after it: {changed}"

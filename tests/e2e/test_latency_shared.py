@@ -28,14 +28,25 @@ def test_one_checkpoint_both_ways_and_tiny_dream(tmp_path: Path) -> None:
         pytest.skip("../shared/models/smollm2-135m-instruct-gguf or tiny-dream-random is absent")
     root = str(tmp_path / "store")
     backbone = BackboneConfig(model=str(SMOL), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", mask_token="<|im_start|>")
-    smol = LatencyConfig(root=root, backbone=backbone,
-                         readout={"readout": "promptreps"}, both_ways=True, lengths=[16, 64], k=[1, 4, 16],
-                         search_sizes=[100, 1000, 10000], search_k=["1x1", "2x4"], search_queries=4, topk=10,
-                         repeats=1, warmup=1)  # fmt: skip
+    smol = LatencyConfig(
+        root=root,
+        backbone=backbone,
+        readout={"readout": "promptreps"},
+        both_ways=True,
+        lengths=[16, 64],
+        k=[1, 4, 16],
+        search_sizes=[100, 1000, 10000],
+        search_k=["1x1", "2x4"],
+        search_queries=4,
+        topk=10,
+        repeats=1,
+        warmup=1,
+    )
     res = execute(stages()["latency"], smol, log=print)
     assert res.done == 3  # PromptReps encode + search, the mask readout's encode
-    dream = LatencyConfig(root=root, backbone=BackboneConfig(model=str(DREAM)), lengths=[16, 64], k=[1, 16],
-                          kinds=["encode"], repeats=1)  # fmt: skip
+    dream = LatencyConfig(
+        root=root, backbone=BackboneConfig(model=str(DREAM)), lengths=[16, 64], k=[1, 16], kinds=["encode"], repeats=1
+    )
     execute(stages()["latency"], dream, log=print)
     assert execute(stages()["latency"], smol, log=print).done == 0  # nothing new
     with StoreSQL(ArtifactStore(root)) as db:

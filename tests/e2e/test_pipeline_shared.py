@@ -117,8 +117,23 @@ def test_export_run_writes_a_trec_file(pipeline_root: Path, tmp_path: Path) -> N
 
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
     out = tmp_path / "run.trec"
-    run("export-run", "--root", str(pipeline_root), "--system", system, "-d", "scifact", "--kq", "4", "--kp", "1",
-        "--mode", "multi_dense", "-o", str(out))  # fmt: skip
+    run(
+        "export-run",
+        "--root",
+        str(pipeline_root),
+        "--system",
+        system,
+        "-d",
+        "scifact",
+        "--kq",
+        "4",
+        "--kp",
+        "1",
+        "--mode",
+        "multi_dense",
+        "-o",
+        str(out),
+    )
     lines = out.read_text().splitlines()
     assert lines[0].split()[1] == "Q0" and lines[0].split()[3] == "1"
     stored = sql(
@@ -193,8 +208,14 @@ def test_report_on_the_scifact_run(pipeline_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     run("report", "--root", str(pipeline_root), "--out", str(out), "--n-boot", "200")
     text = (out / "report.md").read_text()
-    for title in ("Budget selection", "Landscapes", "Per-query oracle", "Feature correlation", "Paper tables",
-                  "Footprint"):  # fmt: skip
+    for title in (
+        "Budget selection",
+        "Landscapes",
+        "Per-query oracle",
+        "Feature correlation",
+        "Paper tables",
+        "Footprint",
+    ):
         assert f"## {title}" in text, title
     sel = sql(pipeline_root, "select * from budget_selection")
     assert len(sel) == 1 and sel[0]["train_on"] == "scifact"
@@ -234,18 +255,38 @@ def test_adaptive_budgets_on_the_scifact_grid(pipeline_root: Path, tmp_path: Pat
     """`diffret budget` from the stored 2 x 2 grid (train + test): runs per selector that evaluate and SQL treat like
     any run, the fixed selector equal to the train-selected cell on test, the report's table."""
     system = sql(pipeline_root, "select distinct system from runs where mode = 'multi_dense'")[0]["system"]
-    args = ["budget", "--root", str(pipeline_root), "-d", "scifact", "--system", system, "--selector", "fixed",
-            "--selector", "rule"]  # fmt: skip
+    args = [
+        "budget",
+        "--root",
+        str(pipeline_root),
+        "-d",
+        "scifact",
+        "--system",
+        system,
+        "--selector",
+        "fixed",
+        "--selector",
+        "rule",
+    ]
     p = run(*args)
     assert "adaptive runs: 2" in p.stdout + p.stderr
     run("evaluate", "--root", str(pipeline_root))
-    got = {r["selector"]: r for r in sql(pipeline_root, "select a.selector, a.fixed_kq, a.fixed_kp, c.ndcg_10 from "
-                                         "adaptive_runs a join cells c using (system, dataset, split, mode) where "
-                                         "a.split = 'test'")}  # fmt: skip
+    got = {
+        r["selector"]: r
+        for r in sql(
+            pipeline_root,
+            "select a.selector, a.fixed_kq, a.fixed_kp, c.ndcg_10 from "
+            "adaptive_runs a join cells c using (system, dataset, split, mode) where "
+            "a.split = 'test'",
+        )
+    }
     assert set(got) == {"fixed", "rule"}
     fixed = got["fixed"]
-    cell = sql(pipeline_root, f"select ndcg_10 from cells where system = '{system}' and split = 'test' and mode = "
-                              f"'multi_dense' and kq = {fixed['fixed_kq']} and kp = {fixed['fixed_kp']}")  # fmt: skip
+    cell = sql(
+        pipeline_root,
+        f"select ndcg_10 from cells where system = '{system}' and split = 'test' and mode = "
+        f"'multi_dense' and kq = {fixed['fixed_kq']} and kp = {fixed['fixed_kp']}",
+    )
     assert fixed["ndcg_10"] == pytest.approx(cell[0]["ndcg_10"])
     again = run(*args)
     assert "0 run(s) chosen, " in again.stdout + again.stderr  # a re-run does nothing

@@ -50,9 +50,18 @@ def test_download_and_pipeline_from_the_custom_run_form(tmp_path: Path, request:
         assert "datasets/dataset=scifact-mini" in summary and str(MINI) in summary
 
         pipeline = server.api("GET", "/deployments/name/pipeline/pipeline")["id"]  # type: ignore[index]
-        config = {"root": str(root), "dataset": "scifact-mini", "source": str(MINI), "cache_dir": str(cache),
-                  "kq": [1, 2], "kp": [1, 2], "max_length": 64, "shard_size": 25, "batch_size": 16,
-                  "backbone": {"model": str(SPLADE)}}  # fmt: skip
+        config = {
+            "root": str(root),
+            "dataset": "scifact-mini",
+            "source": str(MINI),
+            "cache_dir": str(cache),
+            "kq": [1, 2],
+            "kp": [1, 2],
+            "max_length": 64,
+            "shard_size": 25,
+            "batch_size": 16,
+            "backbone": {"model": str(SPLADE)},
+        }
         run_id = ui.custom_run(pipeline, config, shot="ui-deployment-form")
         run = work_off(server, run_id, "worker-pipeline")
         assert run["name"] == "pipeline scifact-mini splade-tiny-mlm diffretriever"
@@ -65,10 +74,16 @@ def test_download_and_pipeline_from_the_custom_run_form(tmp_path: Path, request:
         assert "multi_dense" in text and "bm25" in text
 
         # every stage's own run (a subflow of this pipeline run): named after it, its summary with the folders' rows
-        runs = server.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"is_null_": False},
-                                                                      "parent_flow_run_id": {"any_": [run_id]}}})
+        runs = server.api(
+            "POST",
+            "/flow_runs/filter",
+            {"flow_runs": {"parent_task_run_id": {"is_null_": False}, "parent_flow_run_id": {"any_": [run_id]}}},
+        )
         names = {r["name"]: r["id"] for r in runs}  # type: ignore[union-attr]
         encode = next(i for n, i in names.items() if n.startswith("encode scifact-mini splade-tiny-mlm"))
-        encoded = next(a["data"] for k, a in artifacts_of(server, encode).items()
-                       if k.startswith("encode-splade") and a["type"] == "markdown")  # fmt: skip
+        encoded = next(
+            a["data"]
+            for k, a in artifacts_of(server, encode).items()
+            if k.startswith("encode-splade") and a["type"] == "markdown"
+        )
         assert "| `side=passage/k=2` | 2 | 50 |" in encoded and "Next: score the grid" in encoded, encoded

@@ -136,8 +136,11 @@ def test_the_readme_offline_commands_and_python_example_work_as_written(tmp_path
     assert not (root / "_locks").exists() and not (root / "_staging").exists()  # nothing left behind
 
     (python,) = blocks("python")
-    assert 'diffret.Store("/tmp/r")' in "\n".join(python) and 'search(queries, passages, "fusion_multi_sparse_max")' \
-        in "\n".join(python) and "k=4)" in "\n".join(python)  # fmt: skip
+    assert (
+        'diffret.Store("/tmp/r")' in "\n".join(python)
+        and 'search(queries, passages, "fusion_multi_sparse_max")' in "\n".join(python)
+        and "k=4)" in "\n".join(python)
+    )
     p = wheel_env.run(re.sub(r"/tmp/r\b", str(root), "\n".join(python)), cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     means_line, *table = p.stdout.splitlines()
@@ -146,8 +149,10 @@ def test_the_readme_offline_commands_and_python_example_work_as_written(tmp_path
     from diffret.storage.sql import StoreSQL
 
     with StoreSQL(ArtifactStore(root)) as db:
-        cols, rows = db.query("select ndcg_10, mrr_10, recall_100, recall_1000 from cells where split = 'test' and "
-                              "kq = 4 and kp = 4 and mode = 'fusion_multi_sparse_max' and system not like 'bm25%'")
+        cols, rows = db.query(
+            "select ndcg_10, mrr_10, recall_100, recall_1000 from cells where split = 'test' and "
+            "kq = 4 and kp = 4 and mode = 'fusion_multi_sparse_max' and system not like 'bm25%'"
+        )
     ((ndcg, mrr, r100, r1000),) = rows
     assert means["ndcg_cut_10"] == ndcg, (means, rows)  # to the last bit
     assert (means["mrr_10"], means["recall_100"], means["recall_1000"]) == (mrr, r100, r1000), (means, rows)

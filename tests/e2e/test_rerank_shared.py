@@ -56,28 +56,51 @@ def test_rerank_each_method_writes_an_evaluated_run(store: Path) -> None:
     models = SHARED / "models"
     slugs = []
     for model, method, extra in CASES:
-        args = ["rerank", "--root", str(store), "--model", str(models / model), "--method", method,
-                "--doc-tokens", "32", *extra]  # fmt: skip
+        args = [
+            "rerank",
+            "--root",
+            str(store),
+            "--model",
+            str(models / model),
+            "--method",
+            method,
+            "--doc-tokens",
+            "32",
+            *extra,
+        ]
         p = run(*args)
         assert "1 run(s) reranked" in p.stdout + p.stderr, p.stdout + p.stderr
         if not slugs:  # the same command again: nothing to do (checked once; every method plans alike)
             again = run(*args)
             assert "0 run(s) reranked, 1 already done" in again.stdout + again.stderr
-        slug = next(r["system"] for r in sql(store, "select system from systems where kind = 'reranker' "
-                                                    f"and readout = '{method}' and model like '%{model}'"))  # fmt: skip
+        slug = next(
+            r["system"]
+            for r in sql(
+                store,
+                "select system from systems where kind = 'reranker' "
+                f"and readout = '{method}' and model like '%{model}'",
+            )
+        )
         slugs.append(slug)
         depth = 30 if "--depth" in extra else 100
-        got = sql(store, f"select count(distinct query_id) q, count(*) n, min(rank) lo, max(rank) hi from runs "
-                         f"where system = '{slug}'")  # fmt: skip
+        got = sql(
+            store,
+            f"select count(distinct query_id) q, count(*) n, min(rank) lo, max(rank) hi from runs "
+            f"where system = '{slug}'",
+        )
         assert got == [{"q": N_QUERIES, "n": N_QUERIES * depth, "lo": 1, "hi": depth}]
         # the reranked run holds the first stage's candidates, in another order
-        same = sql(store, f"select count(*) n from runs r join runs b on r.query_id = b.query_id and "
-                          f"r.doc_id = b.doc_id where r.system = '{slug}' and b.mode = 'bm25' and b.rank <= {depth}")
+        same = sql(
+            store,
+            f"select count(*) n from runs r join runs b on r.query_id = b.query_id and "
+            f"r.doc_id = b.doc_id where r.system = '{slug}' and b.mode = 'bm25' and b.rank <= {depth}",
+        )
         assert same == [{"n": N_QUERIES * depth}]
     assert len(set(slugs)) == len(CASES)
     run("evaluate", "--root", str(store))
-    board = {r["system"]: r for r in sql(store, "select system, mode, ndcg_10, queries from best_cells "
-                                                "where split = 'test'")}  # fmt: skip
+    board = {
+        r["system"]: r for r in sql(store, "select system, mode, ndcg_10, queries from best_cells where split = 'test'")
+    }
     for slug in slugs:
         assert board[slug]["mode"] == "rerank" and board[slug]["queries"] == N_QUERIES
         assert 0.0 <= board[slug]["ndcg_10"] <= 1.0
@@ -94,8 +117,9 @@ def test_rerank_each_method_writes_an_evaluated_run(store: Path) -> None:
         (["--method", "permutation_assignment", "--prompt", "BAD_PROMPT"], "is not a single token"),
     ],
 )
-def test_rerank_bad_input_is_one_line_and_writes_nothing(store: Path, tmp_path: Path, extra: list[str],
-                                                         message: str) -> None:  # fmt: skip
+def test_rerank_bad_input_is_one_line_and_writes_nothing(
+    store: Path, tmp_path: Path, extra: list[str], message: str
+) -> None:
     bad_prompt = tmp_path / "bad.yaml"
     bad_prompt.write_text(
         'system: ""\nuser: "{query} {documents} {n}"\ndocument: "[{id}] {text}"\nassistant: "{slots}"\n'
@@ -104,8 +128,17 @@ def test_rerank_bad_input_is_one_line_and_writes_nothing(store: Path, tmp_path: 
     extra = [str(bad_prompt) if x == "BAD_PROMPT" else x for x in extra]
     models = SHARED / "models"
     before = sorted(p.relative_to(store) for p in store.rglob("*") if "_locks" not in p.parts)
-    p = run("rerank", "--root", str(store), "--model", str(models / "splade-tiny-mlm"), "--doc-tokens", "64",
-            *extra, check=False)  # fmt: skip
+    p = run(
+        "rerank",
+        "--root",
+        str(store),
+        "--model",
+        str(models / "splade-tiny-mlm"),
+        "--doc-tokens",
+        "64",
+        *extra,
+        check=False,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], p.stdout + p.stderr
@@ -120,8 +153,20 @@ def _tree(root: Path) -> list[Path]:
 def test_a_trained_reranker_reranks_and_is_refused_on_another_base(store: Path, tmp_path: Path) -> None:
     models = SHARED / "models"
     small = ["--batch-size", "2", "--grad-accum", "1", "--list-size", "6", "--doc-tokens", "32", "--max-steps", "3"]
-    args = ["train-reranker", "--root", str(store), "-d", "scifact", "--model", str(models / "splade-tiny-mlm"),
-            "--method", "pointwise", "--loss", "ranknet", *small]  # fmt: skip
+    args = [
+        "train-reranker",
+        "--root",
+        str(store),
+        "-d",
+        "scifact",
+        "--model",
+        str(models / "splade-tiny-mlm"),
+        "--method",
+        "pointwise",
+        "--loss",
+        "ranknet",
+        *small,
+    ]
     p = run(*args)
     assert "1 model(s) trained" in p.stdout + p.stderr, p.stdout + p.stderr
     folder = str(next(store.glob("models/model=splade-tiny-mlm-rr-*")))
@@ -132,19 +177,45 @@ def test_a_trained_reranker_reranks_and_is_refused_on_another_base(store: Path, 
     log = sql(store, "select count(*) n from read_parquet('" + folder + "/train_log.parquet')")
     assert log == [{"n": 3}]
 
-    p = run("rerank", "--root", str(store), "--model", folder, "--method", "pointwise", "--depth", "20",
-            "--doc-tokens", "32", "--batch-size", "32")  # fmt: skip
+    p = run(
+        "rerank",
+        "--root",
+        str(store),
+        "--model",
+        folder,
+        "--method",
+        "pointwise",
+        "--depth",
+        "20",
+        "--doc-tokens",
+        "32",
+        "--batch-size",
+        "32",
+    )
     assert "1 run(s) reranked" in p.stdout + p.stderr, p.stdout + p.stderr
-    slug = next(r["system"] for r in sql(store, "select system from systems where kind = 'reranker' and "
-                                                f"model = '{folder}'"))  # fmt: skip
+    slug = next(
+        r["system"] for r in sql(store, f"select system from systems where kind = 'reranker' and model = '{folder}'")
+    )
     run("evaluate", "--root", str(store))
     got = sql(store, f"select mode, queries from best_cells where system = '{slug}' and split = 'test'")
     assert got == [{"mode": "rerank", "queries": N_QUERIES}]
 
     # the adapter on another base model: one line, nothing written
     before = _tree(store)
-    p = run("rerank", "--root", str(store), "--model", str(models / "tiny-dream-random"), "--adapter", folder,
-            "--method", "pointwise", "--depth", "20", check=False)  # fmt: skip
+    p = run(
+        "rerank",
+        "--root",
+        str(store),
+        "--model",
+        str(models / "tiny-dream-random"),
+        "--adapter",
+        folder,
+        "--method",
+        "pointwise",
+        "--depth",
+        "20",
+        check=False,
+    )
     errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "was trained on" in errors[0], p.stdout + p.stderr
     assert _tree(store) == before
@@ -153,18 +224,46 @@ def test_a_trained_reranker_reranks_and_is_refused_on_another_base(store: Path, 
 @pytest.mark.e2e
 def test_a_permutation_reranker_trains_by_mdlm_on_rankzephyr_lists(store: Path, tmp_path: Path) -> None:
     passages = ["Aspirin reduces fever.", "The moon orbits the earth.", "Fever is a symptom.", "Tea is a drink."]
-    human = ("I will provide you with 4 passages, each indicated by a numerical identifier [].\n"
-             + "".join(f"[{i + 1}] {t}\n" for i, t in enumerate(passages))
-             + "Search Query: what reduces fever.\nRank the 4 passages above.")  # fmt: skip
-    lines = [json.dumps({"id": f"z{k}", "conversations": [{"from": "human", "value": human},
-                                                          {"from": "gpt", "value": "[1] > [3] > [4] > [2]"}]})
-             for k in range(4)]  # fmt: skip
+    human = (
+        "I will provide you with 4 passages, each indicated by a numerical identifier [].\n"
+        + "".join(f"[{i + 1}] {t}\n" for i, t in enumerate(passages))
+        + "Search Query: what reduces fever.\nRank the 4 passages above."
+    )
+    lines = [
+        json.dumps(
+            {
+                "id": f"z{k}",
+                "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": "[1] > [3] > [4] > [2]"}],
+            }
+        )
+        for k in range(4)
+    ]
     src = tmp_path / "rank_zephyr.jsonl"
     src.write_text("\n".join(lines) + "\n")
     models = SHARED / "models"
-    args = ["train-reranker", "--root", str(store), "--source", str(src), "--model", str(models / "tiny-dream-random"),
-            "--method", "permutation_assignment", "--masking", "random", "--batch-size", "2", "--grad-accum", "1",
-            "--list-size", "4", "--doc-tokens", "16", "--max-steps", "2"]  # fmt: skip
+    args = [
+        "train-reranker",
+        "--root",
+        str(store),
+        "--source",
+        str(src),
+        "--model",
+        str(models / "tiny-dream-random"),
+        "--method",
+        "permutation_assignment",
+        "--masking",
+        "random",
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "1",
+        "--list-size",
+        "4",
+        "--doc-tokens",
+        "16",
+        "--max-steps",
+        "2",
+    ]
     p = run(*args)
     assert "1 model(s) trained" in p.stdout + p.stderr, p.stdout + p.stderr
     manifest = next(store.glob("models/model=tiny-dream-random-rr-*/_manifest.json"))

@@ -49,8 +49,12 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     keep = list(dict.fromkeys(r[0] for r in judged))[:N_QUERIES]
     qrels = [(q, d, int(g)) for q, d, g in judged if q in keep]
     docs = {d for _, d, _ in qrels}
-    src = write_beir(tmp / "sub", [d for i, d in enumerate(corpus) if i < EXTRA_DOCS or d["_id"] in docs],
-                     [q for q in queries if q["_id"] in keep], {"test": qrels})  # fmt: skip
+    src = write_beir(
+        tmp / "sub",
+        [d for i, d in enumerate(corpus) if i < EXTRA_DOCS or d["_id"] in docs],
+        [q for q in queries if q["_id"] in keep],
+        {"test": qrels},
+    )
     a = tmp / "a"
     cli("download", "sub", "--source", str(src), "--root", str(a))
     cli("bm25", "-d", "sub", "--root", str(a))
@@ -73,28 +77,65 @@ def test_an_exported_run_imported_into_another_store_evaluates_the_same(stores):
     got = rows(b, "select query_id, measure, value from metrics where system = 'pyserini-bm25' order by 1, 2")
     assert got == want and len(got) == 4 * N_QUERIES
     assert rows(b, "select kind from systems where system = 'pyserini-bm25'") == [{"kind": "run"}]
-    assert "0 run(s) imported, 1 already done" in cli("import-run", str(stores["trec"]), "-d", "sub", "--name",
-                                                      "pyserini-bm25", "--root", str(b))  # fmt: skip
+    assert "0 run(s) imported, 1 already done" in cli(
+        "import-run", str(stores["trec"]), "-d", "sub", "--name", "pyserini-bm25", "--root", str(b)
+    )
 
 
 def test_rerank_and_late_take_an_imported_first_stage(stores):
     a = str(stores["a"])
     cli("import-run", str(stores["trec"]), "-d", "sub", "--name", "bm25-file", "--root", a)
-    cli("rerank", "-d", "sub", "--first-stage", "bm25-file", "--model", str(SPLADE), "--method", "pointwise",
-        "--depth", "10", "--doc-tokens", "32", "--root", a)  # fmt: skip
-    cli("late", "-d", "sub", "--system", "splade-tiny-mlm-diffretriever", "--first-stage", "bm25-file", "--depth", "10",
-        "--mode", "sparse_max", "--root", a)  # fmt: skip
+    cli(
+        "rerank",
+        "-d",
+        "sub",
+        "--first-stage",
+        "bm25-file",
+        "--model",
+        str(SPLADE),
+        "--method",
+        "pointwise",
+        "--depth",
+        "10",
+        "--doc-tokens",
+        "32",
+        "--root",
+        a,
+    )
+    cli(
+        "late",
+        "-d",
+        "sub",
+        "--system",
+        "splade-tiny-mlm-diffretriever",
+        "--first-stage",
+        "bm25-file",
+        "--depth",
+        "10",
+        "--mode",
+        "sparse_max",
+        "--root",
+        a,
+    )
     cli("evaluate", "--root", a)
-    got = rows(stores["a"], "select s.kind, c.mode, c.queries from cells c join systems s using (system) where "
-                            "c.mode in ('rerank', 'late_sparse_max_m10') order by 1")  # fmt: skip
-    assert got == [{"kind": "encoder", "mode": "late_sparse_max_m10", "queries": N_QUERIES},
-                   {"kind": "reranker", "mode": "rerank", "queries": N_QUERIES}]  # fmt: skip
+    got = rows(
+        stores["a"],
+        "select s.kind, c.mode, c.queries from cells c join systems s using (system) where "
+        "c.mode in ('rerank', 'late_sparse_max_m10') order by 1",
+    )
+    assert got == [
+        {"kind": "encoder", "mode": "late_sparse_max_m10", "queries": N_QUERIES},
+        {"kind": "reranker", "mode": "rerank", "queries": N_QUERIES},
+    ]
     firsts = rows(stores["a"], "select first_system, first_mode from late_runs")
     assert firsts == [{"first_system": "bm25-file", "first_mode": "imported"}]
     # each query's reranked and re-scored documents are the imported run's top 10
-    same = rows(stores["a"], "select count(*) n from runs r join runs f on r.query_id = f.query_id and r.doc_id = "
-                             "f.doc_id where f.system = 'bm25-file' and f.rank <= 10 and r.mode in ('rerank', "
-                             "'late_sparse_max_m10')")  # fmt: skip
+    same = rows(
+        stores["a"],
+        "select count(*) n from runs r join runs f on r.query_id = f.query_id and r.doc_id = "
+        "f.doc_id where f.system = 'bm25-file' and f.rank <= 10 and r.mode in ('rerank', "
+        "'late_sparse_max_m10')",
+    )
     assert same == [{"n": 2 * 10 * N_QUERIES}]
 
 
@@ -106,25 +147,48 @@ def test_compare_corrects_as_statsmodels_does_and_writes_latex(stores, tmp_path)
     runs = ["splade-tiny-mlm-diffretriever:sparse_max:1:1", "splade-tiny-mlm-diffembed:single_dense", "fusion"]
     for test, correction, scipy_test in (("t", "holm", stats.ttest_rel), ("wilcoxon", "bonferroni", stats.wilcoxon)):
         out_dir = tmp_path / test
-        cli("compare", "-d", "sub", "--baseline", "bm25", *[x for r in runs for x in ("--run", r)], "--measure",
-            "ndcg_cut_10", "--measure", "recall_100", "--test", test, "--correction", correction, "--out",
-            str(out_dir), "--root", a)  # fmt: skip
+        cli(
+            "compare",
+            "-d",
+            "sub",
+            "--baseline",
+            "bm25",
+            *[x for r in runs for x in ("--run", r)],
+            "--measure",
+            "ndcg_cut_10",
+            "--measure",
+            "recall_100",
+            "--test",
+            test,
+            "--correction",
+            correction,
+            "--out",
+            str(out_dir),
+            "--root",
+            a,
+        )
         table = list(csv.DictReader(io.StringIO((out_dir / "comparison.csv").read_text())))
         tested = [r for r in table if r["p_value"]]
         assert [r["run"] for r in table if not r["p_value"]] == ["bm25", "bm25"] and len(tested) == 2 * len(runs)
         raw = []
         for r in tested:
-            where = (f"system = '{r['system']}' and mode = '{r['mode']}' and kq = {r['kq']} and kp = {r['kp']} and "
-                     f"measure = '{r['measure']}'")  # fmt: skip
+            where = (
+                f"system = '{r['system']}' and mode = '{r['mode']}' and kq = {r['kq']} and kp = {r['kp']} and "
+                f"measure = '{r['measure']}'"
+            )
             x = rows(stores["a"], f"select query_id, value from metrics where {where} order by 1")
-            y = rows(stores["a"], f"select query_id, value from metrics where mode = 'bm25' and measure = "
-                                  f"'{r['measure']}' order by 1")  # fmt: skip
+            y = rows(
+                stores["a"],
+                f"select query_id, value from metrics where mode = 'bm25' and measure = '{r['measure']}' order by 1",
+            )
             assert [q["query_id"] for q in x] == [q["query_id"] for q in y]
             va, vb = [q["value"] for q in x], [q["value"] for q in y]
             raw.append(1.0 if va == vb else float(scipy_test(va, vb).pvalue))
             assert (int(r["wins"]), int(r["ties"]), int(r["losses"])) == (
-                sum(p > q for p, q in zip(va, vb, strict=True)), sum(p == q for p, q in zip(va, vb, strict=True)),
-                sum(p < q for p, q in zip(va, vb, strict=True)))  # fmt: skip
+                sum(p > q for p, q in zip(va, vb, strict=True)),
+                sum(p == q for p, q in zip(va, vb, strict=True)),
+                sum(p < q for p, q in zip(va, vb, strict=True)),
+            )
         assert [float(r["p_value"]) for r in tested] == pytest.approx(raw, rel=1e-12, abs=1e-300)
         want = multipletests(raw, alpha=0.05, method=correction)[1]
         assert [float(r["p_corrected"]) for r in tested] == pytest.approx(list(want), rel=1e-12, abs=1e-300)

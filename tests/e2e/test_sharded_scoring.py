@@ -53,14 +53,29 @@ def scifact_cut(dest: Path) -> Path:
 def encoded(root: Path, name: str, source: Path, model: Path, shard_size: int) -> str:
     """A store at ``root`` holding ``name`` encoded by ``model`` at K 1, 2; the system's slug."""
     run("download", name, "--source", str(source), "--root", str(root))
-    run("encode", "-d", name, "--model", str(model), "--k", "1,2", "--max-length", "64", "--shard-size",
-        str(shard_size), "--root", str(root))  # fmt: skip
+    run(
+        "encode",
+        "-d",
+        name,
+        "--model",
+        str(model),
+        "--k",
+        "1,2",
+        "--max-length",
+        "64",
+        "--shard-size",
+        str(shard_size),
+        "--root",
+        str(root),
+    )
     return json.loads(run("systems", "--root", str(root), "--format", "json").stdout)[0]["system"]
 
 
 def run_digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.glob("runs/**/run.parquet"))}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.glob("runs/**/run.parquet"))
+    }
 
 
 def config(root: Path, dataset: str, system: str, **kw: object) -> ScoreConfig:
@@ -87,12 +102,16 @@ def test_two_workers_give_one_pass_runs_byte_for_byte(stores, which: str, unit: 
     sharded = tmp_path / "sharded"
     shutil.copytree(root, sharded)
     logs: list[str] = []
-    res = run_stage(stages()["score"], config(sharded, dataset, system, workers=2, unit_passages=unit),
-                    log=logs.append)  # fmt: skip
+    res = run_stage(stages()["score"], config(sharded, dataset, system, workers=2, unit_passages=unit), log=logs.append)
     assert res.done == 18 and any("on 2 Dask worker(s) (0 with a GPU)" in m for m in logs), logs
     digests = run_digests(one)
     assert len(digests) == 18 and {p.split("mode=")[1].split("/")[0] for p in digests} == {
-        "single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max"}
+        "single_dense",
+        "multi_dense",
+        "sparse_max",
+        "fusion_single_sparse_max",
+        "fusion_multi_sparse_max",
+    }
     assert run_digests(sharded) == digests
     assert not list(sharded.glob("partials/**/*.parquet"))
 
@@ -121,10 +140,24 @@ def test_score_killed_half_way_resumes_with_its_finished_units(stores, splade_on
     root, dataset, system = stores["splade"]
     killed = tmp_path / "killed"
     shutil.copytree(root, killed)
-    args = ["score", "-d", dataset, "--system", system, "--kq", "1,2", "--kp", "1,2", "--unit-passages", "100",
-            "--root", str(killed)]  # fmt: skip
-    proc = subprocess.Popen([*DIFFRET, *args], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    args = [
+        "score",
+        "-d",
+        dataset,
+        "--system",
+        system,
+        "--kq",
+        "1,2",
+        "--kp",
+        "1,2",
+        "--unit-passages",
+        "100",
+        "--root",
+        str(killed),
+    ]
+    proc = subprocess.Popen(
+        [*DIFFRET, *args], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while len(recorded_units(killed)) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -142,8 +175,9 @@ def test_score_killed_half_way_resumes_with_its_finished_units(stores, splade_on
         seen["kept"] = {p: p.stat().st_mtime_ns for p in kept} == kept  # untouched by the resume's plan
         return run_units(stage, plan, ctx)
 
-    res = execute(stages()["score"], config(killed, dataset, system, unit_passages=100), log=lambda _: None,
-                  units=check_then_run)  # fmt: skip
+    res = execute(
+        stages()["score"], config(killed, dataset, system, unit_passages=100), log=lambda _: None, units=check_then_run
+    )
     assert seen == {"units": total - len(kept), "kept": True}
     assert res.done == 18 and run_digests(killed) == splade_one_pass
 
@@ -160,18 +194,35 @@ def dask_workers(pid: int) -> list[int]:
     return out
 
 
-def test_a_dask_worker_killed_mid_score_is_redone_and_the_command_succeeds(stores, splade_one_pass,
-                                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_a_dask_worker_killed_mid_score_is_redone_and_the_command_succeeds(
+    stores, splade_one_pass, tmp_path: Path
+) -> None:
     """`score --workers 2`, one worker killed with SIGKILL once six units are recorded: Dask computes what the worker
     held again (a unit's file is the same bytes each time), and the command goes on to exit 0 with the runs of one
     in-process pass, byte for byte, and no partials left."""
     root, dataset, system = stores["splade"]
     killed = tmp_path / "killed"
     shutil.copytree(root, killed)
-    args = ["score", "-d", dataset, "--system", system, "--kq", "1,2", "--kp", "1,2", "--workers", "2",
-            "--unit-passages", "100", "--root", str(killed)]  # fmt: skip
-    proc = subprocess.Popen([*DIFFRET, *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    args = [
+        "score",
+        "-d",
+        dataset,
+        "--system",
+        system,
+        "--kq",
+        "1,2",
+        "--kp",
+        "1,2",
+        "--workers",
+        "2",
+        "--unit-passages",
+        "100",
+        "--root",
+        str(killed),
+    ]
+    proc = subprocess.Popen(
+        [*DIFFRET, *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300
         while len(recorded_units(killed)) < 6 and proc.poll() is None and time.monotonic() < deadline:

@@ -27,10 +27,16 @@ def mini(tmp_path) -> Path:
 
 
 def _late_matches_full(root: Path, system: str, m: int, mode: str = "multi_dense") -> None:
-    late = sql(root, f"select query_id, doc_id, score from runs where system = '{system}' and mode = "
-                     f"'late_{mode}_m{m}' order by query_id, rank")  # fmt: skip
-    full = sql(root, f"select query_id, doc_id, score from runs where system = '{system}' and mode = '{mode}' "
-                     "and kq = 1 and kp = 1 order by query_id, rank")  # fmt: skip
+    late = sql(
+        root,
+        f"select query_id, doc_id, score from runs where system = '{system}' and mode = "
+        f"'late_{mode}_m{m}' order by query_id, rank",
+    )
+    full = sql(
+        root,
+        f"select query_id, doc_id, score from runs where system = '{system}' and mode = '{mode}' "
+        "and kq = 1 and kp = 1 order by query_id, rank",
+    )
     assert late
     for q in {r["query_id"] for r in late}:
         mine = [(r["doc_id"], r["score"]) for r in late if r["query_id"] == q]
@@ -43,15 +49,49 @@ def _late_matches_full(root: Path, system: str, m: int, mode: str = "multi_dense
 @pytest.mark.e2e
 def test_splade_tiny_through_bot_beta_and_late(mini: Path) -> None:
     root, m = str(mini), str(SPLADE)
-    run("encode", "-d", "mini", "--model", m, "--readout", "sidr", "--sidr-head", "lm", "--sidr-act", "log1p_relu",
-        "--k", "1", "--root", root)  # fmt: skip
+    run(
+        "encode",
+        "-d",
+        "mini",
+        "--model",
+        m,
+        "--readout",
+        "sidr",
+        "--sidr-head",
+        "lm",
+        "--sidr-act",
+        "log1p_relu",
+        "--k",
+        "1",
+        "--root",
+        root,
+    )
     p = run("bot", "-d", "mini", "--model", m, "--root", root)
     assert "50 passages" in p.stdout + p.stderr
     run("beta", "-d", "mini", "--model", m, "--readout", "sidr", "--root", root)
     (system,) = [r["system"] for r in sql(mini, "select system from systems where readout = 'sidr'")]
     run("score", "-d", "mini", "--system", system, "--kq", "1", "--kp", "1", "--mode", "sparse_max", "--root", root)
-    run("late", "-d", "mini", "--system", system, "--mode", "sparse_max", "--depth", "5,50", "--first-stage", system,
-        "--first-kq", "1", "--first-kp", "0", "--first-mode", "beta", "--root", root)  # fmt: skip
+    run(
+        "late",
+        "-d",
+        "mini",
+        "--system",
+        system,
+        "--mode",
+        "sparse_max",
+        "--depth",
+        "5,50",
+        "--first-stage",
+        system,
+        "--first-kq",
+        "1",
+        "--first-kp",
+        "0",
+        "--first-mode",
+        "beta",
+        "--root",
+        root,
+    )
     _late_matches_full(mini, system, 50, "sparse_max")
     run("evaluate", "--root", root)
     got = {r["mode"]: r["ndcg_10"] for r in sql(mini, f"select mode, ndcg_10 from cells where system = '{system}'")}
@@ -77,11 +117,46 @@ def test_tiny_dream_late_rescoring_encodes_only_the_candidates(mini: Path) -> No
     # the bag of tokens as first stage: Dream's own K-mask sparse queries over the passages' bags
     run("bot", "-d", "mini", "--model", d, "--root", root)
     run("beta", "-d", "mini", "--system", system, "--root", root)
-    run("late", "-d", "mini", "--system", system, "--depth", "5", "--kp", "1", "--first-stage", system, "--first-kq",
-        "1", "--first-kp", "0", "--first-mode", "beta", "--root", root, "--force")  # fmt: skip
+    run(
+        "late",
+        "-d",
+        "mini",
+        "--system",
+        system,
+        "--depth",
+        "5",
+        "--kp",
+        "1",
+        "--first-stage",
+        system,
+        "--first-kq",
+        "1",
+        "--first-kp",
+        "0",
+        "--first-mode",
+        "beta",
+        "--root",
+        root,
+        "--force",
+    )
     run("encode", "-d", "mini", "--model", d, "--side", "passage", "--k", "1", "--root", root)
-    run("score", "-d", "mini", "--system", system, "--kq", "1", "--kp", "1", "--mode", "multi_dense", "--q1p1-multi",
-        "keep", "--root", root)  # fmt: skip
+    run(
+        "score",
+        "-d",
+        "mini",
+        "--system",
+        system,
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--mode",
+        "multi_dense",
+        "--q1p1-multi",
+        "keep",
+        "--root",
+        root,
+    )
     _late_matches_full(mini, system, 3)
     _late_matches_full(mini, system, 5)
 

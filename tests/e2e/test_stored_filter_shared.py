@@ -45,12 +45,22 @@ def test_stored_filter_encodes_byte_identical(name: str, tmp_path: Path) -> None
     for how in ("stored", "while-encoding"):
         root = tmp_path / how
         execute(stages()["download"], DownloadConfig(name="mini", source=str(MINI), root=str(root)), log=print)
-        cfg = EncodeConfig(dataset="mini", k=[1, 4, 16], backbone=BackboneConfig(model=str(model)), max_length=128,
-                           shard_size=20, batch_size=8, root=str(root))  # fmt: skip
+        cfg = EncodeConfig(
+            dataset="mini",
+            k=[1, 4, 16],
+            backbone=BackboneConfig(model=str(model)),
+            max_length=128,
+            shard_size=20,
+            batch_size=8,
+            root=str(root),
+        )
         tok = cfg.tokenize_config()
         assert tok.content_filter == "nltk"
-        execute(stages()["tokenize"], tok if how == "stored" else tok.model_copy(update={"content_filter": "none"}),
-                log=print)  # fmt: skip
+        execute(
+            stages()["tokenize"],
+            tok if how == "stored" else tok.model_copy(update={"content_filter": "none"}),
+            log=print,
+        )
         assert (root / "filters").exists() == (how == "stored")
         execute(stages()["encode"], cfg, log=print)
         out[how] = encodings(root)
@@ -73,8 +83,14 @@ def platform() -> str:
 def digests(code: Path, out: Path) -> dict[str, str]:
     """encode_digests.py run with ``code`` first on the path (a fresh process: one thread, nothing cached)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "encode_digests.py"), str(SHARED), str(out)],
-                       capture_output=True, text=True, env=env, cwd=code, timeout=900)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "encode_digests.py"), str(SHARED), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=code,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -55,8 +55,19 @@ def _descendants(pid: int) -> list[int]:
 def launcher(procs: int) -> list[str]:
     if procs == 1:
         return [sys.executable, "-m", "diffret.flows.cli"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-            "127.0.0.1", "--master_port", str(_free_port()), "-m", "diffret.flows.cli"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(procs),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "diffret.flows.cli",
+    ]
 
 
 def run(*args: str, procs: int = 1) -> subprocess.CompletedProcess:
@@ -70,8 +81,9 @@ def _groups_file(path: Path, n: int = 16) -> Path:
     with path.open("w") as f:
         for i in range(n):
             a, b = WORDS[i % len(WORDS)], WORDS[(i + 3) % len(WORDS)]
-            negs = [{"docid": f"n{i}-{j}", "title": "", "text": f"{WORDS[(i + 5 + j) % len(WORDS)]} tea"}
-                    for j in range(3)]  # fmt: skip
+            negs = [
+                {"docid": f"n{i}-{j}", "title": "", "text": f"{WORDS[(i + 5 + j) % len(WORDS)]} tea"} for j in range(3)
+            ]
             pos = [{"docid": f"p{i}", "title": a, "text": f"{a} {b} {a}"}]
             rec = {"query_id": f"q{i}", "query": f"{a} {b}", "positive_passages": pos, "negative_passages": negs}
             f.write(json.dumps(rec) + "\n")
@@ -85,10 +97,39 @@ def test_two_gloo_processes_match_one_at_the_same_global_batch(tmp_path):
     (model / "config.json").write_text(json.dumps(cfg))
     root = str(tmp_path / "store")
     run("training-data", "--source", str(_groups_file(tmp_path / "groups.jsonl")), "--name", "tiny", "--root", root)
-    common = ["train", "-t", "tiny", "--model", str(model), "--kq", "2", "--kp", "2", "--n-negatives", "2",
-              "--lora-dropout", "0", "--lr", "5e-3", "--warmup-ratio", "0", "--pool-size", "8", "--global-batch", "8",
-              "--epochs", "2", "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex",
-              "--root", root]  # fmt: skip
+    common = [
+        "train",
+        "-t",
+        "tiny",
+        "--model",
+        str(model),
+        "--kq",
+        "2",
+        "--kp",
+        "2",
+        "--n-negatives",
+        "2",
+        "--lora-dropout",
+        "0",
+        "--lr",
+        "5e-3",
+        "--warmup-ratio",
+        "0",
+        "--pool-size",
+        "8",
+        "--global-batch",
+        "8",
+        "--epochs",
+        "2",
+        "--q-max-len",
+        "8",
+        "--p-max-len",
+        "12",
+        "--content-filter",
+        "regex",
+        "--root",
+        root,
+    ]
     # one pool of 8 queries a step: 1 process in gradient-cached chunks of 4, 2 processes 4 each in chunks of 2
     run(*common, "--batch-size", "4", "--name", "one")
     out = run(*common, "--batch-size", "2", "--name", "two", procs=2)
@@ -115,15 +156,43 @@ def test_sigkill_mid_training_then_rerun_is_bit_identical(tmp_path, procs):
     model = save_tiny_mlm(tmp_path / "bert")
     root = str(tmp_path / "store")
     run("training-data", "--source", str(_groups_file(tmp_path / "groups.jsonl")), "--name", "tiny", "--root", root)
-    args = ["train", "-t", "tiny", "--model", str(model), "--kq", "2", "--kp", "2", "--n-negatives", "2",
-            "--batch-size", "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "150",
-            "--checkpoint-every", "5", "--q-max-len", "8", "--p-max-len", "12", "--content-filter", "regex",
-            "--root", root]  # fmt: skip
+    args = [
+        "train",
+        "-t",
+        "tiny",
+        "--model",
+        str(model),
+        "--kq",
+        "2",
+        "--kp",
+        "2",
+        "--n-negatives",
+        "2",
+        "--batch-size",
+        "2",
+        "--pool-size",
+        "2",
+        "--global-batch",
+        "2",
+        "--max-steps",
+        "150",
+        "--checkpoint-every",
+        "5",
+        "--q-max-len",
+        "8",
+        "--p-max-len",
+        "12",
+        "--content-filter",
+        "regex",
+        "--root",
+        root,
+    ]
     if procs > 1:  # torchrun, the AdamW state sharded: the checkpoint consolidates it, the resume re-shards it
         args.append("--shard-optimizer")
     run(*args, "--name", "straight", procs=procs)
-    proc = subprocess.Popen(launcher(procs) + [*args, "--name", "killed"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=ENV)  # fmt: skip
+    proc = subprocess.Popen(
+        launcher(procs) + [*args, "--name", "killed"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV
+    )
     ckpts = Path(root) / "checkpoints"
     deadline = time.monotonic() + 300
     while not list(ckpts.glob("model=killed-*/last.pt")) and proc.poll() is None and time.monotonic() < deadline:

@@ -21,8 +21,9 @@ ENV = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": 
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV,
-                       timeout=1800)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV, timeout=1800
+    )
     if p.returncode != 0:
         raise AssertionError(f"diffret {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -35,17 +36,41 @@ def test_train_on_scifact_then_encode_and_score_the_fine_tuned_model(tmp_path, s
     cli("download", "scifact", "--source", str(shared_data / "scifact"), "--root", root)
     cli("bm25", "-d", "scifact", "--split", "train", "--root", root)
     cli("training-data", "-d", "scifact", "--root", root)
-    out = cli("train", "-t", "scifact", "--model", str(SPLADE), "--full", "--kq", "4", "--kp", "4", "--max-steps", "6",
-              "--batch-size", "4", "--pool-size", "4", "--global-batch", "4", "--n-negatives", "3", "--lr", "1e-4",
-              "--root", root)  # fmt: skip
-    model = next(x for x in (out.stdout + out.stderr).splitlines() if x.startswith("model: "))[len("model: "):]
+    out = cli(
+        "train",
+        "-t",
+        "scifact",
+        "--model",
+        str(SPLADE),
+        "--full",
+        "--kq",
+        "4",
+        "--kp",
+        "4",
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--pool-size",
+        "4",
+        "--global-batch",
+        "4",
+        "--n-negatives",
+        "3",
+        "--lr",
+        "1e-4",
+        "--root",
+        root,
+    )
+    model = next(x for x in (out.stdout + out.stderr).splitlines() if x.startswith("model: "))[len("model: ") :]
     manifest = json.loads(open(os.path.join(model, "_manifest.json")).read())
     assert manifest["stats"]["steps"] == 6 and manifest["stats"]["trainable"] == manifest["stats"]["parameters"]
     with StoreSQL(ArtifactStore(root)) as db:
         _, rows = db.query("select count(*), count(distinct model) from train_log")
         _, groups = db.query("select count(*), min(n_negatives) from training_groups")
     assert rows == [(6, 1)] and groups[0][0] > 700 and groups[0][1] == 15
-    cli("encode", "-d", "scifact", "--model", model, "--k", "4", "--side", "query", "--max-length", "96",
-        "--root", root)  # fmt: skip
+    cli(
+        "encode", "-d", "scifact", "--model", model, "--k", "4", "--side", "query", "--max-length", "96", "--root", root
+    )
     systems = cli("systems", "--root", root, "--format", "json").stdout
     assert model in systems and str(SPLADE) not in systems  # its own system; the base was never encoded here

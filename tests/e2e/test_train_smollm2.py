@@ -28,8 +28,10 @@ def _groups(shared_data, n: int = 6):
             if len(docs) == n:
                 break
     keys = ("docid", "title", "text")
-    return [Group(f"q{i}", d["query"], [{k: d[k] for k in keys}], [{k: docs[(i + 1) % n][k] for k in keys}])
-            for i, d in enumerate(docs)]  # fmt: skip
+    return [
+        Group(f"q{i}", d["query"], [{k: d[k] for k in keys}], [{k: docs[(i + 1) % n][k] for k in keys}])
+        for i, d in enumerate(docs)
+    ]
 
 
 @pytest.mark.e2e
@@ -48,8 +50,20 @@ def test_lora_training_lowers_the_loss(shared_data, readout):
     mask = {"mask_token": "<empty_output>"} if readout == "diffretriever" else {}
     bb = load_backbone(BackboneConfig(model=str(SMOL), gguf_file=GGUF, **mask))
     reader = make_reader(bb, ReadoutConfig(readout=readout, content_filter="regex"), 128)
-    settings = TrainSettings(kq=2, kp=2, batch_size=3, pool_size=3, global_batch=3, n_negatives=1, q_max_len=16,
-                             p_max_len=24, lr=1e-3, warmup_ratio=0.0, epochs=4, schedule="linear")  # fmt: skip
+    settings = TrainSettings(
+        kq=2,
+        kp=2,
+        batch_size=3,
+        pool_size=3,
+        global_batch=3,
+        n_negatives=1,
+        q_max_len=16,
+        p_max_len=24,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        epochs=4,
+        schedule="linear",
+    )
     tr = Trainer(reader, _groups(shared_data), settings)
     try:
         assert 0 < tr.trainable < 0.05 * tr.total  # LoRA: a few percent of the weights

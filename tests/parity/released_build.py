@@ -44,8 +44,9 @@ def _llada_name(key: str, layers: int) -> str:
     raise KeyError(key)
 
 
-def build(base: Path, out: Path, family: str, kq: int, kp: int, prompt: str = "three_words", seed: int = 0,
-          rank: int = 4) -> Path:  # fmt: skip
+def build(
+    base: Path, out: Path, family: str, kq: int, kp: int, prompt: str = "three_words", seed: int = 0, rank: int = 4
+) -> Path:
     """Write the released layout for ``base`` (a tiny ``dream`` or ``llada`` folder) into ``out``."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -67,11 +68,23 @@ def build(base: Path, out: Path, family: str, kq: int, kp: int, prompt: str = "t
     if family == "llada":
         layers = bb.model.config.num_hidden_layers
         state = {_llada_name(k, layers): v for k, v in state.items()}
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LLADA_TARGETS,
-                         task_type="CAUSAL_LM", bias="none")  # fmt: skip
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            lora_dropout=0.0,
+            target_modules=LLADA_TARGETS,
+            task_type="CAUSAL_LM",
+            bias="none",
+        )
     else:
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=DREAM_TARGETS,
-                         task_type="FEATURE_EXTRACTION", bias="none")  # fmt: skip
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            lora_dropout=0.0,
+            target_modules=DREAM_TARGETS,
+            task_type="FEATURE_EXTRACTION",
+            bias="none",
+        )
     cfg.base_model_name_or_path = str(base)
     cfg.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"))
@@ -82,14 +95,32 @@ def build(base: Path, out: Path, family: str, kq: int, kp: int, prompt: str = "t
         ids[f"{side}_prefix_ids"], ids[f"{side}_suffix_ids"] = list(pieces.prefix), list(pieces.suffix)
     options = [k for k in (1, 2, 4, 8, 16) if k <= max(kq, kp)]
     config = {
-        "model_type": "dream" if family == "dream" else "llada1", "mask_token_id": bb.mask_id,
-        "hidden_size": bb.hidden_size, "max_length": 512, "n_gen_tokens": kq, "n_gen_q_tokens": kq,
-        "n_gen_p_tokens": kp, "temperature": 0.01, "flops_weight": 0.0, "num_denoise_steps": 1, "sparse_weight": 1.0,
-        "normalize": True, **ids, "lora_rank": rank, "lora_alpha": 2 * rank, "use_eos": False, "n_tail": 3,
-        "use_k_adapter": False, "adapter_weight": 1.0, "teacher_temperature": 1.0, "k_adapter_options": options,
-        "use_k_pre_encoder": False, "gumbel_temperature": 1.0, "k_cost_lambda": 0.001,
+        "model_type": "dream" if family == "dream" else "llada1",
+        "mask_token_id": bb.mask_id,
+        "hidden_size": bb.hidden_size,
+        "max_length": 512,
+        "n_gen_tokens": kq,
+        "n_gen_q_tokens": kq,
+        "n_gen_p_tokens": kp,
+        "temperature": 0.01,
+        "flops_weight": 0.0,
+        "num_denoise_steps": 1,
+        "sparse_weight": 1.0,
+        "normalize": True,
+        **ids,
+        "lora_rank": rank,
+        "lora_alpha": 2 * rank,
+        "use_eos": False,
+        "n_tail": 3,
+        "use_k_adapter": False,
+        "adapter_weight": 1.0,
+        "teacher_temperature": 1.0,
+        "k_adapter_options": options,
+        "use_k_pre_encoder": False,
+        "gumbel_temperature": 1.0,
+        "k_cost_lambda": 0.001,
         "k_pre_encoder_options": options,
-    }  # fmt: skip
+    }
     (out / "retriever_config.json").write_text(json.dumps(config, indent=2))
     for f in base.iterdir():  # the tokenizer (and its code, Dream's), as tokenizer.save_pretrained leaves it
         if f.is_file() and f.name not in SKIP and not f.name.startswith(("modeling_", "configuration_")):

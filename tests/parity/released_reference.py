@@ -37,8 +37,11 @@ def _reference_module(src: Path):  # noqa: ANN202
     sys.modules["refmodels"] = pkg
     import importlib
 
-    return importlib.import_module("refmodels.diffretriever_trainable"), importlib.import_module(
-        "refmodels.backbone_adapters"), importlib.import_module("refmodels.sparse_utils")  # fmt: skip
+    return (
+        importlib.import_module("refmodels.diffretriever_trainable"),
+        importlib.import_module("refmodels.backbone_adapters"),
+        importlib.import_module("refmodels.sparse_utils"),
+    )
 
 
 def _pool(ids: torch.Tensor, vals: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -101,8 +104,11 @@ def step_by_step(folder: Path, base: str, side: str, texts: list[str]) -> tuple[
     k = cfg["n_gen_q_tokens"] if side == "query" else cfg["n_gen_p_tokens"]
     prefix, suffix = cfg[f"{side}_prefix_ids"], cfg[f"{side}_suffix_ids"]
     quote = tok.encode('"', add_special_tokens=False)
-    eot = next(t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|eot_id|>"))
-               if t is not None and t != tok.unk_token_id and t != tok.eos_token_id)  # fmt: skip
+    eot = next(
+        t
+        for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|eot_id|>"))
+        if t is not None and t != tok.unk_token_id and t != tok.eos_token_id
+    )
     tail = ([quote[0]] if len(quote) == 1 else [tok.eos_token_id]) + [eot, tok.eos_token_id]
     tail = tail[: cfg["n_tail"]]
     head = model.lm_head if not llada else model.model.transformer.ff_out
@@ -112,8 +118,9 @@ def step_by_step(folder: Path, base: str, side: str, texts: list[str]) -> tuple[
     dense, sparse = [], []
     with torch.inference_mode():
         for text in texts:
-            words = tok(text, add_special_tokens=False, truncation=True,
-                        max_length=MAX_LENGTH - len(prefix) - len(suffix))["input_ids"]  # fmt: skip
+            words = tok(
+                text, add_special_tokens=False, truncation=True, max_length=MAX_LENGTH - len(prefix) - len(suffix)
+            )["input_ids"]
             ids = torch.tensor([prefix + words + suffix + [cfg["mask_token_id"]] * k + tail])
             att = torch.ones_like(ids)
             mask = att if llada else bidirectional_mask(att, torch.float32)

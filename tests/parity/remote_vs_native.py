@@ -21,8 +21,10 @@ from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
 def main(shared: Path) -> None:
     out: dict[str, object] = {"transformers": transformers.__version__}
-    texts = [json.loads(line)["text"] for line in (shared / "fixtures/reference-parity/scifact-mini/queries.jsonl")
-             .read_text().splitlines()[:8]]  # fmt: skip
+    texts = [
+        json.loads(line)["text"]
+        for line in (shared / "fixtures/reference-parity/scifact-mini/queries.jsonl").read_text().splitlines()[:8]
+    ]
     for family in ("dream", "llada"):
         model = str(shared / "models" / f"tiny-{family}-random")
         encs = {}

@@ -30,8 +30,13 @@ def test_remote_code_agrees_with_native_loading():
     if not TF4:
         pytest.skip("DIFFRET_TRANSFORMERS4 (a transformers 4.57 install, as .ci/run makes) is not set")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([TF4, str(REPO)])}
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "parity" / "remote_vs_native.py"), str(SHARED)],
-                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "parity" / "remote_vs_native.py"), str(SHARED)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["transformers"].startswith("4."), out
@@ -40,8 +45,9 @@ def test_remote_code_agrees_with_native_loading():
 
 
 def cli_error(*args: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV,
-                       timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=ENV, timeout=600
+    )
     assert p.returncode != 0, p.stdout
     err = p.stderr.strip()
     assert "Traceback" not in err and "Traceback" not in p.stdout, err
@@ -53,9 +59,13 @@ def test_load_failures_are_one_paragraph_through_the_cli(tmp_path, family):
     need_models()
     root = str(tmp_path / "store")
     mini = SHARED / "fixtures" / "reference-parity" / "scifact-mini"
-    subprocess.run([sys.executable, "-m", "diffret.flows.cli", "download", "mini", "--source", str(mini),
-                    "--root", root],
-                   check=True, capture_output=True, env=ENV, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", "download", "mini", "--source", str(mini), "--root", root],
+        check=True,
+        capture_output=True,
+        env=ENV,
+        timeout=600,
+    )
     model = str(MODELS[family])
     # remote code without --trust-remote-code: refused before any of it runs
     err = cli_error("encode", "-d", "mini", "--model", model, "--loader", "remote", "--k", "1", "--root", root)
@@ -64,8 +74,20 @@ def test_load_failures_are_one_paragraph_through_the_cli(tmp_path, family):
     import transformers
 
     if int(transformers.__version__.split(".")[0]) >= 5:
-        err = cli_error("encode", "-d", "mini", "--model", model, "--loader", "remote", "--trust-remote-code",
-                        "--k", "1", "--root", root)  # fmt: skip
+        err = cli_error(
+            "encode",
+            "-d",
+            "mini",
+            "--model",
+            model,
+            "--loader",
+            "remote",
+            "--trust-remote-code",
+            "--k",
+            "1",
+            "--root",
+            root,
+        )
         assert f"transformers {transformers.__version__}" in err and "native loader" in err
     # damaged weights: the model, its architecture and the transformers version, in one paragraph
     broken = tmp_path / "broken"

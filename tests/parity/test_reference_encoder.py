@@ -63,8 +63,21 @@ def encoded(request, tmp_path_factory) -> dict:
         pytest.skip(f"../shared reference-parity fixtures or models/tiny-{family}-random are absent")
     root = tmp_path_factory.mktemp(f"parity-{family}") / "store"
     cli("download", "scifact-mini", "--source", str(MINI), "--root", str(root))
-    cli("encode", "-d", "scifact-mini", "--model", str(model), "--k", ",".join(map(str, KS)), "--batch-size", "8",
-        "--max-length", "512", "--root", str(root))  # fixtures: encode.py's default 512  # fmt: skip
+    cli(
+        "encode",
+        "-d",
+        "scifact-mini",
+        "--model",
+        str(model),
+        "--k",
+        ",".join(map(str, KS)),
+        "--batch-size",
+        "8",
+        "--max-length",
+        "512",
+        "--root",
+        str(root),
+    )  # fixtures: encode.py's default 512
     store = ArtifactStore(root)
     record = find_system(store, SystemRef(model=str(model)))
     settings = EncodeSettings.model_validate(record.settings | {"backbone": BackboneConfig(model=str(model))})
@@ -178,8 +191,19 @@ def test_run_dream_whole_grid_and_report(tmp_path):
     if not (model / "config.json").exists() or not (MINI / "corpus.jsonl").exists():
         pytest.skip("../shared/models/tiny-dream-random or the scifact-mini fixture is absent")
     root = tmp_path / "store"
-    p = cli("run", "--dataset", "scifact", "--source", str(MINI), "--model", str(model), "--batch-size", "16",
-            "--root", str(root))  # fmt: skip
+    p = cli(
+        "run",
+        "--dataset",
+        "scifact",
+        "--source",
+        str(MINI),
+        "--model",
+        str(model),
+        "--batch-size",
+        "16",
+        "--root",
+        str(root),
+    )
     assert "NDCG@10" in p.stdout and "done in" in p.stderr, p.stdout + p.stderr
     store = ArtifactStore(root)
     system = find_system(store, SystemRef(model=str(model))).system

@@ -133,14 +133,21 @@ def assert_same_ranking(ref: list[tuple[str, float]], got: list[tuple[str, float
         if i == len(ref) or ref[i - 1][1] != ref[i][1]:
             assert {d for d, _ in ref[start:i]} == {d for d, _ in got[start:i]}, f"{what}: ranks {start + 1}-{i}"
             start = i
+
     def tie_broken(run: list[tuple[str, float]]) -> list[str]:
         return [d for d, _ in sorted(((d, round(s, 6)) for d, s in run), key=lambda t: (-t[1], t[0]))]
 
     assert tie_broken(got) == tie_broken(ref), what
 
 
-def assert_same_run(variant: str, family: str, kq: int, kp: int, mode: str, got: dict[str, list[tuple[str, float]]],
-                    ) -> None:  # fmt: skip
+def assert_same_run(
+    variant: str,
+    family: str,
+    kq: int,
+    kp: int,
+    mode: str,
+    got: dict[str, list[tuple[str, float]]],
+) -> None:
     """Every query's scores within 1e-5 of the reference's printed ones (sparse_max: the same integers), and its
     ranking (:func:`assert_same_ranking`)."""
     ref = reference_run(variant, family, kq, kp, mode)
@@ -161,7 +168,12 @@ def assert_same_metrics(family: str, kq: int, kp: int, mode: str, mine: dict[str
     assert set(mine) == set(per_query) and len(mine) == avg["num_queries"], mode
     for name in MEASURES.values():
         assert {q: round(v[name], 4) for q, v in mine.items()} == {q: v[name] for q, v in per_query.items()}, (
-            family, kq, kp, mode, name)  # fmt: skip
+            family,
+            kq,
+            kp,
+            mode,
+            name,
+        )
         assert round(sum(v[name] for v in mine.values()) / len(mine), 4) == avg[name], (family, kq, kp, mode, name)
 
 
@@ -196,8 +208,14 @@ def test_bf16_reference_evaluator_reproduced(family: str) -> None:
 def test_the_old_rules_do_not_reproduce_the_reference() -> None:
     """Every score rule set to its non-reference option misses the reference: the fixture tells them apart."""
     _skip_without_fixtures()
-    legacy = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean", single_renorm=True, sparse_scale="unit",
-                        sparse_floor="positive", fusion_flat="one")  # fmt: skip
+    legacy = ScoreRules(
+        maxsim_clamp=False,
+        maxsim_reduce="mean",
+        single_renorm=True,
+        sparse_scale="unit",
+        sparse_floor="positive",
+        fusion_flat="one",
+    )
     runs = diffret_cell("dream", 4, 16, legacy)
     for mode in ("single_dense", "multi_dense", "sparse_max"):
         ref = reference_run("fp32", "dream", 4, 16, mode)
@@ -255,22 +273,31 @@ def test_the_cli_reproduces_the_fp32_evaluator(tmp_path: Path) -> None:
     assert "K_q = 1, 4, 16" in cli("score", "-d", "scifact-mini", "--system", system, "--split", "test")
     cli("evaluate", "-d", "scifact-mini")
     cells = {(r["kq"], r["kp"], r["mode"]): r for r in sql("select * from cells where system = SYSTEM")}
-    expected = {(kq, kp, mode): avg for kq, kp in CELLS for mode, avg in reference_summary("fp32", family, kq,
-                                                                                            kp).items()}  # fmt: skip
+    expected = {
+        (kq, kp, mode): avg for kq, kp in CELLS for mode, avg in reference_summary("fp32", family, kq, kp).items()
+    }
     assert sorted(cells) == sorted(expected) and len(cells) == 43  # q1-p1: 3 modes, as the reference
     for (kq, kp, mode), avg in expected.items():
         assert (round(cells[kq, kp, mode]["ndcg_10"], 4), round(cells[kq, kp, mode]["mrr_10"], 4)) == (
-            avg["ndcg@10"], avg["mrr@10"]), (kq, kp, mode)  # fmt: skip
+            avg["ndcg@10"],
+            avg["mrr@10"],
+        ), (kq, kp, mode)
     runs: dict[tuple, dict[str, list[tuple[str, float]]]] = {}
-    for r in sql("select kq, kp, mode, query_id, doc_id, score from runs where system = SYSTEM order by kq, kp, "
-                 "mode, query_id, rank"):  # fmt: skip
-        runs.setdefault((r["kq"], r["kp"], r["mode"]), {}).setdefault(r["query_id"], []).append((r["doc_id"],
-                                                                                               r["score"]))  # fmt: skip
+    for r in sql(
+        "select kq, kp, mode, query_id, doc_id, score from runs where system = SYSTEM order by kq, kp, "
+        "mode, query_id, rank"
+    ):
+        runs.setdefault((r["kq"], r["kp"], r["mode"]), {}).setdefault(r["query_id"], []).append(
+            (r["doc_id"], r["score"])
+        )
     mine: dict[tuple, dict[str, dict[str, float]]] = {}
-    for r in sql("select kq, kp, mode, query_id, measure, value from metrics where system = SYSTEM and measure in "
-                 "('ndcg_cut_10', 'mrr_10')"):  # fmt: skip
-        mine.setdefault((r["kq"], r["kp"], r["mode"]), {}).setdefault(r["query_id"], {})[
-            MEASURES[r["measure"]]] = r["value"]  # fmt: skip
+    for r in sql(
+        "select kq, kp, mode, query_id, measure, value from metrics where system = SYSTEM and measure in "
+        "('ndcg_cut_10', 'mrr_10')"
+    ):
+        mine.setdefault((r["kq"], r["kp"], r["mode"]), {}).setdefault(r["query_id"], {})[MEASURES[r["measure"]]] = r[
+            "value"
+        ]
     for kq, kp, mode in expected:
         assert_same_run("fp32", family, kq, kp, mode, runs[kq, kp, mode])
         assert_same_metrics(family, kq, kp, mode, mine[kq, kp, mode])

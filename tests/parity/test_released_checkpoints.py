@@ -68,11 +68,25 @@ def test_native_loading_gives_the_reference_code_paths_vectors(released, family,
         pytest.skip("DIFFRET_TRANSFORMERS4 (a transformers 4.57 install, as .ci/run makes) is not set")
     texts = _texts()
     (tmp_path / "texts.json").write_text(json.dumps(texts))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TF4, str(REPO)]), "HF_HUB_OFFLINE": "1",
-           "NLTK_DATA": str(NLTK_DATA)}  # fmt: skip
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "parity" / "released_reference.py"), str(released[family]),
-                        str(tmp_path / "texts.json"), str(tmp_path / "ref.npz")],
-                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TF4, str(REPO)]),
+        "HF_HUB_OFFLINE": "1",
+        "NLTK_DATA": str(NLTK_DATA),
+    }
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "parity" / "released_reference.py"),
+            str(released[family]),
+            str(tmp_path / "texts.json"),
+            str(tmp_path / "ref.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["transformers"].startswith("4.")
     ref = np.load(tmp_path / "ref.npz")
@@ -102,15 +116,32 @@ def test_run_takes_the_checkpoints_budget_prompt_and_records_its_fingerprint(rel
     from diffret.storage import ArtifactStore
 
     folder, root = released["dream"], str(tmp_path / "store")
-    res = CliRunner().invoke(app, ["run", "-d", "mini", "--source", str(MINI), "--model", str(folder), "--no-bm25",
-                                   "--root", root, "--batch-size", "8"])  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-d",
+            "mini",
+            "--source",
+            str(MINI),
+            "--model",
+            str(folder),
+            "--no-bm25",
+            "--root",
+            root,
+            "--batch-size",
+            "8",
+        ],
+    )
     assert res.exit_code == 0, res.output
     store = ArtifactStore(root)
     ((record, stats),) = [(r, st) for r, st in list_systems(store) if r.kind == "encoder"]
     assert record.settings["readout"]["prompt"] == "checkpoint" and record.settings["readout"]["finetuned"] == "yes"
     assert stats["weights"]["adapter_weights"] == released_fingerprint(str(folder))
-    cells = {(p["kq"], p["kp"]) for p in (store.read_manifest(s).partition for s in store.stage_dirs(
-        f"runs/system={record.system}/*/*/*/*/*"))}  # fmt: skip
+    cells = {
+        (p["kq"], p["kp"])
+        for p in (store.read_manifest(s).partition for s in store.stage_dirs(f"runs/system={record.system}/*/*/*/*/*"))
+    }
     assert cells == {("4", "2")}
     encoded = {tuple(s.split("/")[3:5]) for s in store.stage_dirs(f"encodings/system={record.system}/*/*/*")}
     assert encoded == {("side=passage", "k=2"), ("side=query", "k=4")}

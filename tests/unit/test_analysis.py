@@ -203,8 +203,14 @@ def test_report_writes_every_section(store: ArtifactStore, tmp_path: Path) -> No
     res = execute(report_stage, ReportConfig(root=store.root, name="toy", n_boot=50, out_dir=str(tmp_path / "copy")))
     folder = Path(res.details["folder"])
     text = (folder / "report.md").read_text()
-    for title in ("Budget selection", "Landscapes", "Per-query oracle", "Feature correlation", "Paper tables",
-                  "Footprint"):  # fmt: skip
+    for title in (
+        "Budget selection",
+        "Landscapes",
+        "Per-query oracle",
+        "Feature correlation",
+        "Paper tables",
+        "Footprint",
+    ):
         assert f"## {title}" in text
     pngs = sorted(folder.glob("*.png"))
     assert any(p.name.startswith("landscape_") for p in pngs) and (folder / "oracle.png").exists()

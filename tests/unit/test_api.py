@@ -25,16 +25,20 @@ from diffret.stages.systems import SystemRef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CORPUS = [{"_id": f"d{i}", "title": ["Cats", "", "Tea"][i % 3], "text": f"passage {i} about cats dogs tea gardens"}
-          for i in range(12)]  # fmt: skip
+CORPUS = [
+    {"_id": f"d{i}", "title": ["Cats", "", "Tea"][i % 3], "text": f"passage {i} about cats dogs tea gardens"}
+    for i in range(12)
+]
 QUERIES = [{"_id": f"q{i}", "text": f"what about cats {i}"} for i in range(4)]
 QRELS = {"test": [("q0", "d0", 1), ("q1", "d3", 2), ("q2", "d5", 1), ("q3", "d7", 1)]}
 MODES = ["single_dense", "multi_dense", "sparse_max", "fusion_single_sparse_max", "fusion_multi_sparse_max"]
 
 
 def test_import_diffret_loads_neither_prefect_nor_torch() -> None:
-    code = ("import sys, diffret; print(sorted(m for m in ('prefect', 'torch') if m in sys.modules)); "
-            "print(diffret.__all__)")
+    code = (
+        "import sys, diffret; print(sorted(m for m in ('prefect', 'torch') if m in sys.modules)); "
+        "print(diffret.__all__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "[]"
     assert {"load", "search", "evaluate", "Store", "load_beir"} <= set(eval(out[1]))  # noqa: S307
@@ -46,12 +50,19 @@ def test_the_api_gives_the_stages_runs_and_metrics(tmp_path: Path) -> None:
     root = str(tmp_path / "store")
     bb = BackboneConfig(model=str(model))
     execute(stages()["download"], DownloadConfig(name="c", source=str(beir), root=root), log=lambda _: None)
-    execute(stages()["tokenize"], EncodeConfig(dataset="c", k=[2], backbone=bb, max_length=48,
-                                               root=root).tokenize_config(), log=lambda _: None)  # fmt: skip
-    execute(stages()["encode"], EncodeConfig(dataset="c", k=[2], backbone=bb, max_length=48, root=root),
-            log=lambda _: None)  # fmt: skip
-    execute(stages()["score"], ScoreConfig(dataset="c", system=SystemRef(model=str(model)), kq=[2], kp=[2],
-                                           root=root), log=lambda _: None)  # fmt: skip
+    execute(
+        stages()["tokenize"],
+        EncodeConfig(dataset="c", k=[2], backbone=bb, max_length=48, root=root).tokenize_config(),
+        log=lambda _: None,
+    )
+    execute(
+        stages()["encode"], EncodeConfig(dataset="c", k=[2], backbone=bb, max_length=48, root=root), log=lambda _: None
+    )
+    execute(
+        stages()["score"],
+        ScoreConfig(dataset="c", system=SystemRef(model=str(model)), kq=[2], kp=[2], root=root),
+        log=lambda _: None,
+    )
     execute(stages()["evaluate"], EvaluateConfig(root=root), log=lambda _: None)
     store = diffret.Store(root)
 
@@ -64,7 +75,8 @@ def test_the_api_gives_the_stages_runs_and_metrics(tmp_path: Path) -> None:
         run = diffret.search(q, p, mode)
         stored = store.runs(f"mode = '{mode}'").select(["query_id", "doc_id", "rank", "score"])
         assert run.sort_by([("query_id", "ascending"), ("rank", "ascending")]).equals(
-            stored.sort_by([("query_id", "ascending"), ("rank", "ascending")]).cast(run.schema)), mode
+            stored.sort_by([("query_id", "ascending"), ("rank", "ascending")]).cast(run.schema)
+        ), mode
         got = diffret.evaluate(run, data.qrels("test"))
         means = store.sql(f"select measure, avg(value) v from metrics where mode = '{mode}' group by measure")
         want = {row["measure"]: row["v"] for row in means.to_pylist()}

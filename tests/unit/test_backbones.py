@@ -17,11 +17,27 @@ from diffret.retrieval.models.backbones import (
     resolve_family,
 )
 
-DREAM = {"architectures": ["DreamModel"], "model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
-         "vocab_size": 64, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-         "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
-LLADA = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 8, "n_heads": 2, "n_layers": 1,
-         "mlp_hidden_size": 16, "vocab_size": 64, "block_type": "llama"}  # fmt: skip
+DREAM = {
+    "architectures": ["DreamModel"],
+    "model_type": "Dream",
+    "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
+    "vocab_size": 64,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+LLADA = {
+    "architectures": ["LLaDAModelLM"],
+    "model_type": "llada",
+    "d_model": 8,
+    "n_heads": 2,
+    "n_layers": 1,
+    "mlp_hidden_size": 16,
+    "vocab_size": 64,
+    "block_type": "llama",
+}
 
 
 def folder(tmp_path: Path, config: dict) -> str:

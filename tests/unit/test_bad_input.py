@@ -30,9 +30,16 @@ def cli(*argv: str, prelude: str = "", timeout: int = 300, **kw) -> subprocess.C
     args = [sys.executable, "-c", code]
     env = {**ENV, **kw.pop("env_extra", {})}
     if kw.pop("background", False):  # SIGINT back to its default: a shell's background job inherits it ignored
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                                start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        return subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
@@ -74,8 +81,7 @@ def _bad_collection(folder: Path, case: str) -> str:
     return "corpus.jsonl:3: invalid UTF-8 at byte"
 
 
-@pytest.mark.parametrize("case", ["empty corpus", "empty queries", "fractional grade", "unknown document",
-                                  "non-UTF-8"])  # fmt: skip
+@pytest.mark.parametrize("case", ["empty corpus", "empty queries", "fractional grade", "unknown document", "non-UTF-8"])
 def test_bad_collection_fails_clearly_and_writes_nothing(tmp_path: Path, case: str) -> None:
     folder = write_beir(tmp_path / "c", CORPUS, QUERIES, QRELS)
     message = _bad_collection(folder, case)
@@ -114,8 +120,9 @@ def _damage(model: Path, case: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["no weights", "corrupt header", "truncated"])
-def test_bad_model_folder_fails_before_any_model_work(tmp_path: Path, tiny_beir: Path, tiny_mlm: Path,
-                                                      case: str) -> None:  # fmt: skip
+def test_bad_model_folder_fails_before_any_model_work(
+    tmp_path: Path, tiny_beir: Path, tiny_mlm: Path, case: str
+) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_mlm, model)
     message = _damage(model, case)
@@ -165,8 +172,9 @@ def _systems(root: Path) -> list[str]:
 def _metric_systems(root: Path) -> set[str]:
     """The systems that have per-query metrics (of NDCG@10) in the store."""
     files = [str(f) for f in parquet_files(root, "metrics")]
-    rows = duckdb.sql(f"select distinct filename from read_parquet({files!r}, filename = true) "
-                      "where measure = 'ndcg_cut_10'").fetchall()  # fmt: skip
+    rows = duckdb.sql(
+        f"select distinct filename from read_parquet({files!r}, filename = true) where measure = 'ndcg_cut_10'"
+    ).fetchall()
     return {part.removeprefix("system=") for (f,) in rows for part in Path(f).parts if part.startswith("system=")}
 
 
@@ -209,8 +217,18 @@ def test_sigint_stops_cleanly_and_the_same_command_resumes(tmp_path: Path, tiny_
     corpus = [{"_id": f"d{i}", "title": "", "text": f"passage number {i} about cats and dogs"} for i in range(60)]
     folder = write_beir(tmp_path / "c", corpus, QUERIES, {"test": [("q1", "d1", 1), ("q2", "d2", 1)]})
     root = tmp_path / "store"
-    args = ("run", "--source", str(folder), "--model", str(tiny_mlm), "--root", str(root), "--shard-size", "5",
-            *SMALL_RUN)  # fmt: skip
+    args = (
+        "run",
+        "--source",
+        str(folder),
+        "--model",
+        str(tiny_mlm),
+        "--root",
+        str(root),
+        "--shard-size",
+        "5",
+        *SMALL_RUN,
+    )
     proc = cli(*args, prelude=SLOW_ENCODE, background=True)
     try:
         deadline = time.monotonic() + 240

@@ -19,15 +19,37 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
 
 @pytest.mark.parametrize(
     ("k", "message"),
-    [("0", "K must be positive integers, got [0]"), ("-1", "K must be positive integers, got [-1]"),
-     ("abc", "expected comma-separated integers, got 'abc'"), ("1,1", "K values repeat in [1, 1]"),
-     ("4,1,4", "K values repeat in [4, 1, 4]"), ("", "expected comma-separated integers, got ''")],
-)  # fmt: skip
+    [
+        ("0", "K must be positive integers, got [0]"),
+        ("-1", "K must be positive integers, got [-1]"),
+        ("abc", "expected comma-separated integers, got 'abc'"),
+        ("1,1", "K values repeat in [1, 1]"),
+        ("4,1,4", "K values repeat in [4, 1, 4]"),
+        ("", "expected comma-separated integers, got ''"),
+    ],
+)
 def test_bad_budgets_fail_clearly_and_write_nothing(tmp_path: Path, tiny_beir: Path, k: str, message: str) -> None:
     root = tmp_path / "store"
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "run", "--source", str(tiny_beir), "--model",
-                        str(tmp_path / "no-model"), "--root", str(root), f"--kq={k}"],
-                       capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffret.flows.cli",
+            "run",
+            "--source",
+            str(tiny_beir),
+            "--model",
+            str(tmp_path / "no-model"),
+            "--root",
+            str(root),
+            f"--kq={k}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert message in " ".join((p.stdout + p.stderr).split())
     assert not root.exists() or not any(root.rglob("*.parquet"))

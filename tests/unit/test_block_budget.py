@@ -49,8 +49,14 @@ def _random(rng: np.random.Generator, n: int, k: int, prefix: str) -> Encodings:
     for _ in range(n):
         nnz = int(rng.integers(0, 12))
         sid = rng.choice(300, size=nnz, replace=False).astype(np.int32)
-        encs.append(Encoded(rng.standard_normal((int(rng.integers(1, k + 1)), H)).astype(np.float16), sid,
-                            (rng.random(nnz) * 3).astype(np.float32), n_tokens=5))  # fmt: skip
+        encs.append(
+            Encoded(
+                rng.standard_normal((int(rng.integers(1, k + 1)), H)).astype(np.float16),
+                sid,
+                (rng.random(nnz) * 3).astype(np.float32),
+                n_tokens=5,
+            )
+        )
     return encodings_from_table(encoded_table([f"{prefix}{i:04d}" for i in range(n)], encs, H))
 
 
@@ -67,8 +73,10 @@ def _brute(q: Encodings, p: Encodings, mode: str) -> np.ndarray:
             elif mode == "single_dense":
                 out[i, j] = q.single[i].double() @ p.single[j].double()
             else:
-                s = sum(qd.get(t, 0.0) * w for t, w in zip(p.sparse_ids[j].tolist(), p.sparse_weights[j].tolist(),
-                                                          strict=True))  # fmt: skip
+                s = sum(
+                    qd.get(t, 0.0) * w
+                    for t, w in zip(p.sparse_ids[j].tolist(), p.sparse_weights[j].tolist(), strict=True)
+                )
                 out[i, j] = s
     return out
 
@@ -116,8 +124,7 @@ def test_any_budget_gives_the_brute_force_runs_with_ties_by_index(device: str) -
 
 
 def _move(e: Encodings, device: str) -> Encodings:
-    return Encodings(e.ids, e.multi.to(device), e.mask.to(device), e.single.to(device), e.sparse_ids,
-                     e.sparse_weights)  # fmt: skip
+    return Encodings(e.ids, e.multi.to(device), e.mask.to(device), e.single.to(device), e.sparse_ids, e.sparse_weights)
 
 
 @pytest.mark.parametrize("ignore", [False, True])
@@ -127,8 +134,12 @@ def test_tiny_budgets_equal_one_block_for_every_mode(ignore: bool) -> None:
     p = _random(rng, 250, 4, "d")
     queries = {kq: _random(rng, 17, kq, "q") for kq in (1, 3)}
     # queries named like documents: self-hits to drop
-    queries = {kq: Encodings([f"d{i * 13:04d}" for i in range(len(q))], q.multi, q.mask, q.single, q.sparse_ids,
-                             q.sparse_weights) for kq, q in queries.items()}  # fmt: skip
+    queries = {
+        kq: Encodings(
+            [f"d{i * 13:04d}" for i in range(len(q))], q.multi, q.mask, q.single, q.sparse_ids, q.sparse_weights
+        )
+        for kq, q in queries.items()
+    }
     one, ids = _search(queries, p, 1 << 30, 60, ignore, shard=250)
     one = all_modes(one, 60)
     assert {m for _, m in one} == set(MODE_NAMES)
@@ -188,8 +199,9 @@ def test_vectorised_sparse_scorer_equals_a_dict_reference() -> None:
     out = torch.full((4, 200), float("nan"))  # a reused buffer: overwritten, NaNs included
     np.testing.assert_allclose(sq.scores(sp, 27, 31, out=out).numpy(), ref[27:31], rtol=1e-5, atol=1e-6)
     assert (ref > 0).mean() > 0.2 and (ref == 0).any()
-    empty = SparseQueries(SparseFlat.from_lists([np.zeros(0, np.int64)], [np.zeros(0, np.float32)]), vocab,
-                          torch.device("cpu"))  # fmt: skip
+    empty = SparseQueries(
+        SparseFlat.from_lists([np.zeros(0, np.int64)], [np.zeros(0, np.float32)]), vocab, torch.device("cpu")
+    )
     assert not empty.scores(sp).any()
 
 

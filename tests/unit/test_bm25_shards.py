@@ -8,8 +8,10 @@ import pytest
 
 from diffret.retrieval.search.bm25 import BM25Settings, bm25_search, bm25_search_shards
 
-WORDS = ("cat dog bird fish tree river stone cloud rain wind sun moon star light dark fast slow big small red "
-         "green blue old new running runs ran the a of and").split()  # fmt: skip
+WORDS = (
+    "cat dog bird fish tree river stone cloud rain wind sun moon star light dark fast slow big small red "
+    "green blue old new running runs ran the a of and"
+).split()
 
 
 def _corpus(n: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
@@ -33,8 +35,10 @@ def test_shards_score_as_the_whole_index_bit_for_bit(method: str) -> None:
     k = 25
     whole = bm25_search(docs, queries, k, s)
     every = bm25_search(docs, queries, len(docs), s)  # every document's score, to check each kept one
-    score_of = [dict(zip(row_i.tolist(), row_s.tolist(), strict=True)) for row_i, row_s in zip(every.index,
-                every.scores, strict=True)]  # fmt: skip
+    score_of = [
+        dict(zip(row_i.tolist(), row_s.tolist(), strict=True))
+        for row_i, row_s in zip(every.index, every.scores, strict=True)
+    ]
     for size in (1, 37, 100, 399, 400, 1000):
         top, hit_ids = bm25_search_shards(_shards(ids, docs, size), queries, k, s)
         assert top.scores.shape == whole.scores.shape

@@ -39,17 +39,22 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     execute(stages()["evaluate"], w["configs"]["evaluate"], log=print)
     with StoreSQL(ArtifactStore(w["root"])) as db:
         got = rows(db, "select mode, kq, kp, queries from cells where mode like 'adaptive_%' order by mode")
-        feats = rows(db, "select split, count(distinct query_id) q, count(distinct feature) f from budget_features "
-                         "group by split order by split")  # fmt: skip
+        feats = rows(
+            db,
+            "select split, count(distinct query_id) q, count(distinct feature) f from budget_features "
+            "group by split order by split",
+        )
     assert [(r["mode"], r["kq"], r["kp"], r["queries"]) for r in got] == [
-        (f"adaptive_multi_dense_{s}_joint_encoding", 0, 0, 3) for s in ("classifier", "fixed", "regressor", "rule")]
+        (f"adaptive_multi_dense_{s}_joint_encoding", 0, 0, 3) for s in ("classifier", "fixed", "regressor", "rule")
+    ]
     # 2 text features + 5 per K_q (1, 2); train 2 queries, test 3
     assert [(r["split"], r["q"], r["f"]) for r in feats] == [("test", 3, 12), ("train", 2, 12)]
     store = ArtifactStore(w["root"])
     system = res.system
     fixed = read_run(store, run_dir(system, "tiny", "test", 0, 0, "adaptive_multi_dense_fixed_joint_encoding"))
-    stats = store.read_manifest(run_dir(system, "tiny", "test", 0, 0,
-                                        "adaptive_multi_dense_fixed_joint_encoding")).stats  # fmt: skip
+    stats = store.read_manifest(
+        run_dir(system, "tiny", "test", 0, 0, "adaptive_multi_dense_fixed_joint_encoding")
+    ).stats
     kq, kp = stats["fixed"]
     cells = [(1, 2), (2, 1), (2, 2)]  # the grid of multi_dense: none at (1, 1), as the reference scores it
     assert stats["histogram"] == {f"{a}x{b}": 3 * ((a, b) == (kq, kp)) for a, b in cells}
@@ -59,8 +64,12 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
 
     with StoreSQL(store) as db:
         rep = build_report(db, "t", n_boot=10)
-        oracle = rows(db, "select value from metrics where system = ? and split = 'test' and mode = 'multi_dense' "
-                          "and measure = 'ndcg_cut_10'", [system])  # fmt: skip
+        oracle = rows(
+            db,
+            "select value from metrics where system = ? and split = 'test' and mode = 'multi_dense' "
+            "and measure = 'ndcg_cut_10'",
+            [system],
+        )
     table = {r.split(",")[6]: r.split(",") for r in rep.files["adaptive_budgets.csv"].decode().splitlines()[1:]}
     assert sorted(table) == ["classifier", "fixed", "regressor", "rule"]
     header = rep.files["adaptive_budgets.csv"].decode().splitlines()[0].split(",")
@@ -79,13 +88,20 @@ def test_another_feature_set_or_selector_is_a_new_run_beside_the_others(world: d
     store = ArtifactStore(w["root"])
     with StoreSQL(store) as db:
         modes = [r["mode"] for r in rows(db, "select mode from adaptive_runs order by mode")]
-        fp = rows(db, "select distinct feature from budget_features where set = 'first_pass_multi_dense' "
-                      "and feature like 'fp_%' order by feature")  # fmt: skip
-    assert modes == ["adaptive_multi_dense_fixed_kq_first_pass", "adaptive_multi_dense_rule_joint_encoding",
-                     "adaptive_multi_dense_rule_kq_first_pass"]  # fmt: skip
+        fp = rows(
+            db,
+            "select distinct feature from budget_features where set = 'first_pass_multi_dense' "
+            "and feature like 'fp_%' order by feature",
+        )
+    assert modes == [
+        "adaptive_multi_dense_fixed_kq_first_pass",
+        "adaptive_multi_dense_rule_joint_encoding",
+        "adaptive_multi_dense_rule_kq_first_pass",
+    ]
     assert [r["feature"] for r in fp] == ["fp_entropy", "fp_gap", "fp_top"]
-    stats = store.read_manifest(run_dir(first.system, "tiny", "test", 0, 0,
-                                        "adaptive_multi_dense_rule_kq_first_pass")).stats  # fmt: skip
+    stats = store.read_manifest(
+        run_dir(first.system, "tiny", "test", 0, 0, "adaptive_multi_dense_rule_kq_first_pass")
+    ).stats
     fixed_kp = stats["fixed"][1]
     assert {int(c.split("x")[1]) for c in stats["histogram"]} == {fixed_kp}  # over K_q: K_p stays the fixed one
     assert stats["cost"]["passage_indexes"] == 1 and stats["cost"]["first_pass_searches"] == 1
@@ -106,7 +122,8 @@ def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Pa
         rep = build_report(db, "t", n_boot=10)
     assert [(r["mode"], r["cross_fit"], r["train_split"]) for r in runs] == [
         ("adaptive_multi_dense_fixed_joint_encoding_cf", True, "test"),
-        ("adaptive_multi_dense_rule_joint_encoding_cf", True, "test")]  # fmt: skip
+        ("adaptive_multi_dense_rule_joint_encoding_cf", True, "test"),
+    ]
     csv = rep.files["adaptive_budgets.csv"].decode().splitlines()
     assert len(csv) == 3 and all("(cross-fitted)" in line and ",per fold," in line for line in csv[1:])
     with pytest.raises(ValueError, match="over joint only"):
@@ -117,8 +134,16 @@ def test_the_train_split_is_never_a_target_and_a_missing_cell_is_named(world: di
     with pytest.raises(ValueError, match="never evaluated on the split it learned from"):
         budget(str(tmp_path), Path("m"), splits=["test", "train"])
     w = copy_world(world, tmp_path)
-    shutil.rmtree(Path(w["root"]) / "metrics" / f"system={w['results']['encode'].system}" / "dataset=tiny" /
-                  "split=test" / "kq=2" / "kp=1" / "mode=multi_dense")  # fmt: skip
+    shutil.rmtree(
+        Path(w["root"])
+        / "metrics"
+        / f"system={w['results']['encode'].system}"
+        / "dataset=tiny"
+        / "split=test"
+        / "kq=2"
+        / "kp=1"
+        / "mode=multi_dense"
+    )
     with pytest.raises(StoreError, match=r"lacks the multi_dense cells \(K_q, K_p\) \[\(2, 1\)\]"):
         execute(stages()["budget"], budget(w["root"], w["model"]), log=print)
 
@@ -147,10 +172,29 @@ def test_head_stats_stored_at_encode_become_features(world: dict, tmp_path: Path
     again = execute(stages()["budget"], budget(w["root"], w["model"], selectors=["rule"]), log=print)
     assert again.done == 3  # the features (train, test) and the run, from the new query encodings
     with StoreSQL(store) as db:
-        names = [r["feature"] for r in rows(db, "select distinct feature from budget_features where split = 'test' "
-                                                "and feature like '%@1' order by feature")]  # fmt: skip
-    assert names == sorted(f"{f}@1" for f in ("agreement", "distinct", "entropy_max", "entropy_mean", "entropy_min",
-                                              "maxprob_max", "maxprob_mean", "maxprob_min", "slots", "sparse_mass",
-                                              "support"))  # fmt: skip
+        names = [
+            r["feature"]
+            for r in rows(
+                db,
+                "select distinct feature from budget_features where split = 'test' "
+                "and feature like '%@1' order by feature",
+            )
+        ]
+    assert names == sorted(
+        f"{f}@1"
+        for f in (
+            "agreement",
+            "distinct",
+            "entropy_max",
+            "entropy_mean",
+            "entropy_min",
+            "maxprob_max",
+            "maxprob_mean",
+            "maxprob_min",
+            "slots",
+            "sparse_mass",
+            "support",
+        )
+    )
     with pytest.raises(ValueError, match="the diffembed readout has none"):
         EncodeConfig(dataset="tiny", head_stats=True, readout={"readout": "diffembed"})

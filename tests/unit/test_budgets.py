@@ -39,8 +39,11 @@ def test_learners_close_most_of_the_gap_on_held_out_queries(name: str) -> None:
     sel = SELECTORS[name]
     fitted = sel.fit(X, ["noise", "length"], train, seed=0, folds=3)
     fixed = SELECTORS["fixed"].fit(X, ["noise", "length"], train)
-    got = gap_closed(test.achieved(SELECTORS["fixed"].choose(fixed, Xt, test)),
-                     test.achieved(sel.choose(fitted, Xt, test)), test.oracle())  # fmt: skip
+    got = gap_closed(
+        test.achieved(SELECTORS["fixed"].choose(fixed, Xt, test)),
+        test.achieved(sel.choose(fitted, Xt, test)),
+        test.oracle(),
+    )
     assert got["gap_closed"] > 0.5 and got["p_value"] < 1e-6, got
     if name != "rule":  # cross-validated hyper-parameters, recorded; the length matters more than the noise
         assert fitted.params["max_depth"] in (1, 2, 3) and fitted.cv_score is not None
@@ -80,4 +83,5 @@ def test_cross_validation_scores_held_out_queries_only_and_is_seeded() -> None:
     assert fixed < rule <= float(grid.oracle().mean())
     params = {"max_depth": 1, "n_estimators": 50, "learning_rate": 0.1}
     assert cross_validate(SELECTORS["classifier"], X, names, grid, params, seed=5, folds=4) == cross_validate(
-        SELECTORS["classifier"], X, names, grid, params, seed=5, folds=4)  # fmt: skip
+        SELECTORS["classifier"], X, names, grid, params, seed=5, folds=4
+    )

@@ -17,9 +17,15 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
 
 def main_with(tmp_path: Path, argv: list[str], prelude: str = "") -> subprocess.CompletedProcess:
     code = "\n".join(
-        ["import atexit, sys, threading, time", prelude, f"sys.argv = ['diffret', *{argv!r}]",
-         "from diffret.flows.cli import main", "main()", "print('not reached')"]
-    )  # fmt: skip
+        [
+            "import atexit, sys, threading, time",
+            prelude,
+            f"sys.argv = ['diffret', *{argv!r}]",
+            "from diffret.flows.cli import main",
+            "main()",
+            "print('not reached')",
+        ]
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
 
 
@@ -53,11 +59,14 @@ def test_usage_error_and_unexpected_exception(tmp_path: Path) -> None:
     assert p.returncode == 2 and "No such command" in p.stderr
     # an error the CLI does not expect still prints its traceback and exits 1
     write_beir(tmp_path / "bad", None, [{"_id": "q1", "text": "x"}], {"test": [("q1", "d1", 1)]})
-    prelude = "import diffret.flows.cli as c; c._known_errors = lambda: (KeyError,)\n" \
-        "import diffret.stages.download as d\n" \
-        "def boom(*a, **k): raise RuntimeError('unexpected failure')\nd.materialise = boom"  # fmt: skip
-    p = main_with(tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")],
-                  prelude)  # fmt: skip
+    prelude = (
+        "import diffret.flows.cli as c; c._known_errors = lambda: (KeyError,)\n"
+        "import diffret.stages.download as d\n"
+        "def boom(*a, **k): raise RuntimeError('unexpected failure')\nd.materialise = boom"
+    )
+    p = main_with(
+        tmp_path, ["download", "bad", "--source", str(tmp_path / "bad"), "--root", str(tmp_path / "s")], prelude
+    )
     assert p.returncode == 1 and "Traceback" in p.stderr and "RuntimeError: unexpected failure" in p.stderr
 
 
@@ -69,8 +78,17 @@ def test_a_prefect_api_that_does_not_answer_is_one_line_with_the_way_out(tmp_pat
         port = s.getsockname()[1]  # closed when the block ends: a port nothing listens on
     api = f"http://127.0.0.1:{port}/api"
     env = {**ENV, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "prefect")}
-    args = [sys.executable, "-m", "diffret.flows.cli", "download", "tiny", "--source", str(tiny_beir), "--root",
-            str(tmp_path / "store")]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "diffret.flows.cli",
+        "download",
+        "tiny",
+        "--source",
+        str(tiny_beir),
+        "--root",
+        str(tmp_path / "store"),
+    ]
     p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr

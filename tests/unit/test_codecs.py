@@ -87,8 +87,10 @@ def test_residual_buckets_are_cut_from_vectors_kmeans_did_not_see() -> None:
 def test_more_centroids_decode_closer() -> None:
     x = clustered(4000, 32, clusters=400, noise=0.3)
     few, many = (train_codebook(x, f"residual:2:{c}", seed=0) for c in (16, 1024))
-    assert cosine(decode(encode(x, "residual:2", many), "residual:2", many), x).mean() > cosine(
-        decode(encode(x, "residual:2", few), "residual:2", few), x).mean()  # fmt: skip
+    assert (
+        cosine(decode(encode(x, "residual:2", many), "residual:2", many), x).mean()
+        > cosine(decode(encode(x, "residual:2", few), "residual:2", few), x).mean()
+    )
 
 
 def test_pq_codes_m_bytes_and_refuses_too_few_vectors() -> None:
@@ -146,8 +148,16 @@ def test_compressed_tables_keep_rows_and_decode_in_text_order(spec: str) -> None
     vecs = clustered(sum(reps), dim)
     rows, at = [], 0
     for i, n in enumerate(reps):
-        rows.append({"id": f"d{i}", "n_reps": n, "dense": vecs[at : at + n].tolist(), "sparse_ids": [1],
-                     "sparse_weights": [0.5], "n_tokens": 3})  # fmt: skip
+        rows.append(
+            {
+                "id": f"d{i}",
+                "n_reps": n,
+                "dense": vecs[at : at + n].tolist(),
+                "sparse_ids": [1],
+                "sparse_weights": [0.5],
+                "n_tokens": 3,
+            }
+        )
         at += n
     table = pa.Table.from_pylist(rows, schema=encodings_schema(dim))
     cb = train_codebook(vecs, spec, seed=0)

@@ -29,10 +29,12 @@ def world() -> dict:
     cb = train_codebook(x, "residual:2", seed=0, n_corpus=len(x))
     codes = encode(x, "residual:2", cb)
     cut = int(np.cumsum(reps)[N // 2 - 1])  # two shards
-    coded = CodedPassages.from_blocks([(codes[:cut], reps[: N // 2]), (codes[cut:], reps[N // 2 :])],
-                                      Codec("residual:2", H, cb))  # fmt: skip
-    index = CodesIndex.build([(coded.cells[:cut], reps[: N // 2]), (coded.cells[cut:], reps[N // 2 :])],
-                             len(cb.arrays["centroids"]))  # fmt: skip
+    coded = CodedPassages.from_blocks(
+        [(codes[:cut], reps[: N // 2]), (codes[cut:], reps[N // 2 :])], Codec("residual:2", H, cb)
+    )
+    index = CodesIndex.build(
+        [(coded.cells[:cut], reps[: N // 2]), (coded.cells[cut:], reps[N // 2 :])], len(cb.arrays["centroids"])
+    )
     # the exact side: the decoded codes, as score reads a compressed folder
     rules = ScoreRules()
     dec = normalised(torch.from_numpy(decode(codes, "residual:2", cb)), rules)
@@ -48,8 +50,15 @@ def world() -> dict:
     q[~qmask] = 0
     queries = Encodings([f"q{i}" for i in range(40)], q, qmask, q.sum(1), [], [])
     tops, _ = search_pass({3: queries}, [passages], ["multi_dense"], SearchSettings(topk=20, rules=rules))
-    return {"coded": coded, "index": index, "queries": queries, "exact": tops[(3, "multi_dense")], "reps": reps,
-            "cells": coded.cells, "n_cells": len(cb.arrays["centroids"])}  # fmt: skip
+    return {
+        "coded": coded,
+        "index": index,
+        "queries": queries,
+        "exact": tops[(3, "multi_dense")],
+        "reps": reps,
+        "cells": coded.cells,
+        "n_cells": len(cb.arrays["centroids"]),
+    }
 
 
 def test_the_codes_index_lists_every_vector_in_its_cell(world: dict) -> None:
@@ -73,13 +82,15 @@ def test_every_cell_and_every_candidate_is_exact_search_over_the_decoded_codes(w
 
 def test_fewer_candidates_keep_most_of_the_top_10_and_score_them_exactly(world: dict) -> None:
     exact = world["exact"]
-    exact_score = {(i, int(d)): float(s) for i in range(len(exact.index))
-                   for d, s in zip(exact.index[i], exact.scores[i], strict=True)}  # fmt: skip
+    exact_score = {
+        (i, int(d)): float(s)
+        for i in range(len(exact.index))
+        for d, s in zip(exact.index[i], exact.scores[i], strict=True)
+    }
     recalls = []
     for probes in (1, 4, 16):
         st = CodesSearchStats()
-        got = search_codes(world["queries"], world["coded"], world["index"], 10, probes=probes, candidates=64,
-                           stats=st)  # fmt: skip
+        got = search_codes(world["queries"], world["coded"], world["index"], 10, probes=probes, candidates=64, stats=st)
         assert max(st.decoded) <= 64 and len(st.latencies_ms) == 40
         recalls.append(np.mean([len(set(a) & set(b[:10])) / 10 for a, b in zip(got.index, exact.index, strict=True)]))
         for i in range(len(got.index)):  # a passage both find scores as in exact search

@@ -53,9 +53,11 @@ def expected_fields(model: type[BaseModel]) -> dict[str, tuple[str, object]]:
             out["--system"] = (info.description, None)
             keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
             keys |= numeric_settings(EncodeSettings(backbone={"model": "x", "load_format": "random"}))  # + shape
-            owners = [(BackboneConfig, ["model", *(k for k in keys if k in BackboneConfig.model_fields)]),
-                      (ReadoutConfig, [*keys["readout"], *SIDR_ONLY]),  # SIDR's settings tell SIDR systems apart
-                      (EncodeSettings, [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")])]
+            owners = [
+                (BackboneConfig, ["model", *(k for k in keys if k in BackboneConfig.model_fields)]),
+                (ReadoutConfig, [*keys["readout"], *SIDR_ONLY]),  # SIDR's settings tell SIDR systems apart
+                (EncodeSettings, [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")]),
+            ]
             for cls, names in owners:
                 for n in names:
                     out["--" + n.replace("_", "-")] = (cls.model_fields[n].description, None)
@@ -96,8 +98,11 @@ def test_help_lists_every_field_with_its_description_and_default(folder: str) ->
         words = " ".join((description or "").split())[:40]
         assert words and words in text, (folder, name, words, text)
         if default not in (None, PydanticUndefined) and not isinstance(default, BaseModel | dict | bool):
-            value = ",".join(map(str, default)) if isinstance(default, list) and all(
-                isinstance(x, int) for x in default) else default  # fmt: skip
+            value = (
+                ",".join(map(str, default))
+                if isinstance(default, list) and all(isinstance(x, int) for x in default)
+                else default
+            )
             if isinstance(default, list) and not all(isinstance(x, int) for x in default):
                 assert f"(default: {', '.join(map(str, default))})" in text, (folder, name, text)
             else:
@@ -116,14 +121,21 @@ def _models(model: type[BaseModel], seen: set) -> list[type[BaseModel]]:
 
 def test_every_config_field_has_a_description() -> None:
     seen: set = set()
-    missing = [f"{m.__name__}.{n}" for cfg in CONFIGS.values() for m in _models(cfg, seen)
-               for n, info in m.model_fields.items() if not (info.description or "").strip()]  # fmt: skip
+    missing = [
+        f"{m.__name__}.{n}"
+        for cfg in CONFIGS.values()
+        for m in _models(cfg, seen)
+        for n, info in m.model_fields.items()
+        if not (info.description or "").strip()
+    ]
     assert missing == []
 
 
 def test_every_prefect_deployment_validates_against_its_config() -> None:
-    by_flow = {f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": CONFIGS[stage]
-               for stage, (module, fn) in flows().items()}
+    by_flow = {
+        f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": CONFIGS[stage]
+        for stage, (module, fn) in flows().items()
+    }
     by_flow["flows/pipeline.py:pipeline_flow"] = PipelineConfig
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     assert {d["entrypoint"] for d in deployments} == set(by_flow), "a stage without a deployment, or the reverse"
@@ -160,8 +172,14 @@ def test_a_new_stage_is_a_new_command(tmp_path, monkeypatch) -> None:
     toy.command("other")(lambda: None)
     res = CliRunner().invoke(toy, ["toy", "-d", "scifact", "--k", "4,16", "--mode", "b", "--root", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert got == {"root": str(tmp_path), "force": False, "dataset": "scifact", "ks": [4, 16], "mode": "b",
-                   "pairs": {}}  # an omitted mapping is its default, not None
+    assert got == {
+        "root": str(tmp_path),
+        "force": False,
+        "dataset": "scifact",
+        "ks": [4, 16],
+        "mode": "b",
+        "pairs": {},
+    }  # an omitted mapping is its default, not None
     res = CliRunner().invoke(toy, ["toy", "-d", "x", "--pairs", "a=b", "--pairs", "c=d"])
     assert res.exit_code == 0, res.output
     assert got["pairs"] == {"a": "b", "c": "d"}
@@ -252,11 +270,13 @@ def _project_configs() -> dict[str, type[BaseModel]]:
 
 
 # a renamed option's former spelling, by command, and the option that replaced it
+# fmt: off
 FORMER_SPELLINGS = [("rerank", "--kq", "--first-kq"), ("rerank", "--kp", "--first-kp"),
                     ("rerank", "--mode", "--first-mode"), ("train-reranker", "--kq", "--first-kq"),
                     ("train-reranker", "--kp", "--first-kp"), ("train-reranker", "--mode", "--first-mode"),
                     ("late", "--m", "--depth"), ("compress", "--to", "--store"), ("compress", "--seed", "--store-seed"),
-                    ("latency", "--sides", "--side"), ("latency", "--batch-sizes", "--batch-size")]  # fmt: skip
+                    ("latency", "--sides", "--side"), ("latency", "--batch-sizes", "--batch-size")]
+# fmt: on
 CLI_KEYS = {"flag", "short", "envvar", "positional", "switch", "hidden", "filters_except"}  # read by flows/commands.py
 
 

@@ -28,10 +28,14 @@ from diffret.storage import ArtifactStore, ChecksumError, IncompleteArtifactErro
 from diffret.storage.layout import CODEBOOK_FILE, codebook_dir, encodings_dir, index_dir, run_dir
 from diffret.storage.sql import StoreSQL
 
-WORDS = ("cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
-         "cloud apple lemon").split()  # fmt: skip
-CORPUS = [{"_id": f"d{i}", "title": WORDS[i % 20], "text": " ".join(WORDS[(i * 3 + j) % 20] for j in range(6))}
-          for i in range(60)]  # fmt: skip
+WORDS = (
+    "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query river stone "
+    "cloud apple lemon"
+).split()
+CORPUS = [
+    {"_id": f"d{i}", "title": WORDS[i % 20], "text": " ".join(WORDS[(i * 3 + j) % 20] for j in range(6))}
+    for i in range(60)
+]
 QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[(2 * i + j) % 20] for j in range(3))} for i in range(8)]
 QRELS = {"test": [(f"q{i}", f"d{3 * i}", 1) for i in range(8)]}
 K = [1, 4]
@@ -57,8 +61,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _score(root: str, system: str) -> ScoreConfig:
-    return ScoreConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=K, kp=K, q1p1_multi="keep",
-                       modes=["multi_dense", "single_dense", "fusion_multi_sparse_max"])  # fmt: skip
+    return ScoreConfig(
+        root=root,
+        dataset="tiny",
+        system=SystemRef(system=system),
+        kq=K,
+        kp=K,
+        q1p1_multi="keep",
+        modes=["multi_dense", "single_dense", "fusion_multi_sparse_max"],
+    )
 
 
 def _runs(root: str, system: str) -> dict[tuple[int, int, str], list[dict]]:
@@ -89,8 +100,9 @@ def _copy(world: dict, tmp_path: Path) -> str:
 
 def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
-    res = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                          store="int8"))  # fmt: skip
+    res = _run(
+        "compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), store="int8")
+    )
     assert res.done == 2 * (1 + 3) and "-int8-" in res.system  # K x (1 query shard + 3 passage shards)
     store = ArtifactStore(root)
     # --model alone still names the float16 system; --store names the compressed one
@@ -107,8 +119,10 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
     # SQL: bytes measured per vector and passage, each cell against the float16 system's
     _run("evaluate", EvaluateConfig(root=root))
     with StoreSQL(store) as db:
-        _, sizes = db.query("select system, store, kp, bytes_per_vector, bytes_per_passage from vector_bytes "
-                            "where kp = 4 order by store")  # fmt: skip
+        _, sizes = db.query(
+            "select system, store, kp, bytes_per_vector, bytes_per_passage from vector_bytes "
+            "where kp = 4 order by store"
+        )
         _, effect = db.query("select store, float16_system, kq, kp, mode, ndcg_10_change from compression_effect")
         _, enc = db.query("select system, count(*), count(dense), count(codes) from encodings group by 1 order by 1")
     (f, _, _, f_vec, f_pas), (c, store_name, _, c_vec, c_pas) = sizes
@@ -126,8 +140,9 @@ def test_int8_compress_scores_like_float16_and_is_a_system_of_its_own(world: dic
     lines = (folder / "compression.csv").read_text().splitlines()
     assert len(lines) == 2 and "msmarco_projection" in lines[0]
     # a second compress does nothing
-    again = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                            store="int8"))  # fmt: skip
+    again = _run(
+        "compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), store="int8")
+    )
     assert again.done == 0 and again.skipped == res.done
 
 
@@ -135,8 +150,10 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
     """A store compressed afterwards or encoded compressed from the start: the same codebook seed gives the same
     codebook, the same shards and the same runs."""
     a = _copy(world, tmp_path / "a")
-    res = _run("compress", CompressConfig(root=a, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                          store="residual:2", store_seed=3))  # fmt: skip
+    res = _run(
+        "compress",
+        CompressConfig(root=a, dataset="tiny", system=SystemRef(system=world["f16"]), store="residual:2", store_seed=3),
+    )
     _run("score", _score(a, res.system))
     # b: the float16 passages are gone, so encode --store encodes its codebook's sample itself
     b = _copy(world, tmp_path / "b")
@@ -148,8 +165,10 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
     _run("score", _score(b, direct.system))
     sa, sb = ArtifactStore(a), ArtifactStore(b)
     for k in K:
-        assert read_codebook(sa, codebook_dir(res.system, "tiny", k))[1] == read_codebook(
-            sb, codebook_dir(res.system, "tiny", k))[1]  # fmt: skip
+        assert (
+            read_codebook(sa, codebook_dir(res.system, "tiny", k))[1]
+            == read_codebook(sb, codebook_dir(res.system, "tiny", k))[1]
+        )
         for side in ("query", "passage"):
             ma = sa.read_manifest(encodings_dir(res.system, "tiny", side, k))
             mb = sb.read_manifest(encodings_dir(res.system, "tiny", side, k))
@@ -189,8 +208,9 @@ def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_pat
 
 def test_a_codebook_of_another_k_or_dataset_is_refused_naming_both(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
-    system = _run("compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]),
-                                             store="residual:2")).system  # fmt: skip
+    system = _run(
+        "compress", CompressConfig(root=root, dataset="tiny", system=SystemRef(system=world["f16"]), store="residual:2")
+    ).system
     store = ArtifactStore(root)
     cb, _ = read_codebook(store, codebook_dir(system, "tiny", 4))
     with pytest.raises(CodebookError, match="k=4, not k=1"):
@@ -275,8 +295,18 @@ def test_a_lancedb_index_is_built_from_the_decoded_codes(world: dict, tmp_path: 
     root = _copy(world, tmp_path)
     ref = SystemRef(system=world["f16"])
     system = _run("compress", CompressConfig(root=root, dataset="tiny", system=ref, store="residual:2")).system
-    res = _run("index", IndexConfig(root=root, dataset="tiny", system=SystemRef(system=system), kq=[1, 4], kp=[4],
-                                    index_type="none", vectors="float32"))  # fmt: skip
+    res = _run(
+        "index",
+        IndexConfig(
+            root=root,
+            dataset="tiny",
+            system=SystemRef(system=system),
+            kq=[1, 4],
+            kp=[4],
+            index_type="none",
+            vectors="float32",
+        ),
+    )
     checks = res.details["checks"][4]
     assert res.done == 1 and len(checks) == 2 and all(c["recall_10"] >= 0.9 for c in checks.values()), checks
     import lancedb
@@ -284,8 +314,10 @@ def test_a_lancedb_index_is_built_from_the_decoded_codes(world: dict, tmp_path: 
     store = ArtifactStore(root)
     rows = lancedb.connect(str(Path(root) / index_dir(system, "tiny", 4))).open_table("docs").to_arrow().to_pylist()
     assert len(rows) == 60
-    decoded, as_stored = (read_encodings(store, st, store.read_manifest(st)) for st in (
-        encodings_dir(system, "tiny", "passage", 4), encodings_dir(world["f16"], "tiny", "passage", 4)))  # fmt: skip
+    decoded, as_stored = (
+        read_encodings(store, st, store.read_manifest(st))
+        for st in (encodings_dir(system, "tiny", "passage", 4), encodings_dir(world["f16"], "tiny", "passage", 4))
+    )
     row = decoded.ids.index(rows[7]["doc_id"])
     vectors = np.asarray(rows[7]["vector"], np.float32)
     coded, stored = (e.multi[row][e.mask[row]].numpy() for e in (decoded, as_stored))

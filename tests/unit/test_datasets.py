@@ -18,8 +18,14 @@ from diffret.storage import ArtifactStore, ConfigDriftError, StoreError
 from diffret.storage.sql import StoreSQL
 
 
-def _download(tmp_path: Path, folder: Path, name: str = "tiny", root: Path | None = None, force: bool = False,
-            unknown: str = "error"):  # fmt: skip
+def _download(
+    tmp_path: Path,
+    folder: Path,
+    name: str = "tiny",
+    root: Path | None = None,
+    force: bool = False,
+    unknown: str = "error",
+):
     files = resolve_source(name, str(folder), tmp_path / "cache")
     return materialise(ArtifactStore(root or tmp_path / "store"), name, files, force=force, unknown_judgments=unknown)
 
@@ -146,8 +152,10 @@ def test_qrels_unknown_ids_are_counted_and_left_out(tmp_path):
     assert "kept: 1 naming documents not in the corpus" in line
 
 
-@pytest.mark.parametrize(("empty", "message"), [("corpus.jsonl", "corpus.jsonl: no documents"),
-                                                ("queries.jsonl", "queries.jsonl: no queries")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("empty", "message"),
+    [("corpus.jsonl", "corpus.jsonl: no documents"), ("queries.jsonl", "queries.jsonl: no queries")],
+)
 def test_empty_corpus_or_queries_file_is_an_error(tmp_path, empty, message):
     folder = write_beir(
         tmp_path / "c", [{"_id": "a", "text": "x"}], [{"_id": "q", "text": "q"}], {"test": [("q", "a", 1)]}

@@ -51,9 +51,10 @@ def test_score_index_and_beta_take_the_stored_budgets_and_say_which(world: dict,
     code, out = invoke(root, "score", "-d", "c", "--model", model, "--mode", "single_dense")
     assert code == 0, out
     assert "K_q = 1, 2" in out and "K_p = 1, 2" in out and "4 cell(s) scored" in out, out
-    assert sorted(p.parent.parent.parent.name + "/" + p.parent.parent.name for p in
-                  root.glob("runs/*/dataset=c/split=test/*/*/mode=single_dense/run.parquet")) == [
-        "kq=1/kp=1", "kq=1/kp=2", "kq=2/kp=1", "kq=2/kp=2"]  # fmt: skip
+    assert sorted(
+        p.parent.parent.parent.name + "/" + p.parent.parent.name
+        for p in root.glob("runs/*/dataset=c/split=test/*/*/mode=single_dense/run.parquet")
+    ) == ["kq=1/kp=1", "kq=1/kp=2", "kq=2/kp=1", "kq=2/kp=2"]
     code, out = invoke(root, "index", "-d", "c", "--model", model, "--type", "none")
     assert code == 0 and "K_p = 1, 2" in out and "2 index(es) built" in out, out
     code, out = invoke(root, "bot", "-d", "c", "--model", model, "--max-length", "96")

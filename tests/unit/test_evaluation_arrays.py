@@ -12,8 +12,23 @@ import pytest
 from diffret.retrieval.evaluation import arrays, evaluate, qrels_from_table, run_from_table
 from diffret.retrieval.evaluation.arrays import evaluate_tables, supported
 
-MEASURES = ["ndcg_cut_10", "mrr_10", "recall_100", "recall_1000", "ndcg_cut_3", "P_5", "map", "recip_rank", "ndcg",
-            "success_1", "mrr_2", "num_ret", "num_rel", "num_rel_ret", "bpref"]  # fmt: skip
+MEASURES = [
+    "ndcg_cut_10",
+    "mrr_10",
+    "recall_100",
+    "recall_1000",
+    "ndcg_cut_3",
+    "P_5",
+    "map",
+    "recip_rank",
+    "ndcg",
+    "success_1",
+    "mrr_2",
+    "num_ret",
+    "num_rel",
+    "num_rel_ret",
+    "bpref",
+]
 
 
 def random_case(seed: int, negative: bool = False) -> tuple[pa.Table, pa.Table]:
@@ -41,8 +56,9 @@ def random_case(seed: int, negative: bool = False) -> tuple[pa.Table, pa.Table]:
             rd.append(docs[picked[i]])
             rr.append(rank)
             rs.append(float(scores[i]))
-    run = pa.table({"query_id": rq, "doc_id": rd, "rank": pa.array(rr, pa.int32()),
-                    "score": pa.array(rs, pa.float32())})  # fmt: skip
+    run = pa.table(
+        {"query_id": rq, "doc_id": rd, "rank": pa.array(rr, pa.int32()), "score": pa.array(rs, pa.float32())}
+    )
     return qrels, run
 
 
@@ -129,25 +145,52 @@ def test_stored_order_chunks_and_uneven_queries(ties: str) -> None:
     scores = np.round(rng.normal(size=n), 1)  # ties
     ranks = np.empty(n, np.int32)
     ranks[np.lexsort((np.arange(n), -scores))] = np.arange(1, n + 1)
-    run = pa.table({"query_id": ["long"] * n + [f"s{i}" for i in range(300)], "doc_id": docs + [docs[1]] * 300,
-                    "rank": pa.array(np.r_[ranks, np.ones(300, np.int32)]),
-                    "score": pa.array(np.r_[scores, np.zeros(300)], pa.float32())})  # fmt: skip
+    run = pa.table(
+        {
+            "query_id": ["long"] * n + [f"s{i}" for i in range(300)],
+            "doc_id": docs + [docs[1]] * 300,
+            "rank": pa.array(np.r_[ranks, np.ones(300, np.int32)]),
+            "score": pa.array(np.r_[scores, np.zeros(300)], pa.float32()),
+        }
+    )
     run = run.take(pa.array(rng.permutation(len(run))))
-    qrels = pa.table({"query_id": ["long"] * 40 + ["s1", "s2"], "relevance": pa.array([1, 2] * 21, pa.int32()),
-                      "doc_id": [docs[i] for i in rng.choice(n, 40, replace=False)] + [docs[0], "absent"]})  # fmt: skip
+    qrels = pa.table(
+        {
+            "query_id": ["long"] * 40 + ["s1", "s2"],
+            "relevance": pa.array([1, 2] * 21, pa.int32()),
+            "doc_id": [docs[i] for i in rng.choice(n, 40, replace=False)] + [docs[0], "absent"],
+        }
+    )
     assert evaluate_tables(qrels, run, MEASURES, 1, ties=ties).equals(reference(qrels, run, 1, ties))
 
 
 def test_string_hashes() -> None:
     """Equal ids hash equal whatever their chunk, slice or string type; these distinct ids hash apart."""
-    ids = ["", "a", "a\x00", "\x00", "abcdefgh", "abcdefgh\x00", "abcdefghi", "é", "e", "ABCDEFGHIJKLMNOPQ",
-           "ABCDEFGHIJKLMNOPR", "msmarco_passage_00_123456789", "msmarco_passage_00_123456788",
-           "12345678" * 5]  # fmt: skip
+    ids = [
+        "",
+        "a",
+        "a\x00",
+        "\x00",
+        "abcdefgh",
+        "abcdefgh\x00",
+        "abcdefghi",
+        "é",
+        "e",
+        "ABCDEFGHIJKLMNOPQ",
+        "ABCDEFGHIJKLMNOPR",
+        "msmarco_passage_00_123456789",
+        "msmarco_passage_00_123456788",
+        "12345678" * 5,
+    ]
     h = arrays._hash_strings(pa.chunked_array([ids]))
     assert len(set(h.tolist())) == len(ids)
-    for column in (pa.chunked_array([ids[:5], ids[5:]]), pa.chunked_array([pa.array(ids * 2).slice(len(ids))]),
-                   pa.chunked_array([pa.array(ids, pa.large_string())]), pa.chunked_array([ids], pa.large_binary()),
-                   pa.chunked_array([pa.array(ids, pa.string_view())])):  # fmt: skip
+    for column in (
+        pa.chunked_array([ids[:5], ids[5:]]),
+        pa.chunked_array([pa.array(ids * 2).slice(len(ids))]),
+        pa.chunked_array([pa.array(ids, pa.large_string())]),
+        pa.chunked_array([ids], pa.large_binary()),
+        pa.chunked_array([pa.array(ids, pa.string_view())]),
+    ):
         assert arrays._hash_strings(column).tolist() == h.tolist()
     assert np.array_equal(arrays._hash_strings(pa.chunked_array([ids * 3]), block=5), np.tile(h, 3))
 

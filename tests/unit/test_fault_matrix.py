@@ -76,8 +76,11 @@ EDITED = ("dataset", "tokens", "encodings", "runs", "metrics", "index", "models"
 # a manifest holding a value every setting refuses now: a NaN an earlier version took and wrote as null (its config no
 # longer gives its hash), in the kinds whose config holds a float setting
 REFUSED = ("bm25 runs", "fused runs", "comparisons", "models", "reranker")
-CASES = ([(k, f) for k in KINDS for f in FAULTS] + [(k, "edit manifest") for k in EDITED]
-         + [(k, "refused value") for k in REFUSED])  # fmt: skip
+CASES = (
+    [(k, f) for k in KINDS for f in FAULTS]
+    + [(k, "edit manifest") for k in EDITED]
+    + [(k, "refused value") for k in REFUSED]
+)
 
 
 def invoke(*args: str, root: Path | str) -> tuple[int, str]:
@@ -99,21 +102,40 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     m = str(save_tiny_mlm(base / "model"))
     beir = write_beir(base / "c", CORPUS, QUERIES, QRELS)
     trec = base / "ext.trec"  # a run made elsewhere (diffret import-run)
-    trec.write_text("".join(f"{q['_id']} Q0 {d['_id']} {r + 1} {8 - r} ext\n" for q in QUERIES
-                            for r, d in enumerate(CORPUS)))  # fmt: skip
+    trec.write_text(
+        "".join(f"{q['_id']} Q0 {d['_id']} {r + 1} {8 - r} ext\n" for q in QUERIES for r, d in enumerate(CORPUS))
+    )
     root = base / "store"
 
     def run(*args: str) -> None:
         code, out = invoke(*args, root=root)
         assert code == 0, (args, out)
 
-    pipeline = ["run", "-d", "c", "--source", str(beir), "--model", m, "--kq", "1", "--kp", "1", "--max-length", "32",
-                "--mode", "single_dense", "--mode", "sparse_max", "--split", "test"]  # fmt: skip
+    pipeline = [
+        "run",
+        "-d",
+        "c",
+        "--source",
+        str(beir),
+        "--model",
+        m,
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--max-length",
+        "32",
+        "--mode",
+        "single_dense",
+        "--mode",
+        "sparse_max",
+        "--split",
+        "test",
+    ]
     run(*pipeline)
     run("encode", "-d", "c", "--model", m, "--readout", "sidr", "--k", "1", "--max-length", "32", "--side", "query")
     code, out = invoke("systems", "--format", "csv", root=root)
-    slugs = {r.split(",")[3] if r.split(",")[1] == "encoder" else "bm25": r.split(",")[0]
-             for r in out.splitlines()[1:]}  # fmt: skip
+    slugs = {r.split(",")[3] if r.split(",")[1] == "encoder" else "bm25": r.split(",")[0] for r in out.splitlines()[1:]}
     s = {"f16": slugs["diffretriever"], "sidr": slugs["sidr"], "bm25": slugs["bm25"]}
     # the settings that made each folder (the stage commands `run` composes, for what `run` made)
     made = {
@@ -121,38 +143,171 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "tokenize": ["-d", "c", "--model", m, "--max-length", "32"],
         "encode": ["-d", "c", "--model", m, "--k", "1", "--max-length", "32"],
         "compress": ["-d", "c", "--system", s["f16"], "--store", "residual:1"],
-        "score": ["-d", "c", "--system", s["f16"], "--kq", "1", "--kp", "1", "--mode", "single_dense", "--mode",
-                  "sparse_max", "--split", "test"],  # fmt: skip
+        "score": [
+            "-d",
+            "c",
+            "--system",
+            s["f16"],
+            "--kq",
+            "1",
+            "--kp",
+            "1",
+            "--mode",
+            "single_dense",
+            "--mode",
+            "sparse_max",
+            "--split",
+            "test",
+        ],
         "bm25": ["-d", "c", "--split", "test"],
         "evaluate": [],
         "bot": ["-d", "c", "--model", m, "--max-length", "32"],
         "beta": ["-d", "c", "--system", s["sidr"]],
-        "late": ["-d", "c", "--system", s["sidr"], "--mode", "sparse_max", "--depth", "4", "--first-stage", s["sidr"],
-                 "--first-kq", "1", "--first-kp", "0", "--first-mode", "beta"],  # fmt: skip
+        "late": [
+            "-d",
+            "c",
+            "--system",
+            s["sidr"],
+            "--mode",
+            "sparse_max",
+            "--depth",
+            "4",
+            "--first-stage",
+            s["sidr"],
+            "--first-kq",
+            "1",
+            "--first-kp",
+            "0",
+            "--first-mode",
+            "beta",
+        ],
         "training-data": ["-d", "c", "--split", "test", "--n-negatives", "3"],
-        "train": ["-t", "c", "--model", m, "--full", "--kq", "1", "--kp", "1", "--n-negatives", "3", "--batch-size",
-                  "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "2", "--q-max-len", "8",
-                  "--p-max-len", "12", "--name", "tiny-ft"],  # fmt: skip
-        "train-reranker": ["-d", "c", "--split", "test", "--model", m, "--method", "logits_listwise", "--prompt",
-                           PROMPT, "--list-size", "3", "--doc-tokens", "8", "--batch-size", "1", "--grad-accum", "1",
-                           "--max-steps", "2", "--full"],  # fmt: skip
+        "train": [
+            "-t",
+            "c",
+            "--model",
+            m,
+            "--full",
+            "--kq",
+            "1",
+            "--kp",
+            "1",
+            "--n-negatives",
+            "3",
+            "--batch-size",
+            "2",
+            "--pool-size",
+            "2",
+            "--global-batch",
+            "2",
+            "--max-steps",
+            "2",
+            "--q-max-len",
+            "8",
+            "--p-max-len",
+            "12",
+            "--name",
+            "tiny-ft",
+        ],
+        "train-reranker": [
+            "-d",
+            "c",
+            "--split",
+            "test",
+            "--model",
+            m,
+            "--method",
+            "logits_listwise",
+            "--prompt",
+            PROMPT,
+            "--list-size",
+            "3",
+            "--doc-tokens",
+            "8",
+            "--batch-size",
+            "1",
+            "--grad-accum",
+            "1",
+            "--max-steps",
+            "2",
+            "--full",
+        ],
         "index": ["-d", "c", "--system", s["f16"], "--kq", "1", "--kp", "1", "--type", "none"],
-        "budget": ["-d", "c", "--system", s["f16"], "--cross-fit", "--folds", "2", "--selector", "fixed", "--mode",
-                   "single_dense"],  # fmt: skip
-        "latency": ["--model", m, "--max-length", "32", "--lengths", "8", "--k", "1", "--search-sizes", "10",
-                    "--search-k", "1x1", "--search-queries", "2", "--topk", "5", "--repeats", "1", "--warmup", "0",
-                    "--kinds", "encode"],  # fmt: skip
+        "budget": [
+            "-d",
+            "c",
+            "--system",
+            s["f16"],
+            "--cross-fit",
+            "--folds",
+            "2",
+            "--selector",
+            "fixed",
+            "--mode",
+            "single_dense",
+        ],
+        "latency": [
+            "--model",
+            m,
+            "--max-length",
+            "32",
+            "--lengths",
+            "8",
+            "--k",
+            "1",
+            "--search-sizes",
+            "10",
+            "--search-k",
+            "1x1",
+            "--search-queries",
+            "2",
+            "--topk",
+            "5",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--kinds",
+            "encode",
+        ],
         "report": ["--name", "t", "--n-boot", "20"],
         "import-run": [str(trec), "-d", "c", "--name", "ext"],
         "fuse": ["-d", "c", "--run", "bm25", "--run", "ext"],
         "compare": ["-d", "c", "--name", "cmp"],
     }
-    for command in ("bot", "beta", "late", "compress", "index", "budget", "training-data", "train",
-                    "train-reranker", "import-run", "fuse"):  # fmt: skip
+    for command in (
+        "bot",
+        "beta",
+        "late",
+        "compress",
+        "index",
+        "budget",
+        "training-data",
+        "train",
+        "train-reranker",
+        "import-run",
+        "fuse",
+    ):
         run(command, *made[command])
     rr = next(root.glob("models/model=*-rr-*"))
-    made["rerank"] = ["-d", "c", "--model", str(rr), "--method", "logits_listwise", "--prompt", PROMPT, "--depth",
-                      "4", "--window", "3", "--step", "1", "--doc-tokens", "8"]  # fmt: skip
+    made["rerank"] = [
+        "-d",
+        "c",
+        "--model",
+        str(rr),
+        "--method",
+        "logits_listwise",
+        "--prompt",
+        PROMPT,
+        "--depth",
+        "4",
+        "--window",
+        "3",
+        "--step",
+        "1",
+        "--doc-tokens",
+        "8",
+    ]
     for command in ("rerank", "evaluate", "latency", "compare"):
         run(command, *made[command])
     run(*pipeline)  # the summary again, over every run now evaluated
@@ -284,14 +439,19 @@ def test_one_poisoned_manifest_and_one_deleted_file_take_down_only_their_folders
     (fused,) = root.glob(KINDS["fused runs"][0])
     fusion = fused.parts[-6].removeprefix("system=")
     scored = root / KINDS["runs"][0].format(**s)
-    for folder, fault in ((fused, "refused value"), (root / "systems" / f"system={fusion}", "refused value"),
-                          (scored, "delete file")):  # fmt: skip
+    for folder, fault in (
+        (fused, "refused value"),
+        (root / "systems" / f"system={fusion}", "refused value"),
+        (scored, "delete file"),
+    ):
         damage(folder, fault)
     query = "select system, mode, count(*) from runs group by all order by all"
     code, rows, warned = invoke_sql(query, root=root)
     before = {tuple(r.split(",")[:2]) for r in invoke_sql(query, root=world["root"])[1][1:]}
-    assert code == 0 and {tuple(r.split(",")[:2]) for r in rows[1:]} == before - {(fusion, "fusion"),
-                                                                                    (s["f16"], "single_dense")}
+    assert code == 0 and {tuple(r.split(",")[:2]) for r in rows[1:]} == before - {
+        (fusion, "fusion"),
+        (s["f16"], "single_dense"),
+    }
     assert len(warned) == 2, warned  # each damaged folder named once, with its repair
     for folder in (fused, scored):
         assert [w for w in warned if str(folder) in w and "repair: " in w], warned
@@ -351,8 +511,9 @@ def test_a_repair_names_the_store_root_when_a_command_would_not_find_it(world: d
 def test_a_name_another_system_holds_is_refused_with_advice_to_choose_another(world: dict, tmp_path: Path) -> None:
     root = tmp_path / "store"
     shutil.copytree(world["root"], root, symlinks=True)
-    code, out = _elsewhere(root)("import-run", str(world["root"].parent / "ext.trec"), "-d", "c", "--name",
-                                 world["slugs"]["f16"])  # an encoder's slug  # fmt: skip
+    code, out = _elsewhere(root)(
+        "import-run", str(world["root"].parent / "ext.trec"), "-d", "c", "--name", world["slugs"]["f16"]
+    )  # an encoder's slug
     assert code == 2 and "choose another name" in out and "remove" not in out, out
 
 

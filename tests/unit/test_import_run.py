@@ -35,8 +35,15 @@ def trec(path: Path, lines: list[str]) -> str:
     return str(path)
 
 
-GOOD = ["q1 Q0 d1 1 3.0 x", "q1 Q0 d3 2 2.0 x", "q1 Q0 d2 3 2.0 x", "q2 Q0 d1 1 1.5 x", "q2 Q0 d2 2 0.5 x",
-        "q3 Q0 d3 1 9 x", "q4 Q0 d4 1 1 x"]  # fmt: skip
+GOOD = [
+    "q1 Q0 d1 1 3.0 x",
+    "q1 Q0 d3 2 2.0 x",
+    "q1 Q0 d2 3 2.0 x",
+    "q2 Q0 d1 1 1.5 x",
+    "q2 Q0 d2 2 0.5 x",
+    "q3 Q0 d3 1 9 x",
+    "q4 Q0 d4 1 1 x",
+]
 
 
 def cli(root: str, *args: str) -> tuple[int, str]:
@@ -57,25 +64,32 @@ def test_an_imported_run_is_a_system_ranked_by_score_then_the_files_rank(store, 
     ((stage,),) = [runs(store["root"])]
     assert stage.endswith("system=splade/dataset=tiny/split=test/kq=0/kp=0/mode=imported")
     t = read_run(ArtifactStore(store["root"]), stage)
-    q1 = [(d, r) for q, d, r in zip(*(t.column(c).to_pylist() for c in ("query_id", "doc_id", "rank")), strict=True)
-          if q == "q1"]  # fmt: skip
+    q1 = [
+        (d, r)
+        for q, d, r in zip(*(t.column(c).to_pylist() for c in ("query_id", "doc_id", "rank")), strict=True)
+        if q == "q1"
+    ]
     assert q1 == [("d1", 1), ("d3", 2), ("d2", 3)]  # the tie at 2.0 in the file's order
     assert [r.kind for r, _ in list_systems(ArtifactStore(store["root"]))] == ["run"]
     # Parquet, without ranks: the same run
-    pq.write_table(pa.table({"query_id": ["q1", "q1"], "doc_id": ["d2", "d1"], "score": [0.1, 0.9]}),
-                   tmp_path / "dense.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"query_id": ["q1", "q1"], "doc_id": ["d2", "d1"], "score": [0.1, 0.9]}), tmp_path / "dense.parquet"
+    )
     code, out = cli(store["root"], "import-run", str(tmp_path / "dense.parquet"), "-d", "tiny", "--name", "dense")
     assert code == 0, out
 
 
-@pytest.mark.parametrize(("line", "says"), [
-    ("q9 Q0 d1 1 1.0 x", "query 'q9' is not a query of 'tiny'"),
-    ("q1 Q0 d9 1 1.0 x", "document 'd9' is not in the corpus of 'tiny'"),
-    ("q1 Q0 d1 4 1.0 x", "document 'd1' appears twice for query 'q1' (first at"),
-    ("q1 Q0 d4 4 high x", "score 'high' is not a number"),
-    ("q1 Q0 d4 4 nan x", "score 'nan' is not a finite number"),
-    ("q1 Q0 d4 4", "a run line needs at least 6 whitespace-separated fields"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("q9 Q0 d1 1 1.0 x", "query 'q9' is not a query of 'tiny'"),
+        ("q1 Q0 d9 1 1.0 x", "document 'd9' is not in the corpus of 'tiny'"),
+        ("q1 Q0 d1 4 1.0 x", "document 'd1' appears twice for query 'q1' (first at"),
+        ("q1 Q0 d4 4 high x", "score 'high' is not a number"),
+        ("q1 Q0 d4 4 nan x", "score 'nan' is not a finite number"),
+        ("q1 Q0 d4 4", "a run line needs at least 6 whitespace-separated fields"),
+    ],
+)
 def test_bad_lines_are_refused_naming_file_and_line_and_nothing_is_written(store, tmp_path, line, says):
     path = trec(tmp_path / "bad.trec", [*GOOD[:2], line])
     code, out = cli(store["root"], "import-run", path, "-d", "tiny")
@@ -89,8 +103,9 @@ def test_other_mistakes_are_one_line(store, tmp_path):
     pq.write_table(pa.table({"qid": ["q1"], "doc_id": ["d1"], "score": [1.0]}), tmp_path / "r.parquet")
     code, out = cli(store["root"], "import-run", str(tmp_path / "r.parquet"), "-d", "tiny")
     assert code == 2 and "lacks ['query_id']" in out, out
-    pq.write_table(pa.table({"query_id": ["q1", "q2"], "doc_id": ["d1", "d2"], "score": [1.0, None]}),
-                   tmp_path / "r.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"query_id": ["q1", "q2"], "doc_id": ["d1", "d2"], "score": [1.0, None]}), tmp_path / "r.parquet"
+    )
     code, out = cli(store["root"], "import-run", str(tmp_path / "r.parquet"), "-d", "tiny")
     assert code == 2 and "r.parquet:row 2: score None is not a number" in " ".join(out.split()), out
     assert runs(store["root"]) == []
@@ -107,18 +122,48 @@ def test_another_file_under_the_same_name_is_refused_unless_forced(store, tmp_pa
 def test_fusion_of_imported_runs_then_compare_and_the_report(store, tmp_path):
     root = store["root"]
     cli(root, "import-run", trec(tmp_path / "a.trec", GOOD), "-d", "tiny")
-    cli(root, "import-run", trec(tmp_path / "b.trec", ["q1 Q0 d2 1 5 x", "q1 Q0 d1 2 1 x", "q2 Q0 d2 1 2 x",
-                                                        "q3 Q0 d1 1 4 x", "q3 Q0 d3 2 3 x"]), "-d", "tiny")  # fmt: skip
+    cli(
+        root,
+        "import-run",
+        trec(
+            tmp_path / "b.trec",
+            ["q1 Q0 d2 1 5 x", "q1 Q0 d1 2 1 x", "q2 Q0 d2 1 2 x", "q3 Q0 d1 1 4 x", "q3 Q0 d3 2 3 x"],
+        ),
+        "-d",
+        "tiny",
+    )
     code, out = cli(root, "fuse", "-d", "tiny", "--run", "a", "--run", "b", "--weight", "0.5", "--weight", "0.5")
     assert code == 0, out
-    got = {r["query_id"]: r for r in _sql(root, "select query_id, list(doc_id order by rank) docs, "
-                                                "list(score order by rank) scores from runs where mode = 'fusion' "
-                                                "group by 1")}  # fmt: skip
+    got = {
+        r["query_id"]: r
+        for r in _sql(
+            root,
+            "select query_id, list(doc_id order by rank) docs, "
+            "list(score order by rank) scores from runs where mode = 'fusion' "
+            "group by 1",
+        )
+    }
     # q1: a gives d1 1, d3 0, d2 0; b gives d2 1, d1 0 -> d1 0.5, d2 0.5 (tie: doc_id), d3 0
     assert got["q1"]["docs"] == ["d1", "d2", "d3"] and got["q1"]["scores"] == pytest.approx([0.5, 0.5, 0.0])
     assert cli(root, "evaluate")[0] == 0
-    code, out = cli(root, "compare", "-d", "tiny", "--baseline", "a", "--run", "b", "--run", "fusion", "--test",
-                    "wilcoxon", "--show", "latex", "--measure", "ndcg_cut_10")  # fmt: skip
+    code, out = cli(
+        root,
+        "compare",
+        "-d",
+        "tiny",
+        "--baseline",
+        "a",
+        "--run",
+        "b",
+        "--run",
+        "fusion",
+        "--test",
+        "wilcoxon",
+        "--show",
+        "latex",
+        "--measure",
+        "ndcg_cut_10",
+    )
     assert code == 0 and "\\begin{tabular}{lrr}" in out and "Wilcoxon" in out, out
     code, out = cli(root, "compare", "-d", "tiny", "--baseline", "a", "--run", "nope")
     assert code == 2 and "no system named 'nope'" in out, out

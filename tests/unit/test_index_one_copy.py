@@ -42,8 +42,10 @@ def _run(name: str, config, log=None):  # noqa: ANN001, ANN202
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("one-copy")
     syn = synthetic_store.build(base, 300, 64, KP, [4], n_queries=24, shard_size=100, train=True)
-    comp = _run("compress", CompressConfig(root=syn.root, dataset="synth", system=SystemRef(system=syn.system),
-                                           store="residual:2")).system  # fmt: skip
+    comp = _run(
+        "compress",
+        CompressConfig(root=syn.root, dataset="synth", system=SystemRef(system=syn.system), store="residual:2"),
+    ).system
     return {"base": base, "syn": syn, "f16": syn.system, "r2": comp}
 
 
@@ -60,8 +62,11 @@ def _bytes(folder: Path, pattern: str) -> int:
 def test_a_float16_system_is_indexed_in_float16_and_no_float32_copy_is_made(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
     logs: list[str] = []
-    res = _run("index", IndexConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]),
-                                    index_type="none"), logs.append)  # fmt: skip
+    res = _run(
+        "index",
+        IndexConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]), index_type="none"),
+        logs.append,
+    )
     assert res.done == 2 and any("no operating point selected" in x and "every stored K_p = 1, 4" in x for x in logs)
     folder = Path(root) / index_dir(world["f16"], "synth", 4)
     schema = lancedb.connect(str(folder)).open_table("docs").schema
@@ -72,12 +77,33 @@ def test_a_float16_system_is_indexed_in_float16_and_no_float32_copy_is_made(worl
     assert vectors <= table < 1.2 * vectors and table < 1.2 * dense, (table, dense)
     # the earlier float32 table is an option: twice the bytes (what the default no longer makes)
     with pytest.raises(ConfigDriftError, match="vectors"):
-        _run("index", IndexConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]), kp=[4],
-                                  index_type="none", vectors="float32"))  # fmt: skip
-    _run("index", IndexConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]), kp=[4],
-                              index_type="none", vectors="float32", force=True))  # fmt: skip
-    assert lancedb.connect(str(folder)).open_table("docs").schema.field("vector").type.value_type.value_type \
-        == pa.float32()  # fmt: skip
+        _run(
+            "index",
+            IndexConfig(
+                root=root,
+                dataset="synth",
+                system=SystemRef(system=world["f16"]),
+                kp=[4],
+                index_type="none",
+                vectors="float32",
+            ),
+        )
+    _run(
+        "index",
+        IndexConfig(
+            root=root,
+            dataset="synth",
+            system=SystemRef(system=world["f16"]),
+            kp=[4],
+            index_type="none",
+            vectors="float32",
+            force=True,
+        ),
+    )
+    assert (
+        lancedb.connect(str(folder)).open_table("docs").schema.field("vector").type.value_type.value_type
+        == pa.float32()
+    )
     assert _bytes(folder, "*.lance") > 1.8 * vectors
 
 
@@ -98,8 +124,9 @@ def test_the_index_builds_the_operating_point_s_kp_and_says_why(world: dict, tmp
 
     with StoreSQL(store) as db:
         kp = rows(db, "select kp_star from budget_selection where system = ?", [world["f16"]])[0]["kp_star"]
-    assert store.exists(index_dir(world["f16"], "synth", kp)) and not store.exists(index_dir(world["f16"], "synth",
-                                                                                             5 - kp))  # fmt: skip
+    assert store.exists(index_dir(world["f16"], "synth", kp)) and not store.exists(
+        index_dir(world["f16"], "synth", 5 - kp)
+    )
     # without the train split's metrics, the summary's best cell; a compressed system reads its float16 system's
     shutil.rmtree(Path(root) / "metrics" / f"system={world['f16']}" / "dataset=synth" / "split=train")
     logs.clear()
@@ -131,16 +158,18 @@ def test_a_residual_system_is_indexed_by_its_codes_and_searched_over_them(world:
     exact = store.read_table(stage, "run.parquet")
     n_cells = res.details["checks"][4]["4"]["search"]
     logs: list[str] = []
-    cfg = ScoreConfig(root=root, dataset="synth", system=r2, kq=[4], kp=[4], search="codes", probes=10_000,
-                      candidates=300, force=True)  # fmt: skip
+    cfg = ScoreConfig(
+        root=root, dataset="synth", system=r2, kq=[4], kp=[4], search="codes", probes=10_000, candidates=300, force=True
+    )
     _run("score", cfg, logs.append)
     assert any("scores multi_dense only" in x for x in logs), n_cells
     codes_run = store.read_table(stage, "run.parquet")
     assert codes_run.column("doc_id").equals(exact.column("doc_id"))
     np.testing.assert_allclose(codes_run.column("score").to_numpy(), exact.column("score").to_numpy(), atol=1e-5)
     m = store.read_manifest(stage)
-    assert m.config["search"] == {"engine": "codes", "probes": 10_000, "candidates": 300} and "index" in m.config[
-        "inputs"]  # fmt: skip
+    assert (
+        m.config["search"] == {"engine": "codes", "probes": 10_000, "candidates": 300} and "index" in m.config["inputs"]
+    )
     assert not store.exists(run_dir(world["r2"], "synth", "test", 4, 4, "single_dense"))
     # fewer candidates: at most that many documents a query
     _run("score", cfg.model_copy(update={"candidates": 20, "probes": 4}))
@@ -162,10 +191,14 @@ def test_what_cannot_be_searched_over_codes_is_refused(world: dict, tmp_path: Pa
     with pytest.raises(StoreError, match="residual:B system's codes"):
         _run("score", ScoreConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]), search="codes"))
     with pytest.raises(IncompleteArtifactError, match="no codes index"):
-        _run("score", ScoreConfig(root=root, dataset="synth", system=SystemRef(system=world["r2"]), kp=[4],
-                                  search="codes"))  # fmt: skip
-    int8 = _run("compress", CompressConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]),
-                                           store="int8", k=[4])).system  # fmt: skip
+        _run(
+            "score",
+            ScoreConfig(root=root, dataset="synth", system=SystemRef(system=world["r2"]), kp=[4], search="codes"),
+        )
+    int8 = _run(
+        "compress",
+        CompressConfig(root=root, dataset="synth", system=SystemRef(system=world["f16"]), store="int8", k=[4]),
+    ).system
     with pytest.raises(StoreError, match="--vectors float16"):
         _run("index", IndexConfig(root=root, dataset="synth", system=SystemRef(system=int8), kp=[4]))
 
@@ -220,8 +253,11 @@ def _killed(what: str, root: str, system: str, tmp_path: Path) -> None:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "_manifest.json" and "_locks" not in p.parts}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "_manifest.json" and "_locks" not in p.parts
+    }
 
 
 def test_a_kill_during_compress_or_index_at_h_3584_resumes_to_the_same_bytes(tmp_path_factory) -> None:

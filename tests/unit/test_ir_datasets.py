@@ -17,10 +17,20 @@ from diffret.retrieval.data import sources
 from diffret.retrieval.data.sources import IRDS_NAMES, catalog, stored_name
 from diffret.storage import ArtifactStore
 
-BEIR_7 = {"beir/nq": "nq", "beir/hotpotqa/test": "hotpotqa", "beir/scifact/test": "scifact", "beir/fiqa/test": "fiqa",
-          "beir/arguana": "arguana", "beir/quora/test": "quora", "beir/trec-covid": "trec-covid"}  # fmt: skip
-MSMARCO = {"msmarco-passage/dev/small": "msmarco-passage", "msmarco-passage/trec-dl-2019/judged": "trec-dl-2019",
-           "msmarco-passage/trec-dl-2020/judged": "trec-dl-2020"}  # fmt: skip
+BEIR_7 = {
+    "beir/nq": "nq",
+    "beir/hotpotqa/test": "hotpotqa",
+    "beir/scifact/test": "scifact",
+    "beir/fiqa/test": "fiqa",
+    "beir/arguana": "arguana",
+    "beir/quora/test": "quora",
+    "beir/trec-covid": "trec-covid",
+}
+MSMARCO = {
+    "msmarco-passage/dev/small": "msmarco-passage",
+    "msmarco-passage/trec-dl-2019/judged": "trec-dl-2019",
+    "msmarco-passage/trec-dl-2020/judged": "trec-dl-2020",
+}
 
 
 def collection(folder: Path) -> Path:

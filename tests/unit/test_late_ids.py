@@ -20,8 +20,9 @@ def test_first_stage_top_per_query_in_rank_order() -> None:
     for q in ("q2", "q10", "q1"):
         docs = rng.choice(300, size=40, replace=False)
         ranks = rng.permutation(np.arange(1, 41))  # stored in any order
-        rows += [{"query_id": q, "doc_id": corpus[d], "rank": int(r), "score": 1.0}
-                 for d, r in zip(docs, ranks, strict=True)]
+        rows += [
+            {"query_id": q, "doc_id": corpus[d], "rank": int(r), "score": 1.0} for d, r in zip(docs, ranks, strict=True)
+        ]
     run = pa.Table.from_pylist(rows)
     got = _top(run, 25, pa.array(corpus))
     position = {d: i for i, d in enumerate(corpus)}

@@ -42,10 +42,15 @@ def test_promptreps_records_the_slots_it_decoded(tmp_path: Path) -> None:
 
 
 def test_exact_search_rows_per_size_and_mode() -> None:
-    rows = exact_search_latency([10, 100], kq=2, kp=3, hidden=8, modes=["single_dense", "multi_dense"], queries=4,
-                                topk=20, repeats=1)  # fmt: skip
+    rows = exact_search_latency(
+        [10, 100], kq=2, kp=3, hidden=8, modes=["single_dense", "multi_dense"], queries=4, topk=20, repeats=1
+    )
     assert [(r["docs"], r["mode"], r["topk"]) for r in rows] == [
-        (10, "single_dense", 10), (10, "multi_dense", 10), (100, "single_dense", 20), (100, "multi_dense", 20)]
+        (10, "single_dense", 10),
+        (10, "multi_dense", 10),
+        (100, "single_dense", 20),
+        (100, "multi_dense", 20),
+    ]
     assert all(r["engine"] == "exact" and r["min_ms"] > 0 for r in rows)
 
 
@@ -69,17 +74,28 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
     from diffret.storage.sql import StoreSQL
 
     model = save_tiny_mlm(tmp_path / "model")
-    cfg = LatencyConfig(root=str(tmp_path / "store"), backbone=BackboneConfig(model=str(model)), lengths=[8, 16],
-                        k=[1, 4], search_sizes=[10, 100], search_k=["1x1", "2x3"], search_queries=4, topk=5,
-                        repeats=1, warmup=0)  # fmt: skip
+    cfg = LatencyConfig(
+        root=str(tmp_path / "store"),
+        backbone=BackboneConfig(model=str(model)),
+        lengths=[8, 16],
+        k=[1, 4],
+        search_sizes=[10, 100],
+        search_k=["1x1", "2x3"],
+        search_queries=4,
+        topk=5,
+        repeats=1,
+        warmup=0,
+    )
     first = execute(stages()["latency"], cfg, log=print)
     assert (first.done, first.details["rows"]) == (2, 2 * 2 + 2 * 2 * 2)
     again = execute(stages()["latency"], cfg, log=print)
     assert (again.done, again.skipped) == (0, 2)  # nothing new: nothing measured
     execute(stages()["latency"], cfg.model_copy(update={"lengths": [8], "kinds": ["encode"]}), log=print)
     with StoreSQL(ArtifactStore(cfg.root)) as db:
-        _, enc = db.query("SELECT setting, length, k, readout, system, device_name, threads, dtype FROM encode_latency "
-                          "ORDER BY setting, length, k")  # fmt: skip
+        _, enc = db.query(
+            "SELECT setting, length, k, readout, system, device_name, threads, dtype FROM encode_latency "
+            "ORDER BY setting, length, k"
+        )
         _, search = db.query("SELECT docs, kq, kp, mode, engine FROM search_latency ORDER BY kq, engine, docs")
         _, latest = db.query("SELECT length, k, setting, measured_at FROM encode_latency_latest ORDER BY length, k")
         _, newest = db.query("SELECT setting FROM encode_latency ORDER BY measured_at DESC LIMIT 1")
@@ -88,8 +104,12 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
     assert [(n, k) for n, k, _, _ in latest] == [(8, 1), (8, 4), (16, 1), (16, 4)]
     assert [s == newest[0][0] for _, _, s, _ in latest] == [True, True, False, False]
     assert {r[3] for r in enc} == {"diffretriever"} and all(r[4] == first.system and r[5] and r[6] >= 1 for r in enc)
-    assert search == [(n, kq, kp, mode, engine) for kq, kp, mode in ((1, 1, "single_dense"), (2, 3, "multi_dense"))
-                      for engine in ("exact", "lance") for n in (10, 100)]  # fmt: skip
+    assert search == [
+        (n, kq, kp, mode, engine)
+        for kq, kp, mode in ((1, 1, "single_dense"), (2, 3, "multi_dense"))
+        for engine in ("exact", "lance")
+        for n in (10, 100)
+    ]
     from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(ArtifactStore(cfg.root)) as db:
@@ -104,8 +124,12 @@ def test_a_budget_the_readout_cannot_take_is_refused_before_any_model_loads(tmp_
     from diffret.stages import execute, stages
     from diffret.stages.latency import LatencyConfig
 
-    cfg = LatencyConfig(root=str(tmp_path), backbone=BackboneConfig(model=str(tmp_path / "absent")),
-                        readout={"readout": "diffembed"}, k=[1, 4])  # fmt: skip
+    cfg = LatencyConfig(
+        root=str(tmp_path),
+        backbone=BackboneConfig(model=str(tmp_path / "absent")),
+        readout={"readout": "diffembed"},
+        k=[1, 4],
+    )
     with pytest.raises(ValueError, match="one vector per text"):
         execute(stages()["latency"], cfg, log=print)
     with pytest.raises(ValueError, match="K_qxK_p"):
@@ -149,32 +173,72 @@ def test_figure_1_and_the_ratio_table_from_hand_built_rows(tmp_path: Path) -> No
     machine = {"device": "cpu", "device_name": "cpu X", "threads": 1, "hidden": 8}
 
     def put(system: str, kind: str, rows: list[dict]) -> None:
-        name, schema = ((ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA) if kind == "encode"
-                        else (SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA))  # fmt: skip
+        name, schema = (
+            (ENCODE_LATENCY_FILE, ENCODE_LATENCY_SCHEMA)
+            if kind == "encode"
+            else (SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA)
+        )
         table = pa.Table.from_pylist([{**r, **machine, "system": system} for r in rows], schema=schema)
         with store.stage_writer(latency_dir(system, kind, "s"), Manifest.new("latency", {}, {})) as w:
             w.write_parquet(name, schema, [table])
 
     ar, one = "m-promptreps-0000000000", "m-diffretriever-0000000000"
     for system, readout, ms in ((ar, "promptreps", {1: 10.0, 4: 40.0}), (one, "diffretriever", {1: 8.0, 4: 9.0})):
-        put(system, "encode", [{"model": "org/m", "readout": readout, "family": "causal", "side": "query",
-                                "length": n, "batch_size": 1, "k": k, "median_ms": v + n, "slots": k}
-                               for k, v in ms.items() for n in (16, 64)])  # fmt: skip
+        put(
+            system,
+            "encode",
+            [
+                {
+                    "model": "org/m",
+                    "readout": readout,
+                    "family": "causal",
+                    "side": "query",
+                    "length": n,
+                    "batch_size": 1,
+                    "k": k,
+                    "median_ms": v + n,
+                    "slots": k,
+                }
+                for k, v in ms.items()
+                for n in (16, 64)
+            ],
+        )
         for kq, kp, value in ((1, 1, 0.2), (4, 4, 0.3)):
             put_metrics(store, system, "d", "test", kq, kp, "multi_dense", {"q1": value, "q2": value + 0.1})
-    put(ar, "search", [{"engine": "exact", "index_type": "", "mode": "x", "docs": n, "kq": kq, "kp": kp,
-                        "queries": 4, "median_ms": float(n * kq * kp) / 1000}
-                       for n in (100, 1000) for kq, kp in ((1, 1), (4, 4))])  # fmt: skip
+    put(
+        ar,
+        "search",
+        [
+            {
+                "engine": "exact",
+                "index_type": "",
+                "mode": "x",
+                "docs": n,
+                "kq": kq,
+                "kp": kp,
+                "queries": 4,
+                "median_ms": float(n * kq * kp) / 1000,
+            }
+            for n in (100, 1000)
+            for kq, kp in ((1, 1), (4, 4))
+        ],
+    )
     with StoreSQL(store) as db:
         points = cost_points(db)
         rep = build_report(db, "latency", n_boot=10)
     # query encoding at length 16 (nearest 32) + exact search of the largest index (1000 documents)
     assert [(p["system"], p["kq"], p["kp"], p["ms"], p["ndcg_10"]) for p in points] == [
-        (one, 1, 1, 8.0 + 16 + 1.0, 0.25), (one, 4, 4, 9.0 + 16 + 16.0, 0.35),
-        (ar, 1, 1, 10.0 + 16 + 1.0, 0.25), (ar, 4, 4, 40.0 + 16 + 16.0, 0.35)]  # fmt: skip
+        (one, 1, 1, 8.0 + 16 + 1.0, 0.25),
+        (one, 4, 4, 9.0 + 16 + 16.0, 0.35),
+        (ar, 1, 1, 10.0 + 16 + 1.0, 0.25),
+        (ar, 4, 4, 40.0 + 16 + 16.0, 0.35),
+    ]
     ratios = rep.files["ar_over_one_pass.csv"].decode().splitlines()
     assert ratios[0].startswith("ar_model,one_pass_model,side,batch_size,length,k,")
     assert [r.split(",")[4:6] + [r.split(",")[9]] for r in ratios[1:]] == [
-        ["16", "1", str(round(26 / 24, 2))], ["64", "1", str(round(74 / 72, 2))],
-        ["16", "4", str(round(56 / 25, 2))], ["64", "4", str(round(104 / 73, 2))]]  # fmt: skip
+        ["16", "1", str(round(26 / 24, 2))],
+        ["64", "1", str(round(74 / 72, 2))],
+        ["16", "4", str(round(56 / 25, 2))],
+        ["64", "4", str(round(104 / 73, 2))],
+    ]
     assert rep.files["fig1_cost_effect.png"][:4] == b"\x89PNG"

@@ -60,7 +60,7 @@ class Toy(Stage, name="toy", config=ToyConfig, noun="greeting(s)", verb="written
 stage = Toy()
 '''
 
-SCRIPT = '''
+SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from diffret import stages
@@ -85,7 +85,7 @@ print(json.dumps({
     "flow": flows.stage_flows.toy_flow.name, "form": sorted(schema["definitions"]["ToyConfig"]["properties"]),
     "yaml": render(),
 }))
-'''
+"""
 
 
 def _sources() -> dict[str, bytes]:
@@ -103,8 +103,13 @@ def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_pat
     (pkg / "__init__.py").write_text("")
     (pkg / "toy.py").write_text(textwrap.dedent(TOY))
     before = _sources()
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "pkg"), str(tmp_path / "store"), str(tiny_beir),
-                        str(model)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "pkg"), str(tmp_path / "store"), str(tiny_beir), str(model)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert "--name" in got["help"] and "--times" in got["help"] and "Whom to greet." in got["help"]

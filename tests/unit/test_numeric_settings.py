@@ -33,8 +33,9 @@ CONFIGS = {name: st.config for name, st in stages().items()} | {"run": PipelineC
 
 def _base_data() -> dict[str, dict]:
     """A valid config of each stage: its Prefect deployment's parameters (prefect.yaml, validated by test_commands)."""
-    by_flow = {f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": stage
-               for stage, (module, fn) in flows().items()}  # fmt: skip
+    by_flow = {
+        f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": stage for stage, (module, fn) in flows().items()
+    }
     by_flow["flows/pipeline.py:pipeline_flow"] = "run"
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     return {by_flow[d["entrypoint"]]: d["parameters"]["config"] for d in deployments}
@@ -125,15 +126,25 @@ def outside(kind: str, bound: float, typ: type) -> float:
 def test_the_cases_cover_every_stage_and_the_nested_settings() -> None:
     found = {i.split(":")[0] for i in IDS}
     assert {"fuse", "bm25", "train", "train-reranker", "evaluate", "score", "latency", "run"} <= found
-    for case in ("fuse:weights", "bm25:bm25.k1", "bm25:bm25.b", "train:settings.lr", "encode:readout.denoise_steps",
-                 "evaluate:workers", "score:kq", "late:depths", "compare:alpha"):  # fmt: skip
+    for case in (
+        "fuse:weights",
+        "bm25:bm25.k1",
+        "bm25:bm25.b",
+        "train:settings.lr",
+        "encode:readout.denoise_steps",
+        "evaluate:workers",
+        "score:kq",
+        "late:depths",
+        "compare:alpha",
+    ):
         assert case in IDS, case
     assert len(CASES) > 150
 
 
 @pytest.mark.parametrize(("stage", "path", "typ", "bounds", "is_list"), CASES, ids=IDS)
-def test_a_number_that_is_not_finite_or_out_of_range_is_refused(folder: str, path: tuple, typ: type, bounds: dict,
-                                                                  is_list: bool) -> None:  # fmt: skip
+def test_a_number_that_is_not_finite_or_out_of_range_is_refused(
+    folder: str, path: tuple, typ: type, bounds: dict, is_list: bool
+) -> None:
     wrap = (lambda v: [v]) if is_list else (lambda v: v)
     for bad in (math.nan, math.inf, -math.inf, "nan", "inf", "-inf"):
         refused(folder, path, wrap(bad))
@@ -144,8 +155,12 @@ def test_a_number_that_is_not_finite_or_out_of_range_is_refused(folder: str, pat
         try:  # the bound itself (or the nearest value inside) is not what refuses it
             CONFIGS[folder].model_validate(_with(folder, path, wrap(inside)))
         except ValidationError as exc:
-            assert not [e for e in exc.errors() if e["type"].startswith(("greater_than", "less_than", "finite"))
-                        and [x for x in e["loc"] if x in path] == list(path)], exc  # fmt: skip
+            assert not [
+                e
+                for e in exc.errors()
+                if e["type"].startswith(("greater_than", "less_than", "finite"))
+                and [x for x in e["loc"] if x in path] == list(path)
+            ], exc
 
 
 # ------------------------------------------------------------------------------------------ through the CLI
@@ -154,12 +169,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny store with two imported runs to fuse."""
     base = tmp_path_factory.mktemp("fuse")
     docs = [f"d{i}" for i in range(4)]
-    src = write_beir(base / "tiny", [{"_id": d, "title": "", "text": f"text {d}"} for d in docs],
-                     [{"_id": "q1", "text": "query"}], {"test": [("q1", "d1", 1)]})  # fmt: skip
+    src = write_beir(
+        base / "tiny",
+        [{"_id": d, "title": "", "text": f"text {d}"} for d in docs],
+        [{"_id": "q1", "text": "query"}],
+        {"test": [("q1", "d1", 1)]},
+    )
     root = base / "store"
-    for args in (["download", "tiny", "--source", str(src)],
-                 *(["import-run", str(_trec(base / f"{n}.trec", order)), "-d", "tiny", "--name", n]
-                   for n, order in (("a", docs), ("b", docs[::-1])))):  # fmt: skip
+    for args in (
+        ["download", "tiny", "--source", str(src)],
+        *(
+            ["import-run", str(_trec(base / f"{n}.trec", order)), "-d", "tiny", "--name", n]
+            for n, order in (("a", docs), ("b", docs[::-1]))
+        ),
+    ):
         res = CliRunner().invoke(app, [*args, "--root", str(root)])
         assert res.exit_code == 0, res.output
     return root
@@ -174,15 +197,19 @@ def _files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize(("weights", "says"), [
-    (["nan", "1"], "weights.0: Input should be a finite number"),
-    (["1", "inf"], "weights.1: Input should be a finite number"),
-    (["-inf", "1"], "weights.0: Input should be a finite number"),
-    (["0", "0"], "are all 0"),
-    (["-1", "2"], "weights.0: Input should be greater than or equal to 0"),
-])  # fmt: skip
-def test_fuse_refuses_a_weight_that_is_not_finite_or_all_zero_and_writes_nothing(store: Path, weights: list[str],
-                                                                                   says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("weights", "says"),
+    [
+        (["nan", "1"], "weights.0: Input should be a finite number"),
+        (["1", "inf"], "weights.1: Input should be a finite number"),
+        (["-inf", "1"], "weights.0: Input should be a finite number"),
+        (["0", "0"], "are all 0"),
+        (["-1", "2"], "weights.0: Input should be greater than or equal to 0"),
+    ],
+)
+def test_fuse_refuses_a_weight_that_is_not_finite_or_all_zero_and_writes_nothing(
+    store: Path, weights: list[str], says: str
+) -> None:
     before = _files(store)
     args = ["fuse", "-d", "tiny", "--run", "a", "--run", "b", "--name", "w"]
     for w in weights:

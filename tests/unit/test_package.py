@@ -22,17 +22,22 @@ def test_the_wheel_holds_every_module_and_installs_outside_the_checkout(wheel_en
     sources = {f"diffret/{p.relative_to(REPO).as_posix()}" for f in OLD_NAMES for p in (REPO / f).rglob("*.py")}
     sources |= {f"diffret/{p.name}" for p in (REPO / "diffret").glob("*.py")}
     assert len(sources) > 120 and sources - set(names) == set(), sorted(sources - set(names))
-    for path in ("diffret/queries/30_results.sql", "diffret/retrieval/models/prompts/few_words.yaml",
-                 "diffret/retrieval/rerank/prompts/logits_listwise.yaml"):  # fmt: skip
+    for path in (
+        "diffret/queries/30_results.sql",
+        "diffret/retrieval/models/prompts/few_words.yaml",
+        "diffret/retrieval/rerank/prompts/logits_listwise.yaml",
+    ):
         assert path in names, path
     entry = zipfile.ZipFile(wheel_env.wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "diffret = diffret.flows.cli:main" in entry
     modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__") for n in sources)
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}:\n"
-            "    importlib.import_module(m)\n"
-            "import diffret\n"
-            "print(len(sys.modules), diffret.__file__)\n")  # fmt: skip
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "import diffret\n"
+        "print(len(sys.modules), diffret.__file__)\n"
+    )
     p = wheel_env.run(code, cwd=REPO)  # from the checkout's root: -P keeps it off the path
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split()[-1] == str(wheel_env.site / "diffret" / "__init__.py")
@@ -42,8 +47,9 @@ def test_the_code_imports_itself_through_diffret_only() -> None:
     names = "|".join(OLD_NAMES)
     # `from stages...`, `import diffret.stages...`, and old names in an import list (`import os, stages.encode as e`),
     # at a line's start, inside a string (the preludes of subprocesses) or in a docstring's example (`>>> from ...`)
-    pattern = re.compile(rf"(?:^|\\n|[;\"']|>>> )\s*(?:from ({names})[. ]|import (?:[\w.]+(?: as \w+)?, )*({names})\b)",
-                         re.M)
+    pattern = re.compile(
+        rf"(?:^|\\n|[;\"']|>>> )\s*(?:from ({names})[. ]|import (?:[\w.]+(?: as \w+)?, )*({names})\b)", re.M
+    )
     found = []
     for folder in (*OLD_NAMES, "diffret", "tests", "benchmarks", "examples"):
         for path in (REPO / folder).rglob("*.py"):

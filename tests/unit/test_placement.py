@@ -68,10 +68,23 @@ def _probe(root: str, **kw: Any) -> list[tuple[str, str | None, str]]:
 def _outside_worker(address: str, name: str, env: dict[str, str], *args: str) -> subprocess.Popen:
     """A worker started by hand as docs/operations.md says (``dask worker <scheduler> --nthreads 1 ...``)."""
     path = os.pathsep.join([str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
-                             "--name", name, "--no-dashboard", *args],
-                            env={**os.environ, "PYTHONPATH": path, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            address,
+            "--nthreads",
+            "1",
+            "--name",
+            name,
+            "--no-dashboard",
+            *args,
+        ],
+        env={**os.environ, "PYTHONPATH": path, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +96,10 @@ def gpu_cluster():
     options = cluster.local_cluster_options(probe, ProbeConfig(workers=4), gpus=FAKE_GPUS)
     with cluster.local_cluster(**options) as local, distributed.Client(local, set_as_default=False) as client:
         address = local.scheduler_address
-        outside = [_outside_worker(address, "outside-gpu7", {"CUDA_VISIBLE_DEVICES": "7"}, "--resources", "GPU=1"),
-                   _outside_worker(address, "outside-cpu", {"CUDA_VISIBLE_DEVICES": ""})]  # fmt: skip
+        outside = [
+            _outside_worker(address, "outside-gpu7", {"CUDA_VISIBLE_DEVICES": "7"}, "--resources", "GPU=1"),
+            _outside_worker(address, "outside-cpu", {"CUDA_VISIBLE_DEVICES": ""}),
+        ]
         try:
             client.wait_for_workers(6, timeout=120)
             client.run(_fake_cuda)
@@ -99,8 +114,11 @@ def gpu_cluster():
 def test_four_workers_over_four_gpus_get_four_different_devices(gpu_cluster) -> None:
     client, _, options = gpu_cluster
     assert options == {"pins": FAKE_GPUS}
-    pinned = {w["name"]: w for w in client.scheduler_info(n_workers=-1)["workers"].values()
-              if not str(w["name"]).startswith("outside")}  # fmt: skip
+    pinned = {
+        w["name"]: w
+        for w in client.scheduler_info(n_workers=-1)["workers"].values()
+        if not str(w["name"]).startswith("outside")
+    }
     assert len(pinned) == 4 and all(w["resources"] == {"GPU": 1} for w in pinned.values())
     from diffret.retrieval.devices import gpu_name, resolve_device
 
@@ -135,8 +153,7 @@ def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp
     asked = ProbeConfig(workers=64, workers_per_core=32, **cpu)
     assert cluster.local_cluster_options(probe, asked, gpus=[], cores=2) == {"n_workers": 64}
     assert cluster.local_cluster_options(probe, ProbeConfig(workers=2, **cpu), gpus=[], cores=2) == {"n_workers": 2}
-    assert cluster.local_cluster_options(probe, ProbeConfig(workers=-1, **cpu), gpus=[], cores=2) == {
-        "n_workers": None}  # fmt: skip
+    assert cluster.local_cluster_options(probe, ProbeConfig(workers=-1, **cpu), gpus=[], cores=2) == {"n_workers": None}
     # `auto` on a machine without a GPU: CPU workers, the same rule
     with pytest.raises(ValueError, match="more than the 2 CPU core"):
         cluster.local_cluster_options(probe, ProbeConfig(workers=3, device="auto"), gpus=[], cores=2)
@@ -154,8 +171,12 @@ def test_more_cpu_workers_than_cores_is_refused_in_one_line_unless_asked_for(tmp
     from diffret.stages.pipeline import PipelineConfig
 
     monkeypatch.setattr(download.stage, "plan", lambda *_: pytest.fail("a collection was downloaded"))
-    pipeline = PipelineConfig(dataset="scifact", backbone={"model": str(tmp_path / "model"), "device": "cpu"},
-                              workers=64, root=str(tmp_path / "store"))  # fmt: skip
+    pipeline = PipelineConfig(
+        dataset="scifact",
+        backbone={"model": str(tmp_path / "model"), "device": "cpu"},
+        workers=64,
+        root=str(tmp_path / "store"),
+    )
     with pytest.raises(ValueError, match=r"--workers 64 is more than the 2 CPU core\(s\) here"):
         run_pipeline_stages(pipeline, log=lambda _m: None)
     assert not (tmp_path / "store").exists()
@@ -173,13 +194,16 @@ def test_a_gpu_unit_never_goes_to_a_worker_without_the_resource(gpu_cluster, tmp
 
 def test_a_worker_started_outside_the_flow_keeps_its_own_device(gpu_cluster, tmp_path) -> None:
     client, address, _ = gpu_cluster
-    pinned = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-              if not str(w["name"]).startswith("outside")]  # fmt: skip
+    pinned = [
+        a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if not str(w["name"]).startswith("outside")
+    ]
     client.retire_workers(pinned, close_workers=True)
     ran = _probe(str(tmp_path), dask_address=address, units=4)
     assert {(w, env, dev) for w, env, dev in ran} == {("outside-gpu7", "7", "cuda (GPU 7)")}
-    client.retire_workers([a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-                           if w["name"] == "outside-gpu7"], close_workers=True)  # fmt: skip
+    client.retire_workers(
+        [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == "outside-gpu7"],
+        close_workers=True,
+    )
     with pytest.raises(ValueError, match="no worker of the Dask cluster at .* offers the resource GPU") as err:
         _probe(str(tmp_path), dask_address=address, units=1)
     assert "\n" not in str(err.value)

@@ -90,13 +90,24 @@ def test_unit_parameters_do_not_grow_with_the_settings(tiny: dict, tmp_path: Pat
     root = str(tmp_path / "store")
     execute(stages()["download"], DownloadConfig(name="tiny", source=str(tiny["beir"]), root=root), log=print)
     bare = BackboneConfig(model=str(tiny["model"]))
-    execute(stages()["tokenize"], TokenizeConfig(dataset="tiny", backbone=bare, max_length=64, shard_size=4,
-                                                 root=root), log=print)  # fmt: skip
+    execute(
+        stages()["tokenize"],
+        TokenizeConfig(dataset="tiny", backbone=bare, max_length=64, shard_size=4, root=root),
+        log=print,
+    )
     more = BackboneConfig(model=str(tiny["model"]), device="cpu", attn_implementation="eager", turn_end="[SEP]")
     sizes = []
     for bb, batch in ((bare, 32), (more, 7)):
-        cfg = EncodeConfig(dataset="tiny", k=[1, 16], backbone=bb, max_length=64, shard_size=4, batch_size=batch,
-                           readout={"stop_cut": False, "finetuned": "no"}, root=root)  # fmt: skip
+        cfg = EncodeConfig(
+            dataset="tiny",
+            k=[1, 16],
+            backbone=bb,
+            max_length=64,
+            shard_size=4,
+            batch_size=batch,
+            readout={"stop_cut": False, "finetuned": "no"},
+            root=root,
+        )
         ctx = Context(ArtifactStore(root), log=print)
         with ctx.held:
             plan = stages()["encode"].plan(cfg, ctx)
@@ -122,8 +133,7 @@ def test_flow_runs_and_unit_tasks_are_named_and_summarised(tiny: dict, tmp_path:
     bb = {"model": str(tiny["model"])}
     with prefect_test_harness(server_startup_timeout=120):
         download_flow(DownloadConfig(name="tiny", source=str(tiny["beir"]), root=root))
-        res = encode_flow(EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=64, shard_size=4,
-                                       root=root))  # fmt: skip
+        res = encode_flow(EncodeConfig(dataset="tiny", k=[1, 2], backbone=bb, max_length=64, shard_size=4, root=root))
         with get_client(sync_client=True) as client:
             flow_runs = {r.name: r for r in client.read_flow_runs()}
             tasks = client.read_task_runs()

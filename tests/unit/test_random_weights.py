@@ -48,8 +48,28 @@ def test_a_random_weight_system_is_labelled_in_systems_summary_and_report(tmp_pa
     model = weightless_mlm(tmp_path / "model")
     beir = write_beir(tmp_path / "c", CORPUS, QUERIES, QRELS)
     r = ["--root", str(tmp_path / "store")]
-    out = ok("run", "-d", "c", "--source", str(beir), "--model", str(model), "--load-format", "random", "--kq", "1",
-             "--kp", "1", "--max-length", "32", "--mode", "single_dense", "--split", "test", *r)  # fmt: skip
+    out = ok(
+        "run",
+        "-d",
+        "c",
+        "--source",
+        str(beir),
+        "--model",
+        str(model),
+        "--load-format",
+        "random",
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--max-length",
+        "32",
+        "--mode",
+        "single_dense",
+        "--split",
+        "test",
+        *r,
+    )
     assert "warning: " in out and "RANDOM WEIGHTS (load format random" in out, out  # after the leaderboard
     listing = json.loads(ok("systems", "--format", "json", *r))
     enc = next(s for s in listing if s["kind"] == "encoder")

@@ -59,8 +59,10 @@ def quote_token(arch: str, tok, stop: str = "quote_in_token") -> int:
 
 # (stop rule, decoding step of the quote, representatives kept): the reference keeps the slot that predicts the
 # quote; quote_in_token drops it (unless it is the first)
+# fmt: off
 STOPS = [("quote_in_token", 0, 1), ("quote_in_token", 1, 1), ("quote_in_token", 2, 2), ("quote_in_token", 4, 4),
-         ("reference", 0, 1), ("reference", 1, 2), ("reference", 4, 5)]  # fmt: skip
+         ("reference", 0, 1), ("reference", 1, 2), ("reference", 4, 5)]
+# fmt: on
 
 
 @pytest.mark.parametrize("arch", CAUSAL_ARCHS)
@@ -278,8 +280,9 @@ def test_the_heads_entropy_and_max_probability_over_blocks_equal_the_full_softma
             top, at, entropy, maxprob = bb.read_head(h, cols, stats=True)
             plain = bb.read_head(h, cols)
         assert torch.equal(top, plain[0]) and torch.equal(at, plain[1])  # stats change nothing else
-        assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p,
-                                                                                      atol=1e-5)  # fmt: skip
+        assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(
+            maxprob.double(), want_p, atol=1e-5
+        )
     monkeypatch.setattr(bb, "_projection", None)  # the full head's path (a GPU, a custom head)
     _, _, entropy, maxprob = bb.read_head(h, cols, stats=True)
     assert torch.allclose(entropy.double(), want_h, atol=1e-4) and torch.allclose(maxprob.double(), want_p, atol=1e-5)

@@ -22,8 +22,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 READS = ("tolist", "numpy", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
 # operators that wait for a GPU: a scalar read back, an output whose size depends on the values
-WAITING_OPS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_dim", "masked_select",
-               "unique_consecutive", "equal", "is_nonzero")  # fmt: skip
+WAITING_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "masked_select",
+    "unique_consecutive",
+    "equal",
+    "is_nonzero",
+)
 
 
 class Reads(TorchDispatchMode):
@@ -35,8 +45,11 @@ class Reads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func.overloadpacket.__name__
-        masks = name == "index" and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
-                                        for t in (args[1] if len(args) > 1 else []) if t is not None)  # fmt: skip
+        masks = name == "index" and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            for t in (args[1] if len(args) > 1 else [])
+            if t is not None
+        )
         if name in WAITING_OPS or masks:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
@@ -67,8 +80,9 @@ def texts_and_ids(tok) -> tuple[list[str], list[list[int]]]:  # noqa: ANN001
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # Dream's and LLaDA's networks, read bidirectionally
 @pytest.mark.parametrize("head_stats", [False, True])
-def test_queuing_a_batch_reads_nothing_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
-                                            head_stats: bool) -> None:  # fmt: skip
+def test_queuing_a_batch_reads_nothing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, head_stats: bool
+) -> None:
     bb, tok = tiny_backbone(arch, tmp_path / arch)
     reader = make_reader(bb, ReadoutConfig(content_filter="regex"))
     texts, ids = texts_and_ids(tok)
@@ -83,9 +97,21 @@ def test_queuing_a_batch_reads_nothing_back(tmp_path: Path, monkeypatch: pytest.
     got = pending.result()  # one copy back, here
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
-        assert (a.dense.tobytes(), a.sparse_ids.tobytes(), a.sparse_weights.tobytes(), a.tokens.tobytes(),
-                a.stopped, a.n_tokens) == (b.dense.tobytes(), b.sparse_ids.tobytes(), b.sparse_weights.tobytes(),
-                                           b.tokens.tobytes(), b.stopped, b.n_tokens)  # fmt: skip
+        assert (
+            a.dense.tobytes(),
+            a.sparse_ids.tobytes(),
+            a.sparse_weights.tobytes(),
+            a.tokens.tobytes(),
+            a.stopped,
+            a.n_tokens,
+        ) == (
+            b.dense.tobytes(),
+            b.sparse_ids.tobytes(),
+            b.sparse_weights.tobytes(),
+            b.tokens.tobytes(),
+            b.stopped,
+            b.n_tokens,
+        )
         assert (a.entropy is None) == (not head_stats)
 
 
@@ -106,8 +132,14 @@ def test_encode_rows_asks_for_a_batch_after_queuing_the_next(tmp_path: Path, mon
 
     monkeypatch.setattr(type(reader), "launch", traced)
     encode_rows(reader, [str(i) for i in range(len(ids))], ids, texts, "passage", 4, 3)
-    assert events == ["launch 0", "launch 1", "result of launch 0", "launch 3", "result of launch 1",
-                      "result of launch 3"], events  # fmt: skip
+    assert events == [
+        "launch 0",
+        "launch 1",
+        "result of launch 0",
+        "launch 3",
+        "result of launch 1",
+        "result of launch 3",
+    ], events
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -20,15 +20,22 @@ from diffret.stages.runs import RetrievalConfig, cell_config
 from diffret.stages.score import ScoreConfig
 
 
-def enc(ids: list[str], slots: list[list[list[float]]], sparse: list[dict[int, float]] | None = None,
-        rules: ScoreRules | None = None, factor: float = 1.0) -> Encodings:  # fmt: skip
+def enc(
+    ids: list[str],
+    slots: list[list[list[float]]],
+    sparse: list[dict[int, float]] | None = None,
+    rules: ScoreRules | None = None,
+    factor: float = 1.0,
+) -> Encodings:
     """Encodings of texts given as their slot vectors (and sparse {term: weight}), through the encodings table."""
     from diffret.retrieval.models.encoding import encoded_table
     from diffret.retrieval.models.readouts import Encoded
 
     sparse = sparse or [{} for _ in ids]
-    encs = [Encoded(np.asarray(v, np.float16), np.array(list(s), np.int32), np.array(list(s.values()), np.float32))
-            for v, s in zip(slots, sparse, strict=True)]  # fmt: skip
+    encs = [
+        Encoded(np.asarray(v, np.float16), np.array(list(s), np.int32), np.array(list(s.values()), np.float32))
+        for v, s in zip(slots, sparse, strict=True)
+    ]
     return encodings_from_table(encoded_table(ids, encs, len(slots[0][0])), rules=rules, sparse_factor=factor)
 
 
@@ -43,8 +50,13 @@ def test_1_maxsim_clamps_each_query_slot_at_zero_and_sums() -> None:
     """evaluate_sweep.py L327-337: S = sum_a max(0, max_b q_a . d_b). A query slot that every passage slot
     opposes adds 0, not its negative best; the query's slots are summed, not averaged."""
     q = enc(["q"], [[[1.0, 0.0], [0.0, 1.0]]])
-    p = enc(["m", "n"], [[[0.99, -0.141]],                 # m: slot 1 best .99, slot 2 best -.141
-                         [[1.0, 0.0], [0.0, -1.0]]])       # n: slot 1 best 1, slot 2 best 0  # fmt: skip
+    p = enc(
+        ["m", "n"],
+        [
+            [[0.99, -0.141]],  # m: slot 1 best .99, slot 2 best -.141
+            [[1.0, 0.0], [0.0, -1.0]],
+        ],
+    )  # n: slot 1 best 1, slot 2 best 0
     default = top(q, p, "multi_dense", ScoreRules())
     assert default == pytest.approx({"n": 1.0, "m": 0.99}, abs=1e-3)  # m: .99 + max(0, -.141)
     old = top(q, p, "multi_dense", ScoreRules(maxsim_clamp=False, maxsim_reduce="mean"))
@@ -65,8 +77,9 @@ def test_2_single_dense_is_the_mean_of_normalised_slots_not_renormalised() -> No
     default = top(q, p, "single_dense", ScoreRules())
     assert default == pytest.approx({"agree": 0.8, "split": 0.7071}, abs=1e-3) and list(default)[0] == "agree"
     renorm = ScoreRules(single_renorm=True)  # applied where the vectors are prepared (encodings_from_table)
-    q, p = (enc(e.ids, [[v.tolist() for v in e.multi[i][e.mask[i]]] for i in range(len(e))], rules=renorm)
-            for e in (q, p))  # fmt: skip
+    q, p = (
+        enc(e.ids, [[v.tolist() for v in e.multi[i][e.mask[i]]] for i in range(len(e))], rules=renorm) for e in (q, p)
+    )
     old = top(q, p, "single_dense", renorm)
     assert old == pytest.approx({"split": 1.0, "agree": 0.8}, abs=1e-3)  # the mean of split renormalised: (1, 0)
     assert list(old) == ["split", "agree"]
@@ -128,23 +141,36 @@ def test_5_sparse_scores_are_products_of_the_stored_x100_integers() -> None:
     pe = enc(["a", "b"], [[[1.0, 0.0]], [[1.0, 0.0]]], p_sparse, factor=factor)
     got = top(qe, pe, "sparse_max", ScoreRules())
     assert got == {"a": 203.0, "b": 203.0}  # exact integers
-    unit = top(enc(["q"], [[[1.0, 0.0]]], [q]), enc(["a", "b"], [[[1.0, 0.0]]] * 2, p_sparse), "sparse_max",
-               ScoreRules(sparse_scale="unit"))  # fmt: skip
+    unit = top(
+        enc(["q"], [[[1.0, 0.0]]], [q]),
+        enc(["a", "b"], [[[1.0, 0.0]]] * 2, p_sparse),
+        "sparse_max",
+        ScoreRules(sparse_scale="unit"),
+    )
     assert unit == pytest.approx({"a": 0.0203, "b": 0.0203}) and set(w) == {1, 2}
     # bfloat16 arithmetic (the released evaluator): the product is rounded to 8 significant bits
     big = enc(["q"], [[[1.0, 0.0]]], [{3: 2.45}], factor=factor, rules=ScoreRules(score_dtype="bfloat16"))
     doc = enc(["d"], [[[1.0, 0.0]]], [{3: 1.0978}], factor=factor, rules=ScoreRules(score_dtype="bfloat16"))
     assert top(big, doc, "sparse_max", ScoreRules(score_dtype="bfloat16")) == {"d": 27008.0}  # 26950 -> 211 x 128
-    exact = top(enc(["q"], [[[1.0, 0.0]]], [{3: 2.45}], factor=factor), enc(["d"], [[[1.0, 0.0]]], [{3: 1.0978}],
-                factor=factor), "sparse_max", ScoreRules())  # fmt: skip
+    exact = top(
+        enc(["q"], [[[1.0, 0.0]]], [{3: 2.45}], factor=factor),
+        enc(["d"], [[[1.0, 0.0]]], [{3: 1.0978}], factor=factor),
+        "sparse_max",
+        ScoreRules(),
+    )
     assert exact == {"d": 26950.0}
 
 
 def test_5_score_config_records_each_mode_s_rules() -> None:
     r = ScoreConfig(dataset="d").rules
     assert r == ScoreRules() and r.for_mode("fusion_multi_sparse_max", ("multi_dense", "sparse_max")) == {
-        "maxsim_clamp": True, "maxsim_reduce": "sum", "score_dtype": "float32", "sparse_scale": "x100",
-        "sparse_floor": "zero", "fusion_flat": "zero"}  # fmt: skip
+        "maxsim_clamp": True,
+        "maxsim_reduce": "sum",
+        "score_dtype": "float32",
+        "sparse_scale": "x100",
+        "sparse_floor": "zero",
+        "fusion_flat": "zero",
+    }
 
 
 # ------------------------------------------------------------------------------------- evaluation ties
@@ -190,8 +216,9 @@ def test_bfloat16_rounds_where_the_released_evaluator_does() -> None:
     p = enc(["a", "b"], [[[1.0, 0.0]], [[1.0, 0.0005]]], rules=rules)
     got = top(q, p, "single_dense", rules)
     assert set(got.values()) == {1.0}  # cosines 0.9999995 and 1.0 both round to 1.0 in bfloat16
-    exact = top(enc(["q"], [[[1.0, 0.001]]]), enc(["a", "b"], [[[1.0, 0.0]], [[1.0, 0.0005]]]), "single_dense",
-                ScoreRules())  # fmt: skip
+    exact = top(
+        enc(["q"], [[[1.0, 0.001]]]), enc(["a", "b"], [[[1.0, 0.0]], [[1.0, 0.0005]]]), "single_dense", ScoreRules()
+    )
     assert list(exact) == ["b", "a"] and len(set(exact.values())) == 2
 
 

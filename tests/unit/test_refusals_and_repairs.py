@@ -102,8 +102,23 @@ def test_results_never_land_inside_the_store(world: dict, tmp_path: Path) -> Non
     before = files_of(root)
     p = cli("sql", "--root", str(root), "select 1 as x", "--out", str(run))
     assert p.returncode == 2 and "is inside the store root" in error_line(p)
-    p = cli("export-run", "--system", system, "-d", "c", "--kq", "1", "--kp", "1", "--mode", "single_dense",
-            "-o", str(root / "runs" / "x.trec"), "--root", str(root))  # fmt: skip
+    p = cli(
+        "export-run",
+        "--system",
+        system,
+        "-d",
+        "c",
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--mode",
+        "single_dense",
+        "-o",
+        str(root / "runs" / "x.trec"),
+        "--root",
+        str(root),
+    )
     assert p.returncode == 2 and "is inside the store root" in error_line(p)
     p = cli("report", "--root", str(root), "--out", str(root / "copy"))
     assert p.returncode == 2 and "is inside the store root" in error_line(p)
@@ -194,8 +209,12 @@ def test_an_ambiguous_lookup_lists_the_candidates_and_what_tells_them_apart(worl
     ok(cli("encode", "-d", "c", "--model", str(world["model"]), *ENCODE, "--sparse-topk", "64", "--root", str(root)))
     p = cli("score", "-d", "c", "--model", str(world["model"]), "--kq", "1", "--kp", "1", "--root", str(root))
     line = error_line(p)
-    assert p.returncode == 2 and "readout.sparse_topk=64" in line and "--sparse-topk" in line and "--model" not in (
-        line.split("tells them apart")[-1])  # --model is given already: the setting that differs is named
+    assert (
+        p.returncode == 2
+        and "readout.sparse_topk=64" in line
+        and "--sparse-topk" in line
+        and "--model" not in (line.split("tells them apart")[-1])
+    )  # --model is given already: the setting that differs is named
 
 
 # ------------------------------------------------------------------------------- 6. one line, not a traceback
@@ -260,8 +279,16 @@ def test_offline_first_run_says_what_to_do(tmp_path: Path) -> None:
     line = error_line(p)
     assert p.returncode == 2 and "--source" in line and "../shared/data/<name>" in line
     env = {"HF_HUB_OFFLINE": "1"}
-    p = cli("encode", "-d", "scifact", "--model", "org/not-cached-anywhere", "--root", str(tmp_path / "store"),
-            env_extra=env)  # fmt: skip
+    p = cli(
+        "encode",
+        "-d",
+        "scifact",
+        "--model",
+        "org/not-cached-anywhere",
+        "--root",
+        str(tmp_path / "store"),
+        env_extra=env,
+    )
     line = error_line(p)
     assert p.returncode == 2 and "cannot reach the Hugging Face hub" in line and "--model PATH" in line
 
@@ -280,8 +307,20 @@ def test_a_failed_stage_leaves_only_its_finished_units(world: dict, tmp_path: Pa
     model = tmp_path / "other"
     save_tiny_mlm(model, seed=3)
     before = files_of(root)
-    p = cli("encode", "-d", "c", "--model", str(model), "--k", "2", "--max-length", "32", "--root", str(root),
-            prelude=FAILING_MODEL)  # fmt: skip
+    p = cli(
+        "encode",
+        "-d",
+        "c",
+        "--model",
+        str(model),
+        "--k",
+        "2",
+        "--max-length",
+        "32",
+        "--root",
+        str(root),
+        prelude=FAILING_MODEL,
+    )
     assert p.returncode == 1 and "the model failed" in p.stderr
     added = set(files_of(root)) - set(before)
     assert all(f.startswith(("tokens/", "filters/")) for f in added), sorted(added)  # finished tokenize units only
@@ -306,8 +345,21 @@ def test_more_negatives_than_stored(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     ok(cli("bm25", "-d", "c", "--split", "test", "--root", str(root)))
     ok(cli("training-data", "-d", "c", "--split", "test", "--n-negatives", "3", "--root", str(root)))
-    p = cli("train", "-t", "c", "--model", str(world["model"]), "--kq", "1", "--kp", "1", "--n-negatives", "15",
-            "--root", str(root))  # fmt: skip
+    p = cli(
+        "train",
+        "-t",
+        "c",
+        "--model",
+        str(world["model"]),
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--n-negatives",
+        "15",
+        "--root",
+        str(root),
+    )
     assert p.returncode == 2 and "stores at most 3 per group" in error_line(p)
 
 
@@ -332,8 +384,21 @@ enc.encode_rows = _held
 def test_two_encodes_of_one_folder_at_once(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
     release = tmp_path / "release"
-    args = ("encode", "-d", "c", "--model", str(world["model"]), "--k", "2", "--max-length", "64", "--shard-size", "4",
-            "--root", str(root))  # fmt: skip
+    args = (
+        "encode",
+        "-d",
+        "c",
+        "--model",
+        str(world["model"]),
+        "--k",
+        "2",
+        "--max-length",
+        "64",
+        "--shard-size",
+        "4",
+        "--root",
+        str(root),
+    )
     # the first encode holds its folders until the second has been refused, however slow the machine is
     first_run = cli(*args, prelude=HELD.format(release=str(release)), background=True)
     try:

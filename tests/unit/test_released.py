@@ -19,8 +19,18 @@ def released(folder: Path, base: str, **cfg: object) -> Path:
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "peft_type": "LORA"}))
     (folder / "adapter_model.safetensors").write_bytes(b"")
-    settings = {"model_type": "dream", "mask_token_id": 151666, "max_length": 512, "n_gen_tokens": 4,
-                "n_gen_q_tokens": 4, "n_gen_p_tokens": 16, "num_denoise_steps": 1, "n_tail": 3, **IDS, **cfg}
+    settings = {
+        "model_type": "dream",
+        "mask_token_id": 151666,
+        "max_length": 512,
+        "n_gen_tokens": 4,
+        "n_gen_q_tokens": 4,
+        "n_gen_p_tokens": 16,
+        "num_denoise_steps": 1,
+        "n_tail": 3,
+        **IDS,
+        **cfg,
+    }
     (folder / "retriever_config.json").write_text(json.dumps(settings))
     return folder
 
@@ -44,17 +54,21 @@ def test_the_base_is_the_familys_hub_model_when_the_recorded_path_is_not_here(tm
 
 
 def test_a_symmetric_checkpoint_and_its_legacy_keys(tmp_path):
-    ckpt = read_released(str(released(tmp_path / "ft", "org/base", n_gen_q_tokens=None, n_gen_p_tokens=None,
-                                      n_gen_tokens=1)))  # fmt: skip
+    ckpt = read_released(
+        str(released(tmp_path / "ft", "org/base", n_gen_q_tokens=None, n_gen_p_tokens=None, n_gen_tokens=1))
+    )
     assert (ckpt.kq, ckpt.kp) == (1, 1)
 
 
-@pytest.mark.parametrize(("cfg", "says"), [
-    ({"model_type": "llada2"}, "model_type 'llada2'"),
-    ({"use_k_adapter": True}, "use_k_adapter"),
-    ({"query_prefix_ids": "abc"}, "query_prefix_ids must be a list"),
-    ({"n_gen_q_tokens": 0, "n_gen_tokens": 0}, "n_gen_q_tokens"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cfg", "says"),
+    [
+        ({"model_type": "llada2"}, "model_type 'llada2'"),
+        ({"use_k_adapter": True}, "use_k_adapter"),
+        ({"query_prefix_ids": "abc"}, "query_prefix_ids must be a list"),
+        ({"n_gen_q_tokens": 0, "n_gen_tokens": 0}, "n_gen_q_tokens"),
+    ],
+)
 def test_a_broken_retriever_config_is_one_line_naming_the_file(tmp_path, cfg, says):
     folder = released(tmp_path / "ft", "org/base", **cfg)
     with pytest.raises(ReleasedError, match="retriever_config.json") as err:
@@ -116,8 +130,9 @@ def test_offline_a_released_hub_id_is_planned_saying_what_is_assumed_and_run_ref
     assert "cannot read the settings of 'ielabgroup/diffretriever-llada-8b-single'" in plan.stderr, plan.stderr
     assert "HF_HUB_OFFLINE is set" in plan.stderr and "This plan assumes it is not a released checkpoint" in plan.stderr
     assert '"kq": [1, 2, 4, 8, 16]' in plan.stdout and plan.stdout.startswith("download")  # the plan, on stdout
-    run = CliRunner().invoke(app, ["run", "-d", "beir/nq", *model, "--root", str(tmp_path / "store")],
-                             env={"COLUMNS": "300"})  # fmt: skip
+    run = CliRunner().invoke(
+        app, ["run", "-d", "beir/nq", *model, "--root", str(tmp_path / "store")], env={"COLUMNS": "300"}
+    )
     lines = [ln for ln in run.output.splitlines() if ln.strip()]
     assert run.exit_code == 2 and len(lines) == 1, run.output
     assert "cannot read the settings of 'ielabgroup/diffretriever-llada-8b-single'" in lines[0]
@@ -138,12 +153,16 @@ def test_unreadable_settings_are_an_error_and_other_hub_ids_are_not_asked(offlin
     assert read_released("org/some-base") is None  # not named like a released one, not cached: no hub asked
 
 
-@pytest.mark.parametrize(("recorded", "base"), [
-    ("/cluster/scratch/Dream-v0-Instruct-7B", MODEL_TYPES["dream"][1]),  # a training machine's path: the family's
-    ("nosuch-org/nosuch-base", "nosuch-org/nosuch-base"),  # a hub id it records
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("recorded", "base"),
+    [
+        ("/cluster/scratch/Dream-v0-Instruct-7B", MODEL_TYPES["dream"][1]),  # a training machine's path: the family's
+        ("nosuch-org/nosuch-base", "nosuch-org/nosuch-base"),  # a hub id it records
+    ],
+)
 def test_a_released_folder_whose_base_is_missing_names_the_base_and_where_it_was_looked_for(
-        tmp_path, offline, recorded, base):  # fmt: skip
+    tmp_path, offline, recorded, base
+):
     from diffret.retrieval.models.backbones import raw_config
 
     folder = released(tmp_path / "ft", recorded)

@@ -50,8 +50,10 @@ def _rankgpt(item: dict, rank_start: int, rank_end: int, window_size: int, step:
     return item
 
 
-@pytest.mark.parametrize(("n", "window", "step"), [(100, 20, 10), (20, 20, 10), (25, 20, 10), (37, 20, 10),
-                                                   (100, 10, 5), (64, 8, 8), (30, 20, 20)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "window", "step"),
+    [(100, 20, 10), (20, 20, 10), (25, 20, 10), (37, 20, 10), (100, 10, 5), (64, 8, 8), (30, 20, 20)],
+)
 def test_window_merge_equals_rankgpt(n: int, window: int, step: int) -> None:
     rng = np.random.default_rng(n * 100 + window)
     docs = [f"d{i}" for i in range(n)]

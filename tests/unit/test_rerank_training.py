@@ -45,8 +45,15 @@ def bb(tmp_path):
 
 
 def settings(**kw) -> RerankTrainSettings:
-    base = {"adapter": "full", "batch_size": 3, "grad_accum": 1, "lr": 3e-3, "epochs": 1, "doc_tokens": 8,
-            "list_size": 4}  # fmt: skip
+    base = {
+        "adapter": "full",
+        "batch_size": 3,
+        "grad_accum": 1,
+        "lr": 3e-3,
+        "epochs": 1,
+        "doc_tokens": 8,
+        "list_size": 4,
+    }
     return RerankTrainSettings(**{**base, **kw})
 
 
@@ -78,14 +85,21 @@ def test_settings_refuse_a_loss_that_does_not_train_the_method() -> None:
 
 # --------------------------------------------------------------------------------------------- sources
 def test_rankzephyr_and_plain_lists_and_their_errors(tmp_path) -> None:
-    human = ("I will provide you with 3 passages, each indicated by a numerical identifier [].\n"
-             "[1] cats purr\n[2] dogs bark\n[3] tea time\nSearch Query: do dogs bark?.\nRank the 3 passages above.")
+    human = (
+        "I will provide you with 3 passages, each indicated by a numerical identifier [].\n"
+        "[1] cats purr\n[2] dogs bark\n[3] tea time\nSearch Query: do dogs bark?.\nRank the 3 passages above."
+    )
     rows = [
-        {"id": "z1", "conversations": [{"from": "system", "value": "You are RankLLM"},
-                                       {"from": "human", "value": human},
-                                       {"from": "gpt", "value": "[2] > [3] > [1]"}]},
+        {
+            "id": "z1",
+            "conversations": [
+                {"from": "system", "value": "You are RankLLM"},
+                {"from": "human", "value": human},
+                {"from": "gpt", "value": "[2] > [3] > [1]"},
+            ],
+        },
         {"query": "q", "candidates": ["x", {"content": "y"}, {"passage": "z"}], "labels": [0, 2, 1]},
-    ]  # fmt: skip
+    ]
     f = tmp_path / "lists.jsonl.gz"
     with gzip.open(f, "wt") as out:
         out.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
@@ -99,9 +113,10 @@ def test_rankzephyr_and_plain_lists_and_their_errors(tmp_path) -> None:
         "neither 'conversations' nor 'query'": json.dumps({"text": "x"}),
         "names unknown or repeated": json.dumps({"query": "q", "candidates": ["a", "b"], "ranking": [1, 1]}),
         "2 labels for 3": json.dumps({"query": "q", "candidates": ["a", "b", "c"], "labels": [1, 0]}),
-        "no '[i] passage' lines": json.dumps({"conversations": [{"from": "human", "value": "hello"},
-                                                                {"from": "gpt", "value": "[1]"}]}),
-    }  # fmt: skip
+        "no '[i] passage' lines": json.dumps(
+            {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "[1]"}]}
+        ),
+    }
     for why, line in bad.items():
         f = tmp_path / "bad.jsonl"
         f.write_text(json.dumps(rows[1]) + "\n" + line + "\n")
@@ -114,10 +129,14 @@ def test_qrels_lists_put_the_relevant_first_then_the_run() -> None:
     got, stats = qrels_lists(
         {"a": "qa", "b": "qb", "c": "qc"},
         {"a": {"d4": 1, "d2": 2, "d9": 1}, "b": {"d1": 0}, "c": {"d5": 1}},  # d9 is not in the corpus
-        {"a": ["d1", "d2", "d3", "d4"], "b": ["d1", "d2"]}, text, 3,
-    )  # fmt: skip
+        {"a": ["d1", "d2", "d3", "d4"], "b": ["d1", "d2"]},
+        text,
+        3,
+    )
     assert [(g.query_id, g.docs, g.labels) for g in got] == [
-        ("a", ["D2", "D4", "D1"], [2.0, 1.0, 0.0]), ("c", ["D5"], [1.0])]  # fmt: skip
+        ("a", ["D2", "D4", "D1"], [2.0, 1.0, 0.0]),
+        ("c", ["D5"], [1.0]),
+    ]
     assert stats == {"lists": 2, "without_relevant": 1, "without_run": 1}
 
 
@@ -134,8 +153,9 @@ def _full_head_score(bb, ids: list[int], slot: int, cols: list[int]) -> float:
 def test_score_losses_equal_the_full_heads_in_teacher_order(bb, method: str, loss: str) -> None:
     tr = RerankTrainer(bb, lists(3), settings(method=method, loss=loss))
     x = tr.prepare(tr.items, step=0)
-    scores = [_full_head_score(bb, ids, slot, tr.cols) for ids, pos in zip(x.rows, x.positions, strict=True)
-              for slot in pos]  # fmt: skip
+    scores = [
+        _full_head_score(bb, ids, slot, tr.cols) for ids, pos in zip(x.rows, x.positions, strict=True) for slot in pos
+    ]
     want = []
     for (idx, labels), ls in zip(x.lists, tr.items, strict=True):
         s = torch.tensor([scores[i] for i in idx], dtype=torch.float64)

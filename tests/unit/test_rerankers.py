@@ -15,9 +15,17 @@ from diffret.retrieval.rerank.rerankers import RERANKERS, RerankError, make_rera
 
 ITEMS = [
     ("what do cats do", [("d1", "cats purr softly"), ("d2", "dogs bark loudly"), ("d3", "the warm garden")]),
-    ("dogs", [("e1", "a lazy dog"), ("e2", "tea and coffee"), ("e3", "dogs bark"), ("e4", "the quick brown fox"),
-              ("e5", "cocoa drink")]),
-]  # fmt: skip
+    (
+        "dogs",
+        [
+            ("e1", "a lazy dog"),
+            ("e2", "tea and coffee"),
+            ("e3", "dogs bark"),
+            ("e4", "the quick brown fox"),
+            ("e5", "cocoa drink"),
+        ],
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +106,9 @@ def test_lockstep_sampling_equals_decoding_each_window_alone(bb) -> None:
         row = r.builder.listwise(q, docs, r.window_ids(len(docs)))
 
         def alone(state, row=row, n=len(docs)):
-            ids = [r.cols[s] if s is not None else t for t, s in
-                   zip([row.ids[p] for p in row.slots], state, strict=True)]  # fmt: skip
+            ids = [
+                r.cols[s] if s is not None else t for t, s in zip([row.ids[p] for p in row.slots], state, strict=True)
+            ]
             full = list(row.ids)
             for p, t in zip(row.slots, ids, strict=True):
                 full[p] = t

@@ -94,8 +94,13 @@ def test_depth_per_split_and_the_search_depth_of_a_pass() -> None:
 def test_a_fusion_needs_its_inputs_at_fusion_depth() -> None:
     """Why a pass searches to the fusion depth: fusing inputs already cut to the run's depth ranks differently."""
     rng = np.random.default_rng(2)
-    a, b = (TopK(-np.sort(-rng.random((30, 50)), 1).astype(np.float32), np.stack(
-        [rng.choice(60, 50, replace=False) for _ in range(30)])) for _ in range(2))  # fmt: skip
+    a, b = (
+        TopK(
+            -np.sort(-rng.random((30, 50)), 1).astype(np.float32),
+            np.stack([rng.choice(60, 50, replace=False) for _ in range(30)]),
+        )
+        for _ in range(2)
+    )
     deep = fuse_minmax(a, b, 50)
     qids, dids = [f"q{i}" for i in range(30)], [f"d{i}" for i in range(60)]
     cut_after = run_table(deep, qids, dids, depth=10)
@@ -124,8 +129,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     shutil.copytree(root, deep_root)
     deep = configs(deep_root, model, beir)
     for name in ("score", "bm25"):
-        execute(stages()[name], deep[name].model_copy(update={"topk": 10, "train_topk": 10, "force": True}),
-                log=lambda _: None)  # fmt: skip
+        execute(
+            stages()[name],
+            deep[name].model_copy(update={"topk": 10, "train_topk": 10, "force": True}),
+            log=lambda _: None,
+        )
     alone_root = str(base / "train-alone")  # train cells scored in a pass of their own (no deeper test cell)
     shutil.copytree(root, alone_root, ignore=shutil.ignore_patterns("runs", "metrics", "training"))
     alone = configs(alone_root, model, beir)["score"].model_copy(update={**depth, "splits": ["train"]})
@@ -185,21 +193,24 @@ def test_views_and_export_show_doc_ids_as_strings(tiny: dict, tmp_path: Path, mo
     stage = next(s for s in runs if "/split=test/" in s and s.endswith("mode=bm25"))
     with StoreSQL(store) as db:
         cols, rows = db.query("select typeof(doc_id), count(*) from runs group by 1")
-        _, bm25 = db.query("select query_id, doc_id, rank, score from runs where mode = 'bm25' and split = 'test' "
-                           "order by query_id, rank")  # fmt: skip
+        _, bm25 = db.query(
+            "select query_id, doc_id, rank, score from runs where mode = 'bm25' and split = 'test' "
+            "order by query_id, rank"
+        )
     assert [r[0] for r in rows] == ["VARCHAR"] and rows[0][1] == sum(t.num_rows for t in runs.values())
     assert [tuple(r.values()) for r in runs[stage].to_pylist()] == [(q, d, r, pytest.approx(s)) for q, d, r, s in bm25]
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     out = tmp_path / "bm25.trec"
     system = stage.split("/")[1].split("=", 1)[1]
-    res = CliRunner().invoke(app, ["export-run", "--system", system, "-d", "tiny", "-o", str(out), "--root",
-                                   tiny["root"]])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["export-run", "--system", system, "-d", "tiny", "-o", str(out), "--root", tiny["root"]]
+    )
     assert res.exit_code == 0, res.output
     lines = [line.split() for line in out.read_text().splitlines()]
     assert [(x[0], x[2], int(x[3])) for x in lines] == [
-        (r["query_id"], r["doc_id"], r["rank"]) for r in runs[stage].sort_by([("query_id", "ascending"),
-                                                                              ("rank", "ascending")]).to_pylist()
-    ]  # fmt: skip
+        (r["query_id"], r["doc_id"], r["rank"])
+        for r in runs[stage].sort_by([("query_id", "ascending"), ("rank", "ascending")]).to_pylist()
+    ]
 
 
 def test_old_run_files_still_read_and_evaluate_the_same(tiny: dict, tmp_path: Path) -> None:
@@ -219,18 +230,26 @@ def test_old_run_files_still_read_and_evaluate_the_same(tiny: dict, tmp_path: Pa
         assert read_run(store, stage).equals(table)
         enc = pq.ParquetFile(str(root / stage / RUN_FILE)).metadata.row_group(0).column(3).encodings
         assert "BYTE_STREAM_SPLIT" not in enc  # really the old layout
-    res = execute(stages()["evaluate"], tiny["configs"]["evaluate"].model_copy(update={"root": str(root)}),
-                  log=lambda _: None)  # fmt: skip
+    res = execute(
+        stages()["evaluate"], tiny["configs"]["evaluate"].model_copy(update={"root": str(root)}), log=lambda _: None
+    )
     assert res.done == len(stages_)  # the run files changed: metrics recomputed ...
     with StoreSQL(store) as db:
         _, after = db.query("select * from metrics order by all")
     assert after == before  # ... to the same values
     bad = stages_[0]
     m = Manifest.new("runs", store.require_manifest(bad).partition, store.require_manifest(bad).config)
-    ints = pa.schema([pa.field("query_id", pa.string()), pa.field("doc_id", pa.int32()),
-                      pa.field("rank", pa.int32()), pa.field("score", pa.float32())])  # fmt: skip
+    ints = pa.schema(
+        [
+            pa.field("query_id", pa.string()),
+            pa.field("doc_id", pa.int32()),
+            pa.field("rank", pa.int32()),
+            pa.field("score", pa.float32()),
+        ]
+    )
     with store.stage_writer(bad, m) as w:
-        w.write_parquet(RUN_FILE, ints, [pa.table({"query_id": ["q0"], "doc_id": [3], "rank": [1], "score": [1.0]},
-                                                  schema=ints)])  # fmt: skip
+        w.write_parquet(
+            RUN_FILE, ints, [pa.table({"query_id": ["q0"], "doc_id": [3], "rank": [1], "score": [1.0]}, schema=ints)]
+        )
     with pytest.raises(StoreError, match=r"not a run file of this version \(query_id: string, doc_id: int32"):
         read_run(store, bad)

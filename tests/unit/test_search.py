@@ -55,8 +55,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 # every score rule at its non-reference option
-LEGACY = ScoreRules(maxsim_clamp=False, maxsim_reduce="mean", single_renorm=True, sparse_scale="unit",
-                    sparse_floor="positive", fusion_flat="one")  # fmt: skip
+LEGACY = ScoreRules(
+    maxsim_clamp=False,
+    maxsim_reduce="mean",
+    single_renorm=True,
+    sparse_scale="unit",
+    sparse_floor="positive",
+    fusion_flat="one",
+)
 RULES = [pytest.param(ScoreRules(), id="reference"), pytest.param(LEGACY, id="options")]
 
 
@@ -124,8 +130,9 @@ def _assert_same_top(top: TopK, ref: list[list[tuple[int, float]]], k: int) -> N
 @pytest.mark.parametrize("tile_elems", [None, 40], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vary", [False, True])
-def test_exact_search_equals_brute_force_all_modes(vary: bool, device: str, tile_elems, rules: ScoreRules,
-                                                   monkeypatch) -> None:  # fmt: skip
+def test_exact_search_equals_brute_force_all_modes(
+    vary: bool, device: str, tile_elems, rules: ScoreRules, monkeypatch
+) -> None:
     if tile_elems is not None:  # CPU MaxSim in tiles of 40 // (Q*K_q) documents: 1 to 5 per tile here
         monkeypatch.setattr(scoring, "CPU_TILE_ELEMS", tile_elems)
     rng = np.random.default_rng(7)
@@ -202,8 +209,11 @@ def test_fusion_minmax_union_missing_is_zero_and_constant_runs() -> None:
         TopK(np.array([[1.0]], np.float32), np.array([[4]])), TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64))
     )
     assert const.index[0, 0] == 4 and const.scores[0, 0] == 0.0  # all equal: (s - min) / max(0, 1e-9) = 0
-    one = fuse_minmax(TopK(np.array([[1.0]], np.float32), np.array([[4]])),
-                      TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64)), flat="one")  # fmt: skip
+    one = fuse_minmax(
+        TopK(np.array([[1.0]], np.float32), np.array([[4]])),
+        TopK(np.full((1, 1), -np.inf), -np.ones((1, 1), np.int64)),
+        flat="one",
+    )
     assert one.scores[0, 0] == pytest.approx(0.5)  # flat one: all equal normalises to 1
 
 

@@ -32,9 +32,12 @@ from diffret.stages.systems import SystemRef
 WORDS = "cats purr dogs bark tea coffee cocoa garden fox jumps lazy mailman retrieval words query".split()
 CORPUS = [{"_id": f"d{i:02d}", "title": WORDS[i % 15], "text": " ".join(WORDS[i % 9 : i % 9 + 3])} for i in range(24)]
 QUERIES = [{"_id": f"q{i}", "text": " ".join(WORDS[2 * i : 2 * i + 2])} for i in range(6)] + [
-    {"_id": "d03", "text": "dogs bark"}]  # a query whose id is a passage's: the self-hit rule
-QRELS = {"test": [("q0", "d00", 1), ("q1", "d02", 1), ("q2", "d04", 2), ("d03", "d03", 1)],
-         "train": [("q3", "d06", 1), ("q4", "d08", 1)]}  # fmt: skip
+    {"_id": "d03", "text": "dogs bark"}
+]  # a query whose id is a passage's: the self-hit rule
+QRELS = {
+    "test": [("q0", "d00", 1), ("q1", "d02", 1), ("q2", "d04", 2), ("d03", "d03", 1)],
+    "train": [("q3", "d06", 1), ("q4", "d08", 1)],
+}
 
 
 def _stream_topk(scores: np.ndarray, k: int, cuts: list[int]) -> TopK:
@@ -79,8 +82,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def score_config(tiny: dict, root: str, **kw: object) -> ScoreConfig:
-    return ScoreConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=[1, 2], kp=[1, 2],
-                       topk=10, train_topk=5, fusion_depth=8, self_hits="drop", **kw)  # fmt: skip
+    return ScoreConfig(
+        root=root,
+        dataset="tiny",
+        system=tiny["ref"],
+        splits=["test", "train"],
+        kq=[1, 2],
+        kp=[1, 2],
+        topk=10,
+        train_topk=5,
+        fusion_depth=8,
+        self_hits="drop",
+        **kw,
+    )
 
 
 def run_digests(root: str) -> dict[str, str]:
@@ -166,8 +180,17 @@ def test_beta_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path) -> None:
     digests = []
     for unit in (1_000_000, 5):
         root = copy_store(tiny, tmp_path / f"u{unit}")
-        cfg = BetaConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=[1, 2], topk=10,
-                         train_topk=5, self_hits="drop", unit_passages=unit)  # fmt: skip
+        cfg = BetaConfig(
+            root=root,
+            dataset="tiny",
+            system=tiny["ref"],
+            splits=["test", "train"],
+            kq=[1, 2],
+            topk=10,
+            train_topk=5,
+            self_hits="drop",
+            unit_passages=unit,
+        )
         logs: list[str] = []
         assert execute(stages()["beta"], cfg, log=logs.append).done == 4
         assert any(f"in {-(-24 // unit)} unit(s), 0 already done" in m for m in logs), logs
@@ -184,11 +207,25 @@ def test_late_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, monkeypa
     digests = []
     for unit, units in ((65_536, 1), (1, 3)):
         root = copy_store(tiny, tmp_path / f"u{unit}")
-        execute(stages()["beta"], BetaConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"],
-                                             kq=[1], topk=10), log=lambda _: None)  # fmt: skip
-        cfg = LateConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=2, kp=1,
-                         mode="fusion_multi_sparse_max", depths=[3, 6], first_stage=f16(tiny, root), first_kq=1,
-                         first_mode="beta", unit_queries=unit)  # fmt: skip
+        execute(
+            stages()["beta"],
+            BetaConfig(root=root, dataset="tiny", system=tiny["ref"], splits=["test", "train"], kq=[1], topk=10),
+            log=lambda _: None,
+        )
+        cfg = LateConfig(
+            root=root,
+            dataset="tiny",
+            system=tiny["ref"],
+            splits=["test", "train"],
+            kq=2,
+            kp=1,
+            mode="fusion_multi_sparse_max",
+            depths=[3, 6],
+            first_stage=f16(tiny, root),
+            first_kq=1,
+            first_mode="beta",
+            unit_queries=unit,
+        )
         logs: list[str] = []
         assert execute(stages()["late"], cfg, log=logs.append).done == 4
         assert any(f"6 queries in {units} unit(s), 0 already done" in m for m in logs), logs
@@ -209,14 +246,26 @@ def test_rerank_runs_do_not_depend_on_the_cut(tiny: dict, tmp_path: Path, method
     prompt = Path(__file__).parent / "data" / "rerank_tiny.yaml"
     if method == "pointwise":  # the tiny listwise prompt's words, one pair per prompt
         prompt = tmp_path / "pointwise.yaml"
-        prompt.write_text('name: tiny_pointwise\nsystem: ""\nuser: "query : {query} {document}"\nassistant: "{slot}"\n'
-                          'answers: ["x", "a"]\n')  # fmt: skip
+        prompt.write_text(
+            'name: tiny_pointwise\nsystem: ""\nuser: "query : {query} {document}"\nassistant: "{slot}"\n'
+            'answers: ["x", "a"]\n'
+        )
     for unit in (4096, 1):
         root = copy_store(tiny, tmp_path / f"u{unit}")
         execute(stages()["bm25"], BM25Config(root=root, dataset="tiny", splits=["test"]), log=lambda _: None)
-        cfg = RerankConfig(root=root, dataset="tiny", backbone=BackboneConfig(model=tiny["model"]), depth=5,
-                           window=3, step=1, doc_tokens=8, batch_size=2, method=method, unit_queries=unit,
-                           prompt=str(prompt))  # fmt: skip
+        cfg = RerankConfig(
+            root=root,
+            dataset="tiny",
+            backbone=BackboneConfig(model=tiny["model"]),
+            depth=5,
+            window=3,
+            step=1,
+            doc_tokens=8,
+            batch_size=2,
+            method=method,
+            unit_queries=unit,
+            prompt=str(prompt),
+        )
         assert execute(stages()["rerank"], cfg, log=lambda _: None, units=count).done == 1
         digests.append(run_digests(root))
         assert no_partials(root)
@@ -247,8 +296,9 @@ def twice(results_seen: dict[str, list[str]]):  # noqa: ANN201
     return runner
 
 
-def test_a_unit_run_twice_writes_the_same_bytes_and_is_recorded_once(tiny: dict, one_pass: dict[str, str],
-                                                                     tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+def test_a_unit_run_twice_writes_the_same_bytes_and_is_recorded_once(
+    tiny: dict, one_pass: dict[str, str], tmp_path: Path, monkeypatch
+) -> None:
     """score, beta, late and rerank: a unit's partial file holds only what its inputs decide (its search seconds go
     beside it, into the runs' manifests), so a unit computed twice writes the same bytes, and its second result is
     accepted; the runs are one pass's."""
@@ -262,27 +312,32 @@ def test_a_unit_run_twice_writes_the_same_bytes_and_is_recorded_once(tiny: dict,
     execute(stages()["bm25"], BM25Config(root=root, dataset="tiny", splits=["test", "train"]), log=lambda _: None)
     prompt = str(Path(__file__).parent / "data" / "rerank_tiny.yaml")
     common = {"root": root, "dataset": "tiny", "splits": ["test", "train"]}
+    # fmt: off
     configs = [
         ("score", score_config(tiny, root, unit_passages=9)),
         ("beta", BetaConfig(system=tiny["ref"], kq=[1], topk=10, unit_passages=12, **common)),
         ("late", LateConfig(system=tiny["ref"], kq=2, kp=1, depths=[3], first_stage="bm25", unit_queries=1, **common)),
         ("rerank", RerankConfig(backbone=BackboneConfig(model=tiny["model"]), depth=5, window=3, step=1, doc_tokens=8,
                                 batch_size=2, prompt=prompt, unit_queries=1, **common)),
-    ]  # fmt: skip
+    ]
+    # fmt: on
     for name, cfg in configs:
         assert execute(stages()[name], cfg, log=lambda _: None, units=twice(seen)).done > 0, name
-    assert {name: len(v) > 1 for name, v in seen.items()} == {"score": True, "beta": True, "late": True,
-                                                              "rerank": True}  # fmt: skip
+    assert {name: len(v) > 1 for name, v in seen.items()} == {"score": True, "beta": True, "late": True, "rerank": True}
     assert no_partials(root)
     score_runs = {k: v for k, v in run_digests(root).items() if k in one_pass}
     assert score_runs == one_pass
-    stats = [json.loads(p.read_text())["stats"] for p in Path(root, "runs").rglob("mode=*/_manifest.json")
-             if "mode=single_dense" in str(p)]  # fmt: skip
+    stats = [
+        json.loads(p.read_text())["stats"]
+        for p in Path(root, "runs").rglob("mode=*/_manifest.json")
+        if "mode=single_dense" in str(p)
+    ]
     assert stats and all(s["search_seconds"] > 0 for s in stats)  # the units' seconds, kept out of their files
 
 
-def test_a_unit_computed_twice_with_other_bytes_is_refused_as_damage(tiny: dict, one_pass: dict[str, str],
-                                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_a_unit_computed_twice_with_other_bytes_is_refused_as_damage(
+    tiny: dict, one_pass: dict[str, str], tmp_path: Path
+) -> None:
     """A second result of a unit that differs from the first (a unit that is not deterministic) is not merged: the
     run stops naming the unit file, and the same command then redoes it and gives one pass's runs."""
     from diffret.storage import ChecksumError
@@ -316,8 +371,10 @@ def dask_address():
 
 
 def metric_digests(root: str) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).glob("metrics/**/per_query.parquet"))}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).glob("metrics/**/per_query.parquet"))
+    }
 
 
 def test_every_distributed_stage_runs_its_units_on_the_workers(tiny: dict, dask_address: str, tmp_path: Path) -> None:
@@ -334,13 +391,25 @@ def test_every_distributed_stage_runs_its_units_on_the_workers(tiny: dict, dask_
             ("beta", BetaConfig(system=tiny["ref"], kq=[1], topk=10, unit_passages=12, **common)),
             ("bm25", BM25Config(**common)),
             ("late", LateConfig(system=tiny["ref"], kq=2, kp=1, depths=[3], first_stage="bm25", **common)),
-            ("rerank", RerankConfig(backbone=BackboneConfig(model=tiny["model"]), depth=5, window=3, step=1,
-                                    doc_tokens=8, batch_size=2, prompt=str(Path(__file__).parent / "data" /
-                                                                            "rerank_tiny.yaml"), **common)),
+            (
+                "rerank",
+                RerankConfig(
+                    backbone=BackboneConfig(model=tiny["model"]),
+                    depth=5,
+                    window=3,
+                    step=1,
+                    doc_tokens=8,
+                    batch_size=2,
+                    prompt=str(Path(__file__).parent / "data" / "rerank_tiny.yaml"),
+                    **common,
+                ),
+            ),
             ("evaluate", EvaluateConfig(root=root, **kw)),
-            ("index", IndexConfig(root=root, dataset="tiny", system=tiny["ref"], kq=[1], kp=[1, 2], index_type="none",
-                                  **kw)),
-        ]  # fmt: skip
+            (
+                "index",
+                IndexConfig(root=root, dataset="tiny", system=tiny["ref"], kq=[1], kp=[1, 2], index_type="none", **kw),
+            ),
+        ]
 
     here, there = copy_store(tiny, tmp_path / "here"), copy_store(tiny, tmp_path / "there")
     for (name, cfg), (_, on_dask) in zip(configs(here), configs(there, dask_address=dask_address), strict=True):

@@ -36,16 +36,48 @@ def test_run_encodes_queries_at_kq_and_passages_at_kp_only(tmp_path: Path) -> No
     model = save_tiny_mlm(tmp_path / "model")
     beir = write_beir(tmp_path / "c", CORPUS, QUERIES, QRELS)
     root = tmp_path / "store"
-    invoke("run", "-d", "c", "--source", str(beir), "--model", str(model), "--kq", "4", "--kp", "16",
-           "--max-length", "48", "--mode", "multi_dense", "--no-bm25", "--root", str(root))  # fmt: skip
+    invoke(
+        "run",
+        "-d",
+        "c",
+        "--source",
+        str(beir),
+        "--model",
+        str(model),
+        "--kq",
+        "4",
+        "--kp",
+        "16",
+        "--max-length",
+        "48",
+        "--mode",
+        "multi_dense",
+        "--no-bm25",
+        "--root",
+        str(root),
+    )
     assert passes(root) == ["side=passage/k=16", "side=query/k=4"]  # one pass per side
     # the same settings through `diffret encode`: nothing left to do
-    out = invoke("encode", "-d", "c", "--model", str(model), "--kq", "4", "--kp", "16", "--max-length", "48",
-                 "--root", str(root))  # fmt: skip
+    out = invoke(
+        "encode", "-d", "c", "--model", str(model), "--kq", "4", "--kp", "16", "--max-length", "48", "--root", str(root)
+    )
     assert "0 shard(s) encoded" in out, out
     # another passage budget adds a passage pass alone
-    invoke("encode", "-d", "c", "--model", str(model), "--kq", "4", "--kp", "16,2", "--max-length", "48",
-           "--root", str(root))  # fmt: skip
+    invoke(
+        "encode",
+        "-d",
+        "c",
+        "--model",
+        str(model),
+        "--kq",
+        "4",
+        "--kp",
+        "16,2",
+        "--max-length",
+        "48",
+        "--root",
+        str(root),
+    )
     assert passes(root) == ["side=passage/k=16", "side=passage/k=2", "side=query/k=4"]
 
 

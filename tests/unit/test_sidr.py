@@ -160,8 +160,12 @@ def test_beta_search_equals_a_dense_brute_force() -> None:
     q_ids = [np.unique(rng.integers(0, v, 8)) for _ in range(7)]
     q_w = [rng.random(len(i)).astype(np.float32) + 0.1 for i in q_ids]
     flat = binary_flat(pa.array(bags, pa.list_(pa.int32())))
-    top = beta_search(SparseFlat.from_lists(q_ids, q_w), [flat.rows(a, min(a + 17, n_docs)) for a in
-                                                          range(0, n_docs, 17)], k=10, query_rows=3)  # fmt: skip
+    top = beta_search(
+        SparseFlat.from_lists(q_ids, q_w),
+        [flat.rows(a, min(a + 17, n_docs)) for a in range(0, n_docs, 17)],
+        k=10,
+        query_rows=3,
+    )
     dense_q = np.zeros((7, v), np.float32)
     for i, (ids, w) in enumerate(zip(q_ids, q_w, strict=True)):
         dense_q[i, ids] = w
@@ -176,8 +180,12 @@ def test_beta_search_equals_a_dense_brute_force() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- stages
-CORPUS = [{"_id": f"d{i}", "title": "", "text": t} for i, t in enumerate(
-    ["cats purr softly", "dogs bark loudly", "tea and coffee", "the lazy fox jumps", "warm garden cats"])]
+CORPUS = [
+    {"_id": f"d{i}", "title": "", "text": t}
+    for i, t in enumerate(
+        ["cats purr softly", "dogs bark loudly", "tea and coffee", "the lazy fox jumps", "warm garden cats"]
+    )
+]
 QUERIES = [{"_id": "q0", "text": "cats purr"}, {"_id": "q1", "text": "coffee drink"}]
 QRELS = {"test": [("q0", "d0", 1), ("q1", "d2", 1)]}
 
@@ -228,22 +236,42 @@ def test_beta_refuses_what_it_cannot_search(store: dict, tmp_path) -> None:
     vocab["cats"], vocab["dogs"] = vocab["dogs"], vocab["cats"]  # another vocabulary: its ids mean other words
     (other / "tokenizer.json").write_text(json.dumps(spec))
     bb2 = BackboneConfig(model=str(other))
-    execute(stages()["tokenize"], TokenizeConfig(dataset="tiny", backbone=bb2, sides=["passage"], root=root),
-            log=lambda _: None)  # fmt: skip
+    execute(
+        stages()["tokenize"],
+        TokenizeConfig(dataset="tiny", backbone=bb2, sides=["passage"], root=root),
+        log=lambda _: None,
+    )
     execute(stages()["bot"], BotConfig(dataset="tiny", backbone=bb2, root=root), log=lambda _: None)
     with pytest.raises(StoreError, match="another tokenizer"):
-        execute(stages()["beta"], BetaConfig(dataset="tiny", system=ref, bot=tokens_slug(bb2, 256), root=root),
-                log=lambda _: None)  # fmt: skip
+        execute(
+            stages()["beta"],
+            BetaConfig(dataset="tiny", system=ref, bot=tokens_slug(bb2, 256), root=root),
+            log=lambda _: None,
+        )
     with pytest.raises(IncompleteArtifactError, match="diffret bot"):
-        execute(stages()["beta"], BetaConfig(dataset="tiny", system=ref, bot="nothing-here", root=root),
-                log=lambda _: None)  # fmt: skip
-    dense = EncodeConfig(dataset="tiny", k=[1], sides=["query"], backbone=BackboneConfig(model=str(store["model"])),
-                         readout=ReadoutConfig(readout="diffembed"), root=root)  # fmt: skip
+        execute(
+            stages()["beta"], BetaConfig(dataset="tiny", system=ref, bot="nothing-here", root=root), log=lambda _: None
+        )
+    dense = EncodeConfig(
+        dataset="tiny",
+        k=[1],
+        sides=["query"],
+        backbone=BackboneConfig(model=str(store["model"])),
+        readout=ReadoutConfig(readout="diffembed"),
+        root=root,
+    )
     execute(stages()["encode"], dense, log=lambda _: None)
     before = sorted(p for p in Path(root).rglob("*") if "_locks" not in str(p))
     with pytest.raises(ValueError, match="no sparse vectors"):
-        execute(stages()["beta"], BetaConfig(dataset="tiny", system=SystemRef(model=str(store["model"]), where={
-            "readout.readout": "diffembed"}), root=root), log=lambda _: None)  # fmt: skip
+        execute(
+            stages()["beta"],
+            BetaConfig(
+                dataset="tiny",
+                system=SystemRef(model=str(store["model"]), where={"readout.readout": "diffembed"}),
+                root=root,
+            ),
+            log=lambda _: None,
+        )
     assert sorted(p for p in Path(root).rglob("*") if "_locks" not in str(p)) == before  # nothing written
 
 
@@ -282,8 +310,10 @@ def test_late_rescoring_encodes_only_what_it_needs_and_ranks_as_the_full_run(sto
     with StoreSQL(s) as db:
         _, rows = db.query("select m, passages_needed, corpus from late_runs order by m")
         assert rows == [(2, stats(2)["needed_m"], len(CORPUS)), (4, stats(4)["needed_m"], len(CORPUS))]
-        _, costs = db.query("select m, first_ms_per_query, rescore_ms_per_query, encode_ms_per_passage, "
-                            "on_the_fly_ms_per_query from late_costs order by m")  # fmt: skip
+        _, costs = db.query(
+            "select m, first_ms_per_query, rescore_ms_per_query, encode_ms_per_passage, "
+            "on_the_fly_ms_per_query from late_costs order by m"
+        )
         assert [c[0] for c in costs] == [2, 4] and all(v is not None and v > 0 for c in costs for v in c[2:])
         assert costs[1][4] == pytest.approx(costs[1][1] + costs[1][2] + 4 * costs[1][3]) if costs[1][1] else True
     execute(stages()["evaluate"], EvaluateConfig(root=root), log=log)
@@ -293,12 +323,19 @@ def test_late_rescoring_encodes_only_what_it_needs_and_ranks_as_the_full_run(sto
         sections = dict(build_report(db, n_boot=10).sections)
     assert "Late-parametric re-scoring (SIDR)" in sections and "| 4 |" in sections["Late-parametric re-scoring (SIDR)"]
     # the full-corpus run, for comparison
-    execute(stages()["encode"], EncodeConfig(dataset="tiny", k=[2], sides=["passage"], backbone=bb, root=root),
-            log=log)  # fmt: skip
-    execute(stages()["score"], ScoreConfig(dataset="tiny", system=ref, kq=[1], kp=[2], modes=["multi_dense"],
-                                          root=root), log=log)  # fmt: skip
-    full = read_run(s, next(str(p.relative_to(root)) for p in Path(root).glob(
-        "runs/*diffretriever*/dataset=tiny/split=test/kq=1/kp=2/mode=multi_dense")))  # fmt: skip
+    execute(stages()["encode"], EncodeConfig(dataset="tiny", k=[2], sides=["passage"], backbone=bb, root=root), log=log)
+    execute(
+        stages()["score"],
+        ScoreConfig(dataset="tiny", system=ref, kq=[1], kp=[2], modes=["multi_dense"], root=root),
+        log=log,
+    )
+    full = read_run(
+        s,
+        next(
+            str(p.relative_to(root))
+            for p in Path(root).glob("runs/*diffretriever*/dataset=tiny/split=test/kq=1/kp=2/mode=multi_dense")
+        ),
+    )
     for m in (2, 4):
         got = read_run(s, _late_dir(root, m)).to_pylist()
         for q in {r["query_id"] for r in got}:
@@ -324,8 +361,11 @@ def test_late_refuses_bad_input_in_one_line(store: dict) -> None:
     ref = SystemRef(model=str(store["model"]), where={"readout.readout": "sidr"})
     before = sorted(p for p in Path(store["root"]).rglob("*") if "_locks" not in str(p))
     with pytest.raises(StoreError, match="run it first"):  # no BM25 run to re-score
-        execute(stages()["late"], LateConfig(dataset="tiny", system=ref, kp=1, mode="sparse_max",
-                                             first_stage="bm25", root=store["root"]), log=lambda _: None)  # fmt: skip
+        execute(
+            stages()["late"],
+            LateConfig(dataset="tiny", system=ref, kp=1, mode="sparse_max", first_stage="bm25", root=store["root"]),
+            log=lambda _: None,
+        )
     assert sorted(p for p in Path(store["root"]).rglob("*") if "_locks" not in str(p)) == before
 
 

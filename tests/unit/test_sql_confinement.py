@@ -23,8 +23,9 @@ from diffret.storage.sql import SQLRefused, StoreSQL
 
 def put_metrics(store: ArtifactStore, system: str = "sys-0123456789", value: float = 0.5) -> None:
     folder = metrics_dir(system, "toy", "test", 1, 1, "multi_dense")
-    table = pa.table({"query_id": ["q1", "q2"], "measure": ["ndcg_cut_10"] * 2, "value": [value, value]},
-                     schema=METRICS_SCHEMA)  # fmt: skip
+    table = pa.table(
+        {"query_id": ["q1", "q2"], "measure": ["ndcg_cut_10"] * 2, "value": [value, value]}, schema=METRICS_SCHEMA
+    )
     part = {"system": system, "dataset": "toy", "split": "test", "kq": "1", "kp": "1", "mode": "multi_dense"}
     with store.stage_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
         w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
@@ -115,14 +116,20 @@ def test_a_folder_that_is_not_a_store_is_refused_by_sql_views_and_verify(tmp_pat
     trec.mkdir()
     for name in ("bm25.trec", "dense.trec", "fused.trec", "x.trec"):
         (trec / name).write_text("q1 Q0 d1 1 1.0 x\n")
-    with pytest.raises(StoreError, match=f"{trec} is not a diffret store: it holds bm25.trec, dense.trec, fused.trec "
-                                         "and 1 more"):  # fmt: skip
+    with pytest.raises(
+        StoreError, match=f"{trec} is not a diffret store: it holds bm25.trec, dense.trec, fused.trec and 1 more"
+    ):
         StoreSQL(ArtifactStore(trec))
     with pytest.raises(StoreError, match="is not a diffret store"):
         ArtifactStore(trec).verify_all()
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(trec), "select count(*) from "
-                        "runs"], capture_output=True, text=True, cwd=REPO,
-                       env={"PATH": "/usr/bin:/bin", "COLUMNS": "300", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(trec), "select count(*) from runs"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "300", "PREFECT_API_URL": ""},
+        timeout=120,
+    )
     assert p.returncode == 2 and "is not a diffret store" in p.stderr and not p.stdout, (p.stdout, p.stderr)
     with pytest.raises(StoreError, match="it holds trec-files but"):  # the folder above: not a store either
         StoreSQL(ArtifactStore(tmp_path))
@@ -156,23 +163,51 @@ def test_every_folder_the_layout_names_marks_a_store() -> None:
 
 def test_cli_refusal_is_one_line_and_fails(store: ArtifactStore, tmp_path: Path) -> None:
     target = tmp_path / "x.csv"
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(store.root),
-                        f"copy (select 42) to '{target}'"], capture_output=True, text=True, cwd=REPO,
-                       env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffret.flows.cli",
+            "sql",
+            "--root",
+            str(store.root),
+            f"copy (select 42) to '{target}'",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""},
+        timeout=120,
+    )
     assert p.returncode != 0 and not target.exists()
     assert p.stderr.strip().count("\n") == 0 and "read-only: COPY is refused" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "sql", "--root", str(store.root), "--out",
-                        str(target),
-                        "select query_id from metrics"], capture_output=True, text=True, cwd=REPO,
-                       env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""}, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffret.flows.cli",
+            "sql",
+            "--root",
+            str(store.root),
+            "--out",
+            str(target),
+            "select query_id from metrics",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PREFECT_API_URL": ""},
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert target.read_text().splitlines() == ['"query_id"', '"q1"', '"q2"']
 
 
 @pytest.mark.parametrize("sql", [" ", "-- x", "/* a comment */", ";", " ; -- x"])
 @pytest.mark.parametrize("out", [False, True])
-def test_a_query_of_nothing_is_one_line_not_a_traceback(store: ArtifactStore, tmp_path: Path, sql: str,
-                                                        out: bool) -> None:  # fmt: skip
+def test_a_query_of_nothing_is_one_line_not_a_traceback(
+    store: ArtifactStore, tmp_path: Path, sql: str, out: bool
+) -> None:
     """Whitespace, a comment or ';' alone (DuckDB runs nothing and returns no result) is one error line,
     exit 2, however the query starts ('-- x' is the query, not an option)."""
     from typer.testing import CliRunner

@@ -154,8 +154,23 @@ def test_encode_verify_redoes_a_flipped_byte_whose_mtime_was_restored(world: dic
     bad[len(bad) // 2] ^= 0x01
     shard.write_bytes(bytes(bad))
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as recorded
-    args = ["encode", "-d", "tiny", "--model", str(w["model"]), "--k", "1,2", "--max-length", "96", "--shard-size",
-            "5", "--batch-size", "4", "--root", w["root"]]  # fmt: skip
+    args = [
+        "encode",
+        "-d",
+        "tiny",
+        "--model",
+        str(w["model"]),
+        "--k",
+        "1,2",
+        "--max-length",
+        "96",
+        "--shard-size",
+        "5",
+        "--batch-size",
+        "4",
+        "--root",
+        w["root"],
+    ]
     plain = CliRunner().invoke(app, args)
     assert plain.exit_code == 0 and "0 shard(s) encoded, 8 already done" in plain.output, plain.output
     assert shard.read_bytes() == bytes(bad)  # trusted by size and mtime

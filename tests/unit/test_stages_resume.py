@@ -66,6 +66,7 @@ def test_encode_killed_before_compaction_resumes_from_its_records(world: dict, t
 
 def test_tokenize_killed_mid_side_keeps_the_shards_it_finished(world: dict, tmp_path: Path, monkeypatch) -> None:
     from diffret.stages import tokenize as tok
+
     w = copy_world(world, tmp_path)
     stage = next(Path(w["root"]).glob("tokens/*/dataset=tiny/side=passage"))
     good = {p.name: p.read_bytes() for p in stage.glob("shard=*.parquet")}

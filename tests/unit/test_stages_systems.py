@@ -63,8 +63,9 @@ def test_cli_encode_bfloat16_then_score_and_index_by_model_alone(world: dict, tm
     cli("encode", "-d", "tiny", "--model", model, "--k", "1", "--max-length", "96")
     res = runner.invoke(app, ["score", "-d", "tiny", "--model", model, "--kq", "1", "--kp", "1", "--root", root])
     assert res.exit_code == 2 and "2 encoder systems match" in res.output and "--dtype" in res.output
-    assert "3 cell(s) scored" in cli("score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1",
-                                     "--kp", "1")  # fmt: skip
+    assert "3 cell(s) scored" in cli(
+        "score", "-d", "tiny", "--model", model, "--dtype", "float32", "--kq", "1", "--kp", "1"
+    )
     listing = cli("systems", "-f", "json")
     assert sorted(r["kind"] for r in json.loads(listing)) == ["encoder", "encoder"]
 
@@ -100,8 +101,11 @@ def test_lora_adapter_is_saved_alone_and_encodes_as_its_own_system(world: dict, 
     the adapter is refused, naming both."""
     w = copy_world(world, tmp_path)
     lora = TRAIN.model_copy(update={"adapter": "lora", "lr": 5e-2, "max_steps": 2})
-    execute(stages()["train"], w["configs"]["train"].model_copy(update={"name": "tiny-lora", "settings": lora}),
-            log=lambda _: None)  # fmt: skip
+    execute(
+        stages()["train"],
+        w["configs"]["train"].model_copy(update={"name": "tiny-lora", "settings": lora}),
+        log=lambda _: None,
+    )
     adapter = Path(w["root"]) / "models" / "model=tiny-lora"
     assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "config.json").exists()
     base_cfg = BackboneConfig(model=str(w["model"]))

@@ -58,8 +58,9 @@ def test_training_budget_defaults_to_the_zero_shot_train_selection(world: dict, 
     with StoreSQL(ArtifactStore(w["root"])) as db:
         _, sel = db.query("select kq_star, kp_star from budget_selection")
     assert len(sel) == 1
-    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sel", "settings": TRAIN.model_copy(
-        update={"kq": None, "kp": None, "max_steps": 1})})  # fmt: skip
+    cfg = w["configs"]["train"].model_copy(
+        update={"name": "tiny-sel", "settings": TRAIN.model_copy(update={"kq": None, "kp": None, "max_steps": 1})}
+    )
     lines: list[str] = []
     execute(stages()["train"], cfg, log=lines.append)
     manifest = json.loads((Path(w["root"]) / "models" / "model=tiny-sel" / "_manifest.json").read_text())
@@ -68,8 +69,9 @@ def test_training_budget_defaults_to_the_zero_shot_train_selection(world: dict, 
     assert any(f"({sel[0][0]}, {sel[0][1]})" in x for x in lines)
     other = save_tiny_mlm(tmp_path / "other", seed=1)
     with pytest.raises(StoreError, match="no training budget given.*give --kq and --kp"):
-        execute(stages()["train"], cfg.model_copy(update={"backbone": BackboneConfig(model=str(other))}),
-                log=lambda _: None)  # fmt: skip
+        execute(
+            stages()["train"], cfg.model_copy(update={"backbone": BackboneConfig(model=str(other))}), log=lambda _: None
+        )
 
 
 def test_reranker_teacher_lists_from_qrels_or_from_the_run_alone(world: dict, tmp_path: Path) -> None:
@@ -86,8 +88,11 @@ def test_reranker_teacher_lists_from_qrels_or_from_the_run_alone(world: dict, tm
             assert lists[0].docs[0].startswith(CORPUS[6]["title"]) or lists[0].docs[0].startswith(CORPUS[8]["title"])
         else:
             assert all(ls.labels is None and len(ls.docs) == 3 for ls in lists)
-    res = execute(stage, w["configs"]["train-reranker"].model_copy(update={"teacher": "run", "name": "tiny-rr-run"}),
-                  log=lambda _: None)  # fmt: skip
+    res = execute(
+        stage,
+        w["configs"]["train-reranker"].model_copy(update={"teacher": "run", "name": "tiny-rr-run"}),
+        log=lambda _: None,
+    )
     assert res.done == 1
 
 
@@ -96,8 +101,9 @@ def test_the_sidr_readout_trains_with_sidrs_objective_and_defaults(world: dict, 
     lr 2e-5, grad clip 2, one hard negative), recorded in the model's manifest; the model then encodes."""
     w = copy_world(world, tmp_path)
     small = TrainSettings(max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12)
-    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sidr", "readout": ReadoutConfig(readout="sidr"),
-                                                   "settings": small})  # fmt: skip
+    cfg = w["configs"]["train"].model_copy(
+        update={"name": "tiny-sidr", "readout": ReadoutConfig(readout="sidr"), "settings": small}
+    )
     res = execute(stages()["train"], cfg, log=lambda _: None)
     assert res.done == 1
     s = ArtifactStore(w["root"]).require_manifest("models/model=tiny-sidr").config["settings"]
@@ -107,8 +113,9 @@ def test_the_sidr_readout_trains_with_sidrs_objective_and_defaults(world: dict, 
     # the passage encoder is saved apart and encodes the passages; the query model's folder holds its own weights
 
     reader = make_reader(load_backbone(BackboneConfig(model=str(model))), ReadoutConfig(readout="sidr"))
-    twin = make_reader(load_backbone(BackboneConfig(model=str(model / "passage_encoder"))),
-                       ReadoutConfig(readout="sidr"))  # fmt: skip
+    twin = make_reader(
+        load_backbone(BackboneConfig(model=str(model / "passage_encoder"))), ReadoutConfig(readout="sidr")
+    )
     assert reader.passage_bb is not None and twin.passage_bb is None
     assert not any("passage_encoder" in k for k in reader.bb.model.state_dict())
     ids = reader.bb.tokenizer(["the cat sat on the mat", "tea"], add_special_tokens=False)["input_ids"]
@@ -117,12 +124,15 @@ def test_the_sidr_readout_trains_with_sidrs_objective_and_defaults(world: dict, 
     lr = TrainSettings(lr=1e-2, max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12)
     apart = cfg.model_copy(update={"name": "tiny-sidr-lr", "settings": lr})
     execute(stages()["train"], apart, log=lambda _: None)
-    moved = make_reader(load_backbone(BackboneConfig(model=str(Path(w["root"]) / "models" / "model=tiny-sidr-lr"))),
-                        ReadoutConfig(readout="sidr"))  # fmt: skip
+    moved = make_reader(
+        load_backbone(BackboneConfig(model=str(Path(w["root"]) / "models" / "model=tiny-sidr-lr"))),
+        ReadoutConfig(readout="sidr"),
+    )
     q, p = moved.encode(ids, None, "query", 1), moved.encode(ids, None, "passage", 1)
     assert any(not np.allclose(a.sparse_weights, b.sparse_weights) for a, b in zip(q, p, strict=True))  # two models
-    enc = w["configs"]["encode"].model_copy(update={"backbone": BackboneConfig(model=str(model)), "k": [1],
-                                                    "readout": ReadoutConfig(readout="sidr")})  # fmt: skip
+    enc = w["configs"]["encode"].model_copy(
+        update={"backbone": BackboneConfig(model=str(model)), "k": [1], "readout": ReadoutConfig(readout="sidr")}
+    )
     execute(stages()["tokenize"], enc.tokenize_config(), log=lambda _: None)
     assert execute(stages()["encode"], enc, log=lambda _: None).system.startswith("model-tiny-sidr-sidr-")
 
@@ -132,10 +142,12 @@ def test_sidr_training_with_retrieved_negatives_reads_the_corpus_bag_of_tokens(w
     stage's, found by the model's vocabulary), records it among the model's inputs and counts the negatives it
     drew; without an index it is refused with the command that builds one, before anything is written."""
     w = copy_world(world, tmp_path)
-    small = TrainSettings(max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12,
-                          retrieved_negatives=5)  # fmt: skip
-    cfg = w["configs"]["train"].model_copy(update={"name": "tiny-sidr-rn", "readout": ReadoutConfig(readout="sidr"),
-                                                   "settings": small})  # fmt: skip
+    small = TrainSettings(
+        max_steps=2, pool_size=2, global_batch=2, batch_size=2, q_max_len=8, p_max_len=12, retrieved_negatives=5
+    )
+    cfg = w["configs"]["train"].model_copy(
+        update={"name": "tiny-sidr-rn", "readout": ReadoutConfig(readout="sidr"), "settings": small}
+    )
     store = ArtifactStore(w["root"])
     saved = tmp_path / "bot"
     shutil.move(store.abspath("bot"), saved)
@@ -149,5 +161,8 @@ def test_sidr_training_with_retrieved_negatives_reads_the_corpus_bag_of_tokens(w
     assert m.stats["retrieved_negatives"] + m.stats["retrieved_fallback_queries"] == 2 * 2
     with pytest.raises(ValueError, match="readout sidr"):
         other = small.model_copy(update={"n_negatives": 1, "kq": 1, "kp": 1})
-        execute(stages()["train"], cfg.model_copy(update={"readout": ReadoutConfig(), "settings": other}),
-                log=lambda _: None)  # fmt: skip
+        execute(
+            stages()["train"],
+            cfg.model_copy(update={"readout": ReadoutConfig(), "settings": other}),
+            log=lambda _: None,
+        )

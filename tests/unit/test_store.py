@@ -331,6 +331,7 @@ def test_a_stale_folder_is_replaced_records_included(tmp_path):
 
 def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeypatch):
     import diffret.storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
+
     store = ArtifactStore(tmp_path)
     _fill(store, _names(3))
     store.compact_shards(SHARDED)
@@ -365,6 +366,7 @@ def test_planning_checks_size_and_mtime_without_reading_shards(tmp_path, monkeyp
 
 def test_a_touched_but_whole_shard_is_hashed_once_and_its_mtime_recorded(tmp_path, monkeypatch):
     import diffret.storage.integrity  # where ArtifactStore.verify_file looks sha256_file up
+
     store = ArtifactStore(tmp_path)
     _fill(store, _names(2))
     store.compact_shards(SHARDED)

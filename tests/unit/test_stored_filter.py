@@ -36,8 +36,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def encode(tiny: dict, root: Path, **readout: str) -> EncodeConfig:
     execute(stages()["download"], DownloadConfig(name="tiny", source=str(tiny["beir"]), root=str(root)), log=print)
-    return EncodeConfig(dataset="tiny", k=GRID, backbone=BackboneConfig(model=str(tiny["model"])), max_length=48,
-                        shard_size=4, batch_size=3, readout=readout, root=str(root))  # fmt: skip
+    return EncodeConfig(
+        dataset="tiny",
+        k=GRID,
+        backbone=BackboneConfig(model=str(tiny["model"])),
+        max_length=48,
+        shard_size=4,
+        batch_size=3,
+        readout=readout,
+        root=str(root),
+    )
 
 
 def run_encode(cfg: EncodeConfig, with_filter: bool = True) -> None:

@@ -26,8 +26,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # 40 passages; each query names its passage's own word, so BM25 finds it; the test split's passages come last
 CORPUS = [{"_id": f"d{i:02d}", "title": f"t{i}", "text": f"passage {i} about word{i} and tea"} for i in range(40)]
 QUERIES = [{"_id": f"q{i}", "text": f"what about word{i}"} for i in (37, 38, 39, 3, 4, 5, 6)]
-QRELS = {"test": [(f"q{i}", f"d{i:02d}", 1) for i in (37, 38, 39)],
-         "train": [(f"q{i}", f"d{i:02d}", 1) for i in (3, 4, 5)], "dev": [("q6", "d06", 1)]}  # fmt: skip
+QRELS = {
+    "test": [(f"q{i}", f"d{i:02d}", 1) for i in (37, 38, 39)],
+    "train": [(f"q{i}", f"d{i:02d}", 1) for i in (3, 4, 5)],
+    "dev": [("q6", "d06", 1)],
+}
 TINY_PROMPT = str(Path(__file__).parent / "data" / "rerank_tiny.yaml")
 ENCODE = ["--max-length", "32", "--shard-size", "20"]
 RERANK = ["--method", "logits_listwise", "--prompt", TINY_PROMPT, "--doc-tokens", "8", "--depth", "5"]
@@ -54,8 +57,11 @@ def refused(*args: str) -> str:
 
 
 def files_of(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-            if p.is_file() and "_locks" not in p.parts}  # fmt: skip
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and "_locks" not in p.parts
+    }
 
 
 def sql(root: Path, query: str) -> list[list[str]]:
@@ -79,12 +85,28 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     r = ["--root", str(root)]
     ok("download", "c", "--source", str(beir), *r)
     ok("encode", "-d", "c", "--model", str(model), "--k", "1", *ENCODE, *r)
-    ok("score", "-d", "c", "--kq", "1", "--kp", "1", "--q1p1-multi", "keep", "--split", "test", "--split", "train",
-       *r)  # fmt: skip
+    ok("score", "-d", "c", "--kq", "1", "--kp", "1", "--q1p1-multi", "keep", "--split", "test", "--split", "train", *r)
     ok("bm25", "-d", "c", "--split", "test", "--split", "train", *r)
     ok("evaluate", *r)
-    ok("train-reranker", "-d", "c", "--model", str(model), *RERANK[:6], "--list-size", "3", "--batch-size", "1",
-       "--grad-accum", "1", "--max-steps", "1", "--name", "tiny-rr", *r)  # fmt: skip
+    ok(
+        "train-reranker",
+        "-d",
+        "c",
+        "--model",
+        str(model),
+        *RERANK[:6],
+        "--list-size",
+        "3",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "1",
+        "--max-steps",
+        "1",
+        "--name",
+        "tiny-rr",
+        *r,
+    )
     system = json.loads(ok("systems", *r, "--format", "json"))
     slug = next(s["system"] for s in system if s["kind"] == "encoder")
     bm25 = next(s["system"] for s in system if s["kind"] == "bm25")
@@ -101,15 +123,33 @@ def copy(world: dict, tmp_path: Path) -> Path:
 def test_a_slug_and_selectors_that_do_not_describe_it_are_refused_naming_both(world: dict) -> None:
     root, slug = world["root"], world["system"]
     before = files_of(root)
-    for extra, named in ((["--store", "pq:16"], "--store pq:16"), (["--dtype", "bfloat16"], "--dtype bfloat16"),
-                         (["--readout", "promptreps"], "--readout promptreps"),
-                         (["--model", str(world["beir"])], f"--model {world['beir']}")):  # fmt: skip
+    for extra, named in (
+        (["--store", "pq:16"], "--store pq:16"),
+        (["--dtype", "bfloat16"], "--dtype bfloat16"),
+        (["--readout", "promptreps"], "--readout promptreps"),
+        (["--model", str(world["beir"])], f"--model {world['beir']}"),
+    ):
         line = refused("score", "-d", "c", "--system", slug, *extra, "--kq", "1", "--kp", "1", "--root", str(root))
         assert f"--system {slug}" in line and named in line, line
     assert files_of(root) == before
     # selectors that describe it are fine (nothing to do: its cells are scored)
-    out = ok("score", "-d", "c", "--system", slug, "--model", str(world["model"]), "--dtype", "float32", "--kq", "1",
-             "--kp", "1", "--root", str(root))  # fmt: skip
+    out = ok(
+        "score",
+        "-d",
+        "c",
+        "--system",
+        slug,
+        "--model",
+        str(world["model"]),
+        "--dtype",
+        "float32",
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--root",
+        str(root),
+    )
     assert "0 cell(s) scored" in out
 
 
@@ -121,8 +161,9 @@ def test_a_stored_model_failing_its_manifest_is_refused_before_it_is_loaded(worl
     assert weights.exists() and (folder / "_manifest.json").exists()  # LoRA: the adapter alone
     flip(weights)
     before = files_of(root)
-    line = refused("rerank", "-d", "c", "--model", str(folder), *RERANK, "--window", "3", "--step", "1", "--root",
-                   str(root))  # fmt: skip
+    line = refused(
+        "rerank", "-d", "c", "--model", str(folder), *RERANK, "--window", "3", "--step", "1", "--root", str(root)
+    )
     assert str(weights) in line and "does not match the manifest" in line and "repair: run `diffret" in line, line
     assert files_of(root) == before  # no run, no reranker system
 
@@ -138,8 +179,29 @@ def test_negatives_are_distinct_and_a_pool_that_cannot_fit_is_refused(world: dic
     assert [(len(x), len(set(x))) for x in ids] == [(9, 9)] * 3  # the top 10 less the positive, each once
     line = refused("train", "-t", "c", "--model", str(world["model"]), "--n-negatives", "1000", *r)
     assert "stores at most 9 per group" in line  # drawn again and again otherwise
-    train = ["train", "-t", "c", "--model", str(world["model"]), "--full", "--kq", "1", "--kp", "1", "--n-negatives",
-             "9", "--batch-size", "2", "--pool-size", "2", "--global-batch", "2", "--max-steps", "1", *r]  # fmt: skip
+    train = [
+        "train",
+        "-t",
+        "c",
+        "--model",
+        str(world["model"]),
+        "--full",
+        "--kq",
+        "1",
+        "--kp",
+        "1",
+        "--n-negatives",
+        "9",
+        "--batch-size",
+        "2",
+        "--pool-size",
+        "2",
+        "--global-batch",
+        "2",
+        "--max-steps",
+        "1",
+        *r,
+    ]
     line = refused(*train, "--memory-gb", "0.0001")
     assert "a training step would need about" in line and "--memory-gb 0.0001" in line and "--batch-size" in line
     assert not (root / "models" / "model=tiny-ft").exists() and not list(root.glob("models/model=tiny-ft*"))
@@ -150,13 +212,28 @@ def test_negatives_are_distinct_and_a_pool_that_cannot_fit_is_refused(world: dic
 # ------------------------------------------------------------------------- 4. labels that say what was done
 def test_late_m_beyond_the_first_stage_depth_is_capped_and_recorded_as_such(world: dict, tmp_path: Path) -> None:
     root = copy(world, tmp_path)
-    out = ok("late", "-d", "c", "--system", world["system"], "--mode", "single_dense", "--depth", "5,100000",
-             "--root", str(root))  # fmt: skip
+    out = ok(
+        "late",
+        "-d",
+        "c",
+        "--system",
+        world["system"],
+        "--mode",
+        "single_dense",
+        "--depth",
+        "5,100000",
+        "--root",
+        str(root),
+    )
     assert "m 100,000 is capped at 1,000, the first stage's depth" in out, out  # BM25 keeps 1,000 a query
     modes = sorted(p.name for p in root.glob(f"runs/system={world['system']}/dataset=c/split=test/*/*/mode=late_*"))
     assert modes == ["mode=late_single_dense_m1000", "mode=late_single_dense_m5"]
-    m = json.loads((root / f"runs/system={world['system']}/dataset=c/split=test/kq=1/kp=1/"
-                    "mode=late_single_dense_m1000/_manifest.json").read_text())  # fmt: skip
+    m = json.loads(
+        (
+            root / f"runs/system={world['system']}/dataset=c/split=test/kq=1/kp=1/"
+            "mode=late_single_dense_m1000/_manifest.json"
+        ).read_text()
+    )
     assert m["config"]["topk"] == 1000
 
 
@@ -194,14 +271,27 @@ def test_a_summary_rebuilt_without_its_manifest_keeps_bm25_and_p_values(world: d
     assert (folder / "leaderboard.csv").read_text() == first
     board = json.loads((folder / "_manifest.json").read_text())["stats"]["leaderboard"]
     assert [r["mode"] for r in board if r["mode"] == "bm25"] and all(
-        r["p_vs_bm25"] is not None for r in board if r["mode"] != "bm25")
+        r["p_vs_bm25"] is not None for r in board if r["mode"] != "bm25"
+    )
 
 
 def test_settings_that_make_a_stage_nonsense_are_refused(world: dict) -> None:
     root = world["root"]
     before = files_of(root)
-    line = refused("rerank", "-d", "c", "--model", str(world["model"]), *RERANK, "--window", "5", "--step", "10",
-                   "--root", str(root))  # fmt: skip
+    line = refused(
+        "rerank",
+        "-d",
+        "c",
+        "--model",
+        str(world["model"]),
+        *RERANK,
+        "--window",
+        "5",
+        "--step",
+        "10",
+        "--root",
+        str(root),
+    )
     assert "--step 10 is larger than --window 5" in line
     line = refused("budget", "-d", "c", "--model", str(world["model"]), "--folds", "1000", "--root", str(root))
     assert "--folds 1000 but c/train has 3 queries to learn from" in line, line
@@ -226,6 +316,7 @@ def test_sql_checks_size_and_mtime_before_a_view_reads_a_file(world: dict, tmp_p
 # --------------------------------------------------------------------------- 6. a stored collection by name
 def test_a_downloaded_collection_is_used_by_name_offline(world: dict, tmp_path: Path, monkeypatch) -> None:
     from diffret.retrieval.data import sources as sources
+
     def offline(url: str, *a: object, **k: object) -> None:
         raise sources.DownloadError(f"{url}: no network in this test")
 
@@ -267,6 +358,7 @@ def test_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
     import numpy as np
 
     from diffret.retrieval.analysis import figures as figures
+
     seen = []
     monkeypatch.setattr(figures, "_png", lambda fig: seen.append(fig) or b"")
     grid = np.array([[0.0017, 0.0033], [0.002, 0.0025]])
@@ -282,9 +374,14 @@ def test_the_heatmap_scale_runs_from_0_to_bm25_drawn_on_it(monkeypatch) -> None:
 
 def test_help_fits_80_columns_and_library_noise_needs_v() -> None:
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "diffret.flows.cli", "run", "--help"], capture_output=True, text=True,
-                       env=env,
-                       cwd=REPO, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "diffret.flows.cli", "run", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and "--model" in p.stdout and "--verbose" not in p.stdout
     assert max(map(len, lines)) <= 80 and len(lines) <= 170, (len(lines), max(map(len, lines)))  # ~600 before; 162

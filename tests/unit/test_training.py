@@ -34,8 +34,20 @@ def groups(n: int = 8) -> list[Group]:
 def trainer(tmp_path, adapter: str = "full", arch: str = "bert", **kw) -> Trainer:
     bb, _ = tiny_backbone(arch, tmp_path / arch, seed=0)
     reader = make_reader(bb, ReadoutConfig(), 512)
-    settings = TrainSettings(adapter=adapter, kq=2, kp=2, batch_size=4, grad_accum=2, n_negatives=2, lr=1e-3,
-                             warmup_ratio=0.0, epochs=4, q_max_len=8, p_max_len=12, **kw)  # fmt: skip
+    settings = TrainSettings(
+        adapter=adapter,
+        kq=2,
+        kp=2,
+        batch_size=4,
+        grad_accum=2,
+        n_negatives=2,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        epochs=4,
+        q_max_len=8,
+        p_max_len=12,
+        **kw,
+    )
     return Trainer(reader, groups(), settings)
 
 
@@ -107,17 +119,33 @@ def test_single_vector_readouts_train_at_k_1_only(tmp_path):
 
 @pytest.mark.parametrize(
     ("readout", "arch", "k", "extra", "precision"),
-    [("diffembed", "bert", 1, {}, "auto"), ("repllama", "qwen2", 1, {}, "auto"),
-     ("promptreps", "qwen2", 4, {}, "auto"), ("diffretriever", "bert", 4, {"denoise_steps": 2}, "auto"),
-     ("diffretriever", "qwen2", 2, {}, "bfloat16")],
-)  # fmt: skip
+    [
+        ("diffembed", "bert", 1, {}, "auto"),
+        ("repllama", "qwen2", 1, {}, "auto"),
+        ("promptreps", "qwen2", 4, {}, "auto"),
+        ("diffretriever", "bert", 4, {"denoise_steps": 2}, "auto"),
+        ("diffretriever", "qwen2", 2, {}, "bfloat16"),
+    ],
+)
 def test_every_readout_trains(tmp_path, readout, arch, k, extra, precision):
     """DiffEmbed and RepLLaMA (one vector, dense loss only), PromptReps (decoded words, dense + sparse) and the
     S-step mask readout all train: the loss falls (also under bf16 autocast, the GPU default)."""
     bb, _ = tiny_backbone(arch, tmp_path / arch, seed=0)
     reader = make_reader(bb, ReadoutConfig(readout=readout, **extra), 512)
-    settings = TrainSettings(adapter="full", kq=k, kp=k, batch_size=4, grad_accum=2, n_negatives=2, lr=1e-3,
-                             warmup_ratio=0.0, epochs=4, q_max_len=8, p_max_len=12, precision=precision)  # fmt: skip
+    settings = TrainSettings(
+        adapter="full",
+        kq=k,
+        kp=k,
+        batch_size=4,
+        grad_accum=2,
+        n_negatives=2,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        epochs=4,
+        q_max_len=8,
+        p_max_len=12,
+        precision=precision,
+    )
     tr = Trainer(reader, groups(), settings)
 
     def held_loss() -> float:  # on a fixed batch, without dropout
@@ -166,8 +194,19 @@ def sidr_trainer(tmp_path, **kw) -> Trainer:
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     reader = make_reader(bb, ReadoutConfig(readout="sidr", sparse_topk=20), 512)
-    settings = TrainSettings(**{"lr": 1e-3, "warmup_ratio": 0.0, "epochs": 4, "pool_size": 4, "global_batch": 8,
-                                "batch_size": 4, "q_max_len": 8, "p_max_len": 12, **kw})  # fmt: skip
+    settings = TrainSettings(
+        **{
+            "lr": 1e-3,
+            "warmup_ratio": 0.0,
+            "epochs": 4,
+            "pool_size": 4,
+            "global_batch": 8,
+            "batch_size": 4,
+            "q_max_len": 8,
+            "p_max_len": 12,
+            **kw,
+        }
+    )
     return Trainer(reader, groups(), settings)
 
 
@@ -184,8 +223,12 @@ def test_sidr_objective_is_the_four_symmetric_terms_and_trains(tmp_path):
         qv, qb, _, pv, pb, _ = tr._reps(x)
         loss, parts = tr.micro_loss(x, 0)
     t = torch.arange(4) * 2
-    want = (symmetric_nce(topk_own(qv, qb, 20), pv, t) + symmetric_nce(qv, topk_own(pv, pb, 20), t)
-            + symmetric_nce(qb, pv, t) + symmetric_nce(qv, pb, t)) / 4  # fmt: skip
+    want = (
+        symmetric_nce(topk_own(qv, qb, 20), pv, t)
+        + symmetric_nce(qv, topk_own(pv, pb, 20), t)
+        + symmetric_nce(qb, pv, t)
+        + symmetric_nce(qv, pb, t)
+    ) / 4
     assert float(loss) == pytest.approx(float(want), rel=1e-5) and set(parts) == {"topk", "bot", "loss"}
     assert set(qb[0].nonzero().flatten().tolist()) == set(x.query_ids[0]) - set(tr.r.bb.tokenizer.all_special_ids)
     before = float(loss)
@@ -248,8 +291,11 @@ def test_sidr_retrieved_negatives_come_from_the_current_encoders_beta_search(tmp
         qv, qb = tr.r.train_vectors(x.query_ids, "query")
     top = beta_search(sparse_rows(topk_own(qv, qb, 20)), [neg.bags], len(neg.bags))
     for i, g in enumerate(groups()[:4]):
-        allowed = [j for j, s in zip(top.index[i], top.scores[i], strict=True) if s > 0
-                   and neg.doc_ids[j] != g.positives[0]["docid"]][:3]  # fmt: skip
+        allowed = [
+            j
+            for j, s in zip(top.index[i], top.scores[i], strict=True)
+            if s > 0 and neg.doc_ids[j] != g.positives[0]["docid"]
+        ][:3]
         assert got.passage_texts[2 * i + 1] in {tr._text(p) for p in neg.passages(allowed)}
     assert tr.retrieve(x, 0).passage_texts == got.passage_texts  # seeded by step and query
     assert (neg.drawn, neg.fallback) == (8, 0)
@@ -257,8 +303,7 @@ def test_sidr_retrieved_negatives_come_from_the_current_encoders_beta_search(tmp
     assert all(math.isfinite(r["loss"]) for r in rows) and {"topk", "bot"} <= set(rows[0])
     bb, _ = tiny_backbone("bert", tmp_path / "b2", seed=0)
     with pytest.raises(ValueError, match="readout sidr"):
-        Trainer(make_reader(bb, ReadoutConfig(), 512), groups(), TrainSettings(kq=1, kp=1, retrieved_negatives=3),
-                neg)  # fmt: skip
+        Trainer(make_reader(bb, ReadoutConfig(), 512), groups(), TrainSettings(kq=1, kp=1, retrieved_negatives=3), neg)
 
 
 def test_sidr_retrieved_negatives_and_separate_encoders_resume_bit_identical(tmp_path):

@@ -25,8 +25,12 @@ def passage(d: str) -> dict:
 
 
 def record(q: str, pos: list[str], neg: list[str]) -> dict:
-    return {"query_id": q, "query": f"query {q}", "positive_passages": [passage(d) for d in pos],
-            "negative_passages": [passage(d) for d in neg]}  # fmt: skip
+    return {
+        "query_id": q,
+        "query": f"query {q}",
+        "positive_passages": [passage(d) for d in pos],
+        "negative_passages": [passage(d) for d in neg],
+    }
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -54,13 +58,17 @@ def test_tevatron_jsonl_gz_and_parquet_read_the_same(tmp_path):
         ("{not json", "train.jsonl:2: malformed JSON"),
         (json.dumps({"query": "x", "positive_passages": [passage("a")]}), "train.jsonl:2: missing field 'query_id'"),
         (json.dumps(record("9", [], ["b"])), "train.jsonl:2: query '9' has no positive passage"),
-        (json.dumps({**record("9", ["a"], []), "positive_passages": [{"title": "t", "text": "x"}]}),
-         "train.jsonl:2: a passage has no 'docid'"),
-        (json.dumps({**record("9", ["a"], []), "negative_passages": "b"}),
-         "train.jsonl:2: field 'negative_passages' must be a list"),
+        (
+            json.dumps({**record("9", ["a"], []), "positive_passages": [{"title": "t", "text": "x"}]}),
+            "train.jsonl:2: a passage has no 'docid'",
+        ),
+        (
+            json.dumps({**record("9", ["a"], []), "negative_passages": "b"}),
+            "train.jsonl:2: field 'negative_passages' must be a list",
+        ),
         (json.dumps(record("1", ["a"], [])), "train.jsonl:2: query_id '1' repeats (first at 1)"),
     ],
-)  # fmt: skip
+)
 def test_malformed_tevatron_names_file_and_line(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "train.jsonl", [record("1", ["a"], ["b"]), bad])
     with pytest.raises(DatasetError) as err:
@@ -84,8 +92,16 @@ def test_mining_takes_the_top_depth_minus_positives_and_counts_every_gap():
     assert len(full) == len(set(full)) == 4 and set(full) <= {f"d{i}" for i in range(1, 30)}
     assert [p["docid"] for p in by["full"].positives] == ["d0"]
     assert sorted(p["docid"] for p in by["short"].negatives) == ["d5", "d6"]  # the 2 there are, no duplicates
-    assert (rep.queries, rep.groups, rep.positives_missing, rep.no_positive, rep.no_run, rep.no_negative,
-            rep.short, rep.negatives_short) == (5, 2, 2, 1, 1, 1, 1, 2)  # fmt: skip
+    assert (
+        rep.queries,
+        rep.groups,
+        rep.positives_missing,
+        rep.no_positive,
+        rep.no_run,
+        rep.no_negative,
+        rep.short,
+        rep.negatives_short,
+    ) == (5, 2, 2, 1, 1, 1, 1, 2)
     assert rep.examples["no_run"] == ["unranked"]
     again, _ = mine_groups(queries, positives, ranked, docs, depth=30, n_negatives=4, seed=7)
     assert again == groups  # seeded per query

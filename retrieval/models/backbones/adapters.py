@@ -54,8 +54,10 @@ def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
             return cfg
     folder = Path(adapter).expanduser()
     if not (folder / ADAPTER_CONFIG).exists():
-        raise BackboneError(f"adapter {adapter!r}: no {ADAPTER_CONFIG} there (a folder saved by diffret train "
-                            "with LoRA, or by peft's save_pretrained)")  # fmt: skip
+        raise BackboneError(
+            f"adapter {adapter!r}: no {ADAPTER_CONFIG} there (a folder saved by diffret train "
+            "with LoRA, or by peft's save_pretrained)"
+        )
     try:
         base = json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -67,13 +69,16 @@ def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
         gguf = cfg.gguf_file or extra.get("gguf_file")
         return cfg.model_copy(update={"model": base, "adapter": str(folder), "gguf_file": gguf})
     if base and not _same_model(base, cfg.model) and released is None:  # a released one's base may be any copy
-        raise BackboneError(f"adapter {adapter!r} was trained on {base!r}, not on {cfg.model!r}; give --model "
-                            f"{base} (or the adapter's folder alone as --model)")  # fmt: skip
+        raise BackboneError(
+            f"adapter {adapter!r} was trained on {base!r}, not on {cfg.model!r}; give --model "
+            f"{base} (or the adapter's folder alone as --model)"
+        )
     return cfg
 
 
-def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any],
-                   spec: FamilySpec | None = None) -> torch.nn.Module:  # fmt: skip
+def _apply_adapter(
+    model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any], spec: FamilySpec | None = None
+) -> torch.nn.Module:
     """The peft adapter ``cfg.adapter`` injected into ``model`` (in place), or merged into its weights."""
     from peft import PeftModel
 
@@ -81,8 +86,13 @@ def _apply_adapter(model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, A
     try:
         peft = _remapped_adapter(model, folder, cfg, spec) or PeftModel.from_pretrained(model, str(folder))
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-        raise _load_error(cfg, f"the adapter {cfg.adapter!r} onto it", exc,
-                          "The adapter must come from this base model and family.", raw) from exc  # fmt: skip
+        raise _load_error(
+            cfg,
+            f"the adapter {cfg.adapter!r} onto it",
+            exc,
+            "The adapter must come from this base model and family.",
+            raw,
+        ) from exc
     peft.eval()
     return peft.merge_and_unload() if cfg.merge_adapter else model
 
@@ -110,6 +120,8 @@ def _remapped_adapter(model: torch.nn.Module, folder: Path, cfg: BackboneConfig,
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     missing = [k for k in getattr(result, "missing_keys", None) or [] if ".lora_" in k]
     if unexpected or missing:
-        raise BackboneError(f"the adapter's tensors do not map onto {type(model).__name__}: unexpected "
-                            f"{unexpected[:3]}, missing {missing[:3]}")  # fmt: skip
+        raise BackboneError(
+            f"the adapter's tensors do not map onto {type(model).__name__}: unexpected "
+            f"{unexpected[:3]}, missing {missing[:3]}"
+        )
     return peft

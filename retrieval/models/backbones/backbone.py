@@ -88,8 +88,10 @@ class Backbone:
         tokens: what ``all_special_ids`` meant in transformers 4 (5 also counts custom named tokens).
         """
         tok = self.tokenizer
-        names = [getattr(tok, a, None) for a in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                                                  "cls_token", "mask_token")]  # fmt: skip
+        names = [
+            getattr(tok, a, None)
+            for a in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        ]
         extra = getattr(tok, "additional_special_tokens", None) or getattr(tok, "extra_special_tokens", None) or []
         names += list(extra.values()) if isinstance(extra, dict) else list(extra)
         ids = {tok.convert_tokens_to_ids(str(t)) for t in names if t}
@@ -145,8 +147,7 @@ class Backbone:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
-    def read_head(self, hidden: torch.Tensor, columns: torch.Tensor,
-                  stats: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def read_head(self, hidden: torch.Tensor, columns: torch.Tensor, stats: bool = False) -> tuple[torch.Tensor, ...]:
         """What a readout takes from the LM head at ``hidden`` [..., H]: the argmax token over the vocabulary
         [...] and the float32 logits at ``columns`` [C] ([..., C]), equal to those of :meth:`logits`; with
         ``stats``, also the entropy (nats) and the maximum probability of the softmax over the vocabulary [...]
@@ -276,8 +277,9 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
 VOCAB_BLOCK_BYTES = 4 << 20  # float32 logits of one vocabulary block (read_head on a CPU): about a core's L2
 
 
-def _find_projection(bb: Backbone) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor,
-                                            torch.Tensor | None] | None:  # fmt: skip
+def _find_projection(
+    bb: Backbone,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
     """The head as a transform and one linear map (Backbone.projection): a decoder after BERT's prediction
     transform or ModernBERT's head, an lm_head (LLaDA's ff_out) alone, or LLaDA's tied input embeddings."""
     head, model = bb.head, bb.model
@@ -303,9 +305,15 @@ def _find_projection(bb: Backbone) -> tuple[Callable[[torch.Tensor], torch.Tenso
         for pre, weight, bias in candidates:
             if weight.shape[0] != want.shape[-1]:
                 continue
-            got = torch.cat([torch.nn.functional.linear(pre(probe), weight[s : s + 1000],
-                                                        None if bias is None else bias[s : s + 1000])
-                             for s in range(0, weight.shape[0], 1000)], -1)  # fmt: skip
+            got = torch.cat(
+                [
+                    torch.nn.functional.linear(
+                        pre(probe), weight[s : s + 1000], None if bias is None else bias[s : s + 1000]
+                    )
+                    for s in range(0, weight.shape[0], 1000)
+                ],
+                -1,
+            )
             if torch.equal(got, want):
                 return pre, weight, bias
     return None

@@ -16,42 +16,56 @@ class BackboneConfig(Settings):
     """Which model to load and how."""
 
     model: str = Field(description="HF hub id or local folder.")
-    family: Family = Field(default="auto", description="auto (read from the model's config.json) | mlm | dream | "
-                           "llada | causal")  # fmt: skip
+    family: Family = Field(
+        default="auto", description="auto (read from the model's config.json) | mlm | dream | llada | causal"
+    )
     loader: Literal["native", "remote"] = Field(
-        default="native", description="Dream / LLaDA: native (transformers' Qwen2 / Llama classes, no remote code) "
-        "or remote (the checkpoint's own code; needs --trust-remote-code and transformers 4.46-4.57)."
+        default="native",
+        description="Dream / LLaDA: native (transformers' Qwen2 / Llama classes, no remote code) "
+        "or remote (the checkpoint's own code; needs --trust-remote-code and transformers 4.46-4.57).",
     )
     gguf_file: str | None = Field(default=None, description="GGUF file name inside the model folder.")
     trust_remote_code: bool = Field(default=False, description="Allow the model's own code (loader remote).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="float32 | bfloat16 | "
-                                                             "float16")  # fmt: skip
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="float32 | bfloat16 | float16"
+    )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     attn_implementation: str | None = Field(default=None, description="eager | sdpa | flash_attention_2")
     mask_token: str | None = Field(default=None, description="Override the mask token (string).")
     turn_end: str | None = Field(default=None, description="Override the end-of-turn token (string).")
-    adapter: str | None = Field(default=None, description="A peft LoRA adapter folder (diffret train) applied to "
-                                "--model; refused when it was trained on another base model.")  # fmt: skip
-    merge_adapter: bool = Field(default=False, description="Merge the adapter into the weights once loaded (faster; "
-                                "float rounding differs).")  # fmt: skip
-    load_format: Literal["checkpoint", "random"] = Field(
-        default="checkpoint", description="checkpoint, or random: seeded random weights built on the device, no "
-        "weight file (speed checks; labelled as random everywhere)."
+    adapter: str | None = Field(
+        default=None,
+        description="A peft LoRA adapter folder (diffret train) applied to "
+        "--model; refused when it was trained on another base model.",
     )
-    shape: str | None = Field(default=None, description="With --load-format random: dream-7b or llada-8b, the "
-                              "published configs (NAME:key=value,... changes fields); --model gives the "
-                              "tokenizer.")  # fmt: skip
+    merge_adapter: bool = Field(
+        default=False, description="Merge the adapter into the weights once loaded (faster; float rounding differs)."
+    )
+    load_format: Literal["checkpoint", "random"] = Field(
+        default="checkpoint",
+        description="checkpoint, or random: seeded random weights built on the device, no "
+        "weight file (speed checks; labelled as random everywhere).",
+    )
+    shape: str | None = Field(
+        default=None,
+        description="With --load-format random: dream-7b or llada-8b, the "
+        "published configs (NAME:key=value,... changes fields); --model gives the "
+        "tokenizer.",
+    )
 
     @model_validator(mode="after")
     def _random_only(self) -> BackboneConfig:
         if self.load_format == "random":
             for flag, value in (("--adapter", self.adapter), ("--gguf-file", self.gguf_file)):
                 if value:
-                    raise ValueError(f"--load-format random builds the network without weights: {flag} has none to "
-                                     "apply (leave it out, or load the checkpoint)")  # fmt: skip
+                    raise ValueError(
+                        f"--load-format random builds the network without weights: {flag} has none to "
+                        "apply (leave it out, or load the checkpoint)"
+                    )
             if self.loader == "remote":
-                raise ValueError("--load-format random builds the network with transformers' own classes: use "
-                                 "loader native")  # fmt: skip
+                raise ValueError(
+                    "--load-format random builds the network with transformers' own classes: use loader native"
+                )
             if self.shape is not None:
                 from .shapes import shape_config
 

@@ -14,8 +14,9 @@ class BackboneError(ValueError):
     """A backbone that cannot be loaded or used as asked; the message says why and what to do."""
 
 
-def _load_error(cfg: BackboneConfig, what: str, exc: Exception, hint: str,
-                raw: dict[str, Any] | None = None) -> BackboneError:  # fmt: skip
+def _load_error(
+    cfg: BackboneConfig, what: str, exc: Exception, hint: str, raw: dict[str, Any] | None = None
+) -> BackboneError:
     """One paragraph: the model, its architecture, the transformers version, the cause and what to do."""
     import transformers
 
@@ -42,9 +43,16 @@ def _unreachable(exc: BaseException) -> bool:
     text = " ".join(str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None).lower()
     names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
     return bool(names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}) or any(
-        m in text for m in ("couldn't connect", "could not connect", "offline", "name or service not known",
-                            "connection error", "failed to resolve")
-    )  # fmt: skip
+        m in text
+        for m in (
+            "couldn't connect",
+            "could not connect",
+            "offline",
+            "name or service not known",
+            "connection error",
+            "failed to resolve",
+        )
+    )
 
 
 def adapter_base(cfg: BackboneConfig) -> tuple[str, str, str] | None:
@@ -81,8 +89,10 @@ set HF_HOME to a cache that holds 'org/base'
     """
     adapter, base, recorded = through
     if recorded and recorded != base and not Path(recorded).expanduser().is_dir():
-        where = (f"its adapter_config.json records the base {recorded!r}, not a folder on this machine, so it was "
-                 f"looked for on the Hugging Face hub as {base!r}")  # fmt: skip
+        where = (
+            f"its adapter_config.json records the base {recorded!r}, not a folder on this machine, so it was "
+            f"looked for on the Hugging Face hub as {base!r}"
+        )
     else:
         where = f"it was looked for on the Hugging Face hub as {base!r}"
     if unreachable:

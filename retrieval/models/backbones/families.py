@@ -21,10 +21,27 @@ def _qwen2_config(raw: dict[str, Any]) -> Any:
     """Dream's config.json as a Qwen2Config (Dream is Qwen2's network, read bidirectionally)."""
     from transformers import Qwen2Config
 
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-            "rope_scaling", "tie_word_embeddings", "attention_dropout", "sliding_window", "use_sliding_window",
-            "max_window_layers", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "attention_dropout",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     return Qwen2Config(**{k: raw[k] for k in keys if k in raw})
 
 
@@ -32,24 +49,32 @@ def _llama_config(raw: dict[str, Any]) -> Any:
     """LLaDA's (OLMo-style) config.json as a LlamaConfig: the same llama block, under other names."""
     from transformers import LlamaConfig
 
-    unsupported = {k: raw.get(k) for k in ("alibi", "attention_layer_norm", "input_emb_norm", "scale_logits")
-                   if raw.get(k)}  # fmt: skip
+    unsupported = {
+        k: raw.get(k) for k in ("alibi", "attention_layer_norm", "input_emb_norm", "scale_logits") if raw.get(k)
+    }
     if unsupported or raw.get("block_type", "llama") != "llama" or raw.get("layer_norm_type", "rms") != "rms":
         raise BackboneError(
             f"this LLaDA config has features the native loader does not map ({unsupported or raw.get('block_type')}); "
             "use loader='remote' with trust_remote_code"
         )
     return LlamaConfig(
-        vocab_size=raw.get("embedding_size") or raw["vocab_size"], hidden_size=raw["d_model"],
-        intermediate_size=raw["mlp_hidden_size"], num_hidden_layers=raw["n_layers"],
-        num_attention_heads=raw["n_heads"], num_key_value_heads=raw.get("n_kv_heads") or raw["n_heads"],
-        hidden_act="silu", rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=raw.get("rope_theta", 10000.0),
+        vocab_size=raw.get("embedding_size") or raw["vocab_size"],
+        hidden_size=raw["d_model"],
+        intermediate_size=raw["mlp_hidden_size"],
+        num_hidden_layers=raw["n_layers"],
+        num_attention_heads=raw["n_heads"],
+        num_key_value_heads=raw.get("n_kv_heads") or raw["n_heads"],
+        hidden_act="silu",
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=raw.get("rope_theta", 10000.0),
         max_position_embeddings=raw.get("max_sequence_length", 4096),
-        tie_word_embeddings=bool(raw.get("weight_tying")), mlp_bias=False,
+        tie_word_embeddings=bool(raw.get("weight_tying")),
+        mlp_bias=False,
         attention_bias=bool(raw.get("include_bias") or raw.get("include_qkv_bias")),
-        bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
-    )  # fmt: skip
+    )
 
 
 # LLaDA checkpoint names -> LlamaForCausalLM names (ff_proj is the activated gate, ff_out the down projection).
@@ -101,16 +126,29 @@ BERT_TARGETS = ("query", "key", "value", "dense", "Wqkv", "Wo", "Wi")
 FAMILIES: dict[str, FamilySpec] = {
     "mlm": FamilySpec("mlm", "AutoModelForMaskedLM", bidirectional=True, lora_targets=BERT_TARGETS),
     "dream": FamilySpec(
-        "dream", "AutoModel", bidirectional=True, mask_token="<|mask|>", turn_end="<|im_end|>",
+        "dream",
+        "AutoModel",
+        bidirectional=True,
+        mask_token="<|mask|>",
+        turn_end="<|im_end|>",
         native=NativeLoader("Qwen2ForCausalLM", "Qwen2TokenizerFast", _qwen2_config),
-        remote_transformers=("4.46", "5"), remote_mask="4d", lora_targets=QWEN2_TARGETS,
-    ),  # fmt: skip
+        remote_transformers=("4.46", "5"),
+        remote_mask="4d",
+        lora_targets=QWEN2_TARGETS,
+    ),
     "llada": FamilySpec(
-        "llada", "AutoModel", bidirectional=True, mask_token_id=126336, turn_end="<|eot_id|>",
+        "llada",
+        "AutoModel",
+        bidirectional=True,
+        mask_token_id=126336,
+        turn_end="<|eot_id|>",
         native=NativeLoader("LlamaForCausalLM", "PreTrainedTokenizerFast", _llama_config, _LLADA_KEYS),
-        remote_transformers=("4.46", "5"), remote_mask="2d", lora_targets=QWEN2_TARGETS, lora_head=True,
+        remote_transformers=("4.46", "5"),
+        remote_mask="2d",
+        lora_targets=QWEN2_TARGETS,
+        lora_head=True,
         remote_lora_targets=("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"),
-    ),  # fmt: skip
+    ),
     "causal": FamilySpec("causal", "AutoModelForCausalLM", bidirectional=False, lora_targets=QWEN2_TARGETS),
 }
 

@@ -49,8 +49,11 @@ def weights_fingerprint(model: str, gguf_file: str | None = None) -> str | None:
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return None
-    weights = [p for p in folder.iterdir() if p.is_file() and (p.name == gguf_file if gguf_file else
-                                                                 p.suffix in WEIGHT_SUFFIXES)]  # fmt: skip
+    weights = [
+        p
+        for p in folder.iterdir()
+        if p.is_file() and (p.name == gguf_file if gguf_file else p.suffix in WEIGHT_SUFFIXES)
+    ]
     if not weights:  # nothing to fingerprint (the weights are elsewhere, or not downloaded)
         return None
     extra = [p for p in folder.iterdir() if p.is_file() and p.name in ("config.json", "adapter_config.json")]
@@ -148,8 +151,9 @@ def check_saved_model(folder: Path) -> None:
     if stage != "models":  # another tool's file of that name
         return
     # inside a store (``models/model=<name>``) the error names the stage that rebuilds it
-    root, rel = (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent,
-                                                                                                  home.name)
+    root, rel = (
+        (home.parent.parent, f"models/{home.name}") if home.parent.name == "models" else (home.parent, home.name)
+    )
     store = _SAVED_STORES.get(str(root), lambda: ArtifactStore(str(root)))
     store.verify(rel)
 
@@ -172,8 +176,15 @@ def _check_safetensors(path: Path) -> None:
 
 
 # a tokenizer's vocabulary lives in one of these (a GGUF file holds its own; an adapter folder names its base)
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model", "vocab.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.model",
+)
 
 
 def _check_tokenizer_files(cfg: BackboneConfig) -> None:

@@ -27,9 +27,11 @@ def _model_ref(cfg: BackboneConfig) -> tuple[str, dict[str, Any]]:
     local = Path(cfg.model).expanduser()
     if not local.exists() and cfg.model.startswith((".", "/", "~")):
         if cfg.adapter and not given.adapter:  # the base an adapter folder records
-            raise BackboneError(f"model path {cfg.model!r} does not exist: it is the base model that the adapter "
-                                f"{cfg.adapter} records (adapter_config.json); give a local copy of the base: --model "
-                                f"BASE_FOLDER --adapter {cfg.adapter}")  # fmt: skip
+            raise BackboneError(
+                f"model path {cfg.model!r} does not exist: it is the base model that the adapter "
+                f"{cfg.adapter} records (adapter_config.json); give a local copy of the base: --model "
+                f"BASE_FOLDER --adapter {cfg.adapter}"
+            )
         raise BackboneError(f"model path {cfg.model!r} does not exist")
     ref = str(local) if local.exists() else cfg.model
     extra: dict[str, Any] = {}
@@ -71,8 +73,10 @@ def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
         shaped = shape_config(cfg.shape)
         mine, theirs = detect_family(shaped), cfg.family if cfg.family != "auto" else detect_family(raw)
         if mine != theirs:
-            raise BackboneError(f"{cfg.model}: shape {cfg.shape} is a {mine} network but the folder is of the {theirs} "
-                                f"family: give a {mine} folder for its tokenizer")  # fmt: skip
+            raise BackboneError(
+                f"{cfg.model}: shape {cfg.shape} is a {mine} network but the folder is of the {theirs} "
+                f"family: give a {mine} folder for its tokenizer"
+            )
         return shaped
     return raw
 
@@ -158,12 +162,16 @@ def check_tokenizer(cfg: BackboneConfig, tok: Any, spec: FamilySpec, raw: dict[s
     for attr in ("bos_token", "eos_token", "sep_token", "pad_token", "cls_token", "mask_token"):
         token = getattr(tok, attr, None)
         if token and missing(str(token)):
-            raise BackboneError(f"{name}: its {attr} {str(token)!r} is not in its tokenizer's vocabulary (a broken "
-                                "tokenizer_config.json or special_tokens_map.json?)")  # fmt: skip
+            raise BackboneError(
+                f"{name}: its {attr} {str(token)!r} is not in its tokenizer's vocabulary (a broken "
+                "tokenizer_config.json or special_tokens_map.json?)"
+            )
     for token, flag in ((cfg.mask_token, "--mask-token"), (cfg.turn_end, "--turn-end")):
         if token and missing(token):
-            raise BackboneError(f"{name}: {flag.removeprefix('--').replace('-', ' ')} {token!r} ({flag}) is not in "
-                                "its tokenizer's vocabulary")  # fmt: skip
+            raise BackboneError(
+                f"{name}: {flag.removeprefix('--').replace('-', ' ')} {token!r} ({flag}) is not in "
+                "its tokenizer's vocabulary"
+            )
 
 
 def load_backbone(cfg: BackboneConfig) -> Backbone:

@@ -101,8 +101,7 @@ class HostCopy:
         if not any(t.is_cuda for t in tensors):
             self.host = list(tensors)
             return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                     for t in tensors]  # fmt: skip
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
         self.event = torch.cuda.Event()
         self.event.record()
 
@@ -214,8 +213,9 @@ class Readout(Declared):
             if variant == CHECKPOINT_PROMPT:
                 self._pieces[key] = self._checkpoint_pieces(side, turn_end)
             else:
-                self._pieces[key] = build_pieces(self.bb.tokenizer, load_prompt(variant), side, adapt, turn_end,
-                                                 use_chat)  # fmt: skip
+                self._pieces[key] = build_pieces(
+                    self.bb.tokenizer, load_prompt(variant), side, adapt, turn_end, use_chat
+                )
         return self._pieces[key]
 
     def _checkpoint_pieces(self, side: str, turn_end: int | None) -> PromptPieces:
@@ -224,13 +224,24 @@ class Readout(Declared):
         source = self.bb.source
         ckpt = read_released(source.adapter or source.model) if source is not None else None
         if ckpt is None:
-            raise BackboneError(f"{self.bb.name}: prompt {CHECKPOINT_PROMPT!r} reads a released checkpoint's "
-                                f"{RELEASED_CONFIG}; this model has none (give --prompt auto or a variant)")
+            raise BackboneError(
+                f"{self.bb.name}: prompt {CHECKPOINT_PROMPT!r} reads a released checkpoint's "
+                f"{RELEASED_CONFIG}; this model has none (give --prompt auto or a variant)"
+            )
         if ckpt.mask_token_id != self.bb.mask_id:
-            raise BackboneError(f"{ckpt.folder}: mask_token_id {ckpt.mask_token_id} is not the base model's mask "
-                                f"token ({self.bb.mask_id}): the adapter was trained on another base")  # fmt: skip
-        tail = chat_tail(self.bb.tokenizer, turn_end if turn_end is not None else self.bb.turn_end_id,
-                         self.bb.tokenizer.eos_token_id)[: ckpt.n_tail] if ckpt.n_tail else []  # fmt: skip
+            raise BackboneError(
+                f"{ckpt.folder}: mask_token_id {ckpt.mask_token_id} is not the base model's mask "
+                f"token ({self.bb.mask_id}): the adapter was trained on another base"
+            )
+        tail = (
+            chat_tail(
+                self.bb.tokenizer,
+                turn_end if turn_end is not None else self.bb.turn_end_id,
+                self.bb.tokenizer.eos_token_id,
+            )[: ckpt.n_tail]
+            if ckpt.n_tail
+            else []
+        )
         return PromptPieces(ckpt.prefix[side], ckpt.suffix[side], tuple(tail))
 
     adapts_prompt: ClassVar[bool] = False  # the prompt's number words follow K (the mask readout's)
@@ -241,8 +252,9 @@ class Readout(Declared):
         place, the filter's ids of each text computed before (``Readout.allowed``)."""
         return self.run(self.prepare(token_ids, texts, side, k))
 
-    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
-                k: int) -> Prepared:  # fmt: skip
+    def prepare(
+        self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str, k: int
+    ) -> Prepared:
         """The part of :meth:`encode` that needs no model (cutting, and for the mask readout the padded batch and
         the filter's candidates): ``encode_rows`` prepares the next batch in a thread while the model runs one."""
         if k <= 0:
@@ -296,15 +308,17 @@ class Readout(Declared):
         ids = [int(i) for i in found if i != getattr(self, "_mask_id", None)]
         return torch.as_tensor(ids, dtype=torch.long, device=device)
 
-    def sparse_from(self, logits_k_v: torch.Tensor, text: str | Sequence[int] | None, k: int) -> tuple[np.ndarray,
-                                                                                                    np.ndarray]:
+    def sparse_from(
+        self, logits_k_v: torch.Tensor, text: str | Sequence[int] | None, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The sparse vector of one text from the logits at its kept slots [n, V] of K (see ``ReadoutConfig.sparse``
         and ``sparse_quantise``)."""
         allowed = self.allowed(text, logits_k_v.device)
         topk, quantise = int(self.cfg.sparse_topk or 128), str(self.cfg.sparse_quantise)
         if self.cfg.sparse == "pooled":
-            return topk_sparse(pooled_weights(logits_k_v), None if allowed is None else allowed.tolist(), topk,
-                               quantise)  # fmt: skip
+            return topk_sparse(
+                pooled_weights(logits_k_v), None if allowed is None else allowed.tolist(), topk, quantise
+            )
         if allowed is None:
             allowed = torch.arange(logits_k_v.shape[-1], device=logits_k_v.device)
             mask_id = getattr(self, "_mask_id", None)

@@ -1,5 +1,4 @@
-"""``ReadoutConfig``: the readout and its settings (the reference encoder's defaults, every deviation named).
-"""
+"""``ReadoutConfig``: the readout and its settings (the reference encoder's defaults, every deviation named)."""
 
 from __future__ import annotations
 
@@ -30,13 +29,15 @@ class ReadoutConfig(Settings):
         default="diffretriever", description="diffretriever | promptreps | diffembed | repllama | sidr"
     )
     finetuned: Literal["auto", "yes", "no"] = Field(
-        default="auto", description="Encode as the reference encodes a fine-tuned model (all K slots, sparse top 256 "
+        default="auto",
+        description="Encode as the reference encodes a fine-tuned model (all K slots, sparse top 256 "
         "rounded; PromptReps: exactly K slots, pooled top 256); auto: a model `diffret train` saved or a reference "
-        "checkpoint (retriever_config.json)."
+        "checkpoint (retriever_config.json).",
     )
     prompt: str = Field(
-        default="auto", description="auto (one_word at K=1, few_words at K>1; a released checkpoint's own), a "
-        "variant, a YAML path, or checkpoint (a released checkpoint's prompt ids)"
+        default="auto",
+        description="auto (one_word at K=1, few_words at K>1; a released checkpoint's own), a "
+        "variant, a YAML path, or checkpoint (a released checkpoint's prompt ids)",
     )
     chat_template: Literal["auto", "yes", "no"] = Field(
         default="auto", description="Wrap the prompt in the model's chat template (auto: when it has one)."
@@ -45,36 +46,47 @@ class ReadoutConfig(Settings):
         default="prompt", description="max_length counts the prompt and the text (prompt) or the text only (text)."
     )
     denoise_steps: int = Field(default=1, ge=1, description="S: forward passes for the mask readout (1 = the paper's)")
-    stop_cut: bool | None = Field(default=None, description="Mask readout: drop the slots from the first special "
-                                  "token read (default: zero-shot yes, fine-tuned no, as the reference).")  # fmt: skip
+    stop_cut: bool | None = Field(
+        default=None,
+        description="Mask readout: drop the slots from the first special "
+        "token read (default: zero-shot yes, fine-tuned no, as the reference).",
+    )
     promptreps_stop: Literal["auto", "reference", "quote_in_token", "none"] = Field(
-        default="auto", description="PromptReps: when the words end (see PromptRepsReadout; auto: reference "
-        "zero-shot, none (exactly K slots) fine-tuned)."
+        default="auto",
+        description="PromptReps: when the words end (see PromptRepsReadout; auto: reference "
+        "zero-shot, none (exactly K slots) fine-tuned).",
     )
     sparse: Literal["auto", "per_position", "pooled"] = Field(
-        default="auto", description="per_position: top-k per slot, x100 integers, max over slots; pooled: max over "
-        "slots, then top-k (auto: the reference's per readout and path)."
+        default="auto",
+        description="per_position: top-k per slot, x100 integers, max over slots; pooled: max over "
+        "slots, then top-k (auto: the reference's per readout and path).",
     )
-    sparse_topk: int | None = Field(default=None, ge=1, description="Sparse terms kept per slot (per_position) or in "
-                                    "all (default: 128 zero-shot mask readout, else 256, as the reference).")
+    sparse_topk: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sparse terms kept per slot (per_position) or in "
+        "all (default: 128 zero-shot mask readout, else 256, as the reference).",
+    )
     sparse_quantise: Literal["auto", "truncate", "round", "none"] = Field(
-        default="auto", description="Sparse weights as x100 integers, truncated (zero-shot mask readout) or rounded "
-        "(fine-tuned), or unquantised (zero-shot PromptReps); auto: the reference's."
+        default="auto",
+        description="Sparse weights as x100 integers, truncated (zero-shot mask readout) or rounded "
+        "(fine-tuned), or unquantised (zero-shot PromptReps); auto: the reference's.",
     )
     content_filter: Literal["nltk", "regex", "none"] = Field(
         default="nltk", description="Sparse: keep the text's content words (nltk: the reference's choice; or regex)."
     )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")
     sidr_head: Literal["official", "lm"] = Field(
-        default="official", description="SIDR: LayerNorm x input embeddings (official) or the model's own MLM head "
-        "(lm, SPLADE's)."
+        default="official",
+        description="SIDR: LayerNorm x input embeddings (official) or the model's own MLM head (lm, SPLADE's).",
     )
     sidr_act: Literal["elu1p", "log1p_relu"] = Field(
         default="elu1p", description="SIDR: elu(x) + 1 (SIDR's) or log(1 + ReLU(x)) (SPLADE's)."
     )
     repllama_prefix: Literal["joined", "separate"] = Field(
-        default="joined", description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's choice) or "
-        "the prefix and the text apart."
+        default="joined",
+        description="RepLLaMA: tokenize 'query: ' + text as one string (the reference's choice) or "
+        "the prefix and the text apart.",
     )
 
     def resolved(self, finetuned: bool | None = None) -> ReadoutConfig:
@@ -91,10 +103,16 @@ class ReadoutConfig(Settings):
         ft = {"yes": True, "no": False}.get(self.finetuned, bool(finetuned))
         mask = self.readout == "diffretriever"
         if self.readout == "sidr":  # floats, the top 768 of the pooled vector (SIDR's)
-            return self.model_copy(update={
-                "finetuned": "yes" if ft else "no", "stop_cut": False, "promptreps_stop": "none", "sparse": "pooled",
-                "sparse_topk": SIDR_TOPK if self.sparse_topk is None else self.sparse_topk, "sparse_quantise": "none",
-            })  # fmt: skip
+            return self.model_copy(
+                update={
+                    "finetuned": "yes" if ft else "no",
+                    "stop_cut": False,
+                    "promptreps_stop": "none",
+                    "sparse": "pooled",
+                    "sparse_topk": SIDR_TOPK if self.sparse_topk is None else self.sparse_topk,
+                    "sparse_quantise": "none",
+                }
+            )
         if self.sparse != "auto":
             sparse = self.sparse
         elif ft and (self.readout == "promptreps" or self.denoise_steps > 1):
@@ -105,15 +123,18 @@ class ReadoutConfig(Settings):
             quantise = self.sparse_quantise
         else:
             quantise = "round" if ft else ("truncate" if mask else "none")
-        return self.model_copy(update={
-            "finetuned": "yes" if ft else "no",
-            "stop_cut": (not ft) if self.stop_cut is None else self.stop_cut,
-            "promptreps_stop": ("none" if ft else "reference") if self.promptreps_stop == "auto"
-            else self.promptreps_stop,
-            "sparse": sparse,
-            "sparse_topk": ((128 if mask and not ft else 256) if self.sparse_topk is None else self.sparse_topk),
-            "sparse_quantise": quantise,
-        })  # fmt: skip
+        return self.model_copy(
+            update={
+                "finetuned": "yes" if ft else "no",
+                "stop_cut": (not ft) if self.stop_cut is None else self.stop_cut,
+                "promptreps_stop": ("none" if ft else "reference")
+                if self.promptreps_stop == "auto"
+                else self.promptreps_stop,
+                "sparse": sparse,
+                "sparse_topk": ((128 if mask and not ft else 256) if self.sparse_topk is None else self.sparse_topk),
+                "sparse_quantise": quantise,
+            }
+        )
 
     def numbers(self) -> dict:
         """The settings as a system's slug and a training's hash record them: another readout's SIDR-only

@@ -35,8 +35,14 @@ from .config import ReadoutConfig
 
 
 class DiffRetrieverReadout(
-    Readout, name="diffretriever", multi_vector=True, has_sparse=True, needs_causal_lm=False, uses_prompt=True,
-    k_values="grid", k_meaning="the number of [MASK] slots appended to the prompt (one vector each)",
+    Readout,
+    name="diffretriever",
+    multi_vector=True,
+    has_sparse=True,
+    needs_causal_lm=False,
+    uses_prompt=True,
+    k_values="grid",
+    k_meaning="the number of [MASK] slots appended to the prompt (one vector each)",
     adapts_prompt=True,
 ):
     """DiffRetriever (paper section 3.2, eq. 1-2): K [MASK] slots after the prompt, one bidirectional pass.
@@ -80,16 +86,18 @@ class DiffRetrieverReadout(
         h = hidden[torch.arange(len(token_ids), device=hidden.device)[:, None], b.positions]
         return TrainReps(h, _all_real(h), self.bb.logits(h))
 
-    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
-                k: int) -> Prepared:  # fmt: skip
+    def prepare(
+        self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str, k: int
+    ) -> Prepared:
         """The padded inputs and each chunk of texts' candidate ids, made on the host (a thread of ``encode_rows``
         while the model runs the previous batch) and staged for the device: no small copy per text reaches it."""
         out = super().prepare(token_ids, texts, side, k)
         if out.token_ids:
             host, dev = torch.device("cpu"), self.bb.device
             b = self._mask_batch(out.token_ids, side, k, host)
-            out.mask_batch = _Batch(staged(b.input_ids, dev), staged(b.attention_mask, dev), staged(b.positions, dev),
-                                    b.lengths)  # fmt: skip
+            out.mask_batch = _Batch(
+                staged(b.input_ids, dev), staged(b.attention_mask, dev), staged(b.positions, dev), b.lengths
+            )
             # numpy, not torch, in this thread: torch's intra-op threads would contend with the model's
             cands = [c.numpy() for c in self._candidates(texts, len(out.token_ids), host)]
             width = max(1, max(len(c) for c in cands))
@@ -119,8 +127,9 @@ class DiffRetrieverReadout(
         dev, k, n_texts = self.bb.device, batch.k, len(batch.token_ids)
         b, chunks = batch.mask_batch, batch.chunks
         assert b is not None and chunks is not None
-        b = _Batch(to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev),
-                   b.lengths)  # fmt: skip
+        b = _Batch(
+            to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev), b.lengths
+        )
         if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             rows = torch.arange(n_texts, device=dev)[:, None]
@@ -160,7 +169,7 @@ class DiffRetrieverReadout(
             for s, at_, has_stats, pooled in parts:
                 cuts, tokens = got[at_].tolist(), got[at_ + 1]
                 pairs = per_position_lists(*got[at_ + 2 : at_ + 5]) if pooled is None else pooled
-                stats = got[at_ + (2 if pooled is not None else 5):][:2] if has_stats else None
+                stats = got[at_ + (2 if pooled is not None else 5) :][:2] if has_stats else None
                 for j, (n, (sp_ids, sp_w)) in enumerate(zip(cuts, pairs, strict=True)):
                     i = s + j
                     enc = Encoded(dense_np[i, :n], sp_ids, sp_w, b.lengths[i], stopped=n < k, tokens=tokens[j])
@@ -171,8 +180,9 @@ class DiffRetrieverReadout(
 
         return Pending(finish)
 
-    def _candidates(self, texts: Sequence[str | Sequence[int]] | None, n: int, device: torch.device) -> list[
-            torch.Tensor]:  # fmt: skip
+    def _candidates(
+        self, texts: Sequence[str | Sequence[int]] | None, n: int, device: torch.device
+    ) -> list[torch.Tensor]:
         """Each text's candidate vocabulary ids, sorted: its content words' (:meth:`allowed`), or the whole
         vocabulary when there is no filter."""
         out = [self.allowed(texts[i] if texts else None, device) for i in range(n)]
@@ -183,8 +193,9 @@ class DiffRetrieverReadout(
             every = every[every != self._mask_id]
         return [every if c is None else c for c in out]
 
-    def _sparse_batch(self, ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, k: int) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor] | list[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    def _sparse_batch(
+        self, ids: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | list[tuple[np.ndarray, np.ndarray]]:
         """The sparse vectors of a chunk of texts from their candidates' logits (see :meth:`sparse_from`): per slot
         (the default), as device tensors (:func:`per_position_sparse_tensors`); pooled, as each text's arrays."""
         topk, quantise = int(self.cfg.sparse_topk or 128), str(self.cfg.sparse_quantise)
@@ -206,8 +217,9 @@ class DiffRetrieverReadout(
         first = torch.where(hit.any(-1), hit.int().argmax(-1), k)  # argmax: the first of the maxima
         return torch.where(first > 0, first, k)
 
-    def _denoise(self, b: _Batch, k: int, steps: int, grad_final: bool = False) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                          torch.Tensor]:  # fmt: skip
+    def _denoise(
+        self, b: _Batch, k: int, steps: int, grad_final: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's S-step unmasking: at each step the most confident masked slots (negative entropy of the
         prediction) take their argmax token, ``max(1, int(n_masked * (1 - s / t)))`` of them on the timesteps
         ``linspace(1, 1e-3, S + 1)``, all that remain at the last step; a slot's hidden state and logits are

@@ -1,5 +1,4 @@
-"""PromptReps: greedy decoding after the assistant prefix with a KV cache, at most K slots.
-"""
+"""PromptReps: greedy decoding after the assistant prefix with a KV cache, at most K slots."""
 
 from __future__ import annotations
 
@@ -16,8 +15,14 @@ from .base import (
 
 
 class PromptRepsReadout(
-    Readout, name="promptreps", multi_vector=True, has_sparse=True, needs_causal_lm=True, uses_prompt=True,
-    k_values="one value", k_meaning="the cap N on the slots decoded one by one (e.g. --k 20 zero-shot)",
+    Readout,
+    name="promptreps",
+    multi_vector=True,
+    has_sparse=True,
+    needs_causal_lm=True,
+    uses_prompt=True,
+    k_values="one value",
+    k_meaning="the cap N on the slots decoded one by one (e.g. --k 20 zero-shot)",
 ):
     """PromptReps: greedy decoding after the assistant prefix (KV cache), at most K slots (the cap N).
 
@@ -72,14 +77,16 @@ class PromptRepsReadout(
         full = [r + G[i, : t - 1].tolist() for i, r in enumerate(rows)]  # the last decoded word is never read
         ids, att, offs = _pad(full, self.bb.pad_id, "left", self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
-        pos = torch.as_tensor([[o + len(r) - 1 + j for j in range(t)] for o, r in zip(offs, rows, strict=True)],
-                              device=ids.device)  # fmt: skip
+        pos = torch.as_tensor(
+            [[o + len(r) - 1 + j for j in range(t)] for o, r in zip(offs, rows, strict=True)], device=ids.device
+        )
         h = hidden[torch.arange(len(rows), device=ids.device)[:, None], pos]
         mask = torch.arange(t, device=ids.device)[None, :] < n_reps[:, None]
         return TrainReps(h, mask, self.bb.logits(h))
 
-    def _decode(self, token_ids: list[list[int]], side: str, k: int, stop_rule: str | None = None) -> tuple[
-            list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _decode(
+        self, token_ids: list[list[int]], side: str, k: int, stop_rule: str | None = None
+    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input rows, hidden [B, T, H], logits [B, T, V], decoded [B, T], slots kept [B], stopped [B]);
         ``stop_rule`` overrides ``promptreps_stop``."""
         p = self.pieces(side, k)

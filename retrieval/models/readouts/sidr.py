@@ -1,5 +1,4 @@
-"""SIDR's readout: a vocabulary score per position, max-pooled over the text, its top 768.
-"""
+"""SIDR's readout: a vocabulary score per position, max-pooled over the text, its top 768."""
 
 from __future__ import annotations
 
@@ -28,8 +27,14 @@ SIDR_CACHE_BYTES = 1 << 20  # its float32 scores a block: a core's L2 cache (the
 
 
 class SidrReadout(
-    Readout, name="sidr", multi_vector=False, has_sparse=True, needs_causal_lm=False, uses_prompt=False,
-    k_values="1", k_meaning="always 1: one sparse vector per text",
+    Readout,
+    name="sidr",
+    multi_vector=False,
+    has_sparse=True,
+    needs_causal_lm=False,
+    uses_prompt=False,
+    k_values="1",
+    k_meaning="always 1: one sparse vector per text",
 ):
     """SIDR's parametric encoder V_theta (Zhou et al., ICLR 2025; jzhoubu/sidr): one bidirectional pass over the
     text and its special tokens, a vocabulary score per position, max-pooled over the text's own positions
@@ -54,8 +59,9 @@ class SidrReadout(
         self.passage_bb: Backbone | None = None
         src = backbone.source
         if src is not None and (folder := passage_encoder_dir(src.model)) is not None:
-            self.passage_bb = load_backbone(src.model_copy(update={"model": str(folder), "adapter": None,
-                                                                   "gguf_file": None}))  # fmt: skip
+            self.passage_bb = load_backbone(
+                src.model_copy(update={"model": str(folder), "adapter": None, "gguf_file": None})
+            )
 
     def separate(self) -> None:
         """Give the passage side its own encoder for training: a copy of the model, attached to it as a
@@ -118,8 +124,9 @@ class SidrReadout(
         bb = bb or self.bb
         return self._activate(self._scores(hidden, bb).max(0).values)
 
-    def batch_weights(self, hidden: torch.Tensor, att: torch.Tensor, bb: Backbone | None = None,
-                      block: int | None = None) -> torch.Tensor:  # fmt: skip
+    def batch_weights(
+        self, hidden: torch.Tensor, att: torch.Tensor, bb: Backbone | None = None, block: int | None = None
+    ) -> torch.Tensor:
         """[B, V] pooled vocabulary weights of a batch ([B, L, H] last hidden states, [B, L] attention mask): each
         text's :meth:`weights` from its real positions only, the padding left out. The head is one product per group
         of whole texts' positions, ``block`` bytes of float32 scores at a time, each block max-pooled per text: for
@@ -152,8 +159,12 @@ class SidrReadout(
                 continue
             u = torch.nn.functional.layer_norm(seg, seg.shape[-1:])  # once a group: every column block reads it
             cols = max(1, block // (4 * n))
-            tops.append(torch.cat([_segment_max(self._official(u, bb, slice(c, c + cols)), lens)
-                                   for c in range(0, width, cols)], dim=1))  # fmt: skip
+            tops.append(
+                torch.cat(
+                    [_segment_max(self._official(u, bb, slice(c, c + cols)), lens) for c in range(0, width, cols)],
+                    dim=1,
+                )
+            )
         return self._activate(torch.cat(tops))
 
     def _scores(self, hidden: torch.Tensor, bb: Backbone, cols: slice = slice(None)) -> torch.Tensor:

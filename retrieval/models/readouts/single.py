@@ -1,5 +1,4 @@
-"""The single-vector readouts: DiffEmbed (the mean of the last hidden states) and RepLLaMA (the final EOS).
-"""
+"""The single-vector readouts: DiffEmbed (the mean of the last hidden states) and RepLLaMA (the final EOS)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,11 @@ from .base import (
 
 
 class _SingleVector(
-    Readout, multi_vector=False, has_sparse=False, uses_prompt=False, k_values="1",
+    Readout,
+    multi_vector=False,
+    has_sparse=False,
+    uses_prompt=False,
+    k_values="1",
     k_meaning="always 1: one vector per text",
 ):
     """A readout with one dense vector per text and no prompt (K must be 1)."""
@@ -29,8 +32,9 @@ class _SingleVector(
         if k > 1:
             raise ValueError(f"the {self.name} readout has one vector per text; use K = 1 (got {k})")
 
-    def prepare(self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str,
-                k: int) -> Prepared:  # fmt: skip
+    def prepare(
+        self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str, k: int
+    ) -> Prepared:
         self._one(k)
         return super().prepare(token_ids, texts, side, k)
 
@@ -39,13 +43,13 @@ class _SingleVector(
         dense = _f16(h)  # the batch's vectors in one copy to the host
         return [Encoded(dense[i : i + 1], n_tokens=len(rows[i])) for i in range(len(rows))]
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query",
-                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
+    def _vectors(
+        self, token_ids: list[list[int]], side: str = "query", texts: list[str] | None = None
+    ) -> tuple[list[list[int]], torch.Tensor]:
         """(input rows, one vector per text [B, H])."""
         raise NotImplementedError
 
-    def train_forward(self, token_ids: list[list[int]], side: str, k: int,
-                      texts: list[str] | None = None) -> TrainReps:  # fmt: skip
+    def train_forward(self, token_ids: list[list[int]], side: str, k: int, texts: list[str] | None = None) -> TrainReps:
         """With gradients: the one vector per text (no sparse side); ``texts``: the texts of ``token_ids`` (RepLLaMA
         tokenizes its prefix with them)."""
         self._one(k)
@@ -57,8 +61,9 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
     """DiffEmbed: the mean of the last hidden states over the text and its special tokens (no prompt),
     bidirectional."""
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query",
-                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
+    def _vectors(
+        self, token_ids: list[list[int]], side: str = "query", texts: list[str] | None = None
+    ) -> tuple[list[list[int]], torch.Tensor]:
         head, tail = special_wrapping(self.bb.tokenizer)
         rows = [head + list(t) + tail for t in token_ids]
         ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
@@ -80,8 +85,9 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         eos = 1 if self.bb.tokenizer.eos_token_id is not None else 0
         return counted + len(self._prefix(side)) + eos, extra
 
-    def _vectors(self, token_ids: list[list[int]], side: str = "query",
-                 texts: list[str] | None = None) -> tuple[list[list[int]], torch.Tensor]:  # fmt: skip
+    def _vectors(
+        self, token_ids: list[list[int]], side: str = "query", texts: list[str] | None = None
+    ) -> tuple[list[list[int]], torch.Tensor]:
         tok = self.bb.tokenizer
         prefix = self._prefix(side)
         head, _ = special_wrapping(tok)

@@ -47,8 +47,9 @@ def lora_wrap(bb: Backbone, s: LoopSettings) -> Any:
     names = {n.rsplit(".", 1)[-1] for n, m in bb.model.named_modules() if isinstance(m, torch.nn.Linear)}
     wanted = lora_targets(bb, getattr(s, "lora_head", None))
     if getattr(s, "lora_head", None) and "lm_head" in wanted and "lm_head" not in names:
-        raise BackboneError(f"{bb.name}: no linear lm_head to put LoRA on (lora_head); its linear modules: "
-                            f"{', '.join(sorted(names))}")  # fmt: skip
+        raise BackboneError(
+            f"{bb.name}: no linear lm_head to put LoRA on (lora_head); its linear modules: {', '.join(sorted(names))}"
+        )
     targets = [t for t in wanted if t in names]
     if not targets:
         raise BackboneError(
@@ -97,8 +98,10 @@ class Loop:
         self.steps_per_epoch, self.steps = planned_steps(len(self.items), settings, self.world)
         self.pool, per_step = settings.pool_items(self.world), settings.step_items(self.world)
         if self.pool % self.world or per_step % self.pool:
-            raise ValueError(f"a step of {per_step} items must be whole pools of {self.pool}, and a pool shared "
-                             f"evenly by {self.world} process(es)")  # fmt: skip
+            raise ValueError(
+                f"a step of {per_step} items must be whole pools of {self.pool}, and a pool shared "
+                f"evenly by {self.world} process(es)"
+            )
         self.share = self.pool // self.world  # this process's items of each pool
         self.sharded = settings.shard_optimizer and self.world > 1
         if self.sharded:
@@ -188,8 +191,12 @@ class Loop:
         """Average the gradients (one flat all-reduce per step, as DDP under no_sync) and the logged parts."""
         average(self.params, parts, self.world)
 
-    def run(self, on_step: Callable[[dict[str, Any]], None] | None = None,
-            checkpoint: Callable[[bytes], None] | None = None, every: int = 50) -> list[dict[str, Any]]:  # fmt: skip
+    def run(
+        self,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        checkpoint: Callable[[bytes], None] | None = None,
+        every: int = 50,
+    ) -> list[dict[str, Any]]:
         """Train to the last step, calling ``checkpoint(bytes)`` every ``every`` steps (and at the end); under
         DDP every process must call ``run`` (the state gathers every process's RNG), one passes ``checkpoint``."""
         while self.step < self.steps:
@@ -209,12 +216,13 @@ class Loop:
         if self.sharded:  # gather the optimizer shards on rank 0 (the others' state is never written)
             self.opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         state = {
-            "step": self.step, "log": self.log,
+            "step": self.step,
+            "log": self.log,
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.opt.state_dict() if self.rank == 0 or not self.sharded else None,
             "scheduler": self.sched.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-        }  # fmt: skip
+        }
         if self.world > 1:  # every process's RNG states, so that each resumes its own stream
             rngs: list[Any] = [None] * self.world
             torch.distributed.all_gather_object(rngs, state["rng"])

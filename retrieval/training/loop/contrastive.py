@@ -47,9 +47,17 @@ class Prepared:
         def cut(xs: list | None, n: int = 1) -> list | None:
             return None if xs is None else xs[start * n : end * n]
 
-        return Prepared(cut(self.query_ids), cut(self.passage_ids, g), g, cut(self.query_allowed),  # type: ignore[arg-type]
-                        cut(self.passage_allowed, g), cut(self.query_texts), cut(self.passage_texts, g),
-                        cut(self.groups), self.retrieved)  # fmt: skip
+        return Prepared(
+            cut(self.query_ids),
+            cut(self.passage_ids, g),
+            g,
+            cut(self.query_allowed),  # type: ignore[arg-type]
+            cut(self.passage_allowed, g),
+            cut(self.query_texts),
+            cut(self.passage_texts, g),
+            cut(self.groups),
+            self.retrieved,
+        )
 
 
 class Trainer(Loop):
@@ -64,15 +72,21 @@ class Trainer(Loop):
     the whole pool; memory is one chunk's activations plus the pool's representations.
     """
 
-    def __init__(self, reader: Readout, groups: Sequence[Group], settings: TrainSettings,
-                 negatives: RetrievedNegatives | None = None):  # fmt: skip
+    def __init__(
+        self,
+        reader: Readout,
+        groups: Sequence[Group],
+        settings: TrainSettings,
+        negatives: RetrievedNegatives | None = None,
+    ):
         if not groups:
             raise ValueError("no training groups")
         if (negatives is not None) != (settings.retrieved_negatives is not None):
             raise ValueError("retrieved negatives need both the setting (its depth) and the bag-of-tokens index")
         if negatives is not None and reader.name != "sidr":
-            raise ValueError(f"retrieved negatives are SIDR's in-training retrieval: train --readout sidr (got "
-                             f"{reader.name})")  # fmt: skip
+            raise ValueError(
+                f"retrieved negatives are SIDR's in-training retrieval: train --readout sidr (got {reader.name})"
+            )
         settings = settings.resolved(reader.name)  # SIDR's sets K = 1 (one vector per text)
         if settings.kq is None or settings.kp is None:
             raise ValueError("training needs a budget: give kq and kp (the train stage takes the zero-shot selection)")
@@ -80,8 +94,10 @@ class Trainer(Loop):
         reader.check_k([settings.kp])
         if settings.encoders == "separate":  # before the loop collects the parameters: the optimizer takes both
             if reader.name != "sidr" or settings.adapter != "full":
-                raise ValueError("separate query and passage encoders are SIDR's: --readout sidr with full fine-tuning"
-                                 f" (got {reader.name}, {settings.adapter})")  # fmt: skip
+                raise ValueError(
+                    "separate query and passage encoders are SIDR's: --readout sidr with full fine-tuning"
+                    f" (got {reader.name}, {settings.adapter})"
+                )
             reader.separate()  # type: ignore[attr-defined]
         elif settings.encoders == "shared" and reader.name == "sidr" and reader.passage_bb is not None:  # type: ignore[attr-defined]
             raise ValueError("this model has a separately trained passage encoder; train it with separate encoders")
@@ -108,8 +124,9 @@ class Trainer(Loop):
         text; train_diffretriever.py L307-310), the text alone for the baselines (train_diffembed.py L73-82)."""
         if self.baseline:
             return p["text"]
-        return passage_text(p["title"], p["text"], self.s.train_title_sep if self.s.train_title_sep is not None
-                            else " ")  # fmt: skip
+        return passage_text(
+            p["title"], p["text"], self.s.train_title_sep if self.s.train_title_sep is not None else " "
+        )
 
     def _passages(self, g: Group, step: int) -> list[str]:
         rng = random.Random(f"{self.s.seed}:{step}:{g.query_id}")
@@ -151,8 +168,10 @@ class Trainer(Loop):
             len(passages) // len(groups),
             [filt.allowed_ids(t) for t in queries] if filt else None,
             [filt.allowed_ids(t) for t in passages] if filt else None,
-            queries, passages, list(groups),
-        )  # fmt: skip
+            queries,
+            passages,
+            list(groups),
+        )
 
     def _forward(self, ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> Any:
         kw: dict[str, Any] = {}

@@ -34,9 +34,14 @@ Chunk = TypeVar("Chunk")
 Reps = Sequence[torch.Tensor | None]
 
 
-def cached_backward(chunks: Sequence[Chunk], reps: Callable[[Chunk], Reps],
-                    loss: Callable[[tuple[torch.Tensor | None, ...]], tuple[torch.Tensor, dict[str, float]]],
-                    device: torch.device, n: int = 1, constant: Collection[int] = ()) -> dict[str, float]:  # fmt: skip
+def cached_backward(
+    chunks: Sequence[Chunk],
+    reps: Callable[[Chunk], Reps],
+    loss: Callable[[tuple[torch.Tensor | None, ...]], tuple[torch.Tensor, dict[str, float]]],
+    device: torch.device,
+    n: int = 1,
+    constant: Collection[int] = (),
+) -> dict[str, float]:
     """Backpropagate ``loss / n`` over the pool that ``chunks`` make up, one chunk's activations at a time; the
     loss's logged parts. ``reps(chunk)`` gives a chunk's representations (a tuple of tensors, dim 0 its rows; None
     for one that is left out); ``loss(leaves)`` the loss over the pool's, each concatenated over the chunks.

@@ -30,10 +30,14 @@ class LoopSettings(Settings):
     epochs: float = Field(default=1.0, gt=0, description="Passes over the training set (fractions allowed).")
     batch_size: int = Field(default=8, ge=1, description="Items per micro-batch (groups; lists for rerankers).")
     grad_accum: int = Field(default=4, ge=1, description="Micro-batches per optimizer step.")
-    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass "
-                                         "(less memory, ~30% more time).")  # fmt: skip
-    shard_optimizer: bool = Field(default=False, description="Under DDP, shard the AdamW state across the "
-                                  "processes (PyTorch's ZeroRedundancyOptimizer, ZeRO stage 1).")  # fmt: skip
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass (less memory, ~30% more time)."
+    )
+    shard_optimizer: bool = Field(
+        default=False,
+        description="Under DDP, shard the AdamW state across the "
+        "processes (PyTorch's ZeroRedundancyOptimizer, ZeRO stage 1).",
+    )
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="auto: bf16 mixed precision on CUDA, fp32 on CPU (Table 7); or either one."
     )
@@ -96,64 +100,125 @@ class TrainSettings(LoopSettings):
     ``lora_head false``.
     """
 
-    adapter: Literal["lora", "full"] | None = like(LoopSettings, "adapter", default=None, description="Train LoRA "
-                                                   "adapters (peft) or every weight (full); default: lora (sidr: "
-                                                   "full).")  # fmt: skip
-    lr: float | None = like(LoopSettings, "lr", default=None, description="Peak learning rate (AdamW; default: "
-                            "1e-4; sidr: 2e-5).")  # fmt: skip
-    warmup_ratio: float | None = like(LoopSettings, "warmup_ratio", default=None, description="Share of the steps "
-                                      "spent warming up (default: 0.06; sidr: one epoch).")  # fmt: skip
-    grad_clip: float | None = like(LoopSettings, "grad_clip", default=None, description="Gradient norm clipping "
-                                   "(default: 1.0; sidr: 2.0).")  # fmt: skip
-    epochs: float | None = like(LoopSettings, "epochs", default=None, description="Passes over the training set "
-                                "(fractions allowed; default: 1; sidr: 40).")  # fmt: skip
-    kq: int | None = Field(default=None, ge=1, description="Query masks K_q during training (default: the budget "
-                           "the base model's zero-shot train split selected; PromptReps: promptreps_n).")  # fmt: skip
+    adapter: Literal["lora", "full"] | None = like(
+        LoopSettings,
+        "adapter",
+        default=None,
+        description="Train LoRA adapters (peft) or every weight (full); default: lora (sidr: full).",
+    )
+    lr: float | None = like(
+        LoopSettings, "lr", default=None, description="Peak learning rate (AdamW; default: 1e-4; sidr: 2e-5)."
+    )
+    warmup_ratio: float | None = like(
+        LoopSettings,
+        "warmup_ratio",
+        default=None,
+        description="Share of the steps spent warming up (default: 0.06; sidr: one epoch).",
+    )
+    grad_clip: float | None = like(
+        LoopSettings, "grad_clip", default=None, description="Gradient norm clipping (default: 1.0; sidr: 2.0)."
+    )
+    epochs: float | None = like(
+        LoopSettings,
+        "epochs",
+        default=None,
+        description="Passes over the training set (fractions allowed; default: 1; sidr: 40).",
+    )
+    kq: int | None = Field(
+        default=None,
+        ge=1,
+        description="Query masks K_q during training (default: the budget "
+        "the base model's zero-shot train split selected; PromptReps: promptreps_n).",
+    )
     kp: int | None = Field(default=None, ge=1, description="Passage masks K_p during training (default: as K_q).")
-    batch_size: int = Field(default=8, ge=1, description="Groups per forward pass (memory); a larger pool is built "
-                            "by gradient caching.")  # fmt: skip
-    pool_size: int | None = Field(default=None, ge=1, description="Queries whose passages form one InfoNCE pool (in-"
-                                  "batch negatives), over every process (default: 32, Table 7's 8 per GPU x 4 GPUs "
-                                  "gathered; baselines: 8 per process). Beyond batch_size: gradient caching.")
-    global_batch: int | None = Field(default=None, ge=1, description="Queries per optimizer step (default: 128, as "
-                                     "the reference; a multiple of the pool). None with grad_accum: batch_size x "
-                                     "grad_accum x processes.")  # fmt: skip
-    weight_decay: float | None = Field(default=None, ge=0.0, description="AdamW weight decay (default: 0.01; the "
-                                       "baselines' scripts: 0).")  # fmt: skip
-    schedule: Schedule = Field(default="auto", description="cosine (HF, warm-up ceil(ratio x steps) from 0: the "
-                               "reference's), hf_linear (the baselines' scripts), linear (warm-up, decay); auto: the "
-                               "readout's reference.")  # fmt: skip
-    gather: Literal["auto", "yes", "no"] = Field(default="auto", description="Pool the processes' passages (the "
-                                                 "reference's DiffRetriever / PromptReps; the baselines do not).")
-    q_max_len: int | None = Field(default=None, ge=1, description="Query tokens (default: 32 text tokens; DiffEmbed "
-                                  "64, RepLLaMA 32, in all, special tokens and prefix included).")  # fmt: skip
-    p_max_len: int | None = Field(default=None, ge=1, description="Passage tokens (default: 156 text tokens; "
-                                  "DiffEmbed 256, RepLLaMA 156, in all).")  # fmt: skip
-    n_negatives: int | None = Field(default=None, ge=0, description="Hard negatives per group (default: 15; "
-                                    "DiffEmbed 7).")  # fmt: skip
-    tau: float | None = Field(default=None, gt=0, description="Temperature of the dense InfoNCE (default: 0.01; the "
-                              "baselines: 0.02).")  # fmt: skip
+    batch_size: int = Field(
+        default=8, ge=1, description="Groups per forward pass (memory); a larger pool is built by gradient caching."
+    )
+    pool_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Queries whose passages form one InfoNCE pool (in-"
+        "batch negatives), over every process (default: 32, Table 7's 8 per GPU x 4 GPUs "
+        "gathered; baselines: 8 per process). Beyond batch_size: gradient caching.",
+    )
+    global_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Queries per optimizer step (default: 128, as "
+        "the reference; a multiple of the pool). None with grad_accum: batch_size x "
+        "grad_accum x processes.",
+    )
+    weight_decay: float | None = Field(
+        default=None, ge=0.0, description="AdamW weight decay (default: 0.01; the baselines' scripts: 0)."
+    )
+    schedule: Schedule = Field(
+        default="auto",
+        description="cosine (HF, warm-up ceil(ratio x steps) from 0: the "
+        "reference's), hf_linear (the baselines' scripts), linear (warm-up, decay); auto: the "
+        "readout's reference.",
+    )
+    gather: Literal["auto", "yes", "no"] = Field(
+        default="auto",
+        description="Pool the processes' passages (the reference's DiffRetriever / PromptReps; the baselines do not).",
+    )
+    q_max_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Query tokens (default: 32 text tokens; DiffEmbed "
+        "64, RepLLaMA 32, in all, special tokens and prefix included).",
+    )
+    p_max_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Passage tokens (default: 156 text tokens; DiffEmbed 256, RepLLaMA 156, in all).",
+    )
+    n_negatives: int | None = Field(
+        default=None, ge=0, description="Hard negatives per group (default: 15; DiffEmbed 7)."
+    )
+    tau: float | None = Field(
+        default=None, gt=0, description="Temperature of the dense InfoNCE (default: 0.01; the baselines: 0.02)."
+    )
     sparse_loss: bool = Field(default=True, description="Add the sparse InfoNCE (no temperature).")
-    train_title_sep: str | None = Field(default=None, description="A training passage is title + this + text (default:"
-                                        " ' ', the reference trainer's; an empty text: the title alone); the baselines"
-                                        " read the text only.")  # fmt: skip
-    promptreps_decode: Literal["fixed", "stop"] = Field(default="fixed", description="PromptReps: decode exactly K - "
-                                                        "1 words and read all K slots (the reference's trainer), or "
-                                                        "stop at the closing quote.")  # fmt: skip
-    promptreps_n: int = Field(default=4, ge=0, description="PromptReps: the cap N trained at when kq / kp are not "
-                              "given (the paper's fine-tuning: 4; 0: the zero-shot selection).")
-    lora_head: bool | None = Field(default=None, description="LoRA on the vocabulary head too (default: LLaDA, whose "
-                                   "reference targets' ff_out matches its head).")  # fmt: skip
-    retrieved_negatives: int | None = Field(default=None, ge=1, description="SIDR: draw each step's negatives from "
-                                            "the top N of a beta search by the current query encoder over the "
-                                            "training corpus's bag-of-tokens index, judged-relevant passages "
-                                            "dropped (SIDR's in-training retrieval: N 20-100); default: the training "
-                                            "set's stored negatives.")  # fmt: skip
-    encoders: Literal["shared", "separate"] | None = Field(default=None, description="SIDR: one encoder for queries "
-                                                           "and passages (shared), or a passage encoder of its own "
-                                                           "trained beside the query encoder and saved in the model "
-                                                           "folder's passage_encoder/ (separate: SIDR's, the "
-                                                           "default; full fine-tuning only).")  # fmt: skip
+    train_title_sep: str | None = Field(
+        default=None,
+        description="A training passage is title + this + text (default:"
+        " ' ', the reference trainer's; an empty text: the title alone); the baselines"
+        " read the text only.",
+    )
+    promptreps_decode: Literal["fixed", "stop"] = Field(
+        default="fixed",
+        description="PromptReps: decode exactly K - "
+        "1 words and read all K slots (the reference's trainer), or "
+        "stop at the closing quote.",
+    )
+    promptreps_n: int = Field(
+        default=4,
+        ge=0,
+        description="PromptReps: the cap N trained at when kq / kp are not "
+        "given (the paper's fine-tuning: 4; 0: the zero-shot selection).",
+    )
+    lora_head: bool | None = Field(
+        default=None,
+        description="LoRA on the vocabulary head too (default: LLaDA, whose "
+        "reference targets' ff_out matches its head).",
+    )
+    retrieved_negatives: int | None = Field(
+        default=None,
+        ge=1,
+        description="SIDR: draw each step's negatives from "
+        "the top N of a beta search by the current query encoder over the "
+        "training corpus's bag-of-tokens index, judged-relevant passages "
+        "dropped (SIDR's in-training retrieval: N 20-100); default: the training "
+        "set's stored negatives.",
+    )
+    encoders: Literal["shared", "separate"] | None = Field(
+        default=None,
+        description="SIDR: one encoder for queries "
+        "and passages (shared), or a passage encoder of its own "
+        "trained beside the query encoder and saved in the model "
+        "folder's passage_encoder/ (separate: SIDR's, the "
+        "default; full fine-tuning only).",
+    )
 
     def recorded(self) -> dict[str, Any]:
         """The settings as a trained model's hash records them: a setting added later is left out while it is off,
@@ -185,19 +250,36 @@ class TrainSettings(LoopSettings):
         if readout == "sidr":  # SIDR's (jzhoubu/sidr): batch 128 gathered, 1 hard negative, query 128, passage 256
             epochs = self.epochs or 40.0
             pick: dict[str, Any] = {
-                "adapter": "full", "lr": 2e-5, "warmup_ratio": min(1.0, 1.0 / epochs), "grad_clip": 2.0,
-                "epochs": epochs, "kq": 1, "kp": 1, "weight_decay": 0.0, "pool_size": 128, "global_batch": 128,
-                "n_negatives": 1, "q_max_len": 128, "p_max_len": 256, "train_title_sep": " ", "tau": 1.0,
+                "adapter": "full",
+                "lr": 2e-5,
+                "warmup_ratio": min(1.0, 1.0 / epochs),
+                "grad_clip": 2.0,
+                "epochs": epochs,
+                "kq": 1,
+                "kp": 1,
+                "weight_decay": 0.0,
+                "pool_size": 128,
+                "global_batch": 128,
+                "n_negatives": 1,
+                "q_max_len": 128,
+                "p_max_len": 256,
+                "train_title_sep": " ",
+                "tau": 1.0,
                 "encoders": "separate",
-            }  # fmt: skip
+            }
             update = {k: v for k, v in pick.items() if getattr(self, k) is None}
-            update.update(schedule="hf_linear" if self.schedule == "auto" else self.schedule,
-                          gather="yes" if self.gather == "auto" else self.gather)  # fmt: skip
+            update.update(
+                schedule="hf_linear" if self.schedule == "auto" else self.schedule,
+                gather="yes" if self.gather == "auto" else self.gather,
+            )
             return self.model_copy(update=update)
         base = readout in BASELINES
         loop = LoopSettings()
         pick = {
-            "adapter": loop.adapter, "lr": loop.lr, "warmup_ratio": loop.warmup_ratio, "grad_clip": loop.grad_clip,
+            "adapter": loop.adapter,
+            "lr": loop.lr,
+            "warmup_ratio": loop.warmup_ratio,
+            "grad_clip": loop.grad_clip,
             "epochs": loop.epochs,
             "tau": 0.02 if base else 0.01,
             "weight_decay": 0.0 if base else 0.01,
@@ -249,6 +331,7 @@ def planned_steps(n_groups: int, s: LoopSettings, world: int = 1) -> tuple[int, 
 def _dims(raw: dict[str, Any]) -> dict[str, int] | None:
     """Hidden size, feed-forward width, layers and vocabulary of a model's config.json (its names for them across
     families: BERT / Qwen2 / Llama, OLMo-style LLaDA, GPT-2); None when they are not all there."""
+
     def first(*keys: str) -> int | None:
         return next((int(raw[k]) for k in keys if isinstance(raw.get(k), int)), None)
 
@@ -257,12 +340,17 @@ def _dims(raw: dict[str, Any]) -> dict[str, int] | None:
     vocab = first("vocab_size", "embedding_size")
     if not (h and layers and vocab):
         return None
-    return {"h": h, "i": first("intermediate_size", "mlp_hidden_size", "n_inner") or 4 * h, "layers": layers,
-            "vocab": vocab}  # fmt: skip
+    return {
+        "h": h,
+        "i": first("intermediate_size", "mlp_hidden_size", "n_inner") or 4 * h,
+        "layers": layers,
+        "vocab": vocab,
+    }
 
 
-def training_memory(raw: dict[str, Any], s: TrainSettings, sparse: bool, bf16: bool, world: int = 1,
-                    weight_bytes: int = 4) -> dict[str, int] | None:  # fmt: skip
+def training_memory(
+    raw: dict[str, Any], s: TrainSettings, sparse: bool, bf16: bool, world: int = 1, weight_bytes: int = 4
+) -> dict[str, int] | None:
     """What one process's training step needs at its peak, estimated from the model's config.json before anything
     is loaded (bytes by part; None when the config lacks the sizes): the weights (and, for full fine-tuning, their
     gradients and AdamW's two moments), the activations of one forward pass over ``batch_size`` groups (a query and
@@ -288,8 +376,9 @@ def training_memory(raw: dict[str, Any], s: TrainSettings, sparse: bool, bf16: b
     chunk = min(int(s.batch_size), pool)
     tokens = chunk * (int(s.q_max_len or 32) + kq) + chunk * per_group * (int(s.p_max_len or 156) + kp)
     act = 2 if bf16 else 4
-    per_token = layers * h * act + (8 * h + 3 * inter) * act if s.gradient_checkpointing else \
-        layers * (8 * h + 3 * inter) * act  # fmt: skip
+    per_token = (
+        layers * h * act + (8 * h + 3 * inter) * act if s.gradient_checkpointing else layers * (8 * h + 3 * inter) * act
+    )
     params = layers * (4 * h * h + 3 * h * inter) + vocab * h
     slots = chunk * kq + chunk * per_group * kp
     pool_texts = pool * (1 + per_group) * world if s.gather == "yes" else pool * (1 + per_group)
