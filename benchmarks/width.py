@@ -114,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    def step(what: str, choice: str, folder: str, fn: Any, patterns: list[str], per: str = "passage") -> Any:
+    def step(what: str, choice: str, stage: str, fn: Any, patterns: list[str], per: str = "passage") -> Any:
         with Peak() as p:
             res = fn()
         store = ArtifactStore(root)
@@ -125,7 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "artifact": what,
                 "choice": choice,
-                "stage": folder,
+                "stage": stage,
                 "bytes": total,
                 "files": files,
                 "per": per,

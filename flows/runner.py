@@ -27,11 +27,11 @@ def flow_name(command: str) -> str:
     return command.replace("-", "_") + "_flow"
 
 
-def flow_ref(folder: str) -> tuple[str, str]:
+def flow_ref(stage: str) -> tuple[str, str]:
     """(module, function) of a stage's Prefect flow (generated, named after the stage's command)."""
     from diffret.stages import stages
 
-    return ("diffret.flows.stage_flows", flow_name(stages()[folder].command))
+    return ("diffret.flows.stage_flows", flow_name(stages()[stage].command))
 
 
 def flows() -> dict[str, tuple[str, str]]:
@@ -173,7 +173,7 @@ def run_name() -> str:
     return describe_run(flow_run.flow_name, flow_run.parameters.get("config"))
 
 
-def describe_run(folder: str, config: Any) -> str:
+def describe_run(stage: str, config: Any) -> str:
     """``stage``, then the dataset(s) and the system(s) a config names (a model's folder name for a backbone).
 
     >>> describe_run("encode", {"dataset": "scifact", "backbone": {"model": "/m/splade-tiny"},
@@ -198,7 +198,7 @@ def describe_run(folder: str, config: Any) -> str:
     if not system and isinstance(config.get("backbone"), dict):
         readout = config.get("readout") if isinstance(config.get("readout"), dict) else {}
         system = " ".join(x for x in (tail(config["backbone"].get("model")), readout.get("readout")) if x)
-    return " ".join(str(x) for x in (folder, dataset, system) if x)
+    return " ".join(str(x) for x in (stage, dataset, system) if x)
 
 
 class ArtifactProgress:

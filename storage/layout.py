@@ -52,9 +52,9 @@ def check_partition_value(key: str, value: object) -> str:
     return text
 
 
-def partition(folder: str, **parts: object) -> str:
+def partition(stage: str, **parts: object) -> str:
     """``stage/k1=v1/k2=v2`` with every value checked."""
-    segs = [folder] + [f"{k}={check_partition_value(k, v)}" for k, v in parts.items()]
+    segs = [stage] + [f"{k}={check_partition_value(k, v)}" for k, v in parts.items()]
     return "/".join(segs)
 
 

@@ -133,9 +133,9 @@ class Manifest(BaseModel):
     files_hash: str | None = None  # of ``files`` (sha256, bytes, rows) when written; None in older manifests
 
     @classmethod
-    def new(cls, folder: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None) -> Manifest:
+    def new(cls, stage: str, partition: dict[str, str], config: dict[str, Any], stats: dict | None = None) -> Manifest:
         return cls(
-            stage=folder,
+            stage=stage,
             partition=partition,
             config=config,
             config_hash=config_hash(config),

@@ -359,7 +359,7 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         return config_hash({"folders": parts})
 
     def list_partitions(self, folder: str, key: str) -> list[str]:
-        """Values of the first partition key under ``stage`` that have a manifest."""
+        """Values of the first partition key under ``folder`` that have a manifest."""
         base = self.abspath(folder)
         if not self.fs.exists(base):
             return []

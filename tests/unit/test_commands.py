@@ -31,8 +31,8 @@ COMMANDS = {stage: stage for stage in stages()}
 CONFIGS = {name: st.config for name, st in stages().items()} | {"encode": EncodeConfig, "run": PipelineConfig}
 
 
-def command_of(folder: str) -> str:
-    return "run" if folder == "run" else COMMANDS[folder]
+def command_of(stage: str) -> str:
+    return "run" if stage == "run" else COMMANDS[stage]
 
 
 def _inner(annotation):  # noqa: ANN001, ANN202
@@ -87,16 +87,16 @@ def help_segments(command: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("stage", list(CONFIGS))
-def test_help_lists_every_field_with_its_description_and_default(folder: str) -> None:
-    expected = expected_fields(CONFIGS[folder])
-    shown = help_segments(command_of(folder))
-    allowed = {"--root", "--force", "--prefect", "--help"} | ({"--dry-run"} if folder == "run" else set())
+def test_help_lists_every_field_with_its_description_and_default(stage: str) -> None:
+    expected = expected_fields(CONFIGS[stage])
+    shown = help_segments(command_of(stage))
+    allowed = {"--root", "--force", "--prefect", "--help"} | ({"--dry-run"} if stage == "run" else set())
     assert set(shown) - set(expected) - allowed == set(), "options beside the config's"
     assert set(expected) - set(shown) == set(), "config fields without an option"
     for name, (description, default) in expected.items():
         text = shown[name]
         words = " ".join((description or "").split())[:40]
-        assert words and words in text, (folder, name, words, text)
+        assert words and words in text, (stage, name, words, text)
         if default not in (None, PydanticUndefined) and not isinstance(default, BaseModel | dict | bool):
             value = (
                 ",".join(map(str, default))
@@ -104,9 +104,9 @@ def test_help_lists_every_field_with_its_description_and_default(folder: str) ->
                 else default
             )
             if isinstance(default, list) and not all(isinstance(x, int) for x in default):
-                assert f"(default: {', '.join(map(str, default))})" in text, (folder, name, text)
+                assert f"(default: {', '.join(map(str, default))})" in text, (stage, name, text)
             else:
-                assert f"default: {value}]" in text, (folder, name, text)  # "[env var: X; default: Y]" too
+                assert f"default: {value}]" in text, (stage, name, text)  # "[env var: X; default: Y]" too
 
 
 def _models(model: type[BaseModel], seen: set) -> list[type[BaseModel]]:

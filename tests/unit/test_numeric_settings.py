@@ -94,9 +94,9 @@ CASES = [(stage, *f) for stage, cls in CONFIGS.items() for f in numeric_fields(c
 IDS = [f"{stage}:{'.'.join(path)}" for stage, path, *_ in CASES]
 
 
-def _with(folder: str, path: tuple[str, ...], value: object) -> dict:
+def _with(stage: str, path: tuple[str, ...], value: object) -> dict:
     """The stage's valid config with ``value`` at ``path`` (nested settings made from their defaults)."""
-    data = CONFIGS[folder].model_validate(BASE[folder]).model_dump(mode="json")
+    data = CONFIGS[stage].model_validate(BASE[stage]).model_dump(mode="json")
     node = data
     for key in path[:-1]:
         if node.get(key) is None:
@@ -106,12 +106,12 @@ def _with(folder: str, path: tuple[str, ...], value: object) -> dict:
     return data
 
 
-def refused(folder: str, path: tuple[str, ...], value: object) -> str:
+def refused(stage: str, path: tuple[str, ...], value: object) -> str:
     """The error of ``value`` at ``path``, which must be a ValidationError located at that field."""
     with pytest.raises(ValidationError) as caught:
-        CONFIGS[folder].model_validate(_with(folder, path, value))
+        CONFIGS[stage].model_validate(_with(stage, path, value))
     located = [e for e in caught.value.errors() if [x for x in e["loc"] if x in path] == list(path)]
-    assert located, (folder, path, value, caught.value.errors())
+    assert located, (stage, path, value, caught.value.errors())
     return located[0]["msg"]
 
 
@@ -143,17 +143,17 @@ def test_the_cases_cover_every_stage_and_the_nested_settings() -> None:
 
 @pytest.mark.parametrize(("stage", "path", "typ", "bounds", "is_list"), CASES, ids=IDS)
 def test_a_number_that_is_not_finite_or_out_of_range_is_refused(
-    folder: str, path: tuple, typ: type, bounds: dict, is_list: bool
+    stage: str, path: tuple, typ: type, bounds: dict, is_list: bool
 ) -> None:
     wrap = (lambda v: [v]) if is_list else (lambda v: v)
     for bad in (math.nan, math.inf, -math.inf, "nan", "inf", "-inf"):
-        refused(folder, path, wrap(bad))
-    assert "ge" in bounds or "gt" in bounds, f"{folder}: {'.'.join(path)} declares no lower bound"
+        refused(stage, path, wrap(bad))
+    assert "ge" in bounds or "gt" in bounds, f"{stage}: {'.'.join(path)} declares no lower bound"
     for kind, bound in bounds.items():
-        refused(folder, path, wrap(outside(kind, bound, typ)))
+        refused(stage, path, wrap(outside(kind, bound, typ)))
         inside = bound if kind in ("ge", "le") else outside({"gt": "le", "lt": "ge"}[kind], bound, typ)
         try:  # the bound itself (or the nearest value inside) is not what refuses it
-            CONFIGS[folder].model_validate(_with(folder, path, wrap(inside)))
+            CONFIGS[stage].model_validate(_with(stage, path, wrap(inside)))
         except ValidationError as exc:
             assert not [
                 e
