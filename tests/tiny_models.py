@@ -108,6 +108,8 @@ def bpe_chat_tokenizer(mask: bool = True):
     )
     corpus = [" ".join(_all_words())] * 3 + list(TEXTS.values()) * 3
     folder = resources.files("diffret.retrieval.models") / "prompts"
+    # the prompt files verbatim, comments included: editing any of them changes these tokenizers' merges (e.g. whether
+    # "Answer: 0" ends in one token, which the rerankers' tests need)
     corpus += [p.read_text() for p in folder.iterdir() if p.name.endswith(".yaml")]
     tk.train_from_iterator(corpus, trainer=trainer)
     return _wrap(tk, eos="<|im_end|>", pad="<|endoftext|>", mask=mask)

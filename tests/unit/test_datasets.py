@@ -14,8 +14,8 @@ from conftest import write_beir
 from diffret.retrieval.data.collections import DatasetError
 from diffret.retrieval.data.sources import resolve_source
 from diffret.stages.download import materialise
-from diffret.storage import ArtifactStore, ConfigDriftError, StoreError
-from diffret.storage.sql import StoreSQL
+from diffret.storage import ArtifactStore, ConfigDriftError
+from diffret.storage.sql import DamagedFolderWarning, StoreSQL
 
 
 def _download(
@@ -228,13 +228,14 @@ def test_sql_views_see_only_complete_stages(tmp_path, tiny_beir):
         assert db.query("select count(*) from corpus")[1] == [(0,)]
         assert db.query("select count(*) from manifests")[1] == [(0,)]
     _download(tmp_path, tiny_beir, root=root)
-    # a folder of files without a manifest is damage: the view that would read it fails, naming it; others work
+    # a folder of files without a manifest is damage: the view that would read it leaves it out, with a warning
+    # naming it; the complete folders are read
     stray = root / "datasets" / "dataset=stray"
     stray.mkdir(parents=True)
     shutil.copy(root / "datasets" / "dataset=tiny" / "corpus.parquet", stray / "corpus.parquet")
     with StoreSQL(ArtifactStore(root)) as db:
-        with pytest.raises(StoreError, match="dataset=stray: files without a manifest"):
-            db.query("select dataset, count(*) from corpus group by 1")
+        with pytest.warns(DamagedFolderWarning, match="dataset=stray.*files without a manifest"):
+            assert db.query("select dataset, count(*) from corpus group by 1")[1] == [("tiny", 3)]
     shutil.rmtree(stray)
     with StoreSQL(ArtifactStore(root)) as db:
         assert db.query("select dataset, count(*) from corpus group by 1")[1] == [("tiny", 3)]
