@@ -425,7 +425,7 @@ def _index_bytes(result: dict[str, Any]) -> dict[str, dict[int, float]]:
 def plans(result: dict[str, Any], plan_store: str) -> dict[str, list[tuple[str, float]]]:
     """Each plan's terms (name, bytes at MS MARCO) for one 7B model over the grid: HEAD's, the defaults', and the
     recommended one (encodings under ``plan_store`` + the codes index at the operating point)."""
-    proj = _proj(result)
+    proj = projection(result)
     idx = _index_bytes(result)
     h, hi, lo = result["hidden"], max(result["kp"]), min(result["kp"])
     # an IVF_PQ index's own bytes a vector, from the smallest K_p (table with and without it), when measured
@@ -498,10 +498,6 @@ def quality_table(quality: dict[str, Any], hidden: int) -> list[str]:
             )
         out.append("")
     return out
-
-
-def _proj(result: dict[str, Any]) -> dict[str, dict[str, float]]:
-    return projection(result)
 
 
 def render(result: dict[str, Any], quality: dict[str, Any] | None, plan_store: str = "residual:4") -> str:
