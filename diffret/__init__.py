@@ -19,9 +19,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-# The subpackages (flows, stages, storage, retrieval, tasks, queries) are the repository's top-level folders, linked
-# here (diffret/flows -> ../flows, ...): one package on disk that an install, an IDE and import-linter all read alike.
-
+# The one version: pyproject.toml reads it from here (dynamic), manifests record it through the installed metadata.
 __version__ = "0.2.0"
 
 _API = {

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,9 +130,40 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds[group] = _seconds.get(group, 0.0) + report.duration
 
 
+def duplicate_modules() -> list[list[str]]:
+    """The loaded modules of this checkout (the library, the tests) that share a file with another loaded module, in
+    groups: every file has one module name, so this is empty (a root on the path, or a doctest imported by its file
+    path, would load a module a second time, with its own caches and classes)."""
+    seen: dict[str, list[str]] = {}
+    root = str(REPO) + os.sep
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and os.path.realpath(file).startswith(root):
+            seen.setdefault(os.path.realpath(file), []).append(name)
+    return sorted(sorted(names) for names in seen.values() if len(names) > 1)
+
+
+_worker_duplicates: list[list[str]] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001
+    """The controller collects each xdist worker's duplicate modules (``pytest_sessionfinish`` on the worker)."""
+    _worker_duplicates.extend(getattr(node, "workeroutput", {}).get("duplicate_modules", []))
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if session.config.getoption("--record-durations") and not WORKER and _seconds:
         DURATIONS.write_text(json.dumps({g: round(s, 1) for g, s in sorted(_seconds.items())}, indent=1) + "\n")
+    # after the whole session (every worker's): no two loaded modules share a file, or the run fails
+    duplicates = duplicate_modules()
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["duplicate_modules"] = duplicates
+        return
+    duplicates += _worker_duplicates
+    if duplicates:
+        sys.stderr.write(f"\nFAILED: modules loaded under two names (one file each): {duplicates}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The Prefect deployments users deploy (``prefect.yaml``), generated from the stage registry: a deployment per
 stage (its command's name; its description and default parameters from the stage class's ``deployment`` and
-``example``; its flow from flows/stage_flows.py or the stage's own flow module) and the pipeline's.
+``example``; its flow from diffret/flows/stage_flows.py or the stage's own flow module) and the pipeline's.
 
 ``diffret deployments`` prints the file, ``diffret deployments --write`` rewrites ``prefect.yaml`` in the
 current folder; tests/unit/test_commands.py checks that the file in the repository is what this module writes.
@@ -22,7 +22,8 @@ HEADER = """# Prefect deployments of diffret (Prefect 3.8.8). See docs/operation
 #   prefect worker start --pool diffret-process
 #   prefect deployment run 'download/download' --param config='{"name": "scifact"}'
 #
-# `prefect deploy` must run from the repository root (entrypoints are relative to it).
+# `prefect deploy` runs from the repository root (the default store root ./diffret-store is relative to it); the
+# entrypoints are modules of the installed diffret, by their one import name.
 name: diffret
 prefect-version: 3.8.8
 
@@ -37,8 +38,8 @@ build:
 push: null
 
 # Runs at the start of every flow run, in the worker's flow-run process (which a process worker
-# starts in a fresh temporary folder): move into the checkout so that the entrypoint, and relative
-# paths such as the default store root ./diffret-store, resolve against the repository.
+# starts in a fresh temporary folder): move into the checkout so that relative
+# paths such as the default store root ./diffret-store resolve against the repository.
 pull:
 - prefect.deployments.steps.set_working_directory:
     directory: '{{ repo-root.stdout }}'
@@ -103,7 +104,6 @@ def _yaml(value: Any, indent: int) -> list[str]:
 
 def _deployment(name: str, entrypoint: tuple[str, str], description: str, example: dict[str, Any]) -> str:
     module, fn = entrypoint
-    path = module.removeprefix("diffret.").replace(".", "/")  # the file in the repository
     folded = textwrap.wrap(" ".join(description.split()), 106, break_long_words=False, break_on_hyphens=False)
     lines = [
         f"- name: {name}",
@@ -111,7 +111,7 @@ def _deployment(name: str, entrypoint: tuple[str, str], description: str, exampl
         "  tags: *diffret_tags",
         "  description: >-",
         *(f"    {line}" for line in folded),
-        f"  entrypoint: {path}.py:{fn}",
+        f"  entrypoint: {module}:{fn}",  # the module by its one import name (a file path would load a second copy)
         "  parameters:",
         "    config:",
         *_yaml({"root": DEFAULT_ROOT, **example}, 6),
@@ -138,7 +138,7 @@ def render() -> str:
     """The whole ``prefect.yaml``.
 
     >>> text = render()
-    >>> "entrypoint: flows/stage_flows.py:score_flow" in text and "- name: training-data" in text
+    >>> "entrypoint: diffret.flows.stage_flows:score_flow" in text and "- name: training-data" in text
     True
     """
     body = "\n\n".join(_deployment(d["name"], d["entrypoint"], d["description"], d["example"]) for d in deployments())

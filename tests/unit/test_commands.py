@@ -132,18 +132,14 @@ def test_every_config_field_has_a_description() -> None:
 
 
 def test_every_prefect_deployment_validates_against_its_config() -> None:
-    by_flow = {
-        f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": CONFIGS[stage]
-        for stage, (module, fn) in flows().items()
-    }
-    by_flow["flows/pipeline.py:pipeline_flow"] = PipelineConfig
+    by_flow = {f"{module}:{fn}": CONFIGS[stage] for stage, (module, fn) in flows().items()}
+    by_flow["diffret.flows.pipeline:pipeline_flow"] = PipelineConfig
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     assert {d["entrypoint"] for d in deployments} == set(by_flow), "a stage without a deployment, or the reverse"
     for d in deployments:
         config = by_flow[d["entrypoint"]].model_validate(d["parameters"]["config"])
         assert config.root, d["name"]
-        path, fn = d["entrypoint"].split(":")
-        module = path.removesuffix(".py").replace("/", ".")
+        module, fn = d["entrypoint"].split(":")
         assert getattr(importlib.import_module(module), fn) is not None
 
 

@@ -90,7 +90,7 @@ print(json.dumps({
 
 def _sources() -> dict[str, bytes]:
     """The files adding a stage used to need edits in: the registry, the flows, the CLI and prefect.yaml."""
-    files = [*(REPO / "stages").glob("*.py"), *(REPO / "flows").glob("*.py"), REPO / "prefect.yaml"]
+    files = [*(REPO / "diffret" / "stages").glob("*.py"), *(REPO / "diffret" / "flows").glob("*.py"), REPO / "prefect.yaml"]
     return {str(f.relative_to(REPO)): f.read_bytes() for f in files}
 
 
@@ -124,7 +124,7 @@ def test_a_toy_stage_in_its_own_package_gets_command_flow_and_deployment(tmp_pat
     assert "tokenize:" not in got["again"][1]  # nothing left to tokenize: not mentioned
     assert (tmp_path / "store" / "toys" / "name=you" / "greeting.txt").read_text() == "hello hello hello "
     assert got["flow"] == "toy" and {"name", "times", "root", "force"} <= set(got["form"])
-    assert "- name: toy\n" in got["yaml"] and "entrypoint: flows/stage_flows.py:toy_flow" in got["yaml"]
+    assert "- name: toy\n" in got["yaml"] and "entrypoint: diffret.flows.stage_flows:toy_flow" in got["yaml"]
     assert "      name: world\n" in got["yaml"] and "Write a greeting into the store." in got["yaml"]
     assert _sources() == before  # no file of the stage registry, the flows or the deployments was touched
 

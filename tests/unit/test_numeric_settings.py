@@ -33,10 +33,8 @@ CONFIGS = {name: st.config for name, st in stages().items()} | {"run": PipelineC
 
 def _base_data() -> dict[str, dict]:
     """A valid config of each stage: its Prefect deployment's parameters (prefect.yaml, validated by test_commands)."""
-    by_flow = {
-        f"{module.removeprefix('diffret.').replace('.', '/')}.py:{fn}": stage for stage, (module, fn) in flows().items()
-    }
-    by_flow["flows/pipeline.py:pipeline_flow"] = "run"
+    by_flow = {f"{module}:{fn}": stage for stage, (module, fn) in flows().items()}
+    by_flow["diffret.flows.pipeline:pipeline_flow"] = "run"
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     return {by_flow[d["entrypoint"]]: d["parameters"]["config"] for d in deployments}
 

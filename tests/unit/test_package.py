@@ -1,13 +1,18 @@
 """diffret installs one import name: the wheel built from this checkout holds one top-level package, `diffret`
-(the repository's folders flows, stages, storage, ... mapped as its subpackages, with their data files), and
-the code imports itself only through it (a second top-level name would load a module twice)."""
+(its real subfolders flows, stages, storage, ..., with their data files), the code imports itself only through it,
+and every file has one module name: the repository root is not an import path of an install, so `import storage`
+fails outside the checkout, and no two loaded modules share a file (a second name would load a module twice)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import zipfile
 
-from conftest import REPO
+from conftest import REPO, duplicate_modules
 
 OLD_NAMES = ("flows", "tasks", "stages", "storage", "queries", "retrieval")
 
@@ -19,8 +24,7 @@ def test_the_wheel_holds_every_module_and_installs_outside_the_checkout(wheel_en
     names = zipfile.ZipFile(wheel_env.wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"diffret"}, top
-    sources = {f"diffret/{p.relative_to(REPO).as_posix()}" for f in OLD_NAMES for p in (REPO / f).rglob("*.py")}
-    sources |= {f"diffret/{p.name}" for p in (REPO / "diffret").glob("*.py")}
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "diffret").rglob("*.py")}
     assert len(sources) > 120 and sources - set(names) == set(), sorted(sources - set(names))
     for path in (
         "diffret/queries/30_results.sql",
@@ -51,10 +55,51 @@ def test_the_code_imports_itself_through_diffret_only() -> None:
         rf"(?:^|\\n|[;\"']|>>> )\s*(?:from ({names})[. ]|import (?:[\w.]+(?: as \w+)?, )*({names})\b)", re.M
     )
     found = []
-    for folder in (*OLD_NAMES, "diffret", "tests", "benchmarks", "examples"):
+    for folder in ("diffret", "tests", "benchmarks", "examples"):
         for path in (REPO / folder).rglob("*.py"):
             for m in pattern.finditer(path.read_text()) if path.name != "test_package.py" else ():
                 found.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
     assert found == []
     assert pattern.search("x = 'import os, time, stages.encode as enc'") and not pattern.search("import os, time")
     assert pattern.search("  >>> from storage import X") and not pattern.search(">>> from diffret.storage import X")
+
+
+def test_only_diffret_is_importable_from_the_install_and_every_file_has_one_name(tmp_path) -> None:
+    """The environment's own install (CI: `pip install -e ".[dev]"` in a fresh venv), run outside the checkout with no
+    PYTHONPATH: the design card's top-level names do not import, every module of diffret does, each from its file under
+    diffret/, and no two of the modules loaded share a file. The root folders hold no Python code."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    for name in (*OLD_NAMES, "tasks"):
+        p = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, env=env, capture_output=True)
+        assert p.returncode != 0 and b"No module named" in p.stderr, (name, p.stderr[-500:])
+    modules = sorted(
+        p.relative_to(REPO).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+        for p in (REPO / "diffret").rglob("*.py")
+    )
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print(json.dumps({k: getattr(v, '__file__', None) for k, v in list(sys.modules.items())}))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = json.loads(p.stdout.splitlines()[-1])
+    for m in modules:
+        assert os.path.realpath(files[m]).startswith(str(REPO / "diffret") + os.sep), (m, files[m])
+    seen: dict[str, list[str]] = {}
+    for name, f in files.items():
+        if f and os.path.realpath(f).startswith(str(REPO) + os.sep):  # this checkout's (a library may alias its own)
+            seen.setdefault(os.path.realpath(f), []).append(name)
+    assert [names for names in seen.values() if len(names) > 1] == []
+    for folder in OLD_NAMES:
+        assert not list((REPO / folder).rglob("*.py")), f"{folder}/ at the root holds Python code: a second name"
+        assert (REPO / "diffret" / folder).is_dir() and not (REPO / "diffret" / folder).is_symlink()
+
+
+def test_no_two_modules_loaded_in_this_process_share_a_file() -> None:
+    """What the session hook (tests/conftest.py) checks after every test of every worker, here at this point: a
+    module imported under two names (the root on the path, a doctest imported by its path) would show."""
+    import diffret.storage.sql  # noqa: F401  (some library modules are loaded in any case)
+
+    assert duplicate_modules() == []
