@@ -3,28 +3,46 @@ GPU (docs/operations.md, "The device check"). Random weights (``--load-format ra
 memory, never retrieval results.
 
     python benchmarks/device_prepare.py                       # here, once: .dev/ (wheels, a SciFact subset, tokenizers)
+    python benchmarks/device_check.py --plan                  # the plan: each part's time budget, from the H100 rates
     python benchmarks/device_check.py --out OUT               # on the GPU (the tool call in docs/operations.md)
-    python benchmarks/device_check.py --tiny --out /tmp/dc    # the same end to end on a CPU, tiny shapes, in minutes
+    python benchmarks/device_check.py --tiny --device cpu --dtype float32 --out /tmp/dc   # the same on a CPU
 
-Parts, each timed on its own, run as stages, score, tests, encode (``--parts``; no part or case starts past
-``--deadline-s``, and the tables say which were left out):
+The plan is stated before anything runs: each part gets a time budget (``--budget NAME=SECONDS`` changes one), sized
+from the rates measured on an H100 so that the parts sum to at most 540 s; sizes are cut to fit (passages, rows,
+repeats), never parts. Each part runs in a process of its own (a session of its own) under its budget as a timeout:
+an error in one (its traceback recorded), a crash, or a hang (its whole process tree killed at the budget) ends that
+part alone and the next one runs; every subprocess a part starts (the CLI, pytest) has its own timeout too. A part
+writes its figures as it measures them and OUT/device_check.json is written again (atomically) after every part, so
+whatever fails, every figure measured before it is kept. The parts, in order:
 
 1. ``stages``: the CLI (``python -m diffret.flows.cli``, ``--no-prefect``) on the SciFact subset with a Dream-7B-shaped
    random network in bfloat16: download (a local folder) -> tokenize -> encode (K 1 and 16, one Dask worker on the
    GPU) -> score (every mode) -> late (score's multi_dense top 100 re-scored at K_p = 4, which encodes the candidates)
-   -> evaluate; each command's wall time and the GPU's peak memory in use (NVML, the whole device, sampled every
-   50 ms).
-2. ``encode``: ``encode_rows`` against a bare trunk loop over the same rows (the same bidirectional mask, padded on
-   the device beforehand, the slots gathered and copied back once), Dream-7B and LLaDA-8B shapes, 115- and 268-token
-   rows, batch 32 and 128, K = 16, and K = 16 over K = 1 time; at batch 32, the code before (``.dev/before``, on the
-   same network in the same process) for its speed and its encodings, byte for byte.
-3. ``score``: ``search_pass`` on the stored encodings of part 1 (H = 3,584, K_q = K_p = 16, multi_dense), and on them
-   tiled to ``--score-passages``, against a bare batched matmul + max + sum (the reference's MaxSim: each query slot's
-   best clamped at 0) + top-k over the same tensors.
-4. ``tests``: the unit tests that need a GPU (they skip without one): the readout's synchronisation check, SIDR's
+   -> evaluate; each command's wall time and the GPU's peak memory in use (NVML: the whole device).
+2. ``score``: ``search_pass`` on the stored encodings of part 1 (H = 3,584, K_q = K_p = 16, multi_dense; random
+   vectors of the same shapes when part 1 left none), and on them tiled to ``--score-passages``, against a bare
+   batched matmul + max + sum (the reference's MaxSim: each query slot's best clamped at 0) + top-k over the same
+   tensors.
+3. ``tests``: the unit tests that need a GPU (they skip without one): the readout's synchronisation check, SIDR's
    batch readout, scoring on CUDA.
+4. ``encode_dream`` and 5. ``encode_llada``: ``encode_rows`` against a bare trunk loop over the same rows (the same
+   bidirectional mask, padded on the device beforehand, the slots gathered and copied back once), at Dream-7B and
+   LLaDA-8B shapes, 115- and 268-token rows, batch 32 and 128, K = 16, and K = 16 over K = 1 time; at the first batch,
+   the code before (``.dev/before``, on the same network in the same process) for its speed and its encodings, byte
+   for byte.
 
-The last lines printed are the summary table; every number goes to OUT/device_check.json and the logs to OUT.
+Every part records the peak GPU memory its own process allocated (``torch.cuda.max_memory_allocated``, reset when the
+part starts; per case for the encode benchmark) and the device's peak memory in use while it ran (NVML, which counts
+the subprocesses: the CLI's and pytest's); both None on a CPU.
+
+Failure injection, for the tests of this script (tests/e2e/test_device_check.py): ``--fail-part NAME`` raises an
+error in that part right after its first figure is recorded; ``--hang-part NAME`` makes a process of that part hang
+until its timeout kills it: in ``stages`` the command after the first (tokenize, once download's figure is recorded),
+in ``tests`` the pytest run, in the others (which start no subprocess) the part's own process, as it starts.
+
+The last lines printed are the summary tables; every number goes to OUT/device_check.json, each part's own figures
+to OUT/part-NAME.json, the CLI's output to OUT/stages.log and pytest's to OUT/gpu_tests.log. ``python
+benchmarks/scale_docs.py --device-check OUT/device_check.json`` renders docs/scale.md's GPU section from them.
 """
 
 from __future__ import annotations
@@ -36,32 +54,173 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DEV = REPO / ".dev"
-DATA = DEV / "data" / "scifact-sub"
-MODELS = DEV / "models"
-BEFORE = DEV / "before"
 NLTK = REPO / "tests" / "unit" / "data" / "nltk_data"
 SHAPES = {"dream": "dream-7b", "llada": "llada-8b"}
 TINY = {"dream": None, "llada": None}  # --tiny: the tokenizer folders' own (tiny) shapes
+HIDDEN = {"dream-7b": 3584, "llada-8b": 4096}
 T0 = time.perf_counter()
+
+PARTS = ("stages", "score", "tests", "encode_dream", "encode_llada")
+# One call of the device tool: what the parts' budgets sum to at most (the call's own limit is 600 s; the wheels'
+# install and this script's start take the rest).
+CALL_S = 540
+# Each part's budget (its timeout) on a GPU; --tiny: on a CPU, tiny shapes (the smoke test cuts the sizes further).
+GPU_BUDGET = {"stages": 200, "score": 35, "tests": 55, "encode_dream": 105, "encode_llada": 105}
+TINY_BUDGET = {"stages": 180, "score": 60, "tests": 90, "encode_dream": 60, "encode_llada": 60}
+# The rates the plan is sized from, measured on an H100 in bfloat16 (random weights, Dream-7B shape): passages a
+# second by row length, and a 7-8B random network built in 20-40 s (the slower end taken).
+H100_DOCS_S = {115: 280.0, 268: 130.0}
+PARAMS = {"dream": 7.62e9, "llada": 8.02e9}  # LLaDA-8B's rate: Dream-7B's scaled by the parameter count
+BUILD_S = 40.0
+START_S = 10.0  # a Python process importing torch and diffret (a part, a CLI command), assumed
+FP32_TFLOPS = 50.0  # exact scoring is float32 (reference-faithful): an H100's float32 rate, assumed
+HANG = [sys.executable, "-c", "import time\nwhile True:\n    time.sleep(60)"]
 
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
-# --------------------------------------------------------------------------------------------- GPU memory
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path``, atomically (a reader sees the old file or the new one, never half of one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to the process ``pid`` (a session leader), its process group, and every process below it, those that
+    started sessions of their own (a Dask worker, a CLI command) included."""
+    below = []
+    with contextlib.suppress(Exception):
+        import psutil
+
+        below = psutil.Process(pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in below:
+        with contextlib.suppress(Exception):
+            os.killpg(p.pid, signal.SIGKILL) if os.getpgid(p.pid) == p.pid else None
+        with contextlib.suppress(Exception):
+            p.kill()
+
+
+class CommandTimeout(RuntimeError):
+    pass
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------------ the plan
+def rate(tokens: int, family: str) -> float:
+    """Passages a second on an H100 at ``tokens`` a row (the measured rates; between or beyond them, inversely with
+    the length from the nearest), for ``family``'s network (scaled by its parameter count from Dream-7B's)."""
+    near = min(H100_DOCS_S, key=lambda t: abs(t - tokens))
+    return H100_DOCS_S[near] * near / tokens * PARAMS["dream"] / PARAMS[family]
+
+
+def queries_in(data: Path) -> int:
+    with contextlib.suppress(OSError):
+        return sum(1 for _ in (data / "queries.jsonl").open())
+    return 300  # SciFact's test queries
+
+
+def make_plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each part: its budget (its timeout), what it runs at which sizes, and on a GPU the time the H100 rates give."""
+    budget = {**(TINY_BUDGET if args.tiny else GPU_BUDGET), **args.budget}
+    passages, queries = args.stage_passages, queries_in(args.data)
+    r268, r115 = rate(268, "dream"), rate(115, "dream")
+    est: dict[str, float] = {
+        # 7 commands (download, tokenize, encode, systems, score, late, evaluate); encode: a Dask cluster, the
+        # network, the passages at K 1 and 16 and the queries (short: the 115-token rate); late: the network
+        # again and the candidates (at most the passages) at K_p = 4
+        "stages": 7 * START_S
+        + 2
+        + 4
+        + (10 + BUILD_S + 2 * (passages / r268 + queries / r115))
+        + 5
+        + (BUILD_S + passages / r268 + 2)
+        + 2,
+        # the vectors read and tiled, both scorers warmed up once and timed --repeats times at both sizes
+        "score": START_S
+        + 5
+        + 2
+        * 2
+        * (1 + args.repeats)
+        * 2
+        * queries
+        * 16
+        * (args.score_passages + passages)
+        * 16
+        * HIDDEN["dream-7b"]
+        / (FP32_TFLOPS * 1e12),
+        "tests": START_S + 30,
+    }
+    for family in ("dream", "llada"):
+        passes = len(args.batches) * 3 * (1 + args.repeats) + (2 if args.before_asked else 0)  # K16, K1, bare; before
+        est[f"encode_{family}"] = (
+            START_S + BUILD_S + 3 + sum(passes * args.rows / rate(t, family) for t in args.lengths)
+        )
+    shape = "tiny shapes" if args.tiny else "Dream-7B shape"
+    runs = {
+        "stages": f"download -> tokenize -> encode (K 1, 16) -> score -> late -> evaluate; {shape}, "
+        f"{passages or 'all the'} passages, {queries} queries",
+        "score": f"search_pass vs bare matmul + top-k; {queries} queries x {args.score_passages:,} passages, "
+        f"K 16 x 16, best of {args.repeats}",
+        "tests": "the GPU unit tests (pytest)",
+        **{
+            f"encode_{f}": f"{'tiny' if args.tiny else SHAPES[f]}: {args.rows} rows x "
+            f"{', '.join(map(str, args.lengths))} tokens x batch {', '.join(map(str, args.batches))}, K 16 and 1, "
+            f"best of {args.repeats}" + (", the code before" if args.before_asked else "")
+            for f in ("dream", "llada")
+        },
+    }
+    return [
+        {
+            "part": p,
+            "budget_s": float(budget[p]),
+            "estimate_s": None if args.tiny else round(est[p], 1),
+            "runs": runs[p],
+        }
+        for p in PARTS
+        if p in args.parts
+    ]
+
+
+def plan_table(plan: list[dict[str, Any]]) -> str:
+    lines = [
+        "| part | budget (s) | H100 estimate (s) | runs |",
+        "|---|---:|---:|---|",
+        *(f"| {p['part']} | {p['budget_s']:.0f} | {_s(p['estimate_s'])} | {p['runs']} |" for p in plan),
+        f"| all | {sum(p['budget_s'] for p in plan):.0f} | "
+        f"{_s(None if any(p['estimate_s'] is None for p in plan) else sum(p['estimate_s'] for p in plan))} | "
+        f"at most {CALL_S} s in all |",
+    ]
+    return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    return "" if x is None else f"{x:.0f}"
+
+
+# ---------------------------------------------------------------------------------------------- a part's process
 class GpuMemory:
-    """The device's memory in use (NVML: every process on it), sampled in a thread; ``peak()`` since ``reset()``."""
+    """The device's memory in use (NVML: every process on it), sampled in a thread; ``peak_gib()`` since
+    ``reset()``; None without NVML or a GPU."""
 
     def __init__(self) -> None:
         self.handle = None
@@ -71,8 +230,7 @@ class GpuMemory:
             pynvml.nvmlInit()
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
             self._nvml = pynvml
-        self._peak = 0
-        self._stop = threading.Event()
+        self._peak = self._all = 0
         if self.handle is not None:
             threading.Thread(target=self._run, daemon=True).start()
 
@@ -80,35 +238,105 @@ class GpuMemory:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self.handle).used) if self.handle is not None else 0
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             with contextlib.suppress(Exception):
-                self._peak = max(self._peak, self.used())
+                used = self.used()
+                self._peak, self._all = max(self._peak, used), max(self._all, used)
             time.sleep(0.05)
 
     def reset(self) -> None:
         self._peak = self.used()
 
-    def peak_gib(self) -> float | None:
-        return round(self._peak / 2**30, 2) if self.handle is not None else None
+    def peak_gib(self, since_start: bool = False) -> float | None:
+        """The peak since the last ``reset()`` (or since this began)."""
+        peak = self._all if since_start else self._peak
+        return round(peak / 2**30, 2) if self.handle is not None else None
+
+
+def cuda_in_use(args: argparse.Namespace) -> bool:
+    if args.device == "cpu" or "torch" not in sys.modules:
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def reset_cuda_peak(args: argparse.Namespace) -> None:
+    if cuda_in_use(args):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_peak_gib(args: argparse.Namespace) -> float | None:
+    """The peak memory this process allocated on the GPU since the last reset; None on a CPU."""
+    if not cuda_in_use(args):
+        return None
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+class Record:
+    """A part's figures, written to its file (atomically) as each is measured, and the failures asked for."""
+
+    def __init__(self, name: str, path: Path, args: argparse.Namespace) -> None:
+        self.name, self.path, self.args = name, path, args
+        self.data: dict[str, Any] = {"part": name, "status": "running", "rows": []}
+        self.hang_next = name in args.hang_part and name == "tests"  # its pytest run hangs
+        self.mem = GpuMemory()
+        self.write()
+
+    def write(self) -> None:
+        write_json(self.path, self.data)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.data["rows"].append(row)
+        self.write()
+        if len(self.data["rows"]) == 1:
+            if self.name in self.args.fail_part:
+                raise InjectedFailure(f"an injected failure in part {self.name} (--fail-part)")
+            if self.name in self.args.hang_part and self.name == "stages":
+                self.hang_next = True  # the next command (tokenize) hangs
+
+    def left_s(self) -> float:
+        return self.args.part_deadline - time.perf_counter()
+
+
+def run_command(
+    rec: Record, what: str, cmd: list[str], logfile: Path, env: dict[str, str] | None = None
+) -> tuple[int, float, str]:
+    """``cmd`` in a session of its own, its output to ``logfile``, under the part's time left as its timeout: past it
+    the command and everything it started are killed and CommandTimeout is raised."""
+    if rec.hang_next:
+        rec.hang_next = False
+        cmd = HANG
+    timeout = max(1.0, rec.left_s())
+    t = time.perf_counter()
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        out = ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            out, _ = p.communicate(timeout=10)
+        with logfile.open("a") as f:
+            f.write(f"\n$ {what}\n{out}\n[killed after {timeout:.0f} s]\n")
+        raise CommandTimeout(f"{what} ran past its {timeout:.0f} s timeout: it and its processes were killed") from None
+    with logfile.open("a") as f:
+        f.write(f"\n$ {what}\n{out}")
+    return p.returncode, time.perf_counter() - t, out
 
 
 # ------------------------------------------------------------------------------------------------ 1. stages
-def cli(args: list[str], logfile: Path, env: dict[str, str]) -> tuple[float, str]:
-    t = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, "-m", "diffret.flows.cli", *args], capture_output=True, text=True, env=env, cwd=REPO
-    )
-    with logfile.open("a") as f:
-        f.write(f"\n$ diffret {' '.join(args)}\n{p.stdout}{p.stderr}")
-    if p.returncode != 0:
-        raise RuntimeError(f"diffret {args[0]} failed ({p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
-    return time.perf_counter() - t, p.stdout
-
-
-def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str, Any]:
+def stages_part(args: argparse.Namespace, rec: Record) -> None:
     root = Path(args.store)  # not under OUT: only a few small files come back from there
     shutil.rmtree(root, ignore_errors=True)
-    logfile = out / "stages.log"
+    logfile = args.out / "stages.log"
+    mem = rec.mem
     env = {
         **os.environ,
         "PREFECT_API_URL": "",
@@ -117,25 +345,24 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
         "NLTK_DATA": str(NLTK),
         "DIFFRET_ROOT": str(root),
     }
-    source = DATA
+    source = args.data
     if args.stage_passages:  # a smaller collection: the judged passages first
         source = root.parent / "device-check-data"
         shutil.rmtree(source, ignore_errors=True)
-        shutil.copytree(DATA, source)
-        judged = {line.split("\t")[1] for line in (DATA / "qrels" / "test.tsv").read_text().splitlines()[1:]}
-        docs = (DATA / "corpus.jsonl").read_text().splitlines()
+        shutil.copytree(args.data, source)
+        judged = {line.split("\t")[1] for line in (args.data / "qrels" / "test.tsv").read_text().splitlines()[1:]}
+        docs = (args.data / "corpus.jsonl").read_text().splitlines()
         docs.sort(key=lambda d: json.loads(d)["_id"] not in judged)
         (source / "corpus.jsonl").write_text("\n".join(docs[: max(args.stage_passages, len(judged))]) + "\n")
     shape = [] if args.tiny else ["--shape", SHAPES["dream"]]
-    model = ["--model", str(MODELS / "dream"), "--load-format", "random", *shape]
+    model = ["--model", str(args.models / "dream"), "--load-format", "random", *shape]
     dev = ["--device", args.device]
-    common = ["--no-prefect"]
     # fmt: off
     plan = [
         ("download", ["download", "scifact", "--source", str(source)]),
         ("tokenize", ["tokenize", "-d", "scifact", *model, "--max-length", "256"]),
         ("encode", ["encode", "-d", "scifact", *model, "--dtype", args.dtype, *dev, "--k", "1,16", "--max-length",
-                    "256", "--batch-size", str(args.stage_batch), "--workers", "1"]),
+                    "256", "--batch-size", str(args.stage_batch), "--workers", str(args.stage_workers)]),
         ("score", ["score", "-d", "scifact", "SYSTEM", *dev]),
         ("late", ["late", "-d", "scifact", "SYSTEM", "--first-stage", "SYSTEM_SLUG", "--first-kq", "16", "--first-kp",
                   "16", "--first-mode", "multi_dense", "--kq", "16", "--kp", "4", "--mode", "multi_dense", "--depth",
@@ -143,50 +370,43 @@ def stages_part(args: argparse.Namespace, out: Path, mem: GpuMemory) -> dict[str
         ("evaluate", ["evaluate"]),
     ]
     # fmt: on
-    rows, system = [], ""
+
+    def cli(name: str, cmd: list[str]) -> tuple[float, str]:
+        rc, seconds, out = run_command(
+            rec, f"diffret {' '.join(cmd)}", [sys.executable, "-m", "diffret.flows.cli", *cmd], logfile, env
+        )
+        if rc != 0:
+            raise RuntimeError(f"diffret {name} failed ({rc}): {out[-2000:]}")
+        return seconds, out
+
+    system = ""
+    rec.data |= {"system": "", "root": str(root)}
     for name, cmd in plan:
-        if time.perf_counter() - T0 > args.deadline_s:
-            rows.append({"stage": name, "skipped": "past the deadline"})
-            continue
         cmd = [system if c == "SYSTEM_SLUG" else c for c in cmd]
         cmd = [x for c in cmd for x in (["--system", system] if c == "SYSTEM" else [c])]
         mem.reset()
-        seconds, stdout = cli([*cmd, *common], logfile, env)
-        rows.append(
+        seconds, stdout = cli(name, [*cmd, "--no-prefect"])
+        if name == "encode":
+            listing = json.loads(cli("systems", ["systems", "--format", "json"])[1])
+            system = next(s["system"] for s in listing if s["kind"] == "encoder")
+            assert system.startswith("random-"), system
+            rec.data["system"] = system
+        log(f"stage {name}: {seconds:.1f} s, GPU peak in use {mem.peak_gib()} GiB")
+        rec.add(
             {
                 "stage": name,
                 "seconds": round(seconds, 2),
-                "gpu_peak_gib": mem.peak_gib(),
+                "gpu_used_peak_gib": mem.peak_gib(),
                 "line": stdout.strip().splitlines()[-1] if stdout.strip() else "",
             }
         )
-        log(f"stage {name}: {seconds:.1f} s, GPU peak {mem.peak_gib()} GiB")
-        if name == "encode":
-            listing = json.loads(cli(["systems", "--format", "json"], logfile, env)[1])
-            system = next(s["system"] for s in listing if s["kind"] == "encoder")
-            assert system.startswith("random-"), system
-    return {"system": system, "root": str(root), "rows": rows}
 
 
-# ------------------------------------------------------------------------------------------------ 2. encode
-def load_before() -> Any:
-    """The code before the readout's device path (``.dev/before``, what ``device_prepare.py`` extracted) as the
-    package ``diffret_before``, beside this one: the same network read by both in one process."""
-    if "diffret_before" in sys.modules:
-        return sys.modules["diffret_before"]
-    spec = importlib.util.spec_from_file_location(
-        "diffret_before", BEFORE / "diffret" / "__init__.py", submodule_search_locations=[str(BEFORE / "diffret")]
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["diffret_before"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def scifact_texts() -> list[str]:
+# ------------------------------------------------------------------------------------------------ encode
+def scifact_texts(data: Path) -> list[str]:
     from diffret.stages.readers import passage_text
 
-    with open(DATA / "corpus.jsonl") as f:
+    with open(data / "corpus.jsonl") as f:
         return [passage_text(d.get("title", ""), d["text"]) for d in map(json.loads, f)]
 
 
@@ -210,55 +430,68 @@ def timed(fn: Any, device: Any, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def encode_part(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def encode_part(args: argparse.Namespace, rec: Record, family: str) -> None:
     import torch
 
     from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
     from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
 
-    texts = scifact_texts()
-    before = load_before() if args.before else None
-    rows_out: list[dict[str, Any]] = []
-    for family in args.families:
-        if time.perf_counter() - T0 > args.deadline_s:
-            rows_out.append({"model": family, "skipped": "past the deadline"})
-            continue
-        shape = TINY[family] if args.tiny else SHAPES[family]
-        t = time.perf_counter()
-        bb = load_backbone(
-            BackboneConfig(
-                model=str(MODELS / family), load_format="random", shape=shape, device=args.device, dtype=args.dtype
-            )
+    texts = scifact_texts(args.data)
+    before = load_before(args.before_dir) if args.before else None
+    shape = TINY[family] if args.tiny else SHAPES[family]
+    t = time.perf_counter()
+    bb = load_backbone(
+        BackboneConfig(
+            model=str(args.models / family), load_format="random", shape=shape, device=args.device, dtype=args.dtype
         )
-        sync(bb.device)
-        n_params = sum(p.numel() for p in bb.model.parameters())
-        log(f"{family}: {n_params / 1e9:.2f}e9 parameters built on {bb.device} in {time.perf_counter() - t:.1f} s")
-        cfg = ReadoutConfig(content_filter="nltk")
-        all_ids = bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        for target in args.lengths:
-            counted, extra = make_reader(bb, cfg).overhead("passage", 16)
-            reader = make_reader(bb, cfg, target - extra)  # a full text makes a row of `target` tokens at K = 16
-            room = target - extra - counted
-            keep = [i for i, ids in enumerate(all_ids) if len(ids) >= room][: args.rows]
-            rows = Rows(
-                [str(i) for i in range(len(keep))],
-                [all_ids[i][:room] for i in keep],
-                reader.filter.allowed_many([texts[i] for i in keep]) if reader.filter is not None else None,
-            )
-            for batch in args.batches:
-                if time.perf_counter() - T0 > args.deadline_s:
-                    rows_out.append({"model": family, "tokens": target, "batch": batch, "skipped": "past the deadline"})
-                    continue
-                old = before_reader(before, bb, cfg, target - extra) if before and batch == args.batches[0] else None
-                row = encode_case(bb, reader, old, before, rows, batch, args.repeats)
-                rows_out.append({"model": family, "params": n_params, "tokens": target, **row})
-                log(f"encode {rows_out[-1]}")
-        del bb, reader, rows  # the network is freed before the next one is built
-        _BARE.clear()
-        gc.collect()
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
-    return {"rows": rows_out}
+    )
+    sync(bb.device)
+    n_params = sum(p.numel() for p in bb.model.parameters())
+    rec.data |= {"model": family, "params": n_params, "build_s": round(time.perf_counter() - t, 1)}
+    log(f"{family}: {n_params / 1e9:.2f}e9 parameters built on {bb.device} in {rec.data['build_s']} s")
+    cfg = ReadoutConfig(content_filter="nltk")
+    all_ids = bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    last = 0.0
+    for target in args.lengths:
+        counted, extra = make_reader(bb, cfg).overhead("passage", 16)
+        reader = make_reader(bb, cfg, target - extra)  # a full text makes a row of `target` tokens at K = 16
+        room = target - extra - counted
+        keep = [i for i, ids in enumerate(all_ids) if len(ids) >= room][: args.rows]
+        rows = Rows(
+            [str(i) for i in range(len(keep))],
+            [all_ids[i][:room] for i in keep],
+            reader.filter.allowed_many([texts[i] for i in keep]) if reader.filter is not None else None,
+        )
+        for batch in args.batches:
+            if 1.2 * last > rec.left_s():
+                rec.add({"model": family, "tokens": target, "batch": batch, "skipped": "past the part's budget"})
+                continue
+            t = time.perf_counter()
+            reset_cuda_peak(args)
+            old = before_reader(before, bb, cfg, target - extra) if before and batch == args.batches[0] else None
+            row = encode_case(bb, reader, old, rows, batch, args.repeats)
+            rec.add({"model": family, "params": n_params, "tokens": target, **row, "gpu_peak_gib": cuda_peak_gib(args)})
+            log(f"encode {rec.data['rows'][-1]}")
+            last = time.perf_counter() - t
+    del bb, reader, rows
+    _BARE.clear()
+    gc.collect()
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+
+
+def load_before(folder: Path) -> Any:
+    """The code before the readout's device path (``.dev/before``, what ``device_prepare.py`` extracted) as the
+    package ``diffret_before``, beside this one: the same network read by both in one process."""
+    if "diffret_before" in sys.modules:
+        return sys.modules["diffret_before"]
+    spec = importlib.util.spec_from_file_location(
+        "diffret_before", folder / "diffret" / "__init__.py", submodule_search_locations=[str(folder / "diffret")]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["diffret_before"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class Rows:
@@ -268,7 +501,7 @@ class Rows:
         self.ids, self.token_ids, self.filtered = ids, token_ids, filtered
 
 
-def encode_case(bb: Any, reader: Any, old: Any, before: Any, rows: Rows, batch: int, repeats: int) -> dict[str, Any]:
+def encode_case(bb: Any, reader: Any, old: Any, rows: Rows, batch: int, repeats: int) -> dict[str, Any]:
     """One (rows, batch): diffret at K = 16 and K = 1, the bare trunk loop, and the code before when given."""
     from diffret.retrieval.models.encoding import encode_rows
 
@@ -340,46 +573,68 @@ _BARE: dict[Any, Any] = {}
 
 
 # ------------------------------------------------------------------------------------------------- 3. score
-def score_part(args: argparse.Namespace, stages: dict[str, Any]) -> dict[str, Any]:
+
+
+# ------------------------------------------------------------------------------------------------- 2. score
+def synthetic_encodings(n: int, k: int, hidden: int, device: Any, seed: int) -> Any:
+    """``n`` texts of ``k`` random unit vectors (the shapes part 1 would have stored)."""
+    import torch
+
+    from diffret.retrieval.search.encodings import Encodings
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    multi = torch.nn.functional.normalize(torch.randn(n, k, hidden, generator=g), dim=-1).to(device)
+    single = torch.nn.functional.normalize(multi.mean(1), dim=-1)
+    return Encodings(
+        [f"s{i}" for i in range(n)], multi, torch.ones(n, k, dtype=torch.bool, device=device), single, [], []
+    )
+
+
+def score_part(args: argparse.Namespace, rec: Record) -> None:
     import numpy as np
     import torch
 
     from diffret.retrieval.search import SearchSettings, search_pass
     from diffret.retrieval.search.encodings import Encodings
-    from diffret.stages.readers import read_encodings
-    from diffret.storage import ArtifactStore
-    from diffret.storage.layout import encodings_dir
 
-    store = ArtifactStore(stages["root"])
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    stored = stored_system(args.store)
+    if stored:
+        from diffret.stages.readers import read_encodings
+        from diffret.storage import ArtifactStore
+        from diffret.storage.layout import encodings_dir
 
-    def read(side: str) -> Any:
-        folder = encodings_dir(stages["system"], "scifact", side, 16)
-        return read_encodings(store, folder, store.require_manifest(folder), device)
+        store = ArtifactStore(stored["root"])
 
-    q, p = read("query"), read("passage")
-    rows = []
+        def read(side: str) -> Any:
+            folder = encodings_dir(stored["system"], "scifact", side, 16)
+            return read_encodings(store, folder, store.require_manifest(folder), device)
+
+        q, p = read("query"), read("passage")
+        rec.data["encodings"] = f"stored by the stages ({stored['system']})"
+    else:  # the stages left none: random vectors of the shapes they would have stored
+        hidden = 64 if args.tiny else HIDDEN[SHAPES["dream"]]
+        q = synthetic_encodings(queries_in(args.data), 16, hidden, device, 0)
+        n = sum(1 for _ in (args.data / "corpus.jsonl").open())
+        p = synthetic_encodings(min(n, args.stage_passages or n), 16, hidden, device, 1)
+        rec.data["encodings"] = "random (the stages left no encodings)"
+    last = 0.0
     for tiles in sorted({1, max(1, args.score_passages // len(p.ids))}):
-        if time.perf_counter() - T0 > args.deadline_s:
-            rows.append({"passages": len(p.ids) * tiles, "skipped": "past the deadline"})
+        if 1.2 * last * tiles > rec.left_s():
+            rec.add({"passages": len(p.ids) * tiles, "skipped": "past the part's budget"})
             continue
-        multi = p.multi.repeat(tiles, 1, 1)
-        mask = p.mask.repeat(tiles, 1)
+        t = time.perf_counter()
+        reset_cuda_peak(args)
         big = Encodings(
-            [f"{t}:{i}" for t in range(tiles) for i in p.ids], multi, mask, p.single.repeat(tiles, 1), [], []
+            [f"{t}:{i}" for t in range(tiles) for i in p.ids],
+            p.multi.repeat(tiles, 1, 1),
+            p.mask.repeat(tiles, 1),
+            p.single.repeat(tiles, 1),
+            [],
+            [],
         )
         shard = 50_000
-        blocks = [
-            Encodings(
-                big.ids[s : s + shard],
-                big.multi[s : s + shard],
-                big.mask[s : s + shard],
-                big.single[s : s + shard],
-                [],
-                [],
-            )
-            for s in range(0, len(big.ids), shard)
-        ]
+        blocks = [big.rows(s, s + shard) for s in range(0, len(big.ids), shard)]
         t_ours, (res, _) = timed(
             lambda b=blocks: search_pass({16: q}, iter(b), ["multi_dense"], SearchSettings(topk=1000)),
             device,
@@ -418,12 +673,34 @@ def score_part(args: argparse.Namespace, stages: dict[str, Any]) -> dict[str, An
             "bare_s": round(t_ref, 4),
             "ratio": round(t_ref / t_ours, 3),
             "top10_agreement": round(agree, 3),
+            "gpu_peak_gib": cuda_peak_gib(args),
         }
-        rows.append(row)
+        del big, blocks, res, ref
+        last = (time.perf_counter() - t) / tiles
         log(f"score {row}")
-    return {"rows": rows}
+        rec.add(row)
 
 
+def stored_system(root: str) -> dict[str, Any] | None:
+    """The encoder system the stages left in ``root`` with both sides encoded at K = 16, or None."""
+    from diffret.stages.systems import list_systems
+    from diffret.storage import ArtifactStore
+    from diffret.storage.layout import encodings_dir
+
+    if not Path(root).exists():
+        return None
+    with contextlib.suppress(Exception):
+        store = ArtifactStore(root)
+        for r, _ in list_systems(store):
+            if r.kind == "encoder" and all(
+                store.read_manifest(encodings_dir(r.system, "scifact", side, 16)) is not None
+                for side in ("query", "passage")
+            ):
+                return {"system": r.system, "root": root}
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- 3. tests
 GPU_TESTS = [
     "tests/unit/test_readout_syncs.py",
     "tests/unit/test_sidr.py",
@@ -432,170 +709,252 @@ GPU_TESTS = [
 ]
 
 
-def gpu_tests_part(out: Path) -> dict[str, Any]:
+def gpu_tests_part(args: argparse.Namespace, rec: Record) -> None:
     """The tests that run only where there is a GPU (each skips without one): their pytest summary line."""
-    t = time.perf_counter()
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:xdist",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            *GPU_TESTS,
-            "-k",
-            "gpu or cuda",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    (out / "gpu_tests.log").write_text(p.stdout + p.stderr)
-    last = (p.stdout.strip().splitlines() or [""])[-1]
+    # fmt: off
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider",
+           "-o", "addopts=", *GPU_TESTS, "-k", "gpu or cuda"]
+    # fmt: on
+    logfile = args.out / "gpu_tests.log"
+    rc, seconds, out = run_command(rec, "pytest " + " ".join(cmd[3:]), cmd, logfile)
+    last = (out.strip().splitlines() or [""])[-1]
     log(f"GPU tests: {last}")
-    return {
-        "rows": [
-            {
-                "tests": " ".join(Path(x).name for x in GPU_TESTS),
-                "returncode": p.returncode,
-                "summary": last,
-                "seconds": round(time.perf_counter() - t, 1),
-            }
-        ]
-    }
+    tests = " ".join(Path(x).name for x in GPU_TESTS)
+    rec.add({"tests": tests, "returncode": rc, "summary": last, "seconds": round(seconds, 1)})
+    if rc != 0:
+        raise RuntimeError(f"pytest exited {rc}: {last}")
 
 
-def stored_system(root: str) -> dict[str, Any] | None:
-    """The encoder system a previous run's stages left in ``root`` (score alone: ``--parts score``)."""
-    from diffret.stages.systems import list_systems
-    from diffret.storage import ArtifactStore
+# ------------------------------------------------------------------------------------------- a part's process
+def part_main(args: argparse.Namespace) -> None:
+    """One part, in the process the parent started for it: its figures to ``--part-file`` as they come, then its
+    status (ok, or error with the exception and its traceback)."""
+    name = args.run_part
+    args.part_deadline = T0 + args.part_budget - max(2.0, 0.03 * args.part_budget)  # time to write what it has
+    rec = Record(name, Path(args.part_file), args)
+    if name in args.hang_part and name not in ("stages", "tests"):  # a part that starts no subprocess hangs itself
+        log(f"part {name}: hanging until its timeout (--hang-part)")
+        while True:
+            time.sleep(60)
+    with contextlib.suppress(Exception):
+        reset_cuda_peak(args)
+    try:
+        if name == "stages":
+            stages_part(args, rec)
+        elif name == "score":
+            score_part(args, rec)
+        elif name == "tests":
+            gpu_tests_part(args, rec)
+        else:
+            encode_part(args, rec, name.removeprefix("encode_"))
+        rec.data["status"] = "ok"
+    except BaseException as e:  # recorded; the parent runs the next part
+        rec.data |= {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        log(f"part {name} failed: {type(e).__name__}: {e}")
+    finally:
+        if "torch" in sys.modules and args.device != "cpu":
+            with contextlib.suppress(Exception):
+                import torch
 
-    if not Path(root).exists():
-        return None
-    found = [r.system for r, _ in list_systems(ArtifactStore(root)) if r.kind == "encoder"]
-    return {"system": found[0], "root": root} if found else None
+                if torch.cuda.is_available():
+                    rec.data["device"] = torch.cuda.get_device_name(0)
+        rec.data["gpu_peak_gib"] = cuda_peak_gib(args) if name in ("score", "encode_dream", "encode_llada") else None
+        if name in ("score", "encode_dream", "encode_llada"):  # per case: the part's peak is the largest
+            peaks = [r["gpu_peak_gib"] for r in rec.data["rows"] if r.get("gpu_peak_gib") is not None]
+            rec.data["gpu_peak_gib"] = max(peaks, default=rec.data["gpu_peak_gib"])
+        rec.data["gpu_used_peak_gib"] = rec.mem.peak_gib(since_start=True)
+        rec.write()
 
 
-# ---------------------------------------------------------------------------------------------------- main
+# ------------------------------------------------------------------------------------------------ the parent
+def run_part(name: str, budget: float, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Part ``name`` in a process (a session) of its own, killed with everything below it at ``budget`` seconds;
+    what it recorded, with its status, time and budget."""
+    path = args.out / f"part-{name}.json"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+    cmd += ["--run-part", name, "--part-file", str(path), "--part-budget", str(budget)]
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    try:
+        rc = p.wait(timeout=budget)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        rc = p.wait()
+        timed_out = True
+    data: dict[str, Any] = {"part": name, "status": "running", "rows": []}
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(path.read_text())
+    if timed_out:
+        data |= {
+            "status": "timeout",
+            "error": f"the part ran past its {budget:.0f} s budget: it and every process it started were killed",
+        }
+    elif data.get("status") != "error" and (rc != 0 or data.get("status") != "ok"):
+        data |= {
+            "status": "error",
+            "error": f"the part's process exited {rc} (signal {-rc})"
+            if rc < 0
+            else f"the part's process exited {rc} without its result",
+        }
+    data |= {"seconds": round(time.perf_counter() - t, 1), "budget_s": budget}
+    if "gpu_peak_gib" not in data:  # killed before it wrote its own: the largest of its cases'
+        data["gpu_peak_gib"] = max((r["gpu_peak_gib"] for r in data["rows"] if r.get("gpu_peak_gib")), default=None)
+    data.setdefault("gpu_used_peak_gib", None)
+    return data
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Versions and the device, without starting CUDA in this process (the parts use the GPU, not this one)."""
+    env: dict[str, Any] = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"), "device": "cpu"}
+    for dist in ("torch", "transformers", "pydantic", "typing-extensions", "nltk", "dask"):
+        with contextlib.suppress(PackageNotFoundError):
+            env[dist] = version(dist)
+    if args.device != "cpu":
+        with contextlib.suppress(Exception):
+            import pynvml
+
+            pynvml.nvmlInit()
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            env["device"] = name.decode() if isinstance(name, bytes) else name
+    env["nltk_data"] = os.environ.get("NLTK_DATA")
+    env["args"] = {k: v for k, v in vars(args).items() if k not in ("plan", "run_part", "part_file", "part_budget")}
+    return env
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def main() -> None:
+COLUMNS = {
+    "stages": ["stage", "seconds", "gpu_used_peak_gib"],
+    "score": ["queries", "passages", "hidden", "search_pass_s", "bare_s", "ratio", "top10_agreement", "gpu_peak_gib",
+              "skipped"],
+    "tests": ["tests", "returncode", "summary", "seconds"],
+    "encode": ["model", "tokens", "batch", "diffret_docs_s", "bare_docs_s", "ratio", "k16_over_k1", "before_docs_s",
+               "after_over_before", "same_bytes_as_before", "gpu_peak_gib", "skipped"],
+}  # fmt: skip
+
+
+def summary(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    parts = result["parts"]
+    out = [
+        f"## device check: {env['device']}, {env['date']}, {result['seconds']} s; random weights, speeds only",
+        "",
+        table(
+            [{**p, "part": n, "error": p.get("error", "")[:120]} for n, p in parts.items()],
+            ["part", "status", "seconds", "budget_s", "gpu_peak_gib", "gpu_used_peak_gib", "error"],
+        ),
+    ]
+    for name, p in parts.items():
+        if p.get("rows"):
+            out += ["", f"{name}:", table(p["rows"], COLUMNS[name.split("_")[0]])]
+    return "\n".join(out)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/device-check"))
     ap.add_argument("--store", default=str(Path(tempfile.gettempdir()) / "device-check-store"))
+    ap.add_argument("--dev", default=str(REPO / ".dev"), help="what device_prepare.py made (data, models, before)")
     ap.add_argument("--tiny", action="store_true", help="the tokenizer folders' own tiny shapes (a CPU run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--parts", default="stages,score,tests,encode")
-    ap.add_argument("--families", default="dream,llada")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}; they run in that order")
     ap.add_argument("--lengths", default="115,268")
     ap.add_argument("--batches", default="32,128")
-    ap.add_argument("--rows", type=int, default=384, help="rows a length (encode part)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs, the best kept (after one warm-up)")
+    ap.add_argument("--rows", type=int, default=256, help="rows a length (the encode parts)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs, the best kept (after one warm-up)")
     ap.add_argument("--stage-batch", type=int, default=64)
+    ap.add_argument(
+        "--stage-workers", type=int, default=1, help="the encode stage's local Dask workers (0: in its own process)"
+    )
     ap.add_argument("--score-passages", type=int, default=50_000)
     ap.add_argument(
         "--stage-passages",
         type=int,
-        default=0,
+        default=500,
         help="the stages' corpus: the judged passages and others up to this many (0: the whole subset .dev carries)",
     )
     ap.add_argument(
-        "--deadline-s",
-        type=float,
-        default=None,
-        help="no part or case starts after this many seconds (default: 380 on a GPU, none with --tiny)",
+        "--budget",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="a part's time budget (its timeout) instead of the plan's",
     )
+    ap.add_argument("--plan", action="store_true", help="print the plan (each part's budget) and exit")
     ap.add_argument("--no-before", dest="before", action="store_false", help="skip the code before (.dev/before)")
-    args = ap.parse_args()
-    args.families = args.families.split(",")
+    ap.add_argument("--fail-part", action="append", default=[], metavar="PART", help="inject an error (tests)")
+    ap.add_argument("--hang-part", action="append", default=[], metavar="PART", help="inject a hang (tests)")
+    ap.add_argument("--run-part", help=argparse.SUPPRESS)
+    ap.add_argument("--part-file", help=argparse.SUPPRESS)
+    ap.add_argument("--part-budget", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
-    args.before = args.before and (BEFORE / "diffret" / "__init__.py").exists()
-    if args.deadline_s is None:
-        args.deadline_s = float("inf") if args.tiny else 380.0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("NLTK_DATA", str(NLTK))  # the reference content filter's English tables (encode part)
-    if not DATA.exists():
+    args.fail_part = [p for x in args.fail_part for p in x.split(",") if p]
+    args.hang_part = [p for x in args.hang_part for p in x.split(",") if p]
+    budget = {}
+    for item in args.budget:
+        name, eq, secs = item.partition("=")
+        if not eq or name not in PARTS:
+            ap.error(f"--budget {item!r}: expected PART=SECONDS with PART one of {', '.join(PARTS)}")
+        budget[name] = float(secs)
+    args.budget = budget
+    for p in [*args.parts, *args.fail_part, *args.hang_part]:
+        if p not in PARTS:
+            ap.error(f"unknown part {p!r}: the parts are {', '.join(PARTS)}")
+    args.out, dev = Path(args.out), Path(args.dev)
+    args.data, args.models, args.before_dir = dev / "data" / "scifact-sub", dev / "models", dev / "before"
+    args.before_asked = args.before
+    args.before = args.before and (args.before_dir / "diffret" / "__init__.py").exists()
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    # the reference content filter's English tables: the carried copy, whatever the image sets (the parts and the
+    # CLI inherit it)
+    os.environ["NLTK_DATA"] = str(NLTK)
+    args = parse(argv)
+    if args.run_part:
+        part_main(args)
+        return
+    plan = make_plan(args)
+    if args.plan:
+        print(plan_table(plan))
+        return
+    if not args.data.exists():
         raise SystemExit(
-            f"{DATA} is missing: run `python benchmarks/device_prepare.py` first (on the machine with "
+            f"{args.data} is missing: run `python benchmarks/device_prepare.py` first (on the machine with "
             "../shared), and carry .dev"
         )
-    import torch
-
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "date": time.strftime("%Y-%m-%d"),
-        "args": vars(args),
-    }
-    with contextlib.suppress(ImportError):
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    log(f"device check on {env['device']} (torch {env['torch']}, transformers {env.get('transformers')})")
-    mem = GpuMemory()
-    result: dict[str, Any] = {"environment": env}
-    parts = args.parts.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"environment": environment(args), "plan": plan, "parts": {}, "seconds": 0.0}
+    log(f"device check on {result['environment']['device']}; the plan:\n{plan_table(plan)}")
+    path = args.out / "device_check.json"
+    write_json(path, result)
     try:
-        if "stages" in parts:
-            result["stages"] = stages_part(args, out, mem)
-        if "score" in parts:
-            stored = result.get("stages") or stored_system(args.store)  # alone: over the store the stages left
-            if stored:
-                result["score"] = score_part(args, stored)
-        if "tests" in parts and time.perf_counter() - T0 <= args.deadline_s:
-            result["tests"] = gpu_tests_part(out)
-        if "encode" in parts:
-            result["encode"] = encode_part(args, out)
+        for step in plan:
+            log(f"part {step['part']}: budget {step['budget_s']:.0f} s")
+            data = run_part(step["part"], step["budget_s"], args, argv)
+            result["parts"][step["part"]] = data
+            result["seconds"] = round(time.perf_counter() - T0, 1)
+            write_json(path, result)
+            log(
+                f"part {step['part']}: {data['status']} in {data['seconds']} s"
+                + (f" ({data['error']})" if data.get("error") else "")
+            )
     finally:
         result["seconds"] = round(time.perf_counter() - T0, 1)
-        (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str))
-        print(f"\n## device check: {env['device']}, {env['date']}, {result['seconds']} s; random weights, speeds only")
-        if "stages" in result:
-            print("\n" + table(result["stages"]["rows"], ["stage", "seconds", "gpu_peak_gib", "skipped"]))
-        if "score" in result:
-            print(
-                "\n"
-                + table(
-                    result["score"]["rows"],
-                    ["queries", "passages", "hidden", "search_pass_s", "bare_s", "ratio", "top10_agreement", "skipped"],
-                )
-            )
-        if "encode" in result:
-            print(
-                "\n"
-                + table(
-                    result["encode"]["rows"],
-                    [
-                        "model",
-                        "tokens",
-                        "batch",
-                        "diffret_docs_s",
-                        "bare_docs_s",
-                        "ratio",
-                        "k16_over_k1",
-                        "before_docs_s",
-                        "after_over_before",
-                        "same_bytes_as_before",
-                        "skipped",
-                    ],
-                )
-            )
-        if "tests" in result:
-            print("\n" + table(result["tests"]["rows"], ["tests", "returncode", "summary", "seconds"]))
+        write_json(path, result)
+        print("\n" + summary(result), flush=True)
 
 
 if __name__ == "__main__":

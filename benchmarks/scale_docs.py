@@ -1,8 +1,14 @@
 """docs/scale.md from benchmarks/results/scale_e2e.json (benchmarks/scale_e2e.py --write-docs): the measured table
-per corpus size, each stage's growth exponents, the figure, and the MS MARCO projection with its assumptions."""
+per corpus size, each stage's growth exponents, the figure, and the MS MARCO projection with its assumptions; the GPU
+section and the projection (between their markers) also alone, from the device check's JSON:
+
+    python benchmarks/scale_docs.py --device-check OUT/device_check.json   # after a GPU call
+    python benchmarks/scale_docs.py --device-check none                    # no GPU figures: "awaiting the GPU run"
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,35 +27,78 @@ READ_GB_S = 2.0  # the encodings read from local NVMe per node (stated)
 CELLS, MODES, DEPTH = 25, 5, 1000  # the MS MARCO grid: 5 x 5 cells, five modes, runs of 1,000
 
 
-def projection(results: list[dict], eval_rows_per_s: float | None) -> list[str]:
-    """The MS MARCO projection per stage, from the largest measured N, each assumption named."""
+def projection(results: list[dict], eval_rows_per_s: float | None, gpu: dict | None = None) -> list[str]:
+    """The MS MARCO projection per stage, from the largest measured N, each assumption named; the GPU rates from the
+    device check's figures (:func:`gpu_figures`) where it measured them, else assumed."""
+    gpu = gpu or {}
+    docs_s = gpu.get("docs_s", GPU_PASSAGES_PER_S)
+    tflops = gpu.get("tflops", GPU_TFLOPS)
     big = results[-1]
     n = big["n"]
     st = {s["stage"]: s for s in big["stages"]}
     scale = MSMARCO_PASSAGES / n
     per_vec_here = st["encode"]["bytes"] / (n * (1 + 16))  # the harness encodes passages at K 1 and 16
     grid_vectors = MSMARCO_PASSAGES * sum(GRID_K)
-    enc_1 = MSMARCO_PASSAGES * len(GRID_K) / GPU_PASSAGES_PER_S
-    op_1 = MSMARCO_PASSAGES / GPU_PASSAGES_PER_S
+    enc_1 = MSMARCO_PASSAGES * len(GRID_K) / docs_s
+    op_1 = MSMARCO_PASSAGES / docs_s
     flops = 2 * MSMARCO_QUERIES * sum(GRID_K) * MSMARCO_PASSAGES * sum(GRID_K) * H_7B
-    score_1 = flops / (GPU_TFLOPS * 1e12) + grid_vectors * 2 * H_7B / (READ_GB_S * 1e9)
+    score_1 = flops / (tflops * 1e12) + grid_vectors * 2 * H_7B / (READ_GB_S * 1e9)
     rows = MSMARCO_QUERIES * DEPTH * CELLS * MODES
     row_b = st["score"]["bytes"] / (big["collection"]["queries"] * DEPTH * 4 * MODES)  # 4 cells scored here
+    on = f"{gpu.get('device')}, {gpu.get('date')}"
+    if "docs_s" in gpu:
+        enc_how = f"*measured*: Dream-7B shape, 115-token rows, batch {gpu['docs_batch']}, {on}"
+        enc_said = (
+            f"a 7B encoder reads {docs_s:,.0f} passages/s on one GPU in bfloat16 (measured by the device check: "
+            f"Dream-7B shape, 115-token rows with the prompt and K = 16 masks, {on})"
+        )
+    else:
+        enc_how = "*assumed*"
+        enc_said = (
+            f"a 7B encoder reads {GPU_PASSAGES_PER_S:.0f} passages/s on one H100 in bfloat16 (~110 tokens a passage "
+            "with the prompt and K masks)"
+        )
+    if "tflops" in gpu:
+        score_how = f"*measured*: search_pass at H = {gpu['hidden']:,}, K_q = K_p = 16, {on}"
+        score_said = (
+            f"exact scoring sustains {tflops:,.1f} TFLOP/s on one GPU (measured by the device check: `search_pass` "
+            f"over {gpu['passages']:,} passages, {on}) and reads the encodings at {READ_GB_S:.0f} GB/s"
+        )
+    else:
+        score_how = "*assumed*"
+        score_said = (
+            f"exact scoring sustains {GPU_TFLOPS:.0f} TFLOP/s on one H100 and reads the "
+            f"encodings at {READ_GB_S:.0f} GB/s"
+        )
+    measured = [w for w, k in (("encode", "docs_s"), ("score", "tflops")) if k in gpu]
+    if not measured:
+        intro = "Assumptions, each stated, none measured here (no GPU in this session): "
+        status = (
+            "**Awaiting the GPU run**: the two GPU rates above (marked *assumed* in the table) are to be replaced by "
+            "the device check's measurements on a lent H100 or H200 (`benchmarks/device_check.py`, docs/operations.md, "
+            "\"The device check\"): diffret's docs/s at Dream-7B shape on 115-token rows (MS MARCO's length) for "
+            "encode, and `search_pass`'s time at H = 3,584, K_q = K_p = 16 for score. No figure here was measured on "
+            "a GPU."
+        )
+    else:
+        intro = "Assumptions, each stated (the GPU rates measured where the device check measured them): "
+        left = [w for w in ("encode", "score") if w not in measured]
+        status = f"**Measured on a GPU**: the {' and '.join(measured)} rate{'s' if len(measured) > 1 else ''} " + (
+            f"(marked *measured* in the table; the device check's figures above). The {left[0]} rate is still "
+            "assumed: the device check did not measure it."
+            if left
+            else "(marked *measured* in the table; the device check's figures above)."
+        )
     lines = [
         "## MS MARCO projection",
         "",
         f"From the largest run measured (N = {n:,}) to MS MARCO's {MSMARCO_PASSAGES:,} passages and "
         f"{MSMARCO_QUERIES:,} dev queries, the grid K in {{1, 2, 4, 8, 16}} on both sides (25 cells, 5 modes), "
-        f"H = {H_7B} (Dream-7B). Assumptions, each stated, none measured here (no GPU in this session): a 7B "
-        f"encoder reads {GPU_PASSAGES_PER_S:.0f} passages/s on one H100 in bfloat16 (~110 tokens a passage with the "
-        f"prompt and K masks); exact scoring sustains {GPU_TFLOPS:.0f} TFLOP/s on one H100 and reads the "
-        f"encodings at {READ_GB_S:.0f} GB/s; CPU stages scale linearly from the measured N (their fitted exponents "
-        "above) on the same 2 cores; 8 GPUs divide the GPU stages by 8 (units are independent shards).",
+        f"H = {H_7B} (Dream-7B). {intro}{enc_said}; {score_said}; CPU stages scale linearly from the measured N "
+        "(their fitted exponents above) on the same 2 cores; 8 GPUs divide the GPU stages by 8 (units are "
+        "independent shards).",
         "",
-        "**Awaiting the GPU run**: the two GPU rates above (marked *assumed* in the table) are to be replaced by "
-        "the device check's measurements on a lent H100 or H200 (`benchmarks/device_check.py`, docs/operations.md, "
-        "\"The device check\"): diffret's docs/s at Dream-7B shape on 115-token rows (MS MARCO's length) for encode, "
-        "and `search_pass`'s time at H = 3,584, K_q = K_p = 16 for score. No figure here was measured on a GPU.",
+        status,
         "",
         "| stage | where | 1 GPU (or this CPU) | 8 GPUs | how |",
         "|---|---|---|---|---|",
@@ -59,7 +108,7 @@ def projection(results: list[dict], eval_rows_per_s: float | None) -> list[str]:
         lines.append(f"| {name} | CPU | {_fmt_s(t)} | {_fmt_s(t)} | measured s/passage x {MSMARCO_PASSAGES:,} |")
     lines.append(
         f"| encode, whole grid (5 passage passes) | GPU | {_fmt_s(enc_1)} | {_fmt_s(enc_1 / 8)} | "
-        f"{MSMARCO_PASSAGES:,} x 5 / {GPU_PASSAGES_PER_S:.0f} per s (*assumed*) |"
+        f"{MSMARCO_PASSAGES:,} x 5 / {docs_s:,.0f} per s ({enc_how}) |"
     )
     lines.append(
         f"| encode, one operating point (`--kq 4 --kp 16`: one passage pass) | GPU | {_fmt_s(op_1)} | "
@@ -67,7 +116,7 @@ def projection(results: list[dict], eval_rows_per_s: float | None) -> list[str]:
     )
     lines.append(
         f"| score, whole grid | GPU | {_fmt_s(score_1)} | {_fmt_s(score_1 / 8)} | {flops:.2e} FLOPs "
-        f"(2 x queries x sum K_q x passages x sum K_p x H) at {GPU_TFLOPS:.0f} TFLOP/s (*assumed*) + the "
+        f"(2 x queries x sum K_q x passages x sum K_p x H) at {tflops:,.0f} TFLOP/s ({score_how}) + the "
         "encodings read once per K_p pass |"
     )
     if eval_rows_per_s:
@@ -279,7 +328,216 @@ def write_docs(
         + (" What each holds is under Known limits below." if grows else "")
     )
     lines += ["", "![stage costs against the corpus size](img/scale.png)", ""]
-    lines += projection(results, eval_rows_per_s)
+    check = json.loads(DEVICE_CHECK.read_text()) if DEVICE_CHECK.exists() else None
+    lines += [render_section(check, results, eval_rows_per_s), ""]
     if notes:
         lines += [notes.strip(), ""]
     DOC.write_text("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------ the device check
+# docs/scale.md's GPU section and the MS MARCO projection, rendered between these markers from the device check's
+# JSON (benchmarks/device_check.py) and benchmarks/results/scale_e2e.json: `python benchmarks/scale_docs.py
+# --device-check OUT/device_check.json` after a GPU call, and nothing edited by hand.
+BEGIN = "<!-- device-check: begin (rendered by benchmarks/scale_docs.py from the device check's JSON) -->"
+END = "<!-- device-check: end -->"
+SCALE_E2E = REPO / "benchmarks" / "results" / "scale_e2e.json"
+DEVICE_CHECK = REPO / "benchmarks" / "results" / "device_check.json"  # the last GPU call's JSON, as it came back
+EVAL_ROWS_PER_S = 7_000_000 / 0.49  # benchmarks/evaluate.py: 7M rows in 0.49 s ("Found and fixed" below)
+
+
+def on_gpu(check: dict | None) -> bool:
+    """Whether ``check`` (a device check's JSON) ran on a GPU: a CPU run's figures are no GPU figures."""
+    return bool(check) and check["environment"].get("device", "cpu") != "cpu"
+
+
+def gpu_figures(check: dict | None) -> dict:
+    """The rates the projection takes from a device check that ran on a GPU: diffret's best docs/s at Dream-7B shape
+    on 115-token rows (``docs_s``, ``docs_batch``) and ``search_pass``'s float32 TFLOP/s at the most passages scored
+    (``tflops``); each only where measured ({} for a CPU run or none).
+
+    >>> gpu_figures(None), gpu_figures({"environment": {"device": "cpu"}, "parts": {}})
+    ({}, {})
+    """
+    if not on_gpu(check):
+        return {}
+    env, parts = check["environment"], check.get("parts", {})
+    out: dict = {"device": env["device"], "date": env["date"]}
+    enc = [r for r in parts.get("encode_dream", {}).get("rows", []) if r.get("tokens") == 115 and "diffret_docs_s" in r]
+    if enc:
+        best = max(enc, key=lambda r: r["diffret_docs_s"])
+        out |= {"docs_s": best["diffret_docs_s"], "docs_batch": best["batch"]}
+    score = [r for r in parts.get("score", {}).get("rows", []) if "search_pass_s" in r]
+    if score:
+        r = max(score, key=lambda r: r["passages"])
+        flops = 2 * r["queries"] * r["kq"] * r["passages"] * r["kp"] * r["hidden"]
+        out |= {"tflops": flops / r["search_pass_s"] / 1e12, "passages": r["passages"], "hidden": r["hidden"]}
+    return out
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v).replace("|", "/")
+
+
+def _table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
+    return [
+        "| " + " | ".join(title for _, title in cols) + " |",
+        "|" + "---|" * len(cols),
+        *("| " + " | ".join(_cell(r.get(k)) for k, _ in cols) + " |" for r in rows),
+    ]
+
+
+def gpu_section(check: dict | None) -> list[str]:
+    """The device check's figures on a GPU (every part: its status, time, budget and peak memory; the stages, the
+    encode benchmark, the score benchmark, the GPU tests), or what awaits it."""
+    lines = ["## On a GPU: the device check", ""]
+    if not on_gpu(check):
+        return lines + [
+            "**Awaiting the GPU run.** No GPU has been lent since the device check was written, so no figure in this "
+            "page was measured on one. `benchmarks/device_check.py` measures them in one call of a lent H100 or H200 "
+            '(docs/operations.md, "The device check": every stage at Dream-7B shape, the encode benchmark at '
+            "Dream-7B and LLaDA-8B shapes, the score benchmark, the GPU tests, each part with its time and peak GPU "
+            "memory); `python benchmarks/scale_docs.py --device-check OUT/device_check.json` then renders them "
+            "here and puts the measured rates into the projection below.",
+            "",
+        ]
+    env, parts = check["environment"], check.get("parts", {})
+    lines += [
+        f"Measured by `benchmarks/device_check.py` on {env['device']} ({env['date']}; torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}) in {check['seconds']:,.0f} s, with random weights "
+        "(`--load-format random`): speeds and memory, never retrieval results. Each part ran in a process of its "
+        "own under its budget; GPU peak: the memory its process allocated (`torch.cuda.max_memory_allocated`), "
+        "in use: the device's peak while it ran (NVML, its subprocesses included). JSON: "
+        "`benchmarks/results/device_check.json`.",
+        "",
+        *_table(
+            [{"part": n, **p, "error": (p.get("error") or "")[:160]} for n, p in parts.items()],
+            [
+                ("part", "part"),
+                ("status", "status"),
+                ("seconds", "seconds"),
+                ("budget_s", "budget (s)"),
+                ("gpu_peak_gib", "GPU peak (GiB)"),
+                ("gpu_used_peak_gib", "in use (GiB)"),
+                ("error", "error"),
+            ],
+        ),
+        "",
+    ]
+    if parts.get("stages", {}).get("rows"):
+        lines += ["Every stage through the CLI at Dream-7B shape (bfloat16, the SciFact subset):", ""]
+        lines += _table(
+            parts["stages"]["rows"],
+            [("stage", "stage"), ("seconds", "seconds"), ("gpu_used_peak_gib", "GPU in use (GiB)"), ("line", "said")],
+        )
+        lines.append("")
+    enc = [r for n in ("encode_dream", "encode_llada") for r in parts.get(n, {}).get("rows", [])]
+    if enc:
+        lines += [
+            "The encode benchmark: `encode_rows` against a bare trunk loop over the same rows (docs/s at K = 16; "
+            "bare / diffret: time over time, above 1 means diffret is faster), and the code before at the first batch:",
+            "",
+        ]
+        lines += _table(
+            enc,
+            [
+                ("model", "model"),
+                ("tokens", "tokens"),
+                ("batch", "batch"),
+                ("diffret_docs_s", "diffret docs/s"),
+                ("bare_docs_s", "bare docs/s"),
+                ("ratio", "bare / diffret"),
+                ("k16_over_k1", "K16 / K1 time"),
+                ("before_docs_s", "before docs/s"),
+                ("same_bytes_as_before", "same bytes"),
+                ("gpu_peak_gib", "GPU peak (GiB)"),
+                ("skipped", "skipped"),
+            ],
+        )
+        lines.append("")
+    if parts.get("score", {}).get("rows"):
+        lines += [
+            f"Exact scoring, multi_dense at K_q = K_p = 16 ({parts['score'].get('encodings', '')}): `search_pass` "
+            "against a bare batched matmul + max + sum + top-k over the same tensors:",
+            "",
+        ]
+        lines += _table(
+            parts["score"]["rows"],
+            [
+                ("queries", "queries"),
+                ("passages", "passages"),
+                ("hidden", "H"),
+                ("search_pass_s", "search_pass (s)"),
+                ("bare_s", "bare (s)"),
+                ("ratio", "bare / search_pass"),
+                ("top10_agreement", "top-10 agreement"),
+                ("gpu_peak_gib", "GPU peak (GiB)"),
+                ("skipped", "skipped"),
+            ],
+        )
+        lines.append("")
+    for r in parts.get("tests", {}).get("rows", []):
+        lines += [f"The GPU unit tests ({r['tests']}): {r['summary']} (exit {r['returncode']}).", ""]
+    return lines
+
+
+def render_section(check: dict | None, results: list[dict], eval_rows_per_s: float | None = EVAL_ROWS_PER_S) -> str:
+    """What goes between the markers: the GPU section and the MS MARCO projection."""
+    lines = [BEGIN, *gpu_section(check), *projection(results, eval_rows_per_s, gpu_figures(check)), END]
+    return "\n".join(lines)
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with what lies between the markers (both included) replaced by ``section``; nothing else changes."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise SystemExit(f"{DOC}: expected one {BEGIN!r} ... {END!r} pair of markers")
+    return text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+
+
+def scale_results(path: Path = SCALE_E2E) -> list[dict]:
+    stored = json.loads(path.read_text())
+    return [stored[k] for k in sorted(stored, key=int)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import shutil
+
+    ap = argparse.ArgumentParser(
+        description="Render docs/scale.md's GPU section and MS MARCO projection (between their markers) from a device "
+        "check's JSON and benchmarks/results/scale_e2e.json; the rest of the page is left as it is."
+    )
+    ap.add_argument(
+        "--device-check",
+        default=str(DEVICE_CHECK),
+        help="the device check's JSON (copied to benchmarks/results/device_check.json when it ran on a GPU); "
+        "'none': no GPU figures",
+    )
+    ap.add_argument("--doc", default=str(DOC))
+    ap.add_argument("--keep", default=str(DEVICE_CHECK), help="where a GPU run's JSON is copied, beside the results")
+    args = ap.parse_args(argv)
+    check = None
+    if args.device_check != "none" and Path(args.device_check).exists():
+        check = json.loads(Path(args.device_check).read_text())
+        keep = Path(args.keep)
+        if on_gpu(check) and Path(args.device_check).resolve() != keep.resolve():
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(args.device_check, keep)  # the figures' source, beside the other results
+    doc = Path(args.doc)
+    doc.write_text(replace_section(doc.read_text(), render_section(check, scale_results())))
+    print(
+        f"{doc}: rendered from {args.device_check if check else 'no device check'}"
+        f" ({'GPU figures' if on_gpu(check) else 'awaiting the GPU run'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
