@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -74,15 +74,18 @@ class Retriever:
         from diffret.retrieval.models.encoding import encode_rows, tokenize_texts
         from diffret.stages.systems import tokenizer_of
 
+        _whole("k", k)
+        _whole("batch_size", batch_size, optional=True)
         ids, raw = _ids_and_texts(texts)
-        if side == "passage":
-            raw = [passage_text(*t, self.settings.title_sep) if isinstance(t, tuple) else t for t in raw]
-        elif any(isinstance(t, tuple) for t in raw):
+        if side == "query" and any(isinstance(t, tuple) for t in raw):
             raise ValueError("queries are texts, not (title, text) pairs")
+        _checked_texts(ids, raw, side)
+        if side == "passage":
+            raw = [passage_text(t[0], t[1], self.settings.title_sep) if isinstance(t, tuple) else t for t in raw]
         type(self.reader).check_k([k])
         tokens = tokenize_texts(tokenizer_of(self.settings.backbone), raw, self.settings.max_length)
-        table = encode_rows(self.reader, ids, tokens.column("token_ids").to_pylist(), raw, side, k,
-                            batch_size or self.batch_size)  # fmt: skip
+        table = encode_rows(self.reader, ids, tokens.column("token_ids").to_pylist(), raw,
+                            side=side, k=k, batch_size=batch_size or self.batch_size)  # fmt: skip
         return Encoded(table, side, k, self.sparse_factor, self.settings.readout.readout)
 
     def encode_queries(self, texts: Texts, k: int = 1, batch_size: int | None = None) -> Encoded:
@@ -95,6 +98,36 @@ class Retriever:
         joins them), or a list; passages keep their order, which breaks score ties (the earlier first). None give an
         empty Encoded."""
         return self._encode(texts, "passage", k, batch_size)
+
+
+def _whole(name: str, value: Any, least: int = 1, optional: bool = False) -> None:
+    """Refuse ``value`` for the argument ``name`` unless it is a whole number >= ``least`` (or None if ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be a whole number >= {least}{' (or None)' if optional else ''}, got {value!r}")
+
+
+def _checked_texts(ids: list[str], raw: list[Any], side: str) -> None:
+    """Every text a string (a passage also a (title, text) pair of strings), naming the first that is not; judged or
+    not, a query whose text is empty is encoded as the prompt alone: warned about, naming it."""
+    import warnings
+
+    for i, t in zip(ids, raw, strict=True):
+        pair = side == "passage" and isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, str) for x in t)
+        if not (isinstance(t, str) or pair):
+            want = "a string or a (title, text) pair of strings" if side == "passage" else "a string"
+            raise TypeError(f"{side} {i!r}: its text is {type(t).__name__} {t!r:.40}, not {want}")
+    if side == "query":
+        empty = [i for i, t in zip(ids, raw, strict=True) if isinstance(t, str) and not t.strip()]
+        if empty:
+            shown = ", ".join(map(repr, empty[:5])) + (", ..." if len(empty) > 5 else "")
+            warnings.warn(
+                f"{len(empty)} quer{'y has' if len(empty) == 1 else 'ies have'} empty text ({shown}): encoded as the "
+                "prompt alone, they rank passages by the prompt",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _ids_and_texts(texts: Texts) -> tuple[list[str], list[Any]]:
@@ -121,15 +154,18 @@ def load(model: str, readout: str = "diffretriever", *, max_length: int | None =
     from diffret.retrieval.models.readouts import ReadoutConfig
     from diffret.stages.encode import EncodeConfig
 
+    _whole("batch_size", batch_size)
+    _whole("max_length", max_length, optional=True)
     bb_fields, ro_fields = set(BackboneConfig.model_fields), set(ReadoutConfig.model_fields)
     unknown = sorted(set(options) - bb_fields - ro_fields)
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; backbone: {sorted(bb_fields)}; readout: {sorted(ro_fields)}")
-    bb = BackboneConfig(model=model, device=device, **({"dtype": dtype} if dtype else {}),
-                        **{k: v for k, v in options.items() if k in bb_fields})  # fmt: skip
-    ro = ReadoutConfig(readout=readout, **{k: v for k, v in options.items() if k in ro_fields})
+    bb = BackboneConfig.model_validate({"model": model, "device": device, **({"dtype": dtype} if dtype else {}),
+                                        **{k: v for k, v in options.items() if k in bb_fields}})  # fmt: skip
+    ro = ReadoutConfig.model_validate({"readout": readout, **{k: v for k, v in options.items() if k in ro_fields}})
     extra = {"max_length": max_length} if max_length is not None else {}
-    settings = EncodeConfig(dataset="api", backbone=bb, readout=ro, **extra).settings()  # the CLI's resolution
+    config = EncodeConfig.model_validate({"dataset": "api", "backbone": bb, "readout": ro, **extra})
+    settings = config.settings()  # the CLI's resolution
     return Retriever(settings, batch_size)
 
 
@@ -148,6 +184,8 @@ def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = 
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")
+    _whole("topk", topk)
+    _whole("fusion_depth", fusion_depth)
     blocks = [passages] if isinstance(passages, Encoded) else list(passages)
     if queries.side != "query" or any(b.side != "passage" for b in blocks):
         raise ValueError("search(queries, passages): encode_queries' output first, then encode_passages'")
@@ -166,14 +204,21 @@ def search(queries: Encoded, passages: Encoded | Iterable[Encoded], mode: str = 
     return run_table(runs[(queries.k, mode)], queries.ids, doc_ids, depth=topk)
 
 
-def evaluate(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str, int]], measures: Sequence[str] | None = None,
+Run: TypeAlias = "pa.Table | Mapping[str, Mapping[str, float]]"
+
+
+def evaluate(run: Run, qrels: pa.Table | Mapping[str, Mapping[str, int]], measures: Sequence[str] | None = None,
              relevance_level: int = 1, ties: str = "trec") -> dict[str, float]:  # fmt: skip
     """The mean of each measure (default: NDCG@10, MRR@10, R@100, R@1000 as pytrec_eval names them) over every
     judged query, as the evaluate stage computes it (a judged query without results scores 0; tied scores
     ordered as the stage's default ``ties="trec"`` orders them, ``"rank"`` keeps the run's rank order).
-    :func:`evaluate_per_query` gives the per-query table."""
+    ``run`` and ``qrels`` are tables or pytrec_eval's dicts. :func:`evaluate_per_query` gives the per-query table.
+
+    >>> evaluate({"q1": {"d1": 0.2, "d2": 0.9}}, {"q1": {"d1": 1}}, ["recip_rank"])
+    {'recip_rank': 0.5}
+    """
     table = evaluate_per_query(run, qrels, measures, relevance_level, ties)
-    n = {}
+    n: dict[str, int] = {}
     sums: dict[str, float] = {}
     for m, v in zip(table.column("measure").to_pylist(), table.column("value").to_pylist(), strict=True):
         sums[m] = sums.get(m, 0.0) + v
@@ -181,13 +226,58 @@ def evaluate(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str, int]], m
     return {m: sums[m] / n[m] for m in sums}
 
 
-def evaluate_per_query(run: pa.Table, qrels: pa.Table | Mapping[str, Mapping[str, int]],
+def run_from_dict(run: Mapping[str, Mapping[str, float]]) -> pa.Table:
+    """A pytrec_eval run (``{query_id: {doc_id: score}}``) as a run table (query_id, doc_id, rank, score), ranked
+    per query by score (kept in float64), ties by doc_id.
+
+    >>> run_from_dict({"q1": {"d1": 0.2, "d2": 0.9}}).to_pylist()[0]
+    {'query_id': 'q1', 'doc_id': 'd2', 'rank': 1, 'score': 0.9}
+    """
+    cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
+    for q, docs in run.items():
+        if not isinstance(docs, Mapping):
+            raise TypeError(f"run[{q!r}] is {type(docs).__name__}, not a {{doc_id: score}} mapping")
+        scored = []
+        for d, v in docs.items():
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"run[{q!r}][{d!r}]: score {v!r} is not a number")
+            scored.append((float(v), str(d)))
+        scored.sort(key=lambda x: (-x[0] if x[0] == x[0] else float("inf"), x[1]))
+        for rank, (v, d) in enumerate(scored, 1):
+            cols["query_id"].append(str(q))
+            cols["doc_id"].append(d)
+            cols["rank"].append(rank)
+            cols["score"].append(v)
+    types = {"query_id": pa.string(), "doc_id": pa.string(), "rank": pa.int32(), "score": pa.float64()}
+    return pa.table({c: pa.array(v, types[c]) for c, v in cols.items()})  # float64 scores: no ties made, none lost
+
+
+def _refuse_non_finite(run: pa.Table) -> None:
+    """A ValueError naming the first (query, document) whose score is NaN or infinite (it would rank last, or
+    first, by accident)."""
+    import pyarrow.compute as pc
+
+    if "score" not in run.column_names:
+        return
+    finite = pc.fill_null(pc.is_finite(run.column("score")), True)
+    bad = pc.sum(pc.invert(finite)).as_py() or 0
+    if bad:
+        i = pc.index(finite, False).as_py()
+        row = {c: run.column(c)[i].as_py() for c in ("query_id", "doc_id", "score")}
+        raise ValueError(
+            f"query {row['query_id']!r}, document {row['doc_id']!r}: score {row['score']} is not a finite number "
+            f"({bad:,} such score(s) in the run); drop those rows or give them a score"
+        )
+
+
+def evaluate_per_query(run: Run, qrels: pa.Table | Mapping[str, Mapping[str, int]],
                        measures: Sequence[str] | None = None, relevance_level: int = 1,
                        ties: str = "trec") -> pa.Table:  # fmt: skip
-    """Per-query metrics (query_id, measure, value) of a run table against qrels (a table with query_id, doc_id,
-    relevance, or ``{query_id: {doc_id: grade}}``). A run that answers none of the judged queries is refused (a
-    ValueError), as `diffret import-run` refuses one: the qrels of another split or collection would otherwise
-    score every query 0 without a word.
+    """Per-query metrics (query_id, measure, value) of a run (a table with query_id, doc_id, rank, score, or
+    pytrec_eval's ``{query_id: {doc_id: score}}``) against qrels (a table with query_id, doc_id, relevance, or
+    ``{query_id: {doc_id: grade}}``). A run that answers none of the judged queries is refused (a ValueError), as
+    `diffret import-run` refuses one: the qrels of another split or collection would otherwise score every query 0
+    without a word; so is a score that is NaN or infinite, naming its query and document.
 
     >>> run = pa.table({"query_id": ["q1"], "doc_id": ["d1"], "rank": [1], "score": [1.0]})
     >>> evaluate_per_query(run, {"q1": {"d1": 1}}, ["ndcg_cut_10"]).column("value").to_pylist()
@@ -203,6 +293,10 @@ the qrels of its split and collection?
     from diffret.retrieval.evaluation import DEFAULT_MEASURES
     from diffret.retrieval.evaluation.arrays import evaluate_tables
 
+    _whole("relevance_level", relevance_level, least=0)
+    if isinstance(run, Mapping):
+        run = run_from_dict(run)
+    _refuse_non_finite(run)
     if isinstance(qrels, Mapping):
         rows = [(q, d, int(g)) for q, docs in qrels.items() for d, g in docs.items()]
         qrels = pa.table({"query_id": pa.array([r[0] for r in rows], pa.string()),
@@ -273,6 +367,7 @@ class Store:
     """
 
     def __init__(self, root: str | Path):
+        import diffret.flows.repairs  # noqa: F401  (a damaged folder's repair named as the command to run)
         from diffret.storage import ArtifactStore
 
         self.root = str(root)

@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-import click
 import typer
 from pydantic import BaseModel
 from rich.markup import escape
+from typer._click import Context, HelpFormatter  # typer carries its own click: its commands format with these
 from typer.core import TyperCommand
 
 from diffret.storage.layout import DEFAULT_ROOT
@@ -46,7 +46,7 @@ class Command(TyperCommand):
     """A command whose ``--help`` fits the terminal (rich's own width; 80 columns when piped): one paragraph per
     option (:func:`flows.display.help_text`)."""
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: Context, formatter: HelpFormatter) -> None:
         from rich.console import Console
 
         formatter.write(help_text(self, ctx, Console().width))
@@ -137,9 +137,10 @@ def _known_errors() -> tuple[type[Exception], ...]:
     from diffret.retrieval.models.backbones import BackboneError
     from diffret.storage import StoreError
 
+    from .cluster import ClusterStartError
     from .runner import PrefectUnreachable
 
-    return (DatasetError, StoreError, BackboneError, ValueError, PrefectUnreachable)
+    return (DatasetError, StoreError, BackboneError, ValueError, PrefectUnreachable, ClusterStartError)
 
 
 @contextlib.contextmanager
@@ -163,9 +164,9 @@ def _config(cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
     """Run a stage with ``config`` (Prefect or in-process; the stages it needs first before it), print its result
-    line and what the stage prints of its result (``Stage.shown`` to standard output, ``Stage.printed``, the
-    result's warnings), return it."""
-    from diffret.stages import stages
+    line and what the stage prints of its result (its presentation's ``shown`` to standard output, ``printed``,
+    the result's warnings), return it."""
+    from diffret.stages import presentation_of, stages
 
     from .runner import run_stage, use_prefect
 
@@ -173,9 +174,10 @@ def _run(stage_name: str, prefect: bool | None, config: Any) -> Any:
     with _errors(), progress() as report:
         res = run_stage(stage, config, prefect=use_prefect(prefect), log=log, report=report)
     console.print(res.line(), highlight=False, soft_wrap=True)
-    if shown := stage.shown(res):
+    shows = presentation_of(stage)
+    if shown := shows.shown(res):
         out.print(shown, highlight=False, markup=False, soft_wrap=True, end="")
-    for line in stage.printed(res):
+    for line in shows.printed(res):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     _print_warnings(res)
     return res
@@ -315,8 +317,9 @@ def sql(
 ) -> None:
     """Run read-only DuckDB SQL over the store's views (queries/*.sql) and print the result (or --out it).
 
-    Queries read the store and nothing else: COPY, CREATE, ATTACH, INSTALL, SET and reading files outside the
-    store root are refused. A damaged or incomplete folder is left out of its views, with a warning naming it and
+    Queries read the store and nothing else, one statement at a time (a SELECT, or an EXPLAIN of one): EXPLAIN
+    ANALYZE, COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ..., several statements at once and reading files other than
+    the store's are refused. A damaged or incomplete folder is left out of its views, with a warning naming it and
     its repair."""
     import duckdb
 
@@ -344,10 +347,12 @@ def verify(root: Root = DEFAULT_ROOT) -> None:
     next run of its stage redoes it)."""
     from diffret.storage import ArtifactStore
 
+    from .repairs import repair_line
+
     with _errors():
-        checked, problems = ArtifactStore(root).verify_all()
-    for line in problems:  # results go to stdout (errors of the command itself to stderr)
-        out.print(f"[bold red]damaged:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        checked, problems = ArtifactStore(root).damage_all()
+    for damage in problems:  # results go to stdout (errors of the command itself to stderr)
+        out.print(f"[bold red]damaged:[/] {escape(damage.line(repair_line))}", highlight=False, soft_wrap=True)
     if problems:
         out.print(f"{len(problems)} problem(s) in {checked:,} file(s)", highlight=False)
         raise typer.Exit(code=1)

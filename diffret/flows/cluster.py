@@ -13,7 +13,8 @@ by ``--dask-address`` is used as it is: its GPU workers are started one per GPU 
 Both ways of running a stage use it: :func:`run_units` (in this process, no Prefect) and the Prefect flow's
 ``DaskTaskRunner`` (``flows.runner``). A worker that dies (SIGKILL, the OOM killer) is restarted by its nanny and
 Dask computes again what it held: a unit's result is committed once, and a unit's files are the same bytes each
-time it runs (``stages.passes``), so the run goes on.
+time it runs (``stages.passes``), so the run goes on. A worker that dies while a local cluster starts fails that
+start in Dask; nothing has run yet, so :func:`local_cluster` starts the cluster again (a bounded number of tries).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 from diffret.retrieval.devices import count_cpu_workers, cpu_cores, place_workers, visible_gpus, wants_gpu
-from diffret.stages import Context, Plan, Stage, StageConfig
+from diffret.stages import Context, Plan, Stage, StageConfig, run_unit
+from diffret.stages.base import run_units as base_run_units
 
 GPU = "GPU"  # the Dask resource a GPU unit asks for and a GPU worker offers (one per worker)
 # glibc gives a large block back to the system when it is freed (its own threshold rises to 32 MB after the first
@@ -77,15 +79,38 @@ def check_placement(stage: Stage, config: StageConfig) -> None:
         local_cluster_options(stage, config)
 
 
+START_TRIES = 3  # a local cluster whose worker dies while it starts is started again, at most this many times in all
+
+
+class ClusterStartError(RuntimeError):
+    """No local Dask cluster could be started (a worker died while it started, each of :data:`START_TRIES` times)."""
+
+
 def local_cluster(pins: list[str] | None = None, n_workers: int | None = None, **_: Any) -> Any:
     """A local Dask cluster: one worker per entry of ``pins`` pinned to that GPU (``CUDA_VISIBLE_DEVICES``, resource
     ``GPU=1``; ``dask-cuda``'s ``LocalCUDACluster`` where installed and each GPU has one worker), else
     ``n_workers`` CPU workers (None: as many as Dask starts by default). One thread per worker: a worker runs one
-    unit at a time, on its own device."""
+    unit at a time, on its own device. A worker that dies while it starts (SIGKILL, the OOM killer) fails the
+    whole start in Dask, which closes what it started; nothing has run yet, so the cluster is started again, up to
+    :data:`START_TRIES` times, then :class:`ClusterStartError` (one line)."""
+    last: BaseException | None = None
+    for _attempt in range(START_TRIES):
+        try:
+            return _start_local_cluster(pins, n_workers)
+        except (RuntimeError, OSError, TimeoutError) as exc:  # "Nanny failed to start", a closed comm, a time-out
+            last = exc
+    reason = " ".join(str(last).split()) or type(last).__name__
+    raise ClusterStartError(
+        f"the local Dask cluster did not start in {START_TRIES} tries (last: {reason}); check the workers' memory "
+        "and logs, or run with --workers 0"
+    ) from last
+
+
+def _start_local_cluster(pins: list[str] | None, n_workers: int | None) -> Any:
     import dask
     import distributed
 
-    _expose_packages_to_workers()
+    expose_packages_to_workers()
     common = {"threads_per_worker": 1, "dashboard_address": ":0", "silence_logs": logging.ERROR}
     spawn_env = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
     with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_env}):  # read by each nanny as it is made
@@ -149,7 +174,7 @@ def open_client(stage: Stage, config: StageConfig) -> Iterator[tuple[Any, dict[s
     address = getattr(config, "dask_address", None)
     with contextlib.ExitStack() as stack:
         if address:
-            _expose_packages_to_workers()
+            expose_packages_to_workers()
             client = stack.enter_context(distributed.Client(address, set_as_default=False))
             resources = unit_resources(stage, config, gpus=cluster_gpus(client))
             check_workers(client, resources, address)
@@ -167,46 +192,47 @@ def cluster_gpus(client: Any) -> list[str]:
     return [str(w.get("name")) for w in workers if w.get("resources", {}).get(GPU, 0) >= 1]
 
 
-def run_unit(stage: Stage, root: str, unit: Any) -> Any:
-    """Run one unit of a stage wherever Dask put it (the planning process commits its result)."""
-    from diffret.storage import ArtifactStore
-
-    return stage.run(unit, Context(ArtifactStore(root)))
-
-
 def run_units(stage: Stage, config: StageConfig, plan: Plan, ctx: Context) -> list[Any]:
-    """Run a plan's units on Dask without Prefect (``--workers`` / ``--dask-address``), committing each in this
-    process as it completes (progress by the stage's work); their results, in completion order."""
-    import distributed
-
-    total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
-    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-    results = []
+    """Run a plan's units on Dask without Prefect (``--workers`` / ``--dask-address``), each committed in this
+    process as it completes (:func:`stages.base.run_units`, the one unit loop); their results, in completion order."""
     with open_client(stage, config) as (client, resources):
         ctx.log(f"{stage.label(plan)}: {len(plan.units)} unit(s) on {_describe(client)}")
-        futures = {}
-        for unit in plan.units:
-            fut = client.submit(
-                run_unit,
-                stage,
-                config.root,
-                unit,
-                resources=resources,
-                pure=False,
-                key=f"{stage.name} {stage.unit_name(unit)}-{len(futures)}",
-            )
-            futures[fut] = unit
+        outcomes = _on_dask(client, resources, stage, config, plan)
         try:
-            for fut in distributed.as_completed(list(futures), loop=client.loop):
-                unit = futures.pop(fut)
-                results.append(fut.result())
-                fut.release()  # in this process now: a worker that dies later takes nothing Dask would compute again
-                stage.commit(unit, results[-1], ctx)
-                advance(stage.work_of(unit))
-        except BaseException:
-            client.cancel(list(futures))
-            raise
-    return results
+            return base_run_units(stage, plan, ctx, elsewhere=lambda: outcomes)
+        finally:
+            outcomes.close()  # a failure here (a commit) cancels the units still on the cluster, while it is open
+
+
+def _on_dask(
+    client: Any, resources: dict[str, int] | None, stage: Stage, config: StageConfig, plan: Plan
+) -> Generator[tuple[Any, Any], None, None]:
+    """Each unit submitted to the cluster, yielded with its result as it completes; a unit's result is released from
+    the cluster once here (a worker that dies later takes nothing Dask would compute again); on failure, the units
+    not yet done are cancelled."""
+    import distributed
+
+    futures: dict[Any, Any] = {}  # a Dask future -> its unit
+    for unit in plan.units:
+        fut = client.submit(
+            run_unit,
+            stage.name,
+            config.root,
+            unit,
+            resources=resources,
+            pure=False,
+            key=f"{stage.name} {stage.unit_name(unit)}-{len(futures)}",
+        )
+        futures[fut] = unit
+    try:
+        for fut in distributed.as_completed(list(futures), loop=client.loop):
+            unit = futures.pop(fut)
+            result = fut.result()
+            fut.release()
+            yield unit, result
+    except BaseException:
+        client.cancel(list(futures))
+        raise
 
 
 def _describe(client: Any) -> str:
@@ -215,7 +241,7 @@ def _describe(client: Any) -> str:
     return f"{len(workers)} Dask worker(s) ({gpus} with a GPU)"
 
 
-def _expose_packages_to_workers() -> None:
+def expose_packages_to_workers() -> None:
     """Put this checkout on PYTHONPATH for the Dask worker processes we start.
 
     A Dask worker puts its scratch folder, which holds a ``storage/`` spill folder, first on

@@ -174,3 +174,18 @@ def memory_bytes(device: torch.device) -> int | None:
     except (OSError, ValueError):
         pass
     return free
+
+
+def free_memory(device: torch.device) -> int | None:
+    """The memory free on ``device`` now: a GPU's free memory (``torch.cuda.mem_get_info``); on the CPU, what
+    :func:`memory_bytes` reads (the memory available, within a cgroup limit). None when it cannot be read.
+
+    >>> free_memory(torch.device("cpu")) > 0
+    True
+    """
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    return memory_bytes(device)

@@ -7,7 +7,7 @@ and the checksum of every source file: a changed source is drift, refused unless
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,12 +30,16 @@ from diffret.storage import ArtifactStore, Manifest, StageState, StoreError
 from diffret.storage.layout import dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig, StageResult
+from .presentation import Presentation
 
 INGEST_FORMAT = 1  # bump when the way sources become tables changes: old artifacts then count as drift
 
 
 class DownloadConfig(StageConfig):
     """Parameters of the download flow."""
+
+    def dataset_label(self) -> str:
+        return self.dataset
 
     @property
     def dataset(self) -> str:
@@ -75,6 +79,7 @@ class DownloadResult:
     status: str  # "written" | "unchanged"
     manifest: Manifest
     report_lines: list[str]
+    warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -82,6 +87,7 @@ class DownloadResult:
             "status": self.status,
             "rows": {k: v.rows for k, v in self.manifest.files.items()},
             "report": self.report_lines,
+            "warnings": self.warnings,
         }
 
 
@@ -170,7 +176,7 @@ def materialise(
         w.write_parquet("qrels.parquet", QRELS_SCHEMA, [qrels])
         w.write_parquet("queries.parquet", QUERIES_SCHEMA, [build_queries(queries, judged, report)])
         manifest.stats = {"report": report.to_dict()}
-    return DownloadResult(name, "written", manifest, report.summary_lines())
+    return DownloadResult(name, "written", manifest, report.summary_lines(), report.warnings())
 
 
 @dataclass
@@ -183,23 +189,6 @@ class DownloadUnit:
 
 class Download(Stage, name="download", config=DownloadConfig, noun="collection(s)", verb="written"):
     """Materialise a retrieval test collection into the artifact store."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Materialise a retrieval test collection (BEIR layout, MS MARCO, TREC DL) as corpus / queries / qrels "
-        "Parquet under `datasets/dataset=<name>/` in the artifact store. Set config.source to a local folder, "
-        "archive or URL to read an offline mirror instead of the official location. Re-running is safe: a "
-        "collection already stored from the same source is left as it is."
-    )
-    example = {"name": "scifact", "source": None}  # the deployment's parameters, besides root
-
-    next_step = (
-        "encode it: `diffret encode -d {dataset} --model MODEL` (the encode deployment), or the whole grid: "
-        "`diffret run -d {dataset} --model MODEL` (the pipeline deployment)."
-    )
-
-    def printed(self, result: StageResult) -> list[str]:
-        """The collection's validation report, line by line."""
-        return list(result.details.get("report", []))
 
     def plan(self, config: DownloadConfig, ctx: Context) -> Plan:
         if config.source is None and not config.force and (stored := self._stored(config, ctx)) is not None:
@@ -270,6 +259,27 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
 
     def outputs(self, config: DownloadConfig, plan: Plan, details: dict[str, Any]) -> list[str]:
         return []  # its own table names each table's rows (a sum over corpus, queries and qrels would mislead)
+
+
+def _printed(result: StageResult) -> list[str]:
+    """The collection's validation report, line by line."""
+    return list(result.details.get("report", []))
+
+
+presentation = Presentation(
+    deployment=(
+        "Materialise a retrieval test collection (BEIR layout, MS MARCO, TREC DL) as corpus / queries / qrels "
+        "Parquet under `datasets/dataset=<name>/` in the artifact store. Set config.source to a local folder, "
+        "archive or URL to read an offline mirror instead of the official location. Re-running is safe: a "
+        "collection already stored from the same source is left as it is."
+    ),
+    example={"name": "scifact", "source": None},
+    next_step=(
+        "encode it: `diffret encode -d {dataset} --model MODEL` (the encode deployment), or the whole grid: "
+        "`diffret run -d {dataset} --model MODEL` (the pipeline deployment)."
+    ),
+    printed=_printed,
+)
 
 
 stage = Download()

@@ -24,6 +24,7 @@ from diffret.storage import config_hash
 from diffret.storage.layout import FUSION_MODE, run_dir
 
 from .base import Context, Plan, Stage
+from .presentation import Presentation
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, pick_run, read_run, write_run
 from .systems import SystemRecord, register, slug_base
@@ -58,6 +59,13 @@ class FuseConfig(QueriesConfig):
                 f"the weights {self.weights} are all 0: the fused run would score every document 0; give "
                 "at least one --weight above 0"
             )
+        tiny = float(np.finfo(np.float32).tiny)  # fused scores are float32: a smaller weight underflows to 0
+        if self.weights is not None and max(self.weights) < tiny:
+            raise ValueError(
+                f"the weights {self.weights} are all 0 in the fused run's float32 scores (the largest, "
+                f"{max(self.weights)!r}, is below float32's smallest normal number {tiny:.3g}): the fused run would "
+                f"score every document 0; give at least one --weight of {tiny:.3g} or more"
+            )
         return self
 
     def weight_list(self) -> list[float]:
@@ -75,20 +83,6 @@ class FuseUnit:
 
 class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
     """Fuse stored runs of any systems (min-max normalised, weighted) into a system of its own."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Fuse stored runs of any systems (BM25, imported runs, encoder cells: SYSTEM[:MODE[:KQ:KP]]) by per-query "
-        "min-max normalisation and a weighted sum, into a system of its own."
-    )
-    example = {
-        "dataset": "scifact",
-        "splits": ["test"],
-        "runs": ["bm25", "splade"],
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run {system}`."
-    )
 
     def plan(self, config: FuseConfig, ctx: Context) -> Plan:
         store, corpus = ctx.store, config.corpus_name()
@@ -133,15 +127,59 @@ class Fuse(Stage, name="fuse", config=FuseConfig, noun="run(s)", verb="fused"):
 
     def run(self, unit: FuseUnit, ctx: Context) -> int:
         store = ctx.store
+        tables = {}  # every cell fused and checked before anything is written
+        for cell in unit.cells:
+            inputs = [read_run(store, stage) for stage in unit.inputs[cell.split]]
+            qids = list(dict.fromkeys(q for t in inputs for q in t.column("query_id").to_pylist()))
+            docs = list(dict.fromkeys(d for t in inputs for d in t.column("doc_id").to_pylist()))
+            fused = fuse_runs([_topk(t, qids, docs) for t in inputs], unit.depth, unit.weights)
+            _refuse_constant(fused, cell.split, unit.inputs[cell.split])
+            tables[cell.stage] = (run_table(fused, qids, docs, depth=unit.depth), len(qids))
         register(store, SystemRecord.model_validate(unit.record))
         for cell in unit.cells:
-            tables = [read_run(store, stage) for stage in unit.inputs[cell.split]]
-            qids = list(dict.fromkeys(q for t in tables for q in t.column("query_id").to_pylist()))
-            docs = list(dict.fromkeys(d for t in tables for d in t.column("doc_id").to_pylist()))
-            fused = fuse_runs([_topk(t, qids, docs) for t in tables], unit.depth, unit.weights)
-            table = run_table(fused, qids, docs, depth=unit.depth)
-            write_run(store, cell, table, {"queries": len(qids), "rows": table.num_rows})
+            table, n = tables[cell.stage]
+            write_run(store, cell, table, {"queries": n, "rows": table.num_rows})
         return len(unit.cells)
+
+
+presentation = Presentation(
+    deployment=(
+        "Fuse stored runs of any systems (BM25, imported runs, encoder cells: SYSTEM[:MODE[:KQ:KP]]) by per-query "
+        "min-max normalisation and a weighted sum, into a system of its own."
+    ),
+    example={
+        "dataset": "scifact",
+        "splits": ["test"],
+        "runs": ["bm25", "splade"],
+    },
+    next_step=(
+        "evaluate it: `diffret evaluate -d {dataset}`; compare it: `diffret compare -d {dataset} --run {system}`."
+    ),
+)
+
+
+def _refuse_constant(fused: TopK, split: str, inputs: list[str]) -> None:
+    """A ValueError when every query holding two or more documents scores them all alike (the weighted runs' scores
+    are constant within each query: min-max normalisation maps them to 0): its ranking would be document-id order.
+
+    >>> _refuse_constant(TopK(np.array([[0.0, 0.0]], np.float32), np.array([[0, 1]])), "test", ["a", "b"])
+    Traceback (most recent call last):
+    ...
+    ValueError: the fused run of split 'test' scores every document of each query alike (0): the weighted runs' \
+scores are constant within each query (a, b); nothing was written
+    """
+    valid = fused.index >= 0
+    several = valid.sum(axis=1) >= 2
+    if not several.any():
+        return
+    s = fused.scores.astype(np.float64)
+    lo = np.min(np.where(valid, s, np.inf), axis=1)
+    hi = np.max(np.where(valid, s, -np.inf), axis=1)
+    if np.all(hi[several] == lo[several]):
+        raise ValueError(
+            f"the fused run of split {split!r} scores every document of each query alike ({lo[several][0]:g}): the "
+            f"weighted runs' scores are constant within each query ({', '.join(inputs)}); nothing was written"
+        )
 
 
 def _topk(table: Any, qids: list[str], docs: list[str]) -> TopK:

@@ -310,7 +310,7 @@ def codec_for(store: ArtifactStore, folder: str, m: Manifest) -> Codec | None:
     if digest != want:
         raise StoreError(
             f"{store.abspath(folder)}: coded with codebook {str(want)[:12]}…, but "
-            f"{store.abspath(cb_folder)} holds {digest[:12]}…; {store.repair_hint(folder)}"
+            f"{store.abspath(cb_folder)} holds {digest[:12]}…; {store.repair(folder)}"
         )
     try:
         codebook.check(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import enum
 import json
 import os
-import shlex
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -24,6 +23,7 @@ from .manifest import (
     diff_configs,
     is_input_field,
 )
+from .repairs import Damage, Repair, repair_of
 
 
 class StageState(enum.StrEnum):
@@ -42,33 +42,53 @@ class IntegrityMixin:
     """:class:`storage.store.ArtifactStore`'s checks and repair hints (its ``fs``, ``is_local``, paths and manifest
     reads)."""
 
-    def repair_hint(self, rel: str) -> str:
-        """How to rebuild the stage folder holding ``rel``: the command that made it
-        (:func:`storage.layout.repair_hint`), told by what the store holds where the path alone does not say it:
+    def repair(self, rel: str) -> Repair:
+        """What rebuilds the stage folder holding ``rel`` (:func:`storage.repairs.repair_of`): the command that made
+        it, with the settings that made it as the store holds them (the folder's manifest config; where the manifest
+        is gone, its system's registry record; a tokens folder's tokenizer, from the encodings that read it), and
         which command made a compressed system's folders, whether a model is a reranker, a summary's BM25 system.
         Reads what it can and never raises (it names the repair inside another error).
 
         >>> import tempfile
         >>> from diffret.storage import ArtifactStore
         >>> with tempfile.TemporaryDirectory() as root:
-        ...     ArtifactStore(root).repair_hint("summaries/system=s/dataset=d/split=test").replace(root, "ROOT")
-        'repair: run `diffret summary --root ROOT` again with the settings that made it'
+        ...     r = ArtifactStore(root).repair("summaries/system=s/dataset=d/split=test")
+        ...     r.command, r.option("root") == root, r.complete
+        ('summary', True, False)
         """
         facts: dict[str, Any] = {}
         parts = rel.lstrip("/").split("/")
         keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         try:
+            entry = layout.STAGE_FOLDERS.get(parts[0])
+            depth = entry[0].count("/") + 1 if entry else 0
+            if entry and len(parts) >= depth and (found := self._raw_config("/".join(parts[:depth]))):
+                facts["config"] = found[0]
             if parts[0] in ("encodings", "codebooks") and "system" in keys:
-                facts = self._compressed_facts(keys)
+                facts.update(self._compressed_facts(keys))
+                if "config" not in facts and (record := self._raw_config(layout.system_dir(keys["system"]))):
+                    facts["system"] = record[0].get("settings") or {}
+            elif parts[0] == "tokens" and {"tokenizer", "dataset", "side"} <= keys.keys():
+                facts["tokenizer"] = self._tokenizer_facts(keys)
             elif parts[0] == "models" and len(parts) > 1:
-                facts = {"task": self._model_task("/".join(parts[:2]))}
+                facts["task"] = self._model_task("/".join(parts[:2]))
             elif parts[0] == "summaries" and len(parts) > 3:
-                facts = {"bm25": self._summary_bm25("/".join(parts[:4]))}
+                facts["bm25"] = self._summary_bm25("/".join(parts[:4]))
             elif parts[0] == "systems" and len(parts) > 1:
-                facts = {"kind": (self._raw_config("/".join(parts[:2])) or ({}, {}))[0].get("kind")}
-        except Exception:  # noqa: BLE001  (a hint never hides the error it is part of)
-            facts = {}
-        return layout.repair_hint(rel, facts, root=self.printed_root())
+                facts["kind"] = (facts.get("config") or {}).get("kind")
+        except Exception:  # noqa: BLE001  (a repair never hides the error it is part of)
+            facts = {k: v for k, v in facts.items() if k == "config"}
+        return repair_of(rel, facts, root=self.printed_root())
+
+    def _tokenizer_facts(self, keys: dict[str, str]) -> dict[str, Any]:
+        """The tokenizer settings of a tokens folder: those of an encodings folder made from it (its config names
+        the tokens), ``{}`` when none is stored."""
+        pattern = f"encodings/*/dataset={keys['dataset']}/side={keys['side']}/*/{layout.MANIFEST_NAME}"
+        for path in sorted(self.fs.glob(self.abspath(pattern))):
+            found = self._raw_config(self.relpath(path).rpartition("/")[0])
+            if found is not None and found[0].get("tokens") == keys["tokenizer"]:
+                return {k: found[0].get(k) for k in ("model", "gguf_file")}
+        return {}
 
     def printed_root(self) -> str:
         """The store root a command printed for this store must be given (``--root ROOT``; absolute), or ``""`` when
@@ -86,23 +106,23 @@ class IntegrityMixin:
             return "" if os.path.abspath(os.path.expanduser(default)) == self.base else self.base
         return "" if default.rstrip("/") == self.root.rstrip("/") else self.root
 
-    def removal_hint(self, stage_dir: str) -> str:
-        """The repair of a folder no command can build again as it was: remove it (``rm -r``, the path quoted).
+    def removal(self, stage_dir: str) -> Repair:
+        """The repair of a folder no command can build again as it was: remove it.
 
         >>> from diffret.storage import ArtifactStore
-        >>> ArtifactStore("/data/s").removal_hint("runs/system=a b")
+        >>> str(ArtifactStore("/data/s").removal("runs/system=a b"))
         "repair: remove the folder: `rm -r '/data/s/runs/system=a b'`"
         """
-        path = self.abspath(stage_dir)
-        return (
-            f"repair: remove the folder: `rm -r {shlex.quote(path)}`"
-            if self.is_local
-            else (f"repair: remove the folder {path}")
-        )
+        return Repair(remove=self.abspath(stage_dir), local=self.is_local)
 
     def edited_problem(self, stage_dir: str, m: Manifest, subject: str = "") -> str | None:
-        """The damage line of a manifest edited by hand (``subject``: what it names first; default its folder), with
-        its repair; ``None`` when it is as written. A config that holds a number that is not finite (written as null,
+        """The damage line of a manifest edited by hand (:meth:`edited_damage`); ``None`` when it is as written."""
+        damage = self.edited_damage(stage_dir, m, subject)
+        return None if damage is None else str(damage)
+
+    def edited_damage(self, stage_dir: str, m: Manifest, subject: str = "") -> Damage | None:
+        """The damage of a manifest edited by hand (``subject``: what it names first; default its folder), with its
+        repair; ``None`` when it is as written. A config that holds a number that is not finite (written as null,
         :meth:`Manifest.non_finite`) was no edit: its settings are refused now, so no command builds the folder again
         as it was, and the repair removes it."""
         what = m.edited()
@@ -110,13 +130,13 @@ class IntegrityMixin:
             return None
         subject = subject or self.abspath(stage_dir)
         if what == "its config" and (fields := m.non_finite()):
-            return (
-                f"{subject}: its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, "
-                "written as null), which every setting refuses now, so no command builds the folder again as it "
-                f"was; {self.removal_hint(stage_dir)}"
+            problem = (
+                f"its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, written as "
+                "null), which every setting refuses now, so no command builds the folder again as it was"
             )
-        return (
-            f"{subject}: manifest edited by hand ({what}), so the folder is not trusted; {self.repair_hint(stage_dir)}"
+            return Damage(subject, problem, self.removal(stage_dir))
+        return Damage(
+            subject, f"manifest edited by hand ({what}), so the folder is not trusted", self.repair(stage_dir)
         )
 
     def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -215,24 +235,30 @@ class IntegrityMixin:
 
     def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
         """Check one file's size and sha256 against its entry (``cached``: skip a file this store already
-        hashed with the same size and mtime); :class:`ChecksumError` names what differs."""
+        hashed with the same size and mtime); :class:`ChecksumError` names what differs and its repair."""
+        damage = self.file_damage(stage_dir, name, entry, cached=cached)
+        if damage is not None:
+            raise ChecksumError(str(damage))
+
+    def file_damage(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> Damage | None:
+        """What differs between one file and its entry, with its repair (:meth:`verify_file`); ``None`` when it
+        matches."""
         path = self.abspath(f"{stage_dir}/{name}")
         stat = self.file_stat(f"{stage_dir}/{name}")
-        repair = self.repair_hint(stage_dir)
         if stat is None:
-            raise ChecksumError(f"{path}: listed in the manifest but missing; {repair}")
+            return Damage(path, "listed in the manifest but missing", self.repair(stage_dir))
         size = stat[0]
         key = (path, size, stat[1] or 0)
         if cached and stat[1] is not None and self._verified.get(key) == entry.sha256:
-            return
+            return None
         if size != entry.bytes:
-            raise ChecksumError(f"{path}: {size} bytes, manifest says {entry.bytes}; {repair}")
+            return Damage(path, f"{size} bytes, manifest says {entry.bytes}", self.repair(stage_dir))
         digest, _ = sha256_file(path, self.fs)
         if digest != entry.sha256:
-            raise ChecksumError(
-                f"{path}: sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…); {repair}"
-            )
+            problem = f"sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…)"
+            return Damage(path, problem, self.repair(stage_dir))
         self._verified[key] = digest
+        return None
 
     def check_file(self, stage_dir: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
         """The cheap check re-run planning trusts (:meth:`open_sharded`), for a reader: the file is there with its
@@ -297,13 +323,13 @@ class IntegrityMixin:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
             raise StoreError(
                 f"{self.root} is not a diffret store: it holds {shown} but none of a store's folders "
-                "(datasets/, runs/, metrics/, ...): check --root (a TREC run file enters a store with "
-                "`diffret import-run`)"
+                "(datasets/, runs/, metrics/, ...): check --root (a TREC run file enters a store through the "
+                "import-run command)"
             )
 
     def verify_all(self) -> tuple[int, list[str]]:
         """Check every file of every stage folder against its manifest (full sha256, no cache): the number
-        of files checked and one line per problem (a changed or missing file, a manifest edited by hand).
+        of files checked and one line per problem (:meth:`damage_all`, each as its line).
 
         Examples
         --------
@@ -313,6 +339,13 @@ class IntegrityMixin:
         ...     ArtifactStore(root).verify_all()
         (0, [])
         """
+        checked, damage = self.damage_all()
+        return checked, [str(d) for d in damage]
+
+    def damage_all(self) -> tuple[int, list[Damage]]:
+        """Check every file of every stage folder against its manifest (full sha256, no cache): the number of files
+        checked and what is damaged (a changed or missing file, a manifest edited by hand or deleted), each with
+        what repairs it (:class:`storage.repairs.Damage`)."""
         self.require_root()
         base = self.abspath("")
         checked, problems = 0, []
@@ -323,31 +356,29 @@ class IntegrityMixin:
                 continue
             try:
                 m = self.read_manifest(folder, trusted=False)
-            except StoreError as exc:
-                problems.append(str(exc))
+            except StoreError as exc:  # unreadable: its message names the manifest and its repair
+                problems.append(Damage("", str(exc)))
                 continue
             if m is None:
                 continue
-            if line := self.edited_problem(folder, m):
-                problems.append(line)
+            if edited := self.edited_damage(folder, m):
+                problems.append(edited)
             files = dict(m.files)
             for rec in self._pending_records(folder)[1]:  # shards recorded, not yet compacted
                 if isinstance(rec, StoreError):
-                    problems.append(str(rec))
+                    problems.append(Damage("", str(rec)))
                 elif rec.config_hash == m.config_hash:
                     files[rec.name] = rec.file
             for name, entry in sorted(files.items()):
                 checked += 1
-                try:
-                    self.verify_file(folder, name, entry, cached=False)
-                except ChecksumError as exc:
-                    problems.append(str(exc))
+                if damage := self.file_damage(folder, name, entry, cached=False):
+                    problems.append(damage)
         problems += self.orphan_folders()
         return checked, problems
 
-    def orphan_folders(self) -> list[str]:
+    def orphan_folders(self) -> list[Damage]:
         """Stage folders holding files but no manifest (a deleted one): damage, since SQL and the stages would
-        silently leave their files out. One problem line each, with the repair."""
+        silently leave their files out. One each, with the repair."""
         out = []
         base = self.abspath("")
         for glob, _ in layout.STAGE_FOLDERS.values():
@@ -359,10 +390,8 @@ class IntegrityMixin:
                     continue
                 files = [p for p in self.fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_"))]
                 if files:
-                    out.append(
-                        f"{path}: {len(files)} file(s) but no manifest (deleted?), so none is trusted; "
-                        f"{self.repair_hint(rel)}"
-                    )
+                    problem = f"{len(files)} file(s) but no manifest (deleted?), so none is trusted"
+                    out.append(Damage(path, problem, self.repair(rel)))
         return out
 
     def state(

@@ -10,8 +10,6 @@ by its slug, the ``system=`` partition of every folder it produced.
 from __future__ import annotations
 
 import re
-import shlex
-from typing import Any
 
 import pyarrow as pa
 
@@ -344,108 +342,30 @@ def schema_for_pattern(pattern: str) -> pa.Schema | None:
     return FILE_SCHEMAS.get(pattern.rsplit("/", 1)[-1])
 
 
-# Every kind of stage folder: its glob (relative to the root) and the command whose next run rebuilds a damaged
-# one (run with the settings that made it; `repair_hint` names a more precise one where the folder or the store tells
-# it). Sharded folders (tokens, filters, encodings, partial) trust a shard whose size and mtime match its record, so
-# their repair adds --verify, which re-hashes every shard.
+# Every kind of stage folder: its glob (relative to the root) and the command whose next run rebuilds a damaged one
+# (storage.repairs.repair_of names it with the settings that made the folder, where the store holds them).
 STAGE_FOLDERS: dict[str, tuple[str, str]] = {
-    "datasets": ("datasets/*", "diffret download <name>"),
-    "tokens": ("tokens/*/*/*", "diffret tokenize --verify"),
-    "filters": ("filters/*/*/*/*", "diffret tokenize --verify"),
-    "encodings": ("encodings/*/*/*/*", "diffret encode --verify"),
-    "codebooks": ("codebooks/*/*/*", "diffret compress"),
-    "systems": ("systems/*", "diffret encode"),
-    "runs": ("runs/*/*/*/*/*/*", "diffret score"),
-    "metrics": ("metrics/*/*/*/*/*/*", "diffret evaluate"),
-    "index": ("index/*/*/*", "diffret index"),
-    "bot": ("bot/*/*", "diffret bot"),
-    "partial": ("partial/*/*/*", "diffret late --verify"),
-    "partials": ("partials/*/*/*/*", "diffret score"),
-    "summaries": ("summaries/*/*/*", "diffret summary"),
-    "reports": ("reports/*", "diffret report"),
-    "comparisons": ("comparisons/*", "diffret compare"),
-    "training": ("training/*", "diffret training-data"),
-    "models": ("models/*", "diffret train"),
-    "latency": ("latency/*/*/*", "diffret latency"),
-    "features": ("features/*/*/*/*", "diffret budget"),
-}
-_RUN_COMMANDS = {
-    "bm25": "diffret bm25",
-    "rerank": "diffret rerank",
-    "beta": "diffret beta",
-    "imported": "diffret import-run",
-    "fusion": "diffret fuse",
-}
-# the command that registers each kind of system (a registry record is written again by its next run)
-_SYSTEM_COMMANDS = {
-    "bm25": "diffret bm25",
-    "run": "diffret import-run",
-    "fusion": "diffret fuse",
-    "reranker": "diffret rerank",
+    "datasets": ("datasets/*", "download"),
+    "tokens": ("tokens/*/*/*", "tokenize"),
+    "filters": ("filters/*/*/*/*", "tokenize"),
+    "encodings": ("encodings/*/*/*/*", "encode"),
+    "codebooks": ("codebooks/*/*/*", "compress"),
+    "systems": ("systems/*", "encode"),
+    "runs": ("runs/*/*/*/*/*/*", "score"),
+    "metrics": ("metrics/*/*/*/*/*/*", "evaluate"),
+    "index": ("index/*/*/*", "index"),
+    "bot": ("bot/*/*", "bot"),
+    "partial": ("partial/*/*/*", "late"),
+    "partials": ("partials/*/*/*/*", "score"),
+    "summaries": ("summaries/*/*/*", "summary"),
+    "reports": ("reports/*", "report"),
+    "comparisons": ("comparisons/*", "compare"),
+    "training": ("training/*", "training-data"),
+    "models": ("models/*", "train"),
+    "latency": ("latency/*/*/*", "latency"),
+    "features": ("features/*/*/*/*", "budget"),
 }
 # The names a store root holds (every stage folder, and the store's own bookkeeping): a folder holding none of them
 # (beside hidden entries) is not a store (:meth:`storage.ArtifactStore.require_root`)
 STORE_TOP_FOLDERS = frozenset([*STAGE_FOLDERS, STAGING_DIR, LOCKS_DIR, PLANS_DIR, "checkpoints"])
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"
-
-
-def repair_hint(rel: str, facts: dict[str, Any] | None = None, root: str = "") -> str:
-    """How to rebuild the stage folder holding ``rel`` (a path relative to the root): the command that made it, to run
-    again. ``facts`` are what the store tells beyond the path (:meth:`storage.ArtifactStore.repair_hint`):
-    ``compressed`` (a compressed system's ``{"store", "seed", "float16_system"}``; ``float16_system`` only when its
-    float16 folders are stored, so that ``diffret compress`` can rebuild it), ``task`` (a model's: ``reranker``),
-    ``bm25`` (a summary's BM25 system: its command is then complete, no setting left to add), ``kind`` (a registry
-    record's: the command that registers that kind of system). ``root``: the store root the command must be given
-    (``--root``), when it is not the one a command finds without it.
-
-    >>> repair_hint("encodings/system=s/dataset=d/side=query/k=1/shard=00000.parquet")
-    'repair: run `diffret encode --verify` again with the settings that made it'
-    >>> repair_hint("runs/system=b/dataset=d/split=test/kq=0/kp=0/mode=bm25", root="/data/my store")
-    "repair: run `diffret bm25 --root '/data/my store'` again with the settings that made it"
-    >>> repair_hint("runs/system=s/dataset=d/split=test/kq=1/kp=1/mode=late_sparse_max_m10")
-    'repair: run `diffret late` again with the settings that made it'
-    >>> repair_hint("summaries/system=s/dataset=d/split=test", {"bm25": "bm25-1f"})
-    'repair: run `diffret summary --system s -d d --split test --bm25 bm25-1f` again'
-    >>> repair_hint("systems/system=f", {"kind": "fusion"})
-    'repair: run `diffret fuse` again with the settings that made it'
-    """
-    facts = facts or {}
-    at = f" --root {shlex.quote(root)}" if root else ""
-    parts = rel.lstrip("/").split("/")
-    entry = STAGE_FOLDERS.get(parts[0])
-    if entry is None:
-        return "repair: run the stage that wrote it again" + (f" (with{at})" if at else "")
-    command = entry[1]
-    keys = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
-    kind = parts[0]
-    if kind == "datasets" and "dataset" in keys:
-        command = f"diffret download {keys['dataset']}"
-    elif kind == "runs":
-        mode = keys.get("mode", "")
-        command = (
-            "diffret budget"
-            if mode.startswith("adaptive_")
-            else "diffret late"
-            if mode.startswith("late_")
-            else _RUN_COMMANDS.get(mode, command)
-        )
-    elif kind == "filters" and "filter" in keys:
-        command = f"diffret tokenize --content-filter {keys['filter']} --verify"
-    elif kind in ("encodings", "codebooks") and (c := facts.get("compressed")):
-        seed = f" --store-seed {c['seed']}" if c.get("seed") else ""
-        if c.get("float16_system"):  # a float16 system stored: compress made it (or can make it again)
-            command = f"diffret compress --system {c['float16_system']} -d {keys.get('dataset')} --store {c['store']}"
-        else:
-            command = f"diffret encode --store {c['store']}"
-        command += f"{seed} --verify"
-    elif kind == "models" and facts.get("task") == "reranker":
-        command = "diffret train-reranker"
-    elif kind == "systems" and facts.get("kind") in _SYSTEM_COMMANDS:
-        command = _SYSTEM_COMMANDS[facts["kind"]]
-    elif kind == "summaries" and "bm25" in facts and {"system", "dataset", "split"} <= keys.keys():
-        bm25 = f" --bm25 {facts['bm25']}" if facts["bm25"] else ""
-        return (
-            f"repair: run `diffret summary --system {keys['system']} -d {keys['dataset']} --split "
-            f"{keys['split']}{bm25}{at}` again"
-        )
-    return f"repair: run `{command}{at}` again with the settings that made it"

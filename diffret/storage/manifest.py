@@ -167,11 +167,16 @@ class Manifest(BaseModel):
         >>> m = Manifest.from_json(Manifest.new("s", {}, {"a": 1}).to_json())
         >>> m.edited() is None, m.model_copy(update={"config": {"a": 2}}).edited()
         (True, 'its config')
+        >>> m.model_copy(update={"stats": {"check": {"1": {"recall": float("nan")}}}}).edited()
+        'its stats (stats.check.1.recall is nan, a number that is not finite)'
         """
         if self.config_hash != config_hash(self.config):
             return "its config"
         if self.files_hash is not None and self.files_hash != self.compute_files_hash():
             return "its file list (sha256, bytes or rows)"
+        bad = next(_non_finite_numbers(self.stats, "stats"), None)
+        if bad:  # diffret writes such a number as null: a NaN or an infinity here was put there by hand
+            return f"its stats ({bad[0]} is {bad[1]}, a number that is not finite)"
         return None
 
     def non_finite(self, tries: int = 4096) -> list[str]:
@@ -222,6 +227,15 @@ class Manifest(BaseModel):
 
 
 _NON_FINITE = (math.nan, math.inf, -math.inf)
+
+
+def _non_finite_numbers(obj: Any, name: str) -> Iterator[tuple[str, float]]:
+    """(dotted name, value) of every number in a JSON value that is NaN or infinite, in order."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        yield name, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        yield from _non_finite_numbers(value, f"{name}[{key}]" if isinstance(obj, list) else f"{name}.{key}")
 
 
 def _nulls(obj: Any, name: str = "") -> Iterator[tuple[Any, Any, str]]:

@@ -316,15 +316,16 @@ class ShardsMixin:
 
 def remove_empty_sharded(store: ArtifactStore, stage_dirs: Iterable[str]) -> list[str]:
     """Remove the sharded folders among ``stage_dirs`` that hold no shard (no file in their manifest, no pending
-    record): what a failed run opened and never filled. The removed folders.
+    record): what a failed run opened and never filled, with the folders above each that it leaves empty (up to
+    the store's top folder: a failed stage leaves no empty folder tree behind). The removed folders.
 
     >>> import tempfile
     >>> from diffret.storage import ArtifactStore
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = ArtifactStore(root)
-    ...     _ = store.open_sharded("t/side=q", "t", {"side": "q"}, {"n": 1})
-    ...     remove_empty_sharded(store, ["t/side=q"]), store.exists("t/side=q")
-    (['t/side=q'], False)
+    ...     _ = store.open_sharded("t/side=q/k=1", "t", {"side": "q", "k": "1"}, {"n": 1})
+    ...     remove_empty_sharded(store, ["t/side=q/k=1"]), store.exists("t/side=q"), store.exists("t")
+    (['t/side=q/k=1'], False, False)
     """
     removed = []
     for stage in stage_dirs:
@@ -341,4 +342,19 @@ def remove_empty_sharded(store: ArtifactStore, stage_dirs: Iterable[str]) -> lis
                 continue
             store.remove_stage(stage)
             removed.append(stage)
+        _remove_empty_parents(store, stage)
     return removed
+
+
+def _remove_empty_parents(store: ArtifactStore, folder: str) -> None:
+    """The folders above ``folder`` that hold nothing, up to and including its top folder (local stores; an object
+    store has no empty folders). One that holds anything (another folder's files) stays."""
+    if not store.is_local or store.exists(folder):
+        return
+    parts = folder.strip("/").split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        try:
+            os.rmdir(store.abspath("/".join(parts[:depth])))
+        except OSError:  # not empty (the folders above it are not either), or already gone (look higher)
+            if os.path.isdir(store.abspath("/".join(parts[:depth]))):
+                return

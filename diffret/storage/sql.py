@@ -6,13 +6,17 @@ exists yet, the view reads a zero-row placeholder with the right schema, so ever
 exists and ``SELECT count(*) FROM corpus`` on an empty store answers 0. ``@measure_columns`` becomes
 one mean column per headline measure (``storage.schemas.MEASURES``).
 
-The connection is confined once the views exist: DuckDB may read files under the store root only
-(``allowed_directories``, ``enable_external_access = false``, then ``lock_configuration``), so no query
-reads ``/etc/passwd``, attaches a database, installs or loads an extension, or re-opens access; and
-:meth:`StoreSQL.query` runs read-only statements only (SELECT, and EXPLAIN of one): COPY ... TO, CREATE,
-INSERT, ATTACH, SET ... are refused with one line. Results leave through :meth:`StoreSQL.export` (CSV or
-Parquet, written atomically by Python) or ``diffret export-run``. A store on another fsspec filesystem
-(``memory://``, object stores) is registered with DuckDB, and its views read through fsspec.
+The connection cannot write, twice over. DuckDB reads the store (local or not) through a read-only fsspec
+filesystem registered under its own protocol (:class:`ReadOnlyFS`: every write, delete or rename raises), and it
+may open nothing else (``allowed_directories`` holds that protocol's store root and the placeholders only,
+``enable_external_access = false``, then ``lock_configuration``), so even a ``COPY ... TO`` reaching the engine
+fails, into the store root as anywhere else, and no query reads ``/etc/passwd``, attaches a database, installs or
+loads an extension, or re-opens access. And :meth:`StoreSQL.query` runs one plain statement at a time, a SELECT
+(``WITH``, ``FROM``, ``VALUES``, ``DESCRIBE``, ``SUMMARIZE`` included) or an EXPLAIN of one: everything else (COPY,
+CREATE, INSERT, UPDATE, DELETE, ATTACH, DETACH, SET, RESET, PRAGMA, CALL, EXPORT, IMPORT, INSTALL, LOAD, EXPLAIN
+ANALYZE of anything, EXPLAIN of anything but a SELECT) is refused with one line naming the statement, and a
+string of several statements is refused naming their count (run them one at a time), never run in part. Results
+leave through :meth:`StoreSQL.export` (CSV or Parquet, written atomically by Python) or ``diffret export-run``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
 from diffret import schemas
 
@@ -132,7 +138,7 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tu
             if on_disk[folder] and store.is_local:
                 left_out[folder] = (
                     f"{store.abspath(folder)}: files without a manifest (deleted?), so they are not "
-                    f"trusted; {store.repair_hint(folder)}"
+                    f"trusted; {store.repair(folder)}"
                 )
             continue
         names = sorted(n for n in m.files if fnmatch.fnmatchcase(n, name_glob))
@@ -186,11 +192,148 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
-READ_ONLY = ("SELECT", "EXPLAIN")  # duckdb.StatementType names that :meth:`StoreSQL.query` runs
-
-
 class SQLRefused(StoreError):
-    """A statement that ``diffret sql`` does not run (it writes, attaches, configures or installs)."""
+    """A statement that ``diffret sql`` does not run (it writes, attaches, configures or installs, or it is
+    several statements)."""
+
+
+READ_ONLY_PROTOCOL = "diffret-readonly"
+_WRITE_REFUSED = "SQL over the store cannot write"
+
+
+class ReadOnlyFS(AbstractFileSystem):
+    """The filesystem DuckDB reads the store through: ``diffret-readonly://PATH`` opens ``PATH`` of the store's own
+    filesystem (paths under ``local_dirs`` on the local one) for reading; opening for writing, deleting, renaming,
+    copying or making a folder raises :class:`PermissionError`.
+
+    >>> import tempfile
+    >>> fs = ReadOnlyFS(LocalFileSystem())
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     fs.open(f"{READ_ONLY_PROTOCOL}://{d}/x.csv", "wb")
+    Traceback (most recent call last):
+    ...
+    PermissionError: SQL over the store cannot write .../x.csv: the store is read-only to SQL
+    """
+
+    protocol = READ_ONLY_PROTOCOL
+    cachable = False
+
+    def __init__(self, inner: AbstractFileSystem, local_dirs: tuple[str, ...] = (), **kwargs: Any):
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.local = LocalFileSystem()
+        self.local_dirs = tuple(d.rstrip("/") + "/" for d in local_dirs)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        prefix = f"{READ_ONLY_PROTOCOL}://"
+        path = path[len(prefix) :] if path.startswith(prefix) else path
+        return path.rstrip("/") or "/"
+
+    def _fs(self, path: str) -> AbstractFileSystem:
+        path = self._strip_protocol(path)
+        return self.local if (path + "/").startswith(self.local_dirs) else self.inner
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        return self._fs(path).ls(path, detail=detail, **kwargs)
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._strip_protocol(path)
+        return self._fs(path).info(path, **kwargs)
+
+    def modified(self, path: str) -> Any:
+        path = self._strip_protocol(path)
+        return self._fs(path).modified(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        if mode != "rb":
+            self._refuse(path)
+        kwargs.pop("autocommit", None)
+        return self._fs(path).open(path, "rb", **kwargs)
+
+    def _refuse(self, path: Any, *_: Any, **__: Any) -> Any:
+        raise PermissionError(f"{_WRITE_REFUSED} {self._strip_protocol(path)}: the store is read-only to SQL")
+
+    mkdir = makedirs = rm = rm_file = _rm = rmdir = mv = cp_file = copy = touch = pipe_file = put_file = _refuse
+
+
+_ANALYZE = {"analyze", "analyse"}
+
+
+def _tokens(sql: str) -> list[tuple[int, str]]:
+    """(offset, text) of each token of ``sql`` (DuckDB's tokenizer), comments left out."""
+    found = duckdb.tokenize(sql)
+    out = []
+    for i, (start, kind) in enumerate(found):
+        if kind == duckdb.token_type.comment:
+            continue
+        end = found[i + 1][0] if i + 1 < len(found) else len(sql)
+        out.append((start, sql[start:end].strip()))
+    return out
+
+
+def _parsed(sql: str) -> list[Any] | None:
+    try:
+        return duckdb.connect().extract_statements(sql)
+    except duckdb.Error:
+        return None
+
+
+def _statement_name(st: Any) -> str:
+    """The statement as its user wrote it: INSTALL (DuckDB's type says LOAD), RESET, IMPORT, CHECKPOINT, ..."""
+    kind = st.type.name
+    words = [t.upper() for _, t in _tokens(st.query)[:2]]
+    if kind == "LOAD":
+        return "INSTALL" if "INSTALL" in words else "LOAD"
+    if not words or not words[0].isalpha() or words[0] == "WITH":
+        return kind
+    return words[0]
+
+
+def _analyzed(sql: str) -> str:
+    """The name EXPLAIN ANALYZE and the statement it would run (EXPLAIN ANALYZE COPY)."""
+    inner = _parsed(sql)
+    return "EXPLAIN ANALYZE" + (f" {_statement_name(inner[0])}" if inner and len(inner) == 1 else "")
+
+
+def refused_statement(st: Any) -> str | None:
+    """None if the parsed statement ``st`` (``extract_statements``) only reads: a SELECT, or a plain EXPLAIN of
+    one; else the name of what it is ("COPY", "INSTALL", "EXPLAIN ANALYZE", "EXPLAIN CREATE", ...).
+
+    >>> con = duckdb.connect()
+    >>> [refused_statement(st) for st in con.extract_statements(
+    ...     "select 1; explain select 1; /* x */ Explain -- y\\n Analyze select 1; explain (format json) select 1;"
+    ...     "explain copy (select 1) to 'x.csv'; install httpfs; with a as (select 1) insert into t select * from a")]
+    [None, None, 'EXPLAIN ANALYZE SELECT', None, 'EXPLAIN COPY', 'INSTALL', 'INSERT']
+    """
+    kind = st.type.name
+    if kind == "SELECT":
+        return None
+    if kind != "EXPLAIN":
+        return _statement_name(st)
+    toks = _tokens(st.query)[1:]  # after EXPLAIN: [ANALYZE] [(options)] statement
+    if not toks:
+        return "EXPLAIN"
+    if toks[0][1].lower() in _ANALYZE:
+        return _analyzed(st.query[toks[1][0] :] if len(toks) > 1 else "")
+    inner = _parsed(st.query[toks[0][0] :])
+    if inner is None and toks[0][1] == "(":  # an option list: (FORMAT json), (ANALYZE), ...
+        depth, end = 0, len(toks)
+        for i, (_, text) in enumerate(toks):
+            depth += text.count("(") - text.count(")")
+            if depth <= 0:
+                end = i
+                break
+        rest = st.query[toks[end + 1][0] :] if end + 1 < len(toks) else ""
+        if _ANALYZE & {text.lower() for _, text in toks[1:end]}:
+            return _analyzed(rest)
+        inner = _parsed(rest)
+    if not inner or len(inner) != 1:
+        return "EXPLAIN"
+    return None if inner[0].type.name == "SELECT" else f"EXPLAIN {_statement_name(inner[0])}"
 
 
 def _placeholder(pattern: str, tmp: str) -> str:
@@ -223,9 +366,12 @@ class StoreSQL:
         self.warn = warn or _python_warning
         self._tmp = tempfile.TemporaryDirectory(prefix="diffret-sql-")
         self.con = duckdb.connect()
-        url = (lambda p: p) if store.is_local else store.fs.unstrip_protocol
-        if not store.is_local:
-            self.con.register_filesystem(store.fs)
+        # every file is read through the read-only filesystem (the placeholders under the private folder too)
+        self.con.register_filesystem(ReadOnlyFS(store.fs, local_dirs=(self._tmp.name,)))
+
+        def url(path: str) -> str:
+            return f"{READ_ONLY_PROTOCOL}://{path}"
+
         self.views: list[str] = []
         self.damaged: dict[str, str] = {}  # view -> why it fails (a view DuckDB cannot define, or one it reads)
         self.view_files: dict[str, list[str]] = {}  # view -> the files it reads, its own and its views'
@@ -239,7 +385,7 @@ class StoreSQL:
                 if view.files:
                     files, self.left_out[view.name] = listed_files(store, view.files, verify=verify)
                     sql = sql.replace(
-                        "@files", _sql_list([url(p) for p in files] or [_placeholder(view.files, self._tmp.name)])
+                        "@files", _sql_list([url(p) for p in files] or [url(_placeholder(view.files, self._tmp.name))])
                     )
                 self.con.execute(sql)
             except (duckdb.Error, StoreError) as exc:
@@ -247,8 +393,9 @@ class StoreSQL:
             self._view_reads[view.name] = self._reads(view.sql)
             self.view_files[view.name] = files + [f for v in self._view_reads[view.name] for f in self.view_files[v]]
             self.views.append(view.name)
-        allowed = [url(store.abspath("")).rstrip("/") + "/", self._tmp.name + "/"]
+        allowed = [url(store.abspath("")).rstrip("/") + "/", url(self._tmp.name) + "/"]
         self.con.execute(f"SET allowed_directories = {_sql_list(allowed)}")
+        self.con.execute(f"SET temp_directory = {_sql_str(os.path.join(self._tmp.name, 'spill'))}")
         self.con.execute("SET enable_external_access = false")
         self.con.execute("SET lock_configuration = true")
 
@@ -301,7 +448,8 @@ class StoreSQL:
         )
 
     def _checked(self, sql: str) -> str:
-        """``sql`` if every statement in it is read-only, else :class:`SQLRefused` naming the first that is not."""
+        """``sql`` if it is one read-only statement, else :class:`SQLRefused` naming the first statement that is not
+        read-only, or the number of statements (several are refused: run them one at a time)."""
         try:
             statements = self.con.extract_statements(sql)
         except duckdb.Error as exc:
@@ -309,21 +457,27 @@ class StoreSQL:
         if not statements:  # comments, ';' (DuckDB would run nothing and return no result)
             raise StoreError(
                 f"no SQL statement in {sql.strip()[:60]!r} (only comments or ';'): give a SELECT over "
-                "the views (`diffret views` lists them)"
+                "the views (the `views` command lists them)"
             )
         for st in statements:
-            kind = st.type.name
-            if kind not in READ_ONLY:
+            refused = refused_statement(st)
+            if refused:
                 raise SQLRefused(
-                    f"diffret sql is read-only: {kind} is refused ({st.query.strip()[:60]!r}); export a "
-                    "result with `diffret sql --out FILE.csv|.parquet` or `diffret export-run`"
+                    f"SQL over the store is read-only: {refused} is refused ({' '.join(st.query.split())[:60]!r}); "
+                    "export a result with the sql command's --out FILE.csv|.parquet or the export-run command"
                 )
+        if len(statements) > 1:
+            shown = ", ".join(repr(" ".join(st.query.split()).rstrip(";")[:40]) for st in statements[:3])
+            raise SQLRefused(
+                f"SQL over the store runs one statement at a time; this holds {len(statements)} ({shown}"
+                f"{', ...' if len(statements) > 3 else ''}): run each on its own"
+            )
         return sql
 
     def _run(self, sql: str, relation: bool = False) -> Any:
         if not sql.strip():
             raise StoreError(
-                "empty SQL query (only whitespace): give a SELECT over the views (`diffret views` lists them)"
+                "empty SQL query (only whitespace): give a SELECT over the views (the `views` command lists them)"
             )
         try:
             rel = self.con.sql(self._checked(sql)) if relation else self.con.execute(self._checked(sql))
@@ -331,13 +485,24 @@ class StoreSQL:
             return rel
         except duckdb.PermissionException as exc:
             what = str(exc).splitlines()[0].replace("Permission Error: ", "")
-            raise SQLRefused(f"diffret sql reads the store under {self.store.root} only: {what}") from None
+            raise SQLRefused(
+                f"SQL reads the store {self.store.root} through its views only (the `views` command lists them): {what}"
+            ) from None
         except duckdb.Error as exc:
             raise self._translated(exc, sql) from None
+
+    @staticmethod
+    def _write_refused(exc: duckdb.Error) -> SQLRefused | None:
+        """The read-only filesystem's refusal (a write that reached the engine) as one line, if ``exc`` is one."""
+        found = re.search(rf"{_WRITE_REFUSED} [^\n]*", str(exc))
+        return SQLRefused(found.group(0)) if found else None
 
     def _translated(self, exc: duckdb.Error, sql: str = "") -> StoreError:
         """A DuckDB error as one line: a damaged view's reason (and its repair) when the query reads one (its
         error, or a column it no longer has), else the SQL error."""
+        refused = self._write_refused(exc)
+        if refused:
+            return refused
         text = " ".join(str(exc).split())
         for name, why in self.damaged.items():
             if f"view {name}: " in text or re.search(rf"\b{re.escape(name)}\b", sql):

@@ -138,6 +138,7 @@ class StageWriter:
             # the old manifest goes first, so the old files are never mistaken for the new ones
             store.remove_stage(stage_dir)
         self._done = False
+        self._uploaded: set[str] = set()  # the files already on an object store (the rest go up at commit)
 
     def write_parquet(self, name: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch | pa.Table]) -> FileEntry:
         """Stream record batches into ``name`` (zstd Parquet) and record it in the manifest."""
@@ -156,6 +157,7 @@ class StageWriter:
         self.manifest.files[name] = entry
         if not self.store.is_local:
             self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+            self._uploaded.add(name)
         return entry
 
     def write_file(self, name: str, data: bytes) -> FileEntry:
@@ -168,6 +170,7 @@ class StageWriter:
         self.manifest.files[name] = entry
         if not self.store.is_local:
             self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+            self._uploaded.add(name)
         return entry
 
     def _commit(self) -> None:
@@ -188,6 +191,12 @@ class StageWriter:
             if old:
                 shutil.rmtree(old, ignore_errors=True)
         else:
+            # files a stage wrote into work_dir itself (a LanceDB table's folder) go up before the manifest that
+            # lists them: a reader never sees a manifest whose files are not there
+            for name in sorted(set(self.manifest.files) - self._uploaded):
+                path = os.path.join(self.work_dir, name)
+                if os.path.isfile(path):
+                    store.fs.put_file(path, store.abspath(f"{self.stage_dir}/{name}"))
             store.write_manifest(self.stage_dir, self.manifest)
         self._done = True
 

@@ -110,6 +110,16 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
+    def url(self, rel: str = "") -> str:
+        """Where ``rel`` is, as a user gives it back: a local path, or the object store's URL with its protocol
+        (``s3://bucket/store/runs/x``; :meth:`abspath` is the filesystem's own path, without it).
+
+        >>> ArtifactStore("/data/store").url("runs/x"), ArtifactStore("memory://st").url("runs/x")
+        ('/data/store/runs/x', 'memory:///st/runs/x')
+        """
+        path = self.abspath(rel)
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
     def relpath(self, path: str) -> str:
         """``path`` relative to the root when it lies inside the store (an absolute path, as a glob returns), else
         as it is.
@@ -239,11 +249,11 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         except FileNotFoundError:
             return None
         except (NotADirectoryError, IsADirectoryError):
-            raise StoreError(f"{path}: not a manifest file; {self.repair_hint(stage_dir)}") from None
+            raise StoreError(f"{path}: not a manifest file; {self.repair(stage_dir)}") from None
         try:
             m = Manifest.from_json(text, where=path)
         except StoreError as exc:
-            raise StoreError(f"{exc}; {self.repair_hint(stage_dir)}") from None
+            raise StoreError(f"{exc}; {self.repair(stage_dir)}") from None
         if trusted and (line := self.edited_problem(stage_dir, m, subject=path)):
             raise StoreError(line)
         return m
@@ -255,7 +265,7 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
             if self.exists(stage_dir):
                 hint = (
                     f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
-                    f"{self.repair_hint(stage_dir)})"
+                    f"{self.repair(stage_dir)})"
                 )
             raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
         return m

@@ -142,3 +142,69 @@ def test_a_folder_that_is_not_a_store_is_refused_and_an_empty_one_is_an_empty_st
     (empty / "notes.txt").write_text("a store may hold other files beside its folders")
     (empty / "runs").mkdir()
     assert diffret.Store(empty).runs().num_rows == 0
+
+
+def test_every_numeric_argument_is_checked_before_any_work(tmp_path: Path) -> None:
+    """A batch size, length, K, depth or level that cannot work is refused at the call, naming it (not later, deep
+    inside a loop); the model is not even read."""
+    missing = str(tmp_path / "no-model")  # never opened: the arguments are refused first
+    for kwargs, name in (
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": -3}, "batch_size"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"batch_size": True}, "batch_size"),
+        ({"max_length": 0}, "max_length"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must be a whole number >= 1( \\(or None\\))?, got"):
+            diffret.load(missing, **kwargs)
+    r = diffret.load(missing)
+    for call in (
+        lambda: r.encode_queries(["cats"], k=0),
+        lambda: r.encode_passages(["cats"], k=1, batch_size=0),
+    ):
+        with pytest.raises(ValueError, match="must be a whole number >= 1"):
+            call()
+    run = pa.table({"query_id": ["q1"], "doc_id": ["d1"], "rank": [1], "score": [1.0]})
+    with pytest.raises(ValueError, match="relevance_level must be a whole number >= 0, got -1"):
+        diffret.evaluate(run, {"q1": {"d1": 1}}, relevance_level=-1)
+    enc = diffret.Encoded(pa.table({"id": ["q"]}), "query", 1)
+    for kwargs in ({"topk": 0}, {"fusion_depth": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a whole number >= 1"):
+            diffret.search(enc, diffret.Encoded(pa.table({"id": ["d"]}), "passage", 1), **kwargs)
+
+
+def test_texts_that_are_not_strings_are_named_and_empty_queries_warned(tmp_path: Path) -> None:
+    r = diffret.load(str(tmp_path / "no-model"))  # refused before the model is read
+    with pytest.raises(TypeError, match="passage 'd': its text is NoneType None, not a string or a"):
+        r.encode_passages({"ok": "fine", "d": None})
+    with pytest.raises(TypeError, match="query '1': its text is int 7, not a string"):
+        r.encode_queries(["fine", 7])
+    with pytest.raises(TypeError, match="passage 'p': its text is tuple"):
+        r.encode_passages({"p": ("title", None)})
+    model = save_tiny_mlm(tmp_path / "model")
+    r = diffret.load(str(model), max_length=48)
+    with pytest.warns(UserWarning, match=r"1 query has empty text \('q2'\): encoded as the prompt alone"):
+        q = r.encode_queries({"q1": "cats", "q2": "  "})
+    assert q.ids == ["q1", "q2"]
+
+
+def test_evaluate_takes_pytrec_eval_dicts_and_refuses_scores_that_are_not_finite() -> None:
+    import math
+
+    table = pa.table(
+        {"query_id": ["q1", "q1", "q2"], "doc_id": ["d1", "d2", "d1"], "rank": [1, 2, 1], "score": [2.0, 1.0, 0.5]}
+    )
+    qrels = {"q1": {"d2": 1}, "q2": {"d1": 2}}
+    as_dict = {"q1": {"d2": 1.0, "d1": 2.0}, "q2": {"d1": 0.5}}
+    assert diffret.evaluate(as_dict, qrels) == diffret.evaluate(table, qrels)
+    assert diffret.evaluate(as_dict, qrels, ["recip_rank"]) == {"recip_rank": pytest.approx(0.75)}
+    assert diffret.evaluate_per_query(as_dict, qrels).equals(diffret.evaluate_per_query(table, qrels))
+    for bad in (math.nan, math.inf, -math.inf):
+        run = {"q1": {"d1": 2.0, "d2": bad}, "q2": {"d1": 0.5}}
+        with pytest.raises(ValueError, match=f"query 'q1', document 'd2': score {bad} is not a finite number"):
+            diffret.evaluate(run, qrels)
+        t = table.set_column(3, "score", pa.array([2.0, bad, 0.5]))
+        with pytest.raises(ValueError, match="query 'q1', document 'd2': score .* is not a finite number"):
+            diffret.evaluate_per_query(t, qrels)
+    with pytest.raises(TypeError, match=r"run\['q1'\]\['d1'\]: score 'x' is not a number"):
+        diffret.evaluate({"q1": {"d1": "x"}}, qrels)

@@ -14,6 +14,7 @@ this process (typer's runner, the store root from $DIFFRET_ROOT as a user would 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -528,3 +529,60 @@ def test_a_measure_unknown_or_not_evaluated_gets_advice_that_works(world: dict, 
     assert code == 2 and command and "--measure ndcg_cut_10" in out and f"--root {root}" in out, out
     assert CliRunner().invoke(app, shlex.split(command.group(1)), env={"DIFFRET_ROOT": None}).exit_code == 0
     assert cli("compare", "-d", "c", "--measure", "P_5", "--measure", "ndcg_cut_10", "--name", "p5")[0] == 0
+
+
+def _sha256s(folder: Path, kind: str) -> object:
+    """The sha256 of every file a folder's manifest lists, read from disk; an index's data files by content (LanceDB
+    names them, its transaction and its version files by uuid and time: the rows are what a rebuild must give)."""
+    m = json.loads((folder / "_manifest.json").read_text())
+    digests = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in m["files"]}
+    if kind == "index":
+        return sorted(d for n, d in digests.items() if n.startswith("docs.lance/data/")), m["stats"]["rows"]
+    return digests
+
+
+def test_a_printed_repair_run_verbatim_rebuilds_the_same_bytes(world: dict, tmp_path: Path) -> None:
+    """For each kind a damaged file is most often in (tokens, encodings, a scored run, its metrics, an index): one of
+    its files deleted, `verify` prints the repair, the command it prints is run word for word (nothing added), and
+    every file of the folder is as it was, byte for byte. The CLI as a user types it away from the store (--root, no
+    $DIFFRET_ROOT). The encodings were made at a batch size of their own (it changes the vectors' last bits), which the
+    repair names."""
+    root = tmp_path / "store"
+    shutil.copytree(world["root"], root, symlinks=True)
+
+    def cli(*args: str) -> tuple[int, str]:
+        res = CliRunner().invoke(app, list(args), env={"DIFFRET_ROOT": None, "COLUMNS": "400"})
+        assert "Traceback" not in res.output, res.output
+        return res.exit_code, res.output
+
+    at = ["--root", str(root)]
+    s, made = world["slugs"], world["made"]
+    # the query encodings made again at batch size 3 (recorded in their folder's config)
+    code, out = cli("encode", *made["encode"], "--side", "query", "--batch-size", "3", "--force", *at)
+    assert code == 0, out
+    kinds = {
+        "tokens": (KINDS["tokens"][0], "tokenize"),
+        "runs": (KINDS["runs"][0], "score"),
+        "metrics": (KINDS["metrics"][0], "evaluate"),
+        "index": (KINDS["index"][0], "index"),
+        "encodings": ("encodings/system={f16}/dataset=c/side=query/k=1", "encode"),
+    }
+    for kind, (pattern, command) in kinds.items():
+        (folder,) = root.glob(pattern.format(**s))
+        before = _sha256s(folder, kind)
+        name = max(json.loads((folder / "_manifest.json").read_text())["files"])
+        (folder / name).unlink()
+        code, out = cli("verify", *at)
+        (line,) = [ln for ln in out.splitlines() if str(folder) in ln]
+        assert code == 1 and "with the settings that made it" not in line, line
+        words = shlex.split(re.search(r"repair: run `([^`]*)`", line).group(1))
+        assert words[:2] == ["diffret", command], line
+        if kind == "encodings":  # at another batch size the shard would differ: refused, not mixed in
+            i = words.index("--batch-size")
+            assert words[i + 1] == "3", line
+            code, out = cli(*words[1:i], *words[i + 2 :])
+            assert code == 2 and "(batch_size: 3 stored" in out and not (folder / name).exists(), out
+        code, out = cli(*words[1:])  # verbatim
+        assert code == 0, (line, out)
+        assert _sha256s(folder, kind) == before, (kind, line)
+        assert cli("verify", *at)[0] == 0, kind

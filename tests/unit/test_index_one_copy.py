@@ -107,6 +107,21 @@ def test_a_float16_system_is_indexed_in_float16_and_no_float32_copy_is_made(worl
     assert _bytes(folder, "*.lance") > 1.8 * vectors
 
 
+def test_recall_on_a_corpus_smaller_than_k_is_1_when_every_passage_is_found(tmp_path: Path) -> None:
+    """50 passages, a flat index (exact search): recall@100 counts the 50 there are, not 100."""
+    syn = synthetic_store.build(tmp_path, 50, 32, [1], [1], n_queries=4, shard_size=50)
+    logs: list[str] = []
+    res = _run(
+        "index",
+        IndexConfig(root=syn.root, dataset="synth", system=SystemRef(system=syn.system), kp=[1], index_type="none"),
+        logs.append,
+    )
+    check = res.details["checks"][1]
+    assert {kq: (c["recall_10"], c["recall_100"]) for kq, c in check.items()} == {"1": (1.0, 1.0)}, check
+    stats = json.loads((Path(syn.root) / index_dir(syn.system, "synth", 1) / "_manifest.json").read_text())["stats"]
+    assert stats["check"]["1"]["recall_100"] == 1.0
+
+
 def test_the_index_builds_the_operating_point_s_kp_and_says_why(world: dict, tmp_path: Path) -> None:
     root = _copy(world, tmp_path)
     ref = SystemRef(system=world["f16"])

@@ -288,6 +288,11 @@ def test_recall_at():
     assert li.recall_at(exact, [["b", "x", "a"], ["d", "e", "f"]], 2) == pytest.approx(0.75)
     assert li.recall_at(exact, exact, 3) == 1.0
     assert li.recall_at([], [], 10) == 0.0
+    # fewer passages than k: divided by the passages exact search finds (min(k, passages)), not by k
+    fifty = [[f"d{i}" for i in range(50)]]
+    assert li.recall_at(fifty, [fifty[0][::-1]], 100) == 1.0
+    assert li.recall_at(fifty, [fifty[0][:25]], 100) == 0.5
+    assert li.recall_at([[]], [[]], 100) == 1.0  # nothing to find
     with pytest.raises(ValueError):
         li.recall_at(exact, exact[:1], 2)
 

@@ -180,14 +180,18 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ["import-run", str(_trec(base / f"{n}.trec", order)), "-d", "tiny", "--name", n]
             for n, order in (("a", docs), ("b", docs[::-1]))
         ),
+        *(  # runs that score every document of the query alike
+            ["import-run", str(_trec(base / f"{n}.trec", order, flat=True)), "-d", "tiny", "--name", n]
+            for n, order in (("flat1", docs), ("flat2", docs[::-1]))
+        ),
     ):
         res = CliRunner().invoke(app, [*args, "--root", str(root)])
         assert res.exit_code == 0, res.output
     return root
 
 
-def _trec(path: Path, docs: list[str]) -> Path:
-    path.write_text("".join(f"q1 Q0 {d} {r + 1} {10 - r} x\n" for r, d in enumerate(docs)))
+def _trec(path: Path, docs: list[str], flat: bool = False) -> Path:
+    path.write_text("".join(f"q1 Q0 {d} {r + 1} {5 if flat else 10 - r} x\n" for r, d in enumerate(docs)))
     return path
 
 
@@ -202,6 +206,8 @@ def _files(root: Path) -> dict[str, int]:
         (["1", "inf"], "weights.1: Input should be a finite number"),
         (["-inf", "1"], "weights.0: Input should be a finite number"),
         (["0", "0"], "are all 0"),
+        (["1e-320", "0"], "are all 0 in the fused run's float32 scores (the largest, 1e-320, is below"),
+        (["1e-40", "1e-45"], "are all 0 in the fused run's float32 scores"),
         (["-1", "2"], "weights.0: Input should be greater than or equal to 0"),
     ],
 )
@@ -218,3 +224,18 @@ def test_fuse_refuses_a_weight_that_is_not_finite_or_all_zero_and_writes_nothing
     assert _files(store) == before
     res = CliRunner().invoke(app, [*args[:-4], "--weight", "1", "--weight", "3", "--root", str(store)])
     assert res.exit_code == 0, res.output  # finite weights, not all 0: fused
+
+
+def test_fuse_refuses_runs_whose_fusion_scores_every_document_alike_and_writes_nothing(store: Path) -> None:
+    """Runs whose scores are constant within each query fuse to 0 for every document (min-max normalisation):
+    refused in one line before anything is written; a normal run beside them fuses."""
+    before = _files(store)
+    args = ["fuse", "-d", "tiny", "--run", "flat1", "--run", "flat2", "--name", "flat", "--root", str(store)]
+    res = CliRunner().invoke(app, args)
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert res.exit_code != 0 and len(errors) == 1, res.output
+    assert "scores every document of each query alike (0)" in " ".join(res.output.split()), res.output
+    assert _files(store) == before
+    res = CliRunner().invoke(app, [*args[:5], "--run", "a", *args[7:]])
+    assert res.exit_code == 0, res.output

@@ -119,3 +119,65 @@ def test_the_published_shapes_have_their_models_sizes() -> None:
     assert sizes == {"dream-7b": (7_615_616_512, 3584), "llada-8b": (8_015_581_184, 4096)}
     with pytest.raises(ValueError, match="has no field 'layers'"):
         shape_config("dream-7b:layers=2")
+
+
+def empty_folders(root: Path) -> list[str]:
+    """The folders under ``root`` that hold no file at any depth."""
+    return sorted(
+        str(d.relative_to(root)) for d in root.rglob("*") if d.is_dir() and not any(f.is_file() for f in d.rglob("*"))
+    )
+
+
+@pytest.mark.parametrize("shape, family", [("dream-7b", "Dream"), ("llada-8b", "llada")])
+def test_a_full_size_shape_the_device_cannot_hold_is_refused_before_tokenizing(
+    tmp_path: Path, monkeypatch, shape: str, family: str
+) -> None:
+    """`--load-format random --shape dream-7b` where the device's free memory (patched: 1 GiB) cannot hold the
+    network's parameters in its dtype: one line with the bytes needed and free, before anything is tokenized."""
+    from diffret.retrieval import devices
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["x"], "model_type": family}))  # the family only
+    beir = write_beir(tmp_path / "c", CORPUS, QUERIES, QRELS)
+    root = tmp_path / "store"
+    ok("download", "c", "--source", str(beir), "--root", str(root))
+    monkeypatch.setattr(devices, "free_memory", lambda device: 2**30)
+    code, out = invoke(
+        "encode", "-d", "c", "--model", str(model), "--load-format", "random", "--shape", shape,
+        "--dtype", "bfloat16", "--device", "cpu", "--k", "1", "--root", str(root),
+    )  # fmt: skip
+    need = {"dream-7b": 7_615_616_512, "llada-8b": 8_015_581_184}[shape] * 2
+    assert code == 2, out
+    line = " ".join(out.split())  # the terminal may wrap it
+    assert f"random weights of shape {shape} need {need:,} bytes" in line, out
+    assert f"but cpu has {2**30:,} bytes free" in line, out
+    assert not (root / "tokens").exists() and not (root / "encodings").exists()
+    assert empty_folders(root) == []
+
+
+def test_a_failed_encode_leaves_no_empty_folder(tmp_path: Path, monkeypatch) -> None:
+    """A random-weight encode that fails after it opened its encodings folders (the network cannot be built: the
+    device's free memory, read again at load time, is gone): exit 2 in one line, the tokens kept, and none of the
+    folders it opened is left behind, empty or holding only empty folders."""
+    from diffret.retrieval import devices
+
+    model = weightless_mlm(tmp_path / "model")
+    beir = write_beir(tmp_path / "c", CORPUS, QUERIES, QRELS)
+    root = tmp_path / "store"
+    ok("download", "c", "--source", str(beir), "--root", str(root))
+    reads: list[int] = []
+
+    def shrinking(device):  # noqa: ANN001, ANN202 - enough when planned, nothing left when the network is built
+        reads.append(1)
+        return 2**40 if len(reads) == 1 else 1
+
+    monkeypatch.setattr(devices, "free_memory", shrinking)
+    code, out = invoke(
+        "encode", "-d", "c", "--model", str(model), "--load-format", "random", "--device", "cpu",
+        "--k", "1,2", "--max-length", "32", "--root", str(root),
+    )  # fmt: skip
+    assert code == 2 and "bytes free" in out and len(reads) == 2, out
+    assert list((root / "tokens").rglob("*.parquet")), "the tokens are kept"
+    assert not (root / "encodings").exists() and not (root / "systems").exists()
+    assert empty_folders(root) == []

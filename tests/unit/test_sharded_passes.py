@@ -419,3 +419,72 @@ def test_every_distributed_stage_runs_its_units_on_the_workers(tiny: dict, dask_
         assert any("on 2 Dask worker(s)" in m for m in logs), (name, logs)
     assert run_digests(here) == run_digests(there) and len(run_digests(here)) == 36 + 2 + 2 + 2 + 2
     assert metric_digests(here) == metric_digests(there) and len(metric_digests(here)) == 44
+
+
+def test_a_worker_killed_while_it_starts_is_replaced_and_the_command_succeeds(
+    tiny: dict, one_pass: dict[str, str], tmp_path: Path
+) -> None:
+    """`diffret score --workers 2` in a subprocess, its first Dask worker process killed (SIGKILL) as soon as it
+    appears, while it is still starting: the cluster starts without it (a worker started again in its place), and
+    the command exits 0 with the runs of one in-process pass, byte for byte."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    root = copy_store(tiny, tmp_path / "store")
+    args = ["score", "-d", "tiny", "--system", f16(tiny, root), "--split", "test", "--split", "train"]
+    args += ["--kq", "1,2", "--kp", "1,2", "--topk", "10", "--train-topk", "5", "--fusion-depth", "8"]
+    args += ["--self-hits", "drop", "--unit-passages", "9", "--workers", "2", "--root", root]
+    env = {**os.environ, "COLUMNS": "200", "PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffret.flows.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    killed = None
+    try:
+        deadline = time.monotonic() + 120
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if any("spawn_main" in part for part in child.cmdline()):  # a nanny's worker process
+                        child.send_signal(signal.SIGKILL)
+                        killed = child.pid
+                        break
+                except psutil.Error:  # gone meanwhile
+                    pass
+            time.sleep(0.005)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert killed is not None, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    assert "on 2 Dask worker(s)" in out, out[-3000:]
+    assert run_digests(root) == one_pass and no_partials(root)
+
+
+def test_a_cluster_whose_workers_never_start_is_refused_in_one_line(monkeypatch) -> None:
+    """Every start of the local cluster fails (a worker dies while it starts): a bounded number of tries, then one
+    line naming the last failure and what to do."""
+    from diffret.flows import cluster
+
+    tries: list[int] = []
+
+    def dies(pins, n_workers):  # noqa: ANN001, ANN202
+        tries.append(n_workers)
+        raise RuntimeError("Nanny failed to start.")
+
+    monkeypatch.setattr(cluster, "_start_local_cluster", dies)
+    with pytest.raises(cluster.ClusterStartError) as err:
+        cluster.local_cluster(n_workers=2)
+    assert tries == [2] * cluster.START_TRIES and "\n" not in str(err.value)
+    message = str(err.value)
+    assert "did not start in 3 tries (last: Nanny failed to start.)" in message and "--workers 0" in message

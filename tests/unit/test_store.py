@@ -221,6 +221,25 @@ def test_fsspec_memory_store_round_trip():
     assert store.read_manifest(STAGE) is None
 
 
+def test_files_a_stage_writes_into_its_work_folder_reach_an_object_store():
+    """A stage that writes a folder of its own into the writer's work folder (a LanceDB table) and lists its files
+    in the manifest: on an object store they are uploaded with the manifest, and verify finds every one."""
+    import hashlib
+    import uuid
+
+    from diffret.storage import FileEntry
+
+    store = ArtifactStore(f"memory://diffret-work-{uuid.uuid4().hex}")
+    m = Manifest.new("index", {"kp": "1"}, {"v": 1})
+    with store.stage_writer("index/kp=1", m) as w:
+        os.makedirs(os.path.join(w.work_dir, "docs.lance", "data"))
+        with open(os.path.join(w.work_dir, "docs.lance", "data", "0.lance"), "wb") as f:
+            f.write(b"rows")
+        m.files["docs.lance/data/0.lance"] = FileEntry(sha256=hashlib.sha256(b"rows").hexdigest(), bytes=4)
+    assert store.read_bytes("index/kp=1/docs.lance/data/0.lance") == b"rows"
+    assert set(store.verify("index/kp=1").files) == {"docs.lance/data/0.lance"}  # raises on a missing file
+
+
 def test_partition_values_are_checked():
     assert dataset_dir("trec-dl-2019") == "datasets/dataset=trec-dl-2019"
     assert partition("runs", model="m", kq=4) == "runs/model=m/kq=4"

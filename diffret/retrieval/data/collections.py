@@ -70,6 +70,7 @@ class DatasetReport:
     queries_empty_text: int = 0
     queries_empty_examples: list[str] = field(default_factory=list)
     unjudged_queries: int = 0
+    judged_empty_text: list[str] = field(default_factory=list)  # judged queries whose text is empty
     splits: dict[str, SplitReport] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -115,11 +116,23 @@ class DatasetReport:
         out.extend(f"note: {n}" for n in self.notes)
         return out
 
+    def warnings(self) -> list[str]:
+        """What a user must see: judged queries with empty text (encoded as the prompt alone, scored like any)."""
+        ids = self.judged_empty_text
+        if not ids:
+            return []
+        shown = ", ".join(map(repr, ids[:_EXAMPLES])) + (", ..." if len(ids) > _EXAMPLES else "")
+        return [
+            f"{self.dataset}: {len(ids)} judged quer{'y has' if len(ids) == 1 else 'ies have'} empty text ({shown}): "
+            "encoded as the prompt alone, they rank passages by the prompt and count in every mean; give them a text "
+            "or drop their judgments"
+        ]
+
 
 # --------------------------------------------------------------------------------------- line input
 def _open_binary(path: Path) -> io.BufferedIOBase:
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        return gzip.open(path, "rb")
     return open(path, "rb")
 
 
@@ -138,7 +151,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield lineno, line
 
 
-def _parse_json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
+def parse_json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -284,7 +297,7 @@ def read_corpus(path: Path, fmt: str, report: DatasetReport, doc_ids: DocIds) ->
             doc_id, text = _tsv_fields(path, lineno, line, "document")
             title, meta = "", None
         else:
-            obj = _parse_json_object(path, lineno, line)
+            obj = parse_json_object(path, lineno, line)
             doc_id = _id_field(path, lineno, obj)
             text = _text_field(path, lineno, obj, "text", required=True)
             title = _text_field(path, lineno, obj, "title", required=False)
@@ -328,7 +341,7 @@ def read_queries(path: Path, fmt: str, queries: dict[str, Query], report: Datase
             qid, text = _tsv_fields(path, lineno, line, "query")
             meta = None
         else:
-            obj = _parse_json_object(path, lineno, line)
+            obj = parse_json_object(path, lineno, line)
             qid = _id_field(path, lineno, obj)
             text = _text_field(path, lineno, obj, "text", required=True)
             meta = _metadata(obj)
@@ -461,9 +474,11 @@ def build_queries(queries: dict[str, Query], judged: dict[str, set[str]], report
     cols: dict[str, list] = {n: [] for n in QUERIES_SCHEMA.names}
     unjudged = 0
     for qid, q in queries.items():
-        splits = [s for s in sorted(judged) if qid in judged[s]] or [None]
+        splits: list[str | None] = [s for s in sorted(judged) if qid in judged[s]] or [None]
         if splits == [None]:
             unjudged += 1
+        elif not q.text.strip():
+            report.judged_empty_text.append(qid)
         for s in splits:
             cols["query_id"].append(qid)
             cols["text"].append(q.text)

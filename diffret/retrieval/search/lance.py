@@ -584,11 +584,24 @@ def search(
 
 
 def recall_at(exact: Sequence[Sequence[str]], approx: Sequence[Sequence[str]], k: int) -> float:
-    """Mean over queries of |top-k exact ∩ top-k approx| / k."""
+    """Mean over queries of |top-k exact ∩ top-k approx| / |top-k exact|: the share of what exact search finds in
+    its top k (min(k, the passages there are)) that the approximate search finds too, so a search that finds every
+    passage of a corpus smaller than k scores 1.0 (a query with nothing to find counts 1.0).
+
+    >>> recall_at([["a", "b", "c"]], [["c", "a", "b"]], 100), recall_at([["a", "b"]], [["a", "x"]], 10)
+    (1.0, 0.5)
+    """
     if len(exact) != len(approx):
         raise ValueError(f"{len(exact)} exact rankings but {len(approx)} approximate ones")
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
     if not exact:
         return 0.0
-    return float(np.mean([len(set(e[:k]) & set(a[:k])) / k for e, a in zip(exact, approx, strict=True)]))
+    return float(
+        np.mean(
+            [
+                len(set(e[:k]) & set(a[:k])) / len(set(e[:k])) if len(e[:k]) else 1.0
+                for e, a in zip(exact, approx, strict=True)
+            ]
+        )
+    )

@@ -56,7 +56,16 @@ from .files import (
     passage_encoder_dir,
     weights_fingerprint,
 )
-from .loading import check_tokenizer, check_weights, load_backbone, load_tokenizer, raw_config, resolve_family
+from .loading import (
+    NotEnoughMemory,
+    check_random_memory,
+    check_tokenizer,
+    check_weights,
+    load_backbone,
+    load_tokenizer,
+    raw_config,
+    resolve_family,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -76,9 +85,11 @@ __all__ = [
     "Family",
     "FamilySpec",
     "NativeLoader",
+    "NotEnoughMemory",
     "bidirectional_mask",
     "canonical_model",
     "check_model_files",
+    "check_random_memory",
     "check_saved_model",
     "check_tokenizer",
     "check_weights",

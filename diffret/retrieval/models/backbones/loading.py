@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from ... import devices
 from ...devices import resolve_device
-from .adapters import _apply_adapter, with_adapter
+from .adapters import apply_adapter, with_adapter
 from .backbone import Backbone
 from .config import BackboneConfig
-from .errors import BackboneError, _load_error
+from .errors import BackboneError, load_error
 from .families import FAMILIES, FamilySpec, detect_family
-from .files import _check_tokenizer_files, check_model_files
+from .files import check_model_files, check_tokenizer_files
 from .shapes import shape_config
 
 
@@ -55,7 +56,7 @@ def check_weights(cfg: BackboneConfig, raw: dict[str, Any] | None = None) -> Non
             with contextlib.suppress(BackboneError):
                 raw = raw_config(cfg)
         hint = "Check the folder; download or save the model again."
-        raise _load_error(cfg, "its weights", exc, hint, raw) from exc
+        raise load_error(cfg, "its weights", exc, hint, raw) from exc
 
 
 def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def raw_config(cfg: BackboneConfig) -> dict[str, Any]:
         if not raw:
             raise BackboneError("no config.json")
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-        raise _load_error(cfg, "its config", exc, "Check the hub id or the folder (it needs a config.json).") from exc
+        raise load_error(cfg, "its config", exc, "Check the hub id or the folder (it needs a config.json).") from exc
     if cfg.random_weights and cfg.shape:  # a published shape: the folder gives the tokenizer (its family's)
         shaped = shape_config(cfg.shape)
         mine, theirs = detect_family(shaped), cfg.family if cfg.family != "auto" else detect_family(raw)
@@ -117,7 +118,7 @@ def load_tokenizer(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dic
         spec = resolve_family(cfg, raw)
     ref, extra = _model_ref(cfg)
     try:
-        _check_tokenizer_files(cfg)
+        check_tokenizer_files(cfg)
         if spec.native is not None and cfg.loader == "native":
             cls = getattr(transformers, spec.native.tokenizer_class, None) or transformers.AutoTokenizer
             tok = cls.from_pretrained(ref, **extra)
@@ -125,7 +126,7 @@ def load_tokenizer(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dic
             tok = transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **extra)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         hint = "Check the hub id or folder and its tokenizer files."
-        raise _load_error(cfg, "its tokenizer", exc, hint, raw) from exc
+        raise load_error(cfg, "its tokenizer", exc, hint, raw) from exc
     check_tokenizer(cfg, tok, spec, raw if raw is not None else raw_config(cfg))
     return tok
 
@@ -194,6 +195,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
         if cfg.random_weights:
+            check_random_memory(cfg, spec, raw)
             model = random_model(cfg, spec, raw)
         elif spec.native is not None and cfg.loader == "native":
             native = spec.native
@@ -207,13 +209,15 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
         else:
             auto = getattr(transformers, spec.auto_class)
             model = auto.from_pretrained(ref, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except NotEnoughMemory:
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         hint = "Check the family (--family), the dtype and the loader."
         if cfg.loader == "remote":
             hint = "Its remote code may not run on this transformers; the native loader (the default) needs none."
-        raise _load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
+        raise load_error(cfg, f"it as {spec.name} ({cfg.loader} loader)", exc, hint, raw) from exc
     if cfg.adapter:
-        model = _apply_adapter(model, cfg, raw, spec)
+        model = apply_adapter(model, cfg, raw, spec)
     model.to(resolve_device(cfg.device))  # random weights: built there already
     bb = Backbone(model, tokenizer, spec.name, cfg.mask_token, cfg.turn_end, cfg.model, cfg.loader)
     bb.source = cfg
@@ -223,19 +227,9 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
 RANDOM_SEED = 0  # random weights are drawn from this seed: the same settings give the same network on a device
 
 
-def random_model(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> torch.nn.Module:
-    """The network of ``raw`` (a config.json as a dict) with random weights, built directly on ``cfg.device`` in
-    ``cfg.dtype`` (no weight file, no copy from the host: a 7B network takes seconds on a GPU, as vLLM's dummy load
-    format): transformers' class for the family, its own initialisation skipped, then every matrix drawn from
-    N(0, initializer_range) by a generator seeded with :data:`RANDOM_SEED` on that device, norm weights 1, biases 0.
-
-    >>> import transformers
-    >>> raw = transformers.BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-    ...                               intermediate_size=8).to_dict()
-    >>> m = random_model(BackboneConfig(model="m", load_format="random", device="cpu"), FAMILIES["mlm"], raw)
-    >>> type(m).__name__, float(m.bert.embeddings.LayerNorm.weight.detach().min())
-    ('BertForMaskedLM', 1.0)
-    """
+def _random_build(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any], device: torch.device) -> Any:
+    """``raw``'s network built on ``device`` in ``cfg.dtype`` by transformers' class for the family, its own
+    initialisation skipped (its weights are whatever the device's allocator holds; on ``meta``, none)."""
     import transformers
 
     dtype_kw = "dtype" if _version(transformers.__version__) >= _version("4.56") else "torch_dtype"
@@ -251,10 +245,26 @@ def random_model(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> 
         from transformers import initialization
 
         skip_init = initialization.no_init_weights()
-    device = resolve_device(cfg.device)
     with torch.device(device), skip_init:
-        model = build(config, **kwargs)
-    std = float(getattr(config, "initializer_range", None) or 0.02)
+        return build(config, **kwargs)
+
+
+def random_model(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> torch.nn.Module:
+    """The network of ``raw`` (a config.json as a dict) with random weights, built directly on ``cfg.device`` in
+    ``cfg.dtype`` (no weight file, no copy from the host: a 7B network takes seconds on a GPU, as vLLM's dummy load
+    format): transformers' class for the family, its own initialisation skipped, then every matrix drawn from
+    N(0, initializer_range) by a generator seeded with :data:`RANDOM_SEED` on that device, norm weights 1, biases 0.
+
+    >>> import transformers
+    >>> raw = transformers.BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+    ...                               intermediate_size=8).to_dict()
+    >>> m = random_model(BackboneConfig(model="m", load_format="random", device="cpu"), FAMILIES["mlm"], raw)
+    >>> type(m).__name__, float(m.bert.embeddings.LayerNorm.weight.detach().min())
+    ('BertForMaskedLM', 1.0)
+    """
+    device = resolve_device(cfg.device)
+    model = _random_build(cfg, spec, raw, device)
+    std = float(getattr(model.config, "initializer_range", None) or 0.02)
     gen = torch.Generator(device=device).manual_seed(RANDOM_SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -265,6 +275,51 @@ def random_model(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> 
             else:
                 p.normal_(0.0, std, generator=gen)
     return model.eval()
+
+
+class NotEnoughMemory(BackboneError):
+    """Random weights whose parameters the device's free memory cannot hold (:func:`check_random_memory`)."""
+
+
+def random_weights_bytes(cfg: BackboneConfig, spec: FamilySpec, raw: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, bytes) of ``raw``'s network in ``cfg.dtype``, counted on the ``meta`` device (no memory).
+
+    >>> import transformers
+    >>> raw = transformers.BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+    ...                               intermediate_size=8).to_dict()
+    >>> n, size = random_weights_bytes(BackboneConfig(model="m", load_format="random", dtype="bfloat16"),
+    ...                                FAMILIES["mlm"], raw)
+    >>> size == 2 * n > 0
+    True
+    """
+    model = _random_build(cfg, spec, raw, torch.device("meta"))
+    params = {id(p): p for p in model.parameters()}.values()  # a tied head counted once
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def check_random_memory(cfg: BackboneConfig, spec: FamilySpec | None = None, raw: dict[str, Any] | None = None) -> None:
+    """Refuse, in one line and before anything is allocated, random weights (``load_format`` random) whose
+    parameters in ``cfg.dtype`` do not fit in the free memory of ``cfg.device`` (``devices.free_memory``): the
+    bytes needed and free. Nothing to check for a checkpoint, or where the free memory cannot be read.
+
+    >>> check_random_memory(BackboneConfig(model="m"))  # a checkpoint: its loader reports what it lacks
+    """
+    if not cfg.random_weights:
+        return
+    device = resolve_device(cfg.device)
+    have = devices.free_memory(device)
+    if have is None:
+        return
+    raw = raw_config(cfg) if raw is None else raw
+    spec = resolve_family(cfg, raw) if spec is None else spec
+    params, need = random_weights_bytes(cfg, spec, raw)
+    if need > have:
+        shape = f"shape {cfg.shape}" if cfg.shape else "the folder's shape"
+        raise NotEnoughMemory(
+            f"{cfg.model}: random weights of {shape} need {need:,} bytes ({params:,} parameters in {cfg.dtype}) "
+            f"but {devices.gpu_name(device)} has {have:,} bytes free: use a device with more memory, a smaller "
+            "dtype, or a smaller network (e.g. --shape dream-7b:num_hidden_layers=2)"
+        )
 
 
 def _version(v: str) -> tuple[int, ...]:
