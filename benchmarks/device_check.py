@@ -506,7 +506,9 @@ def encode_case(bb: Any, reader: Any, old: Any, rows: Rows, batch: int, repeats:
     from diffret.retrieval.models.encoding import encode_rows
 
     def diffret(k: int) -> Any:
-        return encode_rows(reader, rows.ids, rows.token_ids, None, "passage", k, batch, filtered=rows.filtered)
+        return encode_rows(
+            reader, rows.ids, rows.token_ids, None, side="passage", k=k, batch_size=batch, filtered=rows.filtered
+        )
 
     n = len(rows.ids)
     t16, table = timed(lambda: diffret(16), bb.device, repeats)
@@ -524,7 +526,7 @@ def encode_case(bb: Any, reader: Any, old: Any, rows: Rows, batch: int, repeats:
         encoding = importlib.import_module("diffret_before.retrieval.models.encoding")
         t_old, old_table = timed(
             lambda: encoding.encode_rows(
-                old, rows.ids, rows.token_ids, None, "passage", 16, batch, filtered=rows.filtered
+                old, rows.ids, rows.token_ids, None, side="passage", k=16, batch_size=batch, filtered=rows.filtered
             ),
             bb.device,
             1,

@@ -134,9 +134,9 @@ def main() -> None:
             ids,
             token_ids,
             texts,
-            "passage",
-            k,
-            args.batch_size,
+            side="passage",
+            k=k,
+            batch_size=args.batch_size,
             sort_by_length=sort,
             filtered=None if filter_in_encode else filtered,
         )
@@ -232,7 +232,9 @@ def sidr(args: argparse.Namespace) -> None:
     def encode(weights, readout=None):  # noqa: ANN001, ANN202
         reader.batch_weights = weights
         try:
-            return encode_rows(readout or reader, ids, token_ids, texts, "passage", 1, args.batch_size)
+            return encode_rows(
+                readout or reader, ids, token_ids, texts, side="passage", k=1, batch_size=args.batch_size
+            )
         finally:
             reader.batch_weights = batched
 

@@ -208,7 +208,7 @@ def legacy_search_pass(
                         b = query_block
                         sc = torch.cat(
                             [
-                                maxsim(q.multi[i : i + b], q.mask[i : i + b], p.multi, p.mask, ws)
+                                maxsim(q.multi[i : i + b], q.mask[i : i + b], p.multi, p.mask, workspace=ws)
                                 for i in range(0, len(q), b)
                             ],
                             0,

@@ -113,7 +113,9 @@ def bare_loop(tr: Trainer, steps: int) -> float:
         (qh, ql), (ph, pl) = reps
         qm = torch.ones(qh.shape[:2], dtype=torch.bool)
         pm = torch.ones(ph.shape[:2], dtype=torch.bool)
-        loss, _ = contrastive_loss(qh, qm, ph, pm, group, s.tau, sparse_vectors(ql, qa), sparse_vectors(pl, pa))
+        loss, _ = contrastive_loss(
+            qh, qm, ph, pm, group, tau=s.tau, q_sparse=sparse_vectors(ql, qa), p_sparse=sparse_vectors(pl, pa)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -31,6 +31,7 @@ if WORKER:
         os.environ["PREFECT_HOME"] = str(Path(os.environ["PREFECT_HOME"]) / WORKER)
         Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 DURATIONS = Path(__file__).resolve().parent / "durations.json"  # seconds per group, from a recorded run
+SLOW_GROUP_S = 30.0  # a group recorded at this many seconds or more is marked slow
 # Trials that sample (tests/e2e/test_fault_trials.py's kill points) draw from one seed per session: new every run,
 # printed in the header, inherited by the xdist workers (started after this runs); set it to replay a run.
 FAULT_SEED = int(os.environ.setdefault("DIFFRET_FAULT_SEED", str(random.SystemRandom().randrange(2**31))))
@@ -97,7 +98,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, AN
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The groups (``test_group``) run longest first, by the seconds recorded in tests/durations.json (an unknown
     group counts as 10 s), so that the last group to start is a short one and the workers finish together; a
-    group's tests keep their order. Without xdist this is only an order: the tests do not depend on it."""
+    group's tests keep their order. Without xdist this is only an order: the tests do not depend on it. A group
+    recorded at ``SLOW_GROUP_S`` or more is marked ``slow``."""
     try:
         recorded = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
@@ -112,6 +114,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (-float(recorded.get(group, 10.0)), first[group], order[id(item)])
 
     items.sort(key=key)
+    for item in items:  # `pytest -m "not slow"`: the fast loop leaves the groups recorded as slow
+        if float(recorded.get(test_group(item.nodeid), 0.0)) >= SLOW_GROUP_S:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

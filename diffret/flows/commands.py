@@ -22,6 +22,7 @@ train --split test``), mappings take ``KEY=VALUE`` (``--finetuned BASE=FT``). A 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 import typing
@@ -111,6 +112,21 @@ def _same(v: Any) -> Any:
     return v
 
 
+def _switched(v: bool, value: Any, default: Any) -> Any:
+    """A switch's setting: ``value`` when the flag is given, else ``default``."""
+    return value if v else default
+
+
+def _given_or(v: Any, fallback: Any) -> Any:
+    """An option's value, or ``fallback`` when it is not given."""
+    return fallback if v is None else v
+
+
+def _pairs_or(v: list[str] | None, fallback: Any) -> Any:
+    """A KEY=VALUE option's pairs as a dict, or ``fallback`` when it is not given."""
+    return fallback if v is None else pairs(v)
+
+
 def _field_default(info: Any, instance: Any, name: str, plain: Any = None) -> Any:
     """The value a command starts a field from: a nested default's own value where it overrides the class's
     (``plain``: the class built with no arguments), else the field's declared default. A value a validator derives
@@ -152,7 +168,7 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
             [flag],
             Annotated[bool, typer.Option(flag, help=text)],
             False,
-            lambda v, value=value, default=default: value if v else default,
+            functools.partial(_switched, value=value, default=default),
         )
     if annotation is bool:
         flags = [f"{long}/--no-{long.removeprefix('--')}"] + flags[1:]
@@ -176,11 +192,11 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
                 kw["help"] += f" (default: {', '.join(map(str, default))})"
             kw["show_default"] = False
             fallback = None if default is PydanticUndefined else default
-            convert = lambda v, fallback=fallback: fallback if v is None else v  # noqa: E731
+            convert = functools.partial(_given_or, fallback=fallback)
             default = None if not required else default
     elif origin is dict:
         fallback = None if default is PydanticUndefined else default
-        typ, convert = list[str] | None, lambda v, fallback=fallback: fallback if v is None else pairs(v)
+        typ, convert = list[str] | None, functools.partial(_pairs_or, fallback=fallback)
         kw["help"] = help_text + " KEY=VALUE; repeat the option for several."
         kw["show_default"] = False
         default = None
@@ -196,10 +212,14 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
 
 def _numeric_paths() -> list[str]:
     """The settings that tell stored encoder systems apart: "backbone.dtype", "readout.prompt", "max_length", ..."""
-    keys = numeric_settings(EncodeSettings(backbone={"model": "x"}))
-    keys |= numeric_settings(EncodeSettings(backbone={"model": "x", "load_format": "random"}))  # and its shape
+    keys = numeric_settings(EncodeSettings.model_validate({"backbone": {"model": "x"}}))
+    keys |= numeric_settings(  # and its shape
+        EncodeSettings.model_validate({"backbone": {"model": "x", "load_format": "random"}})
+    )
     out = [f"backbone.{k}" for k in keys if k not in ("readout", "model", *EncodeSettings.model_fields)]
-    sidr = numeric_settings(EncodeSettings(backbone={"model": "x"}, readout=ReadoutConfig(readout="sidr")))["readout"]
+    sidr = numeric_settings(
+        EncodeSettings.model_validate({"backbone": {"model": "x"}, "readout": ReadoutConfig(readout="sidr")})
+    )["readout"]
     out += [f"readout.{k}" for k in dict.fromkeys([*keys["readout"], *sidr])]  # the SIDR-only settings too
     return out + [k for k in EncodeSettings.model_fields if k not in ("backbone", "readout")]
 
@@ -222,7 +242,7 @@ def system_ref_opts(path: tuple[str, ...], description: str, skip: Sequence[str]
             ref="system",
         )
     ]
-    owners = {"backbone": BackboneConfig, "readout": ReadoutConfig}
+    owners: dict[str, type[BaseModel]] = {"backbone": BackboneConfig, "readout": ReadoutConfig}
     for setting in ["backbone.model", *_numeric_paths()]:
         group, _, name = setting.rpartition(".")
         if name in skip:

@@ -124,12 +124,17 @@ def _deployment(name: str, entrypoint: tuple[str, str], description: str, exampl
 def deployments() -> list[dict[str, Any]]:
     """Every deployment as name, entrypoint (module, function), description and example parameters: the whole
     pipeline first (where a new user starts), then every stage in pipeline order."""
-    from diffret.stages import stages
+    from diffret.stages import presentation_of, stages
 
     from .runner import flow_ref
 
     return [_pipeline()] + [
-        {"name": st.command, "entrypoint": flow_ref(st.name), "description": st.deployment, "example": st.example}
+        {
+            "name": st.command,
+            "entrypoint": flow_ref(st.name),
+            "description": presentation_of(st).deployment,
+            "example": dict(presentation_of(st).example),
+        }
         for st in stages().values()
     ]
 

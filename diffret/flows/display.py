@@ -107,13 +107,14 @@ def help_text(command: Any, ctx: Any, width: int) -> str:
     """A command's ``--help`` in ``width`` columns: its usage and description, then each argument and option as one
     paragraph (names, value, help, default) with a hanging indent, so that a command of 65 options reads in about
     two lines each at 80 columns (rich's boxed table gives its help a third of the width: ~8 lines each)."""
+    import functools
     import textwrap
 
     width = max(40, width - 1)
-    wrap = dict(width=width, break_on_hyphens=False)
+    wrap = functools.partial(textwrap.wrap, width=width, break_on_hyphens=False)
     lines = [f"Usage: {ctx.command_path} {' '.join(command.collect_usage_pieces(ctx))}", ""]
     for para in (command.help or "").split("\n\n"):
-        lines += [*textwrap.wrap(" ".join(para.split()), initial_indent=" ", subsequent_indent=" ", **wrap), ""]
+        lines += [*wrap(" ".join(para.split()), initial_indent=" ", subsequent_indent=" "), ""]
     params = [p for p in command.get_params(ctx) if p.get_help_record(ctx) is not None]
     for title, group in (
         ("Arguments", [p for p in params if p.param_type_name == "argument"]),
@@ -124,7 +125,7 @@ def help_text(command: Any, ctx: Any, width: int) -> str:
         for p in group:
             names, text = p.get_help_record(ctx)
             para = f"{names}  {' '.join(text.split())}"
-            lines += textwrap.wrap(para, initial_indent="  ", subsequent_indent="      ", **wrap)
+            lines += wrap(para, initial_indent="  ", subsequent_indent="      ")
         if group:
             lines.append("")
     return "\n".join(lines)

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from diffret.stages import Context, Stage, StageConfig, StageResult, execute
-from diffret.stages.base import inline_figures, run_units
+from diffret.stages import Context, Stage, StageConfig, StageResult, execute, presentation_of
+from diffret.stages.base import ProgressFn, inline_figures, run_units
 from diffret.storage import ArtifactStore
 from diffret.tasks.keys import artifact_key
 
@@ -119,7 +119,7 @@ def run_stage(
     *,
     prefect: bool = False,
     log: Callable[[str], None] = print,
-    report: Callable[[str, int, int | None, str], None] | None = None,
+    report: ProgressFn | None = None,
 ) -> StageResult:
     """Run ``stage`` with ``config``: in this process (``log``, ``report`` show progress; its units on Dask when the
     config asks for workers or a scheduler, :func:`flows.cluster.run_units`) or as its Prefect flow. The stages it
@@ -145,8 +145,11 @@ def run_stage(
         def on_dask(stage: Stage, plan: Any, ctx: Context) -> list[Any]:
             return run_units(stage, config, plan, ctx) if plan.units else []
 
-        return execute(stage, config, log=log, report=report, units=on_dask)
-    return execute(stage, config, log=log, report=report)
+        res = execute(stage, config, log=log, report=report, units=on_dask)
+    else:
+        res = execute(stage, config, log=log, report=report)
+    res.next = presentation_of(stage).next_for(config, res.system)
+    return res
 
 
 def run_pipeline_stages(
@@ -228,7 +231,7 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
     """The body of every stage flow: the stages it needs first (``Stage.prerequisites``), then ``stages.execute``
     with its units as tasks of this run when the stage is distributed, progress as an artifact, and the summary
     (what it did, where, the rows, the time, what is next) published as a markdown artifact, with the stage's own
-    pages (``Stage.published``)."""
+    pages (its presentation's ``published``)."""
     from prefect import get_run_logger
     from prefect.artifacts import create_markdown_artifact
 
@@ -243,13 +246,15 @@ def run_in_flow(stage: Stage, config: StageConfig) -> dict[str, Any]:
     for name, first in stage.prerequisites(config):
         run_in_flow(stages()[name], first)
     result = execute(stage, config, log=get_run_logger().info, report=ArtifactProgress(), units=units)
+    shows = presentation_of(stage)
+    result.next = shows.next_for(config, result.system)
     store = ArtifactStore(config.root)
     create_markdown_artifact(
         inline_figures(result.markdown(), store),
         description=stage.name,
         key=artifact_key(stage.name, result.system or "summary"),
     )
-    for page in stage.published(result, store):
+    for page in shows.published(result, store):
         create_markdown_artifact(page.markdown, key=artifact_key(*page.key), description=page.description)
     return result.model_dump(mode="json")
 
@@ -269,39 +274,40 @@ def _run_unit_tasks(stage: Stage, config: StageConfig, plan: Any, ctx: Context) 
 
     from diffret.tasks.units import run_unit_task
 
-    total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
-    advance = ctx.progress(stage.label(plan), total, plan.work_unit)
     tags = ["diffret", stage.name, *stage.task_tags]
-    results = []
     with _task_runner(stage, config) as runner:
         resources = _resources(stage, config, runner)
-        futures = {}
-        for unit in plan.units:
-            task = run_unit_task.with_options(
-                name=f"{stage.name} unit", task_run_name=f"{stage.name} {stage.unit_name(unit)}", tags=tags
-            )
-            with dask.annotate(**({"resources": resources} if resources else {})):
-                futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
-        for fut in as_completed(list(futures)):
-            unit = futures.pop(fut)
-            results.append(fut.result())
-            with contextlib.suppress(AttributeError):  # on Dask: forgotten there (a worker dying later loses nothing)
-                fut.wrapped_future.release()
-            stage.commit(unit, results[-1], ctx)
-            advance(stage.work_of(unit))
-    return results
+
+        def as_tasks() -> Iterator[tuple[Any, Any]]:
+            futures = {}
+            for unit in plan.units:
+                task = run_unit_task.with_options(
+                    name=f"{stage.name} unit", task_run_name=f"{stage.name} {stage.unit_name(unit)}", tags=tags
+                )
+                with dask.annotate(**({"resources": resources} if resources else {})):
+                    futures[runner.submit(task, parameters=unit_parameters(stage, config.root, unit))] = unit
+            for fut in as_completed(list(futures)):
+                unit = futures.pop(fut)
+                result = fut.result()
+                # on Dask: forgotten there once here (a lost worker loses nothing); a thread's future has no release
+                release = getattr(getattr(fut, "wrapped_future", None), "release", None)
+                if release is not None:
+                    release()
+                yield unit, result
+
+        return run_units(stage, plan, ctx, elsewhere=as_tasks)
 
 
 def _task_runner(stage: Stage, config: StageConfig) -> Any:
     """Dask when the config asks for workers or names a scheduler (a local cluster placed one worker per GPU:
     ``flows.cluster.local_cluster``); else one unit at a time in this process (threads would only contend for the
     same model and device)."""
-    from .cluster import _expose_packages_to_workers, distributed, local_cluster, local_cluster_options
+    from .cluster import distributed, expose_packages_to_workers, local_cluster, local_cluster_options
 
     if distributed(stage, config):
         from prefect_dask import DaskTaskRunner
 
-        _expose_packages_to_workers()
+        expose_packages_to_workers()
         address = getattr(config, "dask_address", None)
         if address:
             return DaskTaskRunner(address=address)

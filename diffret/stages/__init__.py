@@ -11,10 +11,15 @@ flows/deployments.py), so adding a stage is writing its module and registering i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from importlib import import_module
+from typing import Any
+
+from diffret.storage import ArtifactStore
 
 from .base import Context, Plan, Stage, StageConfig, StageResult, execute
+from .presentation import Presentation
 
 _MODULES = (
     "download",
@@ -82,4 +87,39 @@ def stages() -> dict[str, Stage]:
     return out
 
 
-__all__ = ["ENTRY_POINTS", "Context", "Plan", "Stage", "StageConfig", "StageResult", "execute", "register", "stages"]
+__all__ = [
+    "ENTRY_POINTS",
+    "Context",
+    "Plan",
+    "Presentation",
+    "Stage",
+    "StageConfig",
+    "StageResult",
+    "execute",
+    "presentation_of",
+    "register",
+    "run_unit",
+    "stages",
+]
+
+
+def presentation_of(stage: Stage) -> Presentation:
+    """How ``stage`` shows itself: its module's ``presentation`` (a stage without one: the defaults, its docstring as
+    the deployment's description).
+
+    >>> presentation_of(stages()["score"]).next_step
+    'evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment).'
+    """
+    found = getattr(import_module(type(stage).__module__), "presentation", None)
+    if found is None:
+        return Presentation(deployment=stage.description)
+    if not isinstance(found, Presentation):
+        raise TypeError(f"{type(stage).__module__}.presentation is a {type(found).__name__}, not a Presentation")
+    return found if found.deployment else replace(found, deployment=stage.description)
+
+
+def run_unit(stage_name: str, root: str, unit: Any) -> Any:
+    """Run one unit of the stage named ``stage_name`` over the store at ``root``, wherever a runner put it (a Dask
+    worker, a Prefect task); the process that planned it commits the result (:func:`diffret.stages.base.run_units`).
+    """
+    return stages()[stage_name].run(unit, Context(ArtifactStore(root)))

@@ -15,18 +15,18 @@ import posixpath
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from diffret.caching import KeyedCache
 from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import Settings, cli
 from diffret.retrieval.search.modes import MODE_NAMES, check_modes
 from diffret.retrieval.traits import Declared
-from diffret.storage import ArtifactStore, StageState, StoreError
+from diffret.storage import ArtifactStore, StageState, StoreError, remove_empty_sharded
 from diffret.storage.layout import DEFAULT_ROOT
 
 GRID_K = (1, 2, 4, 8, 16)  # the paper's budgets: K_q, K_p in {1, 2, 4, 8, 16}
@@ -78,6 +78,15 @@ class StageConfig(Settings):
         default=False, description="Replace artifacts built with other settings (otherwise refused, naming them)."
     )
 
+    def dataset_label(self) -> str:
+        """The dataset(s) a run of this config is about, as its next step names them: its ``dataset`` setting when it
+        declares one, else its ``datasets`` joined, else DATASET (a config whose dataset is derived overrides it)."""
+        for name in ("dataset", "datasets"):
+            value = getattr(self, name, None) if name in type(self).model_fields else None
+            if value:
+                return value if isinstance(value, str) else ",".join(value)
+        return "DATASET"
+
 
 class ClusterConfig(Settings):
     """Where a distributed stage's units run: in this process, on a local Dask cluster, or on one joined by address
@@ -119,13 +128,44 @@ def check_device(device: str, config: Any) -> None:
         resolve_device(device)
 
 
-_SHARED: KeyedCache[str, dict[str, Any]] = KeyedCache(size=16)  # stage runs' shared settings by key
+class Shared(BaseModel):
+    """What every unit of a stage run shares (its settings, its inputs' folders), stored once in the store
+    (:func:`put_shared`) and read back, typed, by each process that runs a unit (:func:`read_shared`): a unit sent to a
+    Dask worker carries only the key. A stage declares its own subclass, every field typed.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> class Toy(Shared):
+    ...     folders: dict[int, str]
+    ...     depth: int
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     ctx = Context(ArtifactStore(root))
+    ...     key = put_shared(ctx, Toy(folders={4: "encodings/x/k=4"}, depth=10))
+    ...     read_shared(ctx, key, Toy)
+    Toy(folders={4: 'encodings/x/k=4'}, depth=10)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def shared_settings(ctx: Context, key: str) -> dict[str, Any]:
-    """A stage run's shared settings (``ArtifactStore.put_plan``), read from the store the first time a process
-    needs them, not once per unit."""
-    return _SHARED.get(key, lambda: ctx.store.read_plan(key))
+SharedT = TypeVar("SharedT", bound=Shared)
+_SHARED: KeyedCache[str, Shared] = KeyedCache(size=16)  # stage runs' shared records by key
+
+
+def put_shared(ctx: Context, record: Shared) -> str:
+    """Store ``record`` once (``ArtifactStore.put_plan``, content-addressed) and return the key its units carry; the
+    run removes it when it ends (``ArtifactStore.remove_plan``)."""
+    return ctx.store.put_plan(record.model_dump(mode="json"))
+
+
+def read_shared(ctx: Context, key: str, kind: type[SharedT]) -> SharedT:
+    """The record :func:`put_shared` stored under ``key``, as ``kind``, read from the store the first time a process
+    needs it, not once per unit; a stored record of another shape is refused (``pydantic.ValidationError``)."""
+    record = _SHARED.get(key, lambda: kind.model_validate(ctx.store.read_plan(key)))
+    if not isinstance(record, kind):
+        raise TypeError(f"shared record {key}: a {type(record).__name__}, not a {kind.__name__}")
+    return record
 
 
 def _ignore(_n: int) -> None:
@@ -219,6 +259,15 @@ class Plan:
             self.skipped += 1
             return False
         return True
+
+
+@dataclass
+class ShardedPlan(Plan):
+    """The plan of a stage that fills sharded folders (tokenize, encode, compress): the folders it opened, by what a
+    person reads (``passage/k=16``); its finish compacts their shard records, a failed run removes those it left
+    empty."""
+
+    folders: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -338,8 +387,10 @@ class Published:
 
 
 class Stage(Declared, ABC):
-    """One pipeline stage. A subclass declares its traits as class keywords, its description as its docstring,
-    and implements ``plan`` and ``run``: ``class Score(Stage, name="score", config=ScoreConfig, ...)``.
+    """One pipeline stage: its lifecycle. A subclass declares its traits as class keywords, its description as its
+    docstring, and implements ``plan`` and ``run``: ``class Score(Stage, name="score", config=ScoreConfig, ...)``.
+    How it shows itself (the deployment's description and example, what its command prints, the next step) is its
+    module's ``presentation`` (:mod:`diffret.stages.presentation`), which the command line and the flows read.
     """
 
     name: ClassVar[str]
@@ -350,17 +401,12 @@ class Stage(Declared, ABC):
     distributed: ClassVar[bool] = False  # units may run in other processes (Prefect tasks on Dask)
     reports_progress: ClassVar[bool] = False  # run() calls ctx.advance itself (e.g. per encoded batch)
     task_tags: ClassVar[tuple[str, ...]] = ()  # Prefect tags of its unit tasks (e.g. "gpu", for concurrency limits)
-    next_step: ClassVar[str] = ""  # what a person runs after it ({dataset}, {system}: the run's)
-    command: ClassVar[str] = ""  # its CLI command and Prefect deployment name (default: its name)
-    deployment: ClassVar[str] = ""  # the deployment's description in the Prefect UI (default: the docstring)
-    example: ClassVar[dict[str, Any]] = {}  # the deployment's default parameters, besides root
+    command: ClassVar[str] = ""  # its CLI command, Prefect flow and deployment name (default: its name)
 
     def __init_subclass__(cls, **traits: Any) -> None:
         super().__init_subclass__(**traits)
         cls.description = (cls.__doc__ or "").strip()
-        cls.command = cls.__dict__.get("command") or getattr(cls, "name", "")
-        cls.deployment = cls.__dict__.get("deployment") or cls.description  # not inherited: each says its own
-        cls.example = cls.__dict__.get("example", {})
+        cls.command = str(cls.__dict__.get("command") or getattr(cls, "name", ""))
 
     @abstractmethod
     def plan(self, config: Any, ctx: Context) -> Plan:
@@ -373,21 +419,6 @@ class Stage(Declared, ABC):
     def prerequisites(self, config: Any) -> list[tuple[str, StageConfig]]:
         """Stages run before this one, by name, each with its config: the command, the stage's flow and the pipeline
         run them first through the same runner (encode and bot: ``tokenize`` what is missing). Default: none."""
-        return []
-
-    def printed(self, result: StageResult) -> list[str]:
-        """What the command prints after the result line, as lines of plain text (the stage's own figures: the
-        model it saved, the index's size, ...). Default: nothing more. A result's ``details["warnings"]`` are
-        printed as warnings for every stage."""
-        return []
-
-    def shown(self, result: StageResult) -> str:
-        """What the command writes to standard output after the result (a table to pipe; default: nothing)."""
-        return ""
-
-    def published(self, result: StageResult, store: ArtifactStore) -> list[Published]:
-        """Markdown pages a flow run publishes besides the result's summary (the report: one per section).
-        Default: none."""
         return []
 
     def prepare(self, config: Any, plan: Plan, ctx: Context) -> None:
@@ -417,7 +448,7 @@ class Stage(Declared, ABC):
         seconds: float | None = None,
     ) -> StageResult:
         """The run's :class:`StageResult`; with ``config`` and ``ctx``, its output folders (read from their
-        manifests), the store and the next step too."""
+        manifests) and the store too."""
         res = StageResult(
             stage=self.name,
             system=plan.system,
@@ -429,15 +460,8 @@ class Stage(Declared, ABC):
             seconds=seconds,
         )
         if config is not None and ctx is not None:
-            res.store = ctx.store.abspath("")
+            res.store = ctx.store.url()
             res.outputs = [o for f in self.outputs(config, plan, details) if (o := _output(ctx.store, f))]
-            dataset = (
-                getattr(config, "dataset", None)
-                or getattr(config, "name", None)
-                or ",".join(getattr(config, "datasets", None) or [])
-                or "DATASET"
-            )
-            res.next = self.next_step.replace("{dataset}", str(dataset)).replace("{system}", plan.system or "SYSTEM")
         return res
 
     def outputs(self, config: Any, plan: Plan, details: dict[str, Any]) -> list[str]:
@@ -516,17 +540,52 @@ def _output(store: ArtifactStore, folder: str) -> Output | None:
     return Output(folder=rel, files=len(files), rows=sum(e.rows or 0 for e in files), bytes=sum(e.bytes for e in files))
 
 
-def run_units(stage: Stage, plan: Plan, ctx: Context) -> list[Any]:
-    """Run a plan's units in this process, one after another, committing each as it finishes (progress by the
-    stage's work, or reported by the stage itself); their results. The caller aborts the stage on failure."""
+class ShardedStage(Stage):
+    """A stage that fills sharded folders (tokenize, encode, compress) and plans a :class:`ShardedPlan`: when its
+    units are done it compacts each folder's shard records into its manifest (one write per folder); a failed run
+    keeps the shards it finished and removes the folders it opened that hold none."""
+
+    def finish(self, config: Any, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        assert isinstance(plan, ShardedPlan)
+        for folder in plan.folders.values():
+            ctx.store.compact_shards(folder)
+        return {"stages": dict(plan.folders)}
+
+    def abort(self, config: Any, plan: Plan, ctx: Context) -> None:
+        assert isinstance(plan, ShardedPlan)
+        remove_empty_sharded(ctx.store, plan.folders.values())
+
+
+# what ran a plan's units elsewhere yields: each unit with its result, as they complete
+Outcomes = Iterable[tuple[Any, Any]]
+
+
+def run_units(stage: Stage, plan: Plan, ctx: Context, elsewhere: Callable[[], Outcomes] | None = None) -> list[Any]:
+    """The one unit loop: every unit of a plan run, each committed in this process as it completes (the one writer of
+    manifests), progress by the stage's work; their results, in completion order. The caller aborts the stage on
+    failure.
+
+    Without ``elsewhere`` the units run here, one after another (a stage that reports its own progress advances it
+    from inside ``run``); ``elsewhere`` starts them on other workers (Dask, Prefect tasks) and yields each unit with
+    its result as it completes.
+
+    >>> import tempfile
+    >>> from diffret.stages import stages
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     ctx = Context(ArtifactStore(root), log=lambda _: None)
+    ...     run_units(stages()["bot"], Plan(), ctx, elsewhere=lambda: iter([]))
+    []
+    """
     total = plan.work if plan.work is not None else sum(stage.work_of(u) for u in plan.units)
     advance = ctx.progress(stage.label(plan), total, plan.work_unit)
-    if stage.reports_progress:
+    here = elsewhere is None
+    if here and stage.reports_progress:
         ctx.advance = advance
+    outcomes = ((unit, stage.run(unit, ctx)) for unit in plan.units) if elsewhere is None else elsewhere()
     results: list[Any] = []
-    for unit in plan.units:
-        results.append(stage.run(unit, ctx))
-        stage.commit(unit, results[-1], ctx)
-        if not stage.reports_progress:
+    for unit, result in outcomes:
+        results.append(result)
+        stage.commit(unit, result, ctx)
+        if not (here and stage.reports_progress):
             advance(stage.work_of(unit))
     return results

@@ -9,6 +9,7 @@ K-mask sparse vectors and PromptReps' all search it the same way.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +25,22 @@ from diffret.retrieval.search.encodings import SparseFlat
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import topk_table
 from diffret.retrieval.search.scoring import TopK
-from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, config_hash
+from diffret.storage import FileEntry, IncompleteArtifactError, Manifest, StoreError
 from diffret.storage.layout import bot_dir, encodings_dir, run_dir
 
-from .base import ClusterConfig, Context, KList, shared_settings
-from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, merged_blocks, pass_queries, write_unit
+from .base import ClusterConfig, Context, KList, read_shared
+from .passes import (
+    Pass,
+    PassPlan,
+    PassShared,
+    PassStage,
+    PassUnit,
+    even_blocks,
+    merged_blocks,
+    pass_queries,
+    write_unit,
+)
+from .presentation import Presentation
 from .readers import bot_index, budgets, encoding_manifest, split_queries
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
 from .score import ScoreConfig
@@ -52,6 +64,13 @@ class BetaConfig(RetrievalConfig, ClusterConfig):
     unit_passages: int = like(ScoreConfig, "unit_passages")
 
 
+class BetaShared(PassShared):
+    """What every unit of a beta pass shares: the queries (:class:`PassShared`), the bags' folder, the depth."""
+
+    bot_folder: str
+    topk: int
+
+
 @dataclass
 class BetaMerge:
     """What merging a beta pass's blocks into its runs needs."""
@@ -65,26 +84,10 @@ class BetaMerge:
     bot_folder: str
 
 
-class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="written", distributed=True):
+class Beta(PassStage[BetaMerge], name="beta", config=BetaConfig, noun="run(s)", verb="written", distributed=True):
     """SIDR_beta: sparse query vectors against the passages' binary bag of tokens (no passage encoded)."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "SIDR_beta search: a stored system's sparse query vectors against the bag-of-tokens index of its "
-        "tokenizer (the bot deployment builds it); no passage is encoded. One run folder per (split, K_q) with "
-        "mode beta, kp 0."
-    )
-    example = {
-        "dataset": "scifact",
-        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "kq": [1],
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment); re-score the top m: "
-        "`diffret late -d {dataset}`."
-    )
-
-    def plan(self, config: BetaConfig, ctx: Context) -> PassPlan:
+    def plan(self, config: BetaConfig, ctx: Context) -> PassPlan[BetaMerge]:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         if not record.has_sparse:
@@ -92,18 +95,11 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
                 f"{record.system}: the {record.readout} readout has no sparse vectors; beta search needs "
                 "a sparse query side (sidr, diffretriever, promptreps)"
             )
-        config = config.model_copy(
-            update={"kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log)}
-        )
-        q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
-        q_hashes = {}
-        tokens = None
-        for kq, st in q_folders.items():
-            m = encoding_manifest(store, st)
-            q_hashes[str(kq)] = m.config_hash
-            tokens = m.config.get("tokens", tokens)
-        slug = config.bot or tokens
-        b_folder = bot_dir(str(slug), corpus)
+        kqs = budgets(store, config.kq, record.system, config.dataset, "query", ctx.log)
+        q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in kqs}
+        q_mans = {kq: encoding_manifest(store, f) for kq, f in q_folders.items()}
+        tokens = next((m.config["tokens"] for m in reversed(q_mans.values()) if "tokens" in m.config), None)
+        b_folder = bot_dir(str(config.bot or tokens), corpus)
         b_man = store.read_manifest(b_folder)
         if b_man is None:
             raise IncompleteArtifactError(
@@ -111,52 +107,68 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
                 f"{record.model}` first"
             )
         _check_tokenizer(record, b_man.config)
-        inputs = {"queries": q_hashes, "bot": b_man.config_hash}
-        split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
-        plan = PassPlan(system=record.system, work=0, work_unit="passages")
+        plan: PassPlan[BetaMerge] = PassPlan(system=record.system, work=0, work_unit="passages")
         cells = []
-        for split in config.splits:
-            for kq in config.kq:
-                cfg = cell_config(
-                    record.system,
-                    config.dataset,
-                    corpus,
-                    split,
-                    kq,
-                    0,
-                    "beta",
-                    config.depth(split),
-                    0,
-                    config.ignore_ids(),
-                    {"queries": q_hashes[str(kq)], "bot": b_man.config_hash},
-                )
-                cfg["bot"] = b_man.partition
-                folder = run_dir(record.system, config.dataset, split, kq, 0, "beta")
-                if plan.needs(ctx, folder, cfg, config.force):
-                    cells.append(Cell(split, kq, 0, "beta", folder, cfg))
+        for split, kq in itertools.product(config.splits, kqs):
+            cfg = cell_config(
+                system=record.system,
+                dataset=config.dataset,
+                corpus=corpus,
+                split=split,
+                kq=kq,
+                kp=0,
+                mode="beta",
+                topk=config.depth(split),
+                fusion_depth=0,
+                ignore=config.ignore_ids(),
+                inputs={"queries": q_mans[kq].config_hash, "bot": b_man.config_hash},
+            )
+            cfg["bot"] = b_man.partition
+            folder = run_dir(record.system, config.dataset, split, kq, 0, "beta")
+            if plan.needs(ctx, folder, cfg, config.force):
+                cells.append(Cell(split, kq, 0, "beta", folder, cfg))
         plan.count = len(cells)
-        plan.details["inputs"] = inputs
-        if not cells:
-            return plan
+        if cells:
+            inputs = {"queries": {str(kq): m.config_hash for kq, m in q_mans.items()}, "bot": b_man.config_hash}
+            self._plan_pass(
+                config,
+                ctx,
+                plan=plan,
+                record=record,
+                cells=cells,
+                q_folders=q_folders,
+                b_folder=b_folder,
+                b_man=b_man,
+                inputs=inputs,
+            )
+        return plan
+
+    def _plan_pass(
+        self,
+        config: BetaConfig,
+        ctx: Context,
+        *,
+        plan: PassPlan[BetaMerge],
+        record: SystemRecord,
+        cells: list[Cell],
+        q_folders: dict[int, str],
+        b_folder: str,
+        b_man: Manifest,
+        inputs: dict[str, Any],
+    ) -> None:
+        """The one pass over the bags for ``cells``: its shared record, its blocks of passages and its merge."""
+        split_ids = {s: split_queries(ctx.store, config.dataset, s) for s in config.splits}
         query_ids = list(dict.fromkeys(q for c in cells for q in split_ids[c.split]))
         row = {q: i for i, q in enumerate(query_ids)}
         split_rows = {s: [row[q] for q in split_ids[s]] for s in {c.split for c in cells}}
-        factor = ScoreRules().factor_for(record.readout, record.settings.get("readout"))
-        ignore = config.ignore_ids()
-        depth = search_depth(cells)
-        shared = {
-            "query_stages": {str(kq): q_folders[kq] for kq in sorted({c.kq for c in cells})},
-            "query_ids": query_ids,
-            "bot_stage": b_folder,
-            "topk": depth + (1 if ignore else 0),
-            "sparse_factor": factor,
-        }
-        pass_cfg = {
-            **{k: v for k, v in shared.items() if k != "query_ids"},
-            "query_ids": config_hash({"ids": query_ids}),
-            "unit_passages": config.unit_passages,
-            "inputs": inputs,
-        }
+        ignore, depth = config.ignore_ids(), search_depth(cells)
+        shared = BetaShared(
+            query_folders={kq: q_folders[kq] for kq in sorted({c.kq for c in cells})},
+            query_ids=query_ids,
+            sparse_factor=ScoreRules().factor_for(record.readout, record.settings.get("readout")),
+            bot_folder=b_folder,
+            topk=depth + (1 if ignore else 0),
+        )
         n_passages = b_man.total_rows()
         blocks = even_blocks(n_passages, config.unit_passages, "passages")
         merge = BetaMerge(cells, depth, ignore, query_ids, split_rows, n_passages, b_folder)
@@ -166,7 +178,7 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
             system=record.system,
             dataset=config.dataset,
             kp=0,
-            config=pass_cfg,
+            config=shared.pass_config(unit_passages=config.unit_passages, inputs=inputs),
             shared=shared,
             blocks=blocks,
             merge=merge,
@@ -175,26 +187,25 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
             f"beta: {len(cells)} run(s), {len(query_ids):,} queries over {n_passages:,} passages' bags of tokens "
             f"({b_man.partition.get('tokenizer')}) in {len(blocks)} unit(s), {done} already done"
         )
-        return plan
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """Every K_q's queries against a block of the bags: its top-k (corpus positions) to the pass's partials."""
         store = ctx.store
-        shared = shared_settings(ctx, unit.plan)
-        bags = _bags(ctx, shared["bot_stage"]).rows(unit.start, unit.end)
+        shared = read_shared(ctx, unit.plan, BetaShared)
+        bags = _bags(ctx, shared.bot_folder).rows(unit.start, unit.end)
         tops, seconds = {}, 0.0
         for kq, enc in pass_queries(ctx, unit.plan, shared, "cpu").items():
             q = SparseFlat.from_lists(enc.sparse_ids, enc.sparse_weights)
             start = time.perf_counter()
-            top = beta_search(q, bot_blocks(bags), int(shared["topk"]))
+            top = beta_search(q, bot_blocks(bags), shared.topk)
             seconds += time.perf_counter() - start
             top.index[top.index >= 0] += unit.start
             tops[(kq, "beta")] = top
         return write_unit(store, unit, topk_table(tops), seconds)
 
-    def merge(self, done: Pass, ctx: Context) -> None:
+    def merge(self, done: Pass[BetaMerge], ctx: Context) -> None:
         """The pass's blocks merged (the top k of their top k), self hits dropped where asked, the runs written."""
-        info: BetaMerge = done.merge
+        info = done.merge
         store = ctx.store
         tops, seconds = merged_blocks(store, done.folder, info.depth + (1 if info.ignore else 0), info.passages)
         doc_ids, _ = bot_index(store, info.bot_folder)
@@ -203,6 +214,24 @@ class Beta(PassStage, name="beta", config=BetaConfig, noun="run(s)", verb="writt
                 top = drop_self_hits(top, info.query_ids, doc_ids, info.depth)
             cells = [c for c in info.cells if c.kq == kq]
             write_runs(store, cells, {(kq, mode): top}, info.query_ids, doc_ids, info.split_rows, seconds)
+
+
+presentation = Presentation(
+    deployment=(
+        "SIDR_beta search: a stored system's sparse query vectors against the bag-of-tokens index of its "
+        "tokenizer (the bot deployment builds it); no passage is encoded. One run folder per (split, K_q) with "
+        "mode beta, kp 0."
+    ),
+    example={
+        "dataset": "scifact",
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "kq": [1],
+    },
+    next_step=(
+        "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment); re-score the top m: "
+        "`diffret late -d {dataset}`."
+    ),
+)
 
 
 _BAGS: KeyedCache[tuple[str, str], SparseFlat] = KeyedCache()

@@ -14,6 +14,7 @@ from diffret.retrieval.search.bm25 import BM25Settings, bm25_search, bm25_search
 from diffret.storage.layout import run_dir
 
 from .base import ClusterConfig, Context, Plan, Stage
+from .presentation import Presentation
 from .readers import corpus_size, dataset_manifest, side_text_ranges, side_texts, split_queries
 from .runs import Cell, RetrievalConfig, write_runs
 from .systems import SystemRecord, bm25_slug, register
@@ -46,13 +47,6 @@ class BM25Unit:
 
 class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written", distributed=True):
     """BM25 baseline runs (bm25s, Lucene k1=0.9 b=0.4)."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "BM25 baseline runs (bm25s, Lucene variant, k1=0.9, b=0.4, English stemmer and stopwords)."
-    )
-    example = {"dataset": "scifact", "splits": ["test"]}  # the deployment's parameters, besides root
-
-    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: BM25Config, ctx: Context) -> Plan:
         store = ctx.store
@@ -135,6 +129,13 @@ class BM25(Stage, name="bm25", config=BM25Config, noun="run(s)", verb="written",
             {"index_seconds": round(clock["index_seconds"], 4), **extra},
         )
         return len(unit.cells)
+
+
+presentation = Presentation(
+    deployment="BM25 baseline runs (bm25s, Lucene variant, k1=0.9, b=0.4, English stemmer and stopwords).",
+    example={"dataset": "scifact", "splits": ["test"]},
+    next_step="evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment).",
+)
 
 
 stage = BM25()

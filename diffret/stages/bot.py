@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ from diffret.storage import IncompleteArtifactError, Manifest
 from diffret.storage.layout import BOT_FILE, BOT_SCHEMA, bot_dir, tokens_dir
 
 from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
+from .presentation import Presentation
 from .readers import tokens_manifest
 from .systems import tokenizer_of, tokens_slug, vocab_hash
 from .tokenize import TokenizeConfig
@@ -53,28 +55,16 @@ class BotConfig(StageConfig):
         )
 
 
+@dataclass
+class BotPlan(Plan):
+    """A bot run's plan: the index folder it builds (or found current)."""
+
+    folder: str = ""
+
+
 class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
     """SIDR's binary bag-of-tokens index of a corpus (its passages tokenized first where they are not yet): a pass
     over its stored token ids, no model."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "SIDR's binary bag-of-tokens index of a dataset's passages: their distinct token ids (special ids "
-        "dropped), built from the stored token ids with no model (tokenized first where they are not yet). Its "
-        "manifest records the build seconds, bytes and density (the bot_indexes view)."
-    )
-    example = {
-        "dataset": "scifact",
-        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-    }  # the deployment's parameters, besides root
-
-    next_step = "search it with a SIDR system: `diffret beta -d {dataset}` (the beta deployment)."
-
-    def printed(self, result: StageResult) -> list[str]:
-        s = result.details.get("stats") or {}
-        return [
-            f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
-            f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s"
-        ]
 
     def prerequisites(self, config: BotConfig) -> list[tuple[str, StageConfig]]:
         """The passages' tokens, where they are missing."""
@@ -100,7 +90,7 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
             "inputs": {"tokens": t_man.config_hash, "rows": t_man.total_rows()},
         }
         folder = bot_dir(slug, corpus)
-        plan = Plan(system=slug, details={"stage": folder})
+        plan = BotPlan(system=slug, folder=folder)
         if plan.needs(ctx, folder, cfg, config.force):
             plan.units.append(Folder(folder, cfg))
         return plan
@@ -143,8 +133,32 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
         return m.stats
 
     def finish(self, config: BotConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        stats = results[0] if results else ctx.store.require_manifest(plan.details["stage"]).stats
-        return {**plan.details, "stats": stats}
+        assert isinstance(plan, BotPlan)
+        stats = results[0] if results else ctx.store.require_manifest(plan.folder).stats
+        return {"stage": plan.folder, "stats": stats}
+
+
+def _printed(result: StageResult) -> list[str]:
+    s = result.details.get("stats") or {}
+    return [
+        f"bag of tokens: {s.get('passages', 0):,} passages, {s.get('mean_tokens', 0):.1f} distinct tokens "
+        f"each, {s.get('bytes', 0):,} bytes, built in {s.get('build_seconds', 0):.2f}s"
+    ]
+
+
+presentation = Presentation(
+    deployment=(
+        "SIDR's binary bag-of-tokens index of a dataset's passages: their distinct token ids (special ids "
+        "dropped), built from the stored token ids with no model (tokenized first where they are not yet). Its "
+        "manifest records the build seconds, bytes and density (the bot_indexes view)."
+    ),
+    example={
+        "dataset": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    },
+    next_step="search it with a SIDR system: `diffret beta -d {dataset}` (the beta deployment).",
+    printed=_printed,
+)
 
 
 stage = Bot()

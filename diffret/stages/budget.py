@@ -13,6 +13,7 @@ evaluated on the split it learned from (refused); a split without the whole grid
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +38,7 @@ from diffret.storage.layout import (
 from diffret.storage.manifest import StoreError
 
 from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
+from .presentation import Presentation
 from .readers import split_queries
 from .runs import Cell, read_run, write_run
 from .systems import SystemRef, find_system
@@ -134,76 +136,25 @@ def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -
     return out
 
 
+@dataclass
+class BudgetPlan(Plan):
+    """A budget run's plan: the grid's cells the selectors choose among, and the adaptive runs' folders."""
+
+    cells: list[list[int]] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+
+
 class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="chosen"):
     """Adaptive budgets: a (K_q, K_p) per query from features known before search (learned on a train split)."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Adaptive budgets: learns, on a train split's per-query grid metrics, a selector (fixed, a one-feature "
-        "rule, a classifier over the cells, a regressor of each cell's score) from query features known before "
-        "search, and writes for each other split a run of the cell chosen per query (mode "
-        "`adaptive_<mode>_<selector>_<over>_<features>`), which evaluate, the views and the report treat like any "
-        "run. Never evaluated on the split it learned from."
-    )
-    example = {"dataset": "scifact"}  # the deployment's parameters, besides root
-
-    next_step = "evaluate them: `diffret evaluate`; compare: `diffret report` (section Adaptive budgets)."
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"adaptive runs: {result.details.get('adaptive_runs')} (evaluate them: diffret evaluate)"]
-
-    def plan(self, config: BudgetConfig, ctx: Context) -> Plan:
-        record = find_system(ctx.store, config.system)
-        system = record.system
+    def plan(self, config: BudgetConfig, ctx: Context) -> BudgetPlan:
+        system = find_system(ctx.store, config.system).system
         learn = config.splits[0] if config.cross_fit else config.train_split
-        train = grid_cells(ctx, system, config.dataset, learn, config.mode)
-        if not train:
-            raise StoreError(
-                f"{system} has no evaluated {config.mode} grid on {config.dataset}/{learn}: run "
-                f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
-                "first"
-            )
+        train, grids = self._grids(config, ctx, system, learn)
         cells = sorted(train)
-        n_learn = len(split_queries(ctx.store, config.dataset, learn))
-        if config.folds > n_learn:  # KFold would quietly use fewer
-            raise ValueError(
-                f"--folds {config.folds} but {config.dataset}/{learn} has {n_learn} queries to learn "
-                f"from: a fold needs at least one; give --folds {min(5, n_learn)} (at most "
-                f"{n_learn})"
-            )
-        grids = {}
-        for split in config.splits:
-            grids[split] = have = grid_cells(ctx, system, config.dataset, split, config.mode)
-            missing = [c for c in cells if c not in have]
-            if missing:
-                raise StoreError(
-                    f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
-                    f"{learn} has: score and evaluate them first"
-                )
-        plan = Plan(system=system, details={"cells": [list(c) for c in cells], "runs": []})
+        plan = BudgetPlan(system=system, cells=[list(c) for c in cells])
+        feats = self._plan_features(config, ctx, plan, system, cells)
         fingerprint = ctx.store.fingerprint
-        enc_inputs = (
-            fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
-            if config.features != "text"
-            else None
-        )
-        feats = {}
-        first = cells[0]  # the cheapest cell: the first pass of the first_pass features
-        fset = feature_set(config.features, config.mode)
-        for split in ([] if config.cross_fit else [config.train_split]) + config.splits:
-            cfg = {
-                "system": system,
-                "dataset": config.dataset,
-                "split": split,
-                "set": fset,
-                "kq": sorted({kq for kq, _ in cells}),
-                "inputs": {"encodings": enc_inputs},
-            }
-            if config.features == "first_pass":
-                run = run_dir(system, config.dataset, split, *first, config.mode)
-                cfg.update(first_pass=run, inputs={**cfg["inputs"], "first_pass": fingerprint(run)})
-            folder = features_dir(system, config.dataset, split, fset)
-            feats[split] = cfg
-            plan.add_folder(ctx, folder, {**cfg, "kind": "features"}, config.force)
         for split in config.splits:
             source = split if config.cross_fit else config.train_split
             runs = {f"{kq}x{kp}": run_dir(system, config.dataset, split, kq, kp, config.mode) for kq, kp in cells}
@@ -236,9 +187,71 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
                     "inputs": inputs,
                 }
                 folder = run_dir(system, config.dataset, split, 0, 0, mode)
-                plan.details["runs"].append(folder)
+                plan.runs.append(folder)
                 plan.add_folder(ctx, folder, cfg, config.force)
         return plan
+
+    @staticmethod
+    def _grids(
+        config: BudgetConfig, ctx: Context, system: str, learn: str
+    ) -> tuple[dict[tuple[int, int], str], dict[str, dict[tuple[int, int], str]]]:
+        """The evaluated grid the selectors learn from (split ``learn``) and each split's: refused when the learning
+        split has none, has fewer queries than folds, or a split lacks one of its cells."""
+        train = grid_cells(ctx, system, config.dataset, learn, config.mode)
+        if not train:
+            raise StoreError(
+                f"{system} has no evaluated {config.mode} grid on {config.dataset}/{learn}: run "
+                f"`diffret score -d {config.dataset} --split {learn}` and `diffret evaluate` "
+                "first"
+            )
+        n_learn = len(split_queries(ctx.store, config.dataset, learn))
+        if config.folds > n_learn:  # KFold would quietly use fewer
+            raise ValueError(
+                f"--folds {config.folds} but {config.dataset}/{learn} has {n_learn} queries to learn "
+                f"from: a fold needs at least one; give --folds {min(5, n_learn)} (at most "
+                f"{n_learn})"
+            )
+        grids = {}
+        for split in config.splits:
+            grids[split] = have = grid_cells(ctx, system, config.dataset, split, config.mode)
+            missing = [c for c in sorted(train) if c not in have]
+            if missing:
+                raise StoreError(
+                    f"{config.dataset}/{split} lacks the {config.mode} cells (K_q, K_p) {missing} that "
+                    f"{learn} has: score and evaluate them first"
+                )
+        return train, grids
+
+    @staticmethod
+    def _plan_features(
+        config: BudgetConfig, ctx: Context, plan: BudgetPlan, system: str, cells: list[tuple[int, int]]
+    ) -> dict[str, dict[str, Any]]:
+        """A features folder per split the selectors learn from or choose for (unless current); each one's config."""
+        fingerprint = ctx.store.fingerprint
+        enc_inputs = (
+            fingerprint(f"encodings/system={system}/dataset={config.dataset}/side=query/k=*")
+            if config.features != "text"
+            else None
+        )
+        feats = {}
+        first = cells[0]  # the cheapest cell: the first pass of the first_pass features
+        fset = feature_set(config.features, config.mode)
+        for split in ([] if config.cross_fit else [config.train_split]) + config.splits:
+            cfg: dict[str, Any] = {
+                "system": system,
+                "dataset": config.dataset,
+                "split": split,
+                "set": fset,
+                "kq": sorted({kq for kq, _ in cells}),
+                "inputs": {"encodings": enc_inputs},
+            }
+            if config.features == "first_pass":
+                run = run_dir(system, config.dataset, split, *first, config.mode)
+                cfg.update(first_pass=run, inputs={**cfg["inputs"], "first_pass": fingerprint(run)})
+            folder = features_dir(system, config.dataset, split, fset)
+            feats[split] = cfg
+            plan.add_folder(ctx, folder, {**cfg, "kind": "features"}, config.force)
+        return feats
 
     def unit_name(self, unit: Folder) -> str:
         c = unit.config
@@ -255,13 +268,14 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         seed, folds = int(c["seed"]), int(c["folds"])
         train = _grid(ctx, c["system"], c["dataset"], c["train_split"], c["base_mode"], cells, c["measure"])
         names, X = _feature_matrix(ctx, c["system"], c["dataset"], c["train_split"], fset, train.queries)
+        fixed: list[int] | None
         if c.get("cross_fit"):
             queries = train.queries
             chosen, fixed, fitted_stats = _cross_fit(selector, X, names, train, seed, folds)
             choice_cells = cells
         else:
-            fixed = train.cells[train.best_mean()]
-            train = train.restrict(c["over"], fixed)
+            best = train.cells[train.best_mean()]
+            train = train.restrict(c["over"], best)
             fitted = selector.fit(X, names, train, seed=seed, folds=folds)
             queries = split_queries(store, c["dataset"], c["split"])
             names_t, Xt = _feature_matrix(ctx, c["system"], c["dataset"], c["split"], fset, queries)
@@ -278,7 +292,7 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
                 "importances": fitted.importances,
                 "cv_score": fitted.cv_score,
             }
-            fixed = list(fixed)
+            fixed = list(best)
         tables = {}
         for cell in sorted(set(chosen.tolist())):
             kq, kp = choice_cells[cell]
@@ -320,7 +334,26 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         return table.num_rows
 
     def finish(self, config: BudgetConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        return {**plan.details, "adaptive_runs": len(plan.details["runs"])}
+        assert isinstance(plan, BudgetPlan)
+        return {"cells": plan.cells, "runs": plan.runs, "adaptive_runs": len(plan.runs)}
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [f"adaptive runs: {result.details.get('adaptive_runs')} (evaluate them: diffret evaluate)"]
+
+
+presentation = Presentation(
+    deployment=(
+        "Adaptive budgets: learns, on a train split's per-query grid metrics, a selector (fixed, a one-feature "
+        "rule, a classifier over the cells, a regressor of each cell's score) from query features known before "
+        "search, and writes for each other split a run of the cell chosen per query (mode "
+        "`adaptive_<mode>_<selector>_<over>_<features>`), which evaluate, the views and the report treat like any "
+        "run. Never evaluated on the split it learned from."
+    ),
+    example={"dataset": "scifact"},
+    next_step="evaluate them: `diffret evaluate`; compare: `diffret report` (section Adaptive budgets).",
+    printed=_printed,
+)
 
 
 _COST = {
@@ -332,16 +365,17 @@ _COST = {
 
 def _cross_fit(
     selector: Any, X: np.ndarray, names: list[str], grid: Grid, seed: int, folds: int
-) -> tuple[np.ndarray, list[list[int]] | None, dict[str, Any]]:
+) -> tuple[np.ndarray, list[int] | None, dict[str, Any]]:
     """Each query's cell chosen by ``selector`` learned on the other folds of its own split (over every cell); the
     fixed cells of the folds, and per fold what was learned (hyper-parameters, importances averaged)."""
     from sklearn.model_selection import KFold
 
     n = len(grid.queries)
     chosen = np.zeros(n, dtype=int)
-    per_fold, importances = [], {}
+    per_fold: list[dict[str, Any]] = []
+    importances: dict[str, float] = {}
     splitter = KFold(max(2, min(folds, n)), shuffle=True, random_state=seed)
-    fixed_cells = []
+    fixed_cells: list[list[int]] = []
     for rest, held in splitter.split(np.arange(n)):
         part = grid.subset([grid.queries[i] for i in rest])
         fitted = selector.fit(X[rest], names, part, seed=seed, folds=folds)

@@ -62,6 +62,7 @@ def codebook_config(
 
 def ensure_codebook(
     store: ArtifactStore,
+    *,
     system: str,
     dataset: str,
     k: int,

@@ -24,6 +24,7 @@ from diffret.storage import ArtifactStore, Manifest, StoreError, config_hash
 from diffret.storage.layout import METRICS_FILE, comparison_dir, metrics_dir, partition
 
 from .base import Context, Folder, Plan, Stage, StageConfig, StageResult
+from .presentation import Presentation
 from .runs import PickedRun, pick_run
 
 FILES = {"markdown": "comparison.md", "csv": "comparison.csv", "latex": "comparison.tex"}
@@ -138,22 +139,6 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
     """Runs against a baseline: means, paired tests corrected across the table, win / tie / loss (Markdown, CSV,
     LaTeX)."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Runs against a baseline per measure: means, paired t-test or Wilcoxon on per-query scores, p-values "
-        "corrected across the table (Holm by default), win / tie / loss; `comparisons/comparison=<name>/` as "
-        "Markdown, CSV and LaTeX."
-    )
-    example = {"dataset": "scifact", "split": "test", "baseline": "bm25"}  # the deployment's parameters, besides root
-
-    next_step = "put it in the paper: comparison.tex in the store folder above (or --out DIR)."
-
-    def shown(self, result: StageResult) -> str:
-        """The comparison table, as it was asked for (Markdown by default)."""
-        return str(result.details.get("shown", ""))
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"tables (md, csv, tex): {result.details.get('folder')}"]
-
     def plan(self, config: CompareConfig, ctx: Context) -> Plan:
         store = ctx.store
         if config.out_dir:
@@ -243,7 +228,29 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
             for k, f in FILES.items():
                 with open(os.path.join(config.out_dir, f), "w", encoding="utf-8") as out:
                     out.write(text[k])
-        return {"folder": store.abspath(folder), "markdown": text["markdown"], "shown": text[config.show]}
+        return {"folder": store.url(folder), "markdown": text["markdown"], "shown": text[config.show]}
+
+
+def _shown(result: StageResult) -> str:
+    """The comparison table, as it was asked for (Markdown by default)."""
+    return str(result.details.get("shown", ""))
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [f"tables (md, csv, tex): {result.details.get('folder')}"]
+
+
+presentation = Presentation(
+    deployment=(
+        "Runs against a baseline per measure: means, paired t-test or Wilcoxon on per-query scores, p-values "
+        "corrected across the table (Holm by default), win / tie / loss; `comparisons/comparison=<name>/` as "
+        "Markdown, CSV and LaTeX."
+    ),
+    example={"dataset": "scifact", "split": "test", "baseline": "bm25"},
+    next_step="put it in the paper: comparison.tex in the store folder above (or --out DIR).",
+    printed=_printed,
+    shown=_shown,
+)
 
 
 stage = Compare()

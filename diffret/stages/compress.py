@@ -21,14 +21,24 @@ from pydantic import Field
 
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.search.codecs import FLOAT16, compress_table, parse_store, vectors_of
-from diffret.storage import FileEntry, IncompleteArtifactError, StoreError, remove_empty_sharded
+from diffret.storage import FileEntry, IncompleteArtifactError, StoreError
 from diffret.storage.layout import codebook_dir, encodings_dir
 
-from .base import ClusterConfig, Context, KList, Plan, Stage, StageConfig
+from .base import ClusterConfig, Context, KList, Plan, ShardedPlan, ShardedStage, StageConfig
 from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
 from .encode import EncodeConfig
+from .presentation import Presentation
 from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
-from .systems import SystemRef, encoder_record, find_system, numeric_settings, register, settings_of
+from .systems import (
+    EncodeSettings,
+    SystemRecord,
+    SystemRef,
+    encoder_record,
+    find_system,
+    numeric_settings,
+    register,
+    settings_of,
+)
 
 
 class CompressConfig(StageConfig, ClusterConfig):
@@ -70,20 +80,21 @@ class CompressUnit:
     codebook: str | None = None  # its codebook folder, when trained
 
 
-class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", verb="compressed", distributed=True):
+@dataclass
+class CompressPlan(ShardedPlan):
+    """A compress run's plan: its folders (:class:`ShardedPlan`), the float16 system it reads, the compressed system's
+    record (registered when the run finishes)."""
+
+    source: str = ""
+    record: SystemRecord | None = None
+
+
+class Compress(
+    ShardedStage, name="compress", config=CompressConfig, noun="shard(s)", verb="compressed", distributed=True
+):
     """Turn a stored float16 system into a compressed one (int8, residual:B, pq:M) without re-encoding."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Compress a stored float16 encoder system without re-encoding: per K_p a codebook trained from a seeded "
-        "sample of its own vectors (residual:B, pq:M; int8 needs none), every passage shard coded with it, the "
-        "queries kept in float16. The result is a system of its own (its slug names the choice) that score, index "
-        "and late read as any other; the report's Compression section compares it with the float16 one."
-    )
-    example = {"dataset": "scifact", "store": "residual:2"}  # the deployment's parameters, besides root
-
-    next_step = "score it: `diffret score -d {dataset} --system {system}`, then `diffret evaluate`."
-
-    def plan(self, config: CompressConfig, ctx: Context) -> Plan:
+    def plan(self, config: CompressConfig, ctx: Context) -> CompressPlan:
         spec = parse_store(config.store)
         if spec.kind == FLOAT16:
             raise ValueError("--store float16 is the system as stored: give int8, residual:B or pq:M")
@@ -99,67 +110,81 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
         source = settings_of(record)
         target = source.model_copy(update={"store": config.store, "store_seed": config.store_seed})
         out = encoder_record(target)
-        plan = Plan(system=out.system, work_unit="docs", work=0, details={"stages": {}, "source": record.system})
+        plan = CompressPlan(system=out.system, work_unit="docs", work=0, source=record.system, record=out)
         sides = self._sides(config, ctx, record.system)
         for side, ks in sides.items():
             expected = side_size(store, config.dataset, side)[0]
             for k in ks:
-                src = encodings_dir(record.system, config.dataset, side, k)
-                m = encoding_manifest(store, src, expected)  # a killed encode's folder is refused: finish it first
-                base = {**m.config, **numeric_settings(target)}  # the float16 folder's config, as this system's
-                codebook = None
-                if side == "passage" and spec.trained:
-                    codebook = codebook_dir(out.system, config.dataset, k)
-                    cb_cfg = codebook_config(
-                        config.store,
-                        config.store_seed,
-                        config.codebook_sample,
-                        config.dataset,
-                        k,
-                        m.config_hash,
-                        m.total_rows() * k,
-                    )
-                    digest = ensure_codebook(
-                        store,
-                        out.system,
-                        config.dataset,
-                        k,
-                        cb_cfg,
-                        config.force,
-                        sorted(m.files),
-                        lambda s, src=src: vectors_of(store.read_table(src, s)),
-                        ctx.log,
-                    )
-                    base = compressed_config(base, digest)
-                folder = encodings_dir(out.system, config.dataset, side, k)
-                ctx.hold(folder)
-                part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                m_out, done = store.open_sharded(
-                    folder, "encodings", part, base, force=config.force, verify=config.verify
-                )
-                plan.details["stages"][f"{side}/k={k}"] = folder
-                for shard in sorted(m.files):
-                    if shard in done:
-                        plan.skipped += 1
-                        continue
-                    rows = int(m.files[shard].rows or 0)
-                    plan.units.append(
-                        CompressUnit(
-                            src,
-                            shard,
-                            folder,
-                            side,
-                            k,
-                            rows,
-                            m_out.config_hash,
-                            config.store if side == "passage" else FLOAT16,
-                            codebook,
-                        )
-                    )
-                    plan.work += rows
+                self._plan_folder(config, ctx, plan, record.system, target, side, k, expected)
         register(store, out, write=False)
-        plan.details["record"] = out
         return plan
+
+    def _plan_folder(
+        self,
+        config: CompressConfig,
+        ctx: Context,
+        plan: CompressPlan,
+        source: str,
+        target: EncodeSettings,
+        side: str,
+        k: int,
+        expected: int,
+    ) -> None:
+        """One (side, K) folder of the compressed system: its codebook (trained now unless current, passages of a
+        trained storage choice), the folder opened, a unit per shard not yet done."""
+        store, out = ctx.store, plan.record
+        assert out is not None
+        src = encodings_dir(source, config.dataset, side, k)
+        m = encoding_manifest(store, src, expected)  # a killed encode's folder is refused: finish it first
+        base = {**m.config, **numeric_settings(target)}  # the float16 folder's config, as this system's
+        codebook = None
+        if side == "passage" and parse_store(config.store).trained:
+            codebook = codebook_dir(out.system, config.dataset, k)
+            cb_cfg = codebook_config(
+                config.store,
+                config.store_seed,
+                config.codebook_sample,
+                config.dataset,
+                k,
+                m.config_hash,
+                m.total_rows() * k,
+            )
+            digest = ensure_codebook(
+                store,
+                system=out.system,
+                dataset=config.dataset,
+                k=k,
+                config=cb_cfg,
+                force=config.force,
+                shards=sorted(m.files),
+                vectors=lambda s: vectors_of(store.read_table(src, s)),
+                log=ctx.log,
+            )
+            base = compressed_config(base, digest)
+        folder = encodings_dir(out.system, config.dataset, side, k)
+        ctx.hold(folder)
+        part = {"system": out.system, "dataset": config.dataset, "side": side, "k": str(k)}
+        m_out, done = store.open_sharded(folder, "encodings", part, base, force=config.force, verify=config.verify)
+        plan.folders[f"{side}/k={k}"] = folder
+        for shard in sorted(m.files):
+            if shard in done:
+                plan.skipped += 1
+                continue
+            rows = int(m.files[shard].rows or 0)
+            plan.units.append(
+                CompressUnit(
+                    src,
+                    shard,
+                    folder,
+                    side,
+                    k,
+                    rows,
+                    m_out.config_hash,
+                    config.store if side == "passage" else FLOAT16,
+                    codebook,
+                )
+            )
+            plan.work = (plan.work or 0) + rows
 
     @staticmethod
     def _sides(config: CompressConfig, ctx: Context, system: str) -> dict[str, list[int]]:
@@ -192,14 +217,22 @@ class Compress(Stage, name="compress", config=CompressConfig, noun="shard(s)", v
 
     def finish(self, config: CompressConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Compact each folder's shard records into its manifest; register the compressed system."""
-        for stage in plan.details["stages"].values():
-            ctx.store.compact_shards(stage)
-        register(ctx.store, plan.details["record"])
-        return {k: v for k, v in plan.details.items() if k != "record"}
+        details = super().finish(config, plan, results, ctx)
+        assert isinstance(plan, CompressPlan) and plan.record is not None
+        register(ctx.store, plan.record)
+        return {**details, "source": plan.source}
 
-    def abort(self, config: CompressConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the shards it finished; the folders it opened that hold none are removed."""
-        remove_empty_sharded(ctx.store, plan.details["stages"].values())
+
+presentation = Presentation(
+    deployment=(
+        "Compress a stored float16 encoder system without re-encoding: per K_p a codebook trained from a seeded "
+        "sample of its own vectors (residual:B, pq:M; int8 needs none), every passage shard coded with it, the "
+        "queries kept in float16. The result is a system of its own (its slug names the choice) that score, index "
+        "and late read as any other; the report's Compression section compares it with the float16 one."
+    ),
+    example={"dataset": "scifact", "store": "residual:2"},
+    next_step="score it: `diffret score -d {dataset} --system {system}`, then `diffret evaluate`.",
+)
 
 
 stage = Compress()

@@ -26,6 +26,7 @@ from diffret.caching import KeyedCache
 from diffret.retrieval.fields import cli, like
 from diffret.retrieval.models.backbones import (
     BackboneConfig,
+    check_random_memory,
     check_weights,
     load_backbone,
     mask_token_id,
@@ -35,11 +36,25 @@ from diffret.retrieval.models.encoding import encode_rows
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH, Readout, ReadoutConfig, make_reader, readout_class
 from diffret.retrieval.models.released import read_released
 from diffret.retrieval.search.codecs import FLOAT16, Codec, compress_table, parse_store, vectors_of
-from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash, remove_empty_sharded
+from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash
 from diffret.storage.layout import codebook_dir, encodings_dir, filters_dir, manifest_path, system_dir, tokens_dir
 
-from .base import GRID_K, ClusterConfig, Context, KList, Plan, Stage, StageConfig, check_device, shared_settings
+from .base import (
+    GRID_K,
+    ClusterConfig,
+    Context,
+    KList,
+    Plan,
+    ShardedPlan,
+    ShardedStage,
+    Shared,
+    StageConfig,
+    check_device,
+    put_shared,
+    read_shared,
+)
 from .codebooks import DEFAULT_SAMPLE, codebook_config, compressed_config, ensure_codebook, make_codec
+from .presentation import Presentation
 from .readers import read_codebook, tokens_manifest
 from .systems import (
     EncodeSettings,
@@ -54,6 +69,8 @@ from .systems import (
     weights_of,
 )
 from .tokenize import TokenizeConfig, default_backbone
+
+DEFAULT_BATCH_SIZE = 32  # texts per forward pass; a folder encoded at another records it
 
 
 class EncodeConfig(StageConfig, ClusterConfig):
@@ -83,7 +100,12 @@ class EncodeConfig(StageConfig, ClusterConfig):
         description="Tokens per input, prompt included (run_encode.sh's 256; encode.py's 512).",
     )
     title_sep: str = like(TokenizeConfig, "title_sep")
-    batch_size: int = Field(default=32, ge=1, description="Texts per forward pass.")
+    batch_size: int = Field(
+        default=DEFAULT_BATCH_SIZE,
+        ge=1,
+        description="Texts per forward pass. It changes the vectors' last bits, so it is recorded in the folders' "
+        "config: a folder encoded at another batch size is not resumed at this one (--force replaces it).",
+    )
     shard_size: int = like(TokenizeConfig, "shard_size")
     verify: bool = like(TokenizeConfig, "verify")
     head_stats: bool = Field(
@@ -202,11 +224,59 @@ def stored_filter(
 
 
 def encodings_config(
-    settings: EncodeSettings, tokens: str, tokens_hash: str, k: int, head_stats: bool = False
+    settings: EncodeSettings,
+    tokens: str,
+    tokens_hash: str,
+    k: int,
+    head_stats: bool = False,
+    batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> dict[str, Any]:
-    """An encodings folder's config (``head_stats`` only when on: a folder without it keeps its hash)."""
-    extra = {"head_stats": True} if head_stats else {}
+    """An encodings folder's config. The batch size (a batch pads to its longest text) and an attention kernel asked
+    for change the vectors' last bits, so they are recorded and a shard encoded otherwise is never mixed into the
+    folder; they and ``head_stats`` are there only when not the default, so a folder without them keeps its hash.
+
+    >>> s = EncodeSettings(backbone=BackboneConfig(model="org/m"))
+    >>> "batch_size" in encodings_config(s, "t", "h", 1), encodings_config(s, "t", "h", 1, batch_size=16)["batch_size"]
+    (False, 16)
+    """
+    extra: dict[str, Any] = {"head_stats": True} if head_stats else {}
+    if batch_size != DEFAULT_BATCH_SIZE:
+        extra["batch_size"] = batch_size
+    if settings.backbone.attn_implementation is not None:
+        extra["attn_implementation"] = settings.backbone.attn_implementation
     return {**numeric_settings(settings), "k": k, "tokens": tokens, **extra, "inputs": {"tokens": tokens_hash}}
+
+
+class EncodeShared(Shared):
+    """What every shard of an encode run shares: the settings, the batch size, the weights' fingerprint, and the
+    folders the run holds (so the key belongs to that run, which removes it when it ends)."""
+
+    settings: EncodeSettings
+    batch_size: int
+    weights: dict[str, str]
+    folders: list[str]
+
+
+@dataclass
+class EncodePlan(ShardedPlan):
+    """An encode run's plan: its folders by ``side/k=K``, the system's record and weights (registered with the first
+    finished shard), the key of its shared record."""
+
+    record: tuple[SystemRecord, dict[str, str]] | None = None
+    shared: str | None = None
+
+
+@dataclass
+class SideTokens:
+    """One side's stored tokens as an encode run reads them: the tokenizer's slug, the tokens folder and its
+    manifest, and the content filter's folder with the shards it holds."""
+
+    side: str
+    tokens: str
+    t_folder: str
+    t_man: Manifest
+    f_folder: str | None
+    filtered: set[str]
 
 
 @dataclass
@@ -215,7 +285,7 @@ class EncodeUnit:
     fingerprint) is stored once (:meth:`storage.ArtifactStore.put_plan`) and named by ``plan``: a unit sent to a
     Dask worker, or recorded as a Prefect task's parameters, costs the same few bytes whatever the settings."""
 
-    plan: str  # key of the run's shared settings: {"settings", "batch_size", "weights"}
+    plan: str  # key of the run's shared record (:class:`EncodeShared`)
     tokens_folder: str
     shard: str
     out_folder: str
@@ -249,6 +319,7 @@ def reader_for(settings: EncodeSettings) -> Readout:
 
 def encode_shard(
     ctx: Context,
+    *,
     settings: EncodeSettings,
     batch_size: int,
     tokens_folder: str,
@@ -276,10 +347,10 @@ def encode_shard(
         ids,
         t.column("token_ids").to_pylist(),
         None if filtered else t.column("text").to_pylist(),
-        side,
-        k,
-        batch_size,
-        advance or (lambda _n: None),
+        side=side,
+        k=k,
+        batch_size=batch_size,
+        on_batch=advance or (lambda _n: None),
         filtered=filtered,
         head_stats=head_stats,
     )
@@ -299,7 +370,7 @@ def _codec(ctx: Context, unit: EncodeUnit) -> Codec:
 
 
 class Encode(
-    Stage,
+    ShardedStage,
     name="encode",
     config=EncodeConfig,
     noun="shard(s)",
@@ -311,31 +382,14 @@ class Encode(
     """Tokenize what is missing, then encode a dataset's queries and passages for every K of the grid: dense
     multi-vectors + sparse weights."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Encode a stored dataset's queries and passages for every K of the budget grid (dense multi-vectors + "
-        "sparse vocabulary weights) with a DiffRetriever mask readout or a baseline (promptreps, diffembed, "
-        "repllama). Sharded and resumable: re-running skips shards whose manifest entry verifies. Set workers (a "
-        "local Dask cluster, a worker per GPU; -1: one per visible GPU) or dask_address (an existing cluster, one "
-        "worker per GPU started with --resources GPU=1) to scale out."
-    )
-    example = {
-        "dataset": "scifact",
-        "sides": ["query", "passage"],
-        "k": [1, 2, 4, 8, 16],
-        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "readout": {"readout": "diffretriever"},
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "score the grid: `diffret score -d {dataset} --system {system}` (the score deployment), then `diffret "
-        "evaluate`."
-    )
-
     def prerequisites(self, config: EncodeConfig) -> list[tuple[str, StageConfig]]:
-        """The texts' tokens, where they are missing."""
+        """The texts' tokens, where they are missing. Random weights that this machine's device cannot hold are
+        refused here, in one line, before anything is tokenized (a joined cluster's workers check their own)."""
+        if not config.dask_address:
+            check_random_memory(config.backbone)
         return [("tokenize", config.tokenize_config())]
 
-    def plan(self, config: EncodeConfig, ctx: Context) -> Plan:
+    def plan(self, config: EncodeConfig, ctx: Context) -> EncodePlan:
         check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         cls = readout_class(config.readout.readout)
         for side in config.sides:
@@ -350,7 +404,7 @@ class Encode(
         settings = config.settings()
         record = encoder_record(settings)
         tokens = tokens_slug(config.backbone, config.max_length, config.title_sep)
-        plan = Plan(system=record.system, work=0, work_unit="docs", details={"stages": {}})
+        plan = EncodePlan(system=record.system, work=0, work_unit="docs")
         weights = weights_of(config.backbone)
         for side in config.sides:
             t_folder = tokens_dir(tokens, config.dataset, side)
@@ -360,77 +414,68 @@ class Encode(
             f_folder, filtered = stored_filter(
                 ctx.store, tokens, config.dataset, side, cls.filter_kind(config.readout), t_man.config_hash
             )
+            texts = SideTokens(side, tokens, t_folder, t_man, f_folder, filtered)
             for k in config.budgets(side):
-                folder = encodings_dir(record.system, config.dataset, side, k)
-                stats = config.head_stats and side == "query"
-                cfg = encodings_config(settings, tokens, t_man.config_hash, k, stats)
-                codebook = None
-                if side == "passage" and parse_store(config.store).trained:
-                    codebook = codebook_dir(record.system, config.dataset, k)
-                    digest = self._codebook(config, ctx, settings, tokens, t_folder, t_man, f_folder, filtered, k)
-                    cfg = compressed_config(cfg, digest)
-                part = {"system": record.system, "dataset": config.dataset, "side": side, "k": str(k)}
-                ctx.hold(folder)  # another encode of this folder running now is refused, not raced
-                m, done = ctx.store.open_sharded(
-                    folder, "encodings", part, cfg, force=config.force, verify=config.verify
-                )
-                plan.details["stages"][f"{side}/k={k}"] = folder
-                for shard in sorted(t_man.files):
-                    if shard in done:
-                        plan.skipped += 1
-                        continue
-                    rows = int(t_man.files[shard].rows or 0)
-                    unit = EncodeUnit(
-                        "",
-                        t_folder,
-                        shard,
-                        folder,
-                        side,
-                        k,
-                        rows,
-                        m.config_hash,
-                        f_folder if shard in filtered else None,
-                        stats,
-                        config.store if side == "passage" else FLOAT16,
-                        codebook,
-                    )
-                    plan.units.append(unit)
-                    plan.work += rows
+                self._plan_folder(config, ctx, plan, settings, texts, k)
         register(ctx.store, record, weights, write=False)  # refuses a folder retrained in place
-        plan.details["record"] = (record, weights)  # registered with the first finished shard (commit, finish)
+        plan.record = (record, weights)  # registered with the first finished shard (commit, finish)
         if plan.units:  # model work to do: no weights, a truncated or corrupt file fail here, before any
             check_weights(config.backbone)
             # the settings every shard shares, stored once; with the folders in it, the key belongs to the run
             # that holds their locks, which removes it when it ends
-            plan.details["plan"] = ctx.store.put_plan(
-                {
-                    "settings": settings.model_dump(mode="json"),
-                    "batch_size": config.batch_size,
-                    "weights": weights,
-                    "folders": list(plan.details["stages"].values()),
-                }
+            shared = EncodeShared(
+                settings=settings, batch_size=config.batch_size, weights=weights, folders=list(plan.folders.values())
             )
+            plan.shared = put_shared(ctx, shared)
             for unit in plan.units:
-                unit.plan = plan.details["plan"]
+                unit.plan = plan.shared
         return plan
 
-    def _codebook(
-        self,
-        config: EncodeConfig,
-        ctx: Context,
-        settings: EncodeSettings,
-        tokens: str,
-        t_folder: str,
-        t_man: Manifest,
-        f_folder: str | None,
-        filtered: set[str],
-        k: int,
-    ) -> str:
+    def _plan_folder(
+        self, config: EncodeConfig, ctx: Context, plan: EncodePlan, settings: EncodeSettings, texts: SideTokens, k: int
+    ) -> None:
+        """One (side, K) encodings folder: opened (a shard an earlier run finished is kept), its codebook first when
+        its storage choice is trained, a unit per shard not yet done."""
+        side, system = texts.side, plan.system or ""
+        folder = encodings_dir(system, config.dataset, side, k)
+        stats = config.head_stats and side == "query"
+        cfg = encodings_config(settings, texts.tokens, texts.t_man.config_hash, k, stats, config.batch_size)
+        codebook = None
+        if side == "passage" and parse_store(config.store).trained:
+            codebook = codebook_dir(system, config.dataset, k)
+            cfg = compressed_config(cfg, self._codebook(config, ctx, settings, texts, k))
+        part = {"system": system, "dataset": config.dataset, "side": side, "k": str(k)}
+        ctx.hold(folder)  # another encode of this folder running now is refused, not raced
+        m, done = ctx.store.open_sharded(folder, "encodings", part, cfg, force=config.force, verify=config.verify)
+        plan.folders[f"{side}/k={k}"] = folder
+        for shard in sorted(texts.t_man.files):
+            if shard in done:
+                plan.skipped += 1
+                continue
+            rows = int(texts.t_man.files[shard].rows or 0)
+            unit = EncodeUnit(
+                "",
+                texts.t_folder,
+                shard,
+                folder,
+                side,
+                k,
+                rows,
+                m.config_hash,
+                texts.f_folder if shard in texts.filtered else None,
+                stats,
+                config.store if side == "passage" else FLOAT16,
+                codebook,
+            )
+            plan.units.append(unit)
+            plan.work = (plan.work or 0) + rows
+
+    def _codebook(self, config: EncodeConfig, ctx: Context, settings: EncodeSettings, texts: SideTokens, k: int) -> str:
         """The K_p codebook of a trained storage choice (trained now unless current): its sample is the float16
         vectors of the shards ``diffret compress`` would read, in its seeded order, taken from the float16 system
         when it holds them, else encoded here (the model's work before the units: the sample only)."""
         f16 = float16_settings(settings)
-        source_cfg = encodings_config(f16, tokens, t_man.config_hash, k)
+        source_cfg = encodings_config(f16, texts.tokens, texts.t_man.config_hash, k, batch_size=config.batch_size)
         source = encodings_dir(encoder_slug(f16), config.dataset, "passage", k)
         try:
             have = ctx.store.read_manifest(source)
@@ -443,7 +488,14 @@ class Encode(
                 return vectors_of(ctx.store.read_table(source, shard))
             check_weights(config.backbone)
             table = encode_shard(
-                ctx, f16, config.batch_size, t_folder, shard, f_folder if shard in filtered else None, "passage", k
+                ctx,
+                settings=f16,
+                batch_size=config.batch_size,
+                tokens_folder=texts.t_folder,
+                shard=shard,
+                filter_folder=texts.f_folder if shard in texts.filtered else None,
+                side="passage",
+                k=k,
             )
             return vectors_of(table)
 
@@ -454,18 +506,18 @@ class Encode(
             config.dataset,
             k,
             config_hash(source_cfg),
-            t_man.total_rows() * k,
+            texts.t_man.total_rows() * k,
         )
         return ensure_codebook(
             ctx.store,
-            encoder_slug(settings),
-            config.dataset,
-            k,
-            cb_cfg,
-            config.force,
-            sorted(t_man.files),
-            vectors,
-            ctx.log,
+            system=encoder_slug(settings),
+            dataset=config.dataset,
+            k=k,
+            config=cb_cfg,
+            force=config.force,
+            shards=sorted(texts.t_man.files),
+            vectors=vectors,
+            log=ctx.log,
         )
 
     def work_of(self, unit: EncodeUnit) -> int:
@@ -475,18 +527,18 @@ class Encode(
         return f"{unit.side} K={unit.k} {unit.shard.removesuffix('.parquet')}"
 
     def run(self, unit: EncodeUnit, ctx: Context) -> FileEntry:
-        shared = shared_settings(ctx, unit.plan)
+        shared = read_shared(ctx, unit.plan, EncodeShared)
         table = encode_shard(
             ctx,
-            EncodeSettings.model_validate(shared["settings"]),
-            shared["batch_size"],
-            unit.tokens_folder,
-            unit.shard,
-            unit.filter_folder,
-            unit.side,
-            unit.k,
-            unit.head_stats,
-            ctx.advance,
+            settings=shared.settings,
+            batch_size=shared.batch_size,
+            tokens_folder=unit.tokens_folder,
+            shard=unit.shard,
+            filter_folder=unit.filter_folder,
+            side=unit.side,
+            k=unit.k,
+            head_stats=unit.head_stats,
+            advance=ctx.advance,
         )
         if unit.store != FLOAT16:
             table = compress_table(table, _codec(ctx, unit))
@@ -500,24 +552,47 @@ class Encode(
 
     @staticmethod
     def _record(unit: EncodeUnit, ctx: Context) -> tuple[SystemRecord, dict[str, str]]:
-        shared = shared_settings(ctx, unit.plan)
-        return encoder_record(EncodeSettings.model_validate(shared["settings"])), shared["weights"]
+        shared = read_shared(ctx, unit.plan, EncodeShared)
+        return encoder_record(shared.settings), shared.weights
 
     def finish(self, config: EncodeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
         """Compact each folder's shard records into its manifest (one write per folder); register the system."""
-        for stage in plan.details["stages"].values():
-            ctx.store.compact_shards(stage)
-        register(ctx.store, *plan.details["record"])
-        if "plan" in plan.details:
-            ctx.store.remove_plan(plan.details["plan"])
-        return {k: v for k, v in plan.details.items() if k not in ("record", "plan")}
+        details = super().finish(config, plan, results, ctx)
+        assert isinstance(plan, EncodePlan) and plan.record is not None
+        register(ctx.store, *plan.record)
+        if plan.shared is not None:
+            ctx.store.remove_plan(plan.shared)
+        return details
 
     def abort(self, config: EncodeConfig, plan: Plan, ctx: Context) -> None:
         """A failed run: the shards it finished are kept (recorded); the folders it opened that hold none are
         removed, so no empty encoding folder (or system without encodings) is left behind."""
-        remove_empty_sharded(ctx.store, plan.details["stages"].values())
-        if "plan" in plan.details:
-            ctx.store.remove_plan(plan.details["plan"])
+        super().abort(config, plan, ctx)
+        assert isinstance(plan, EncodePlan)
+        if plan.shared is not None:
+            ctx.store.remove_plan(plan.shared)
+
+
+presentation = Presentation(
+    deployment=(
+        "Encode a stored dataset's queries and passages for every K of the budget grid (dense multi-vectors + "
+        "sparse vocabulary weights) with a DiffRetriever mask readout or a baseline (promptreps, diffembed, "
+        "repllama). Sharded and resumable: re-running skips shards whose manifest entry verifies. Set workers (a "
+        "local Dask cluster, a worker per GPU; -1: one per visible GPU) or dask_address (an existing cluster, one "
+        "worker per GPU started with --resources GPU=1) to scale out."
+    ),
+    example={
+        "dataset": "scifact",
+        "sides": ["query", "passage"],
+        "k": [1, 2, 4, 8, 16],
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "readout": {"readout": "diffretriever"},
+    },
+    next_step=(
+        "score the grid: `diffret score -d {dataset} --system {system}` (the score deployment), then `diffret "
+        "evaluate`."
+    ),
+)
 
 
 stage = Encode()

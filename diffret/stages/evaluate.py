@@ -12,8 +12,9 @@ equal to its recall_100 (the train split selects budgets by NDCG@10, which it do
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import pyarrow as pa
 from pydantic import AfterValidator, Field
@@ -28,6 +29,7 @@ from diffret.storage import ArtifactStore, Manifest, StoreError, layout
 from diffret.storage.layout import METRICS_FILE, RUN_FILE, metrics_dir
 
 from .base import ClusterConfig, Context, Folder, Plan, Stage, StageConfig
+from .presentation import Presentation
 from .readers import dataset_manifest, qrels_table
 from .runs import read_run
 
@@ -71,10 +73,21 @@ class EvaluateConfig(StageConfig, ClusterConfig):
 
 
 @dataclass
-class RunRef:
+class RunFolder:
+    """A run's folder and its partition (system, dataset, split, ...), as selectors match it."""
+
     stage: str
     partition: dict[str, str]
+
+
+@dataclass
+class RunRef(RunFolder):
+    """A stored run, with its manifest."""
+
     manifest: Manifest
+
+
+RunT = TypeVar("RunT", bound=RunFolder)
 
 
 def list_runs(
@@ -112,23 +125,23 @@ def list_runs(
 
 
 def select_runs(
-    runs: list[RunRef],
+    runs: list[RunT],
     systems: list[str] | None = None,
     datasets: list[str] | None = None,
     splits: list[str] | None = None,
-) -> list[RunRef]:
+) -> list[RunT]:
     """The runs of the given systems, datasets and splits (None: any)."""
     wanted = (("system", systems), ("dataset", datasets), ("split", splits))
     return [r for r in runs if all(not values or r.partition.get(key) in values for key, values in wanted)]
 
 
 def check_selectors(
-    runs: list[RunRef], systems: list[str] | None, datasets: list[str] | None, splits: list[str] | None
+    runs: Sequence[RunFolder], systems: list[str] | None, datasets: list[str] | None, splits: list[str] | None
 ) -> None:
     """Refuse a selector value (``--system``, ``-d``, ``--split``) that none of the stored ``runs`` has: a typo
     would otherwise evaluate nothing and succeed. The error names what the store holds.
 
-    >>> run = RunRef("runs/x", {"system": "bm25-1", "dataset": "scifact", "split": "test"}, None)
+    >>> run = RunFolder("runs/x", {"system": "bm25-1", "dataset": "scifact", "split": "test"})
     >>> check_selectors([run], None, ["scifact"], ["test"])
     >>> check_selectors([run], None, ["nosuch"], None)
     Traceback (most recent call last):
@@ -187,25 +200,14 @@ def _qrels(store: ArtifactStore, dataset: str, split: str, sha: str) -> pa.Table
 class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", verb="evaluated", distributed=True):
     """Per-query metrics (pytrec_eval) for the runs in the store."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Per-query pytrec_eval metrics (NDCG@10, MRR@10 on the run cut at 10, Recall@100/1000; TREC DL binary "
-        "measures at grade >= 2) for every run in the store without up-to-date metrics."
-    )
-    example = {}  # the deployment's parameters, besides root
-
-    next_step = (
-        "the leaderboard and heatmaps: `diffret summary -d {dataset} --system SYSTEM` (the summary "
-        "deployment); any table: `diffret sql`."
-    )
-
     def plan(self, config: EvaluateConfig, ctx: Context) -> Plan:
         store = ctx.store
         plan = Plan(work_unit="runs")
         qrels_sha: dict[str, str] = {}
         damaged: dict[str, str] = {}
         runs = list_runs(store, damaged=damaged)
-        partitions = [RunRef(st, dict(part.split("=", 1) for part in st.split("/")[1:]), None) for st in damaged]
-        check_selectors(runs + partitions, config.systems, config.datasets, config.splits)
+        partitions = [RunFolder(st, dict(part.split("=", 1) for part in st.split("/")[1:])) for st in damaged]
+        check_selectors([*runs, *partitions], config.systems, config.datasets, config.splits)
         damaged = {
             r.stage: damaged[r.stage] for r in select_runs(partitions, config.systems, config.datasets, config.splits)
         }
@@ -237,14 +239,28 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
         table = evaluate_tables(
             qrels, stored, measures, unit.config["relevance_level"], ties=unit.config.get("ties", "rank")
         )
-        means = {}
+        means: dict[str, float | None] = dict.fromkeys(measures)
         n_queries = table.num_rows // len(measures)
-        values = table.column("value").to_numpy().reshape(n_queries, len(measures)) if n_queries else None
-        for j, name in enumerate(measures):  # the mean as Python sums it, query by query
-            means[name] = sum(values[:, j].tolist()) / n_queries if n_queries else None
+        if n_queries:
+            values = table.column("value").to_numpy().reshape(n_queries, len(measures))
+            for j, name in enumerate(measures):  # the mean as Python sums it, query by query
+                means[name] = sum(values[:, j].tolist()) / n_queries
         m = Manifest.new("metrics", dict(p), unit.config, stats={"queries": n_queries, "means": means})
         with store.stage_writer(unit.stage, m) as w:
             w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
+
+
+presentation = Presentation(
+    deployment=(
+        "Per-query pytrec_eval metrics (NDCG@10, MRR@10 on the run cut at 10, Recall@100/1000; TREC DL binary "
+        "measures at grade >= 2) for every run in the store without up-to-date metrics."
+    ),
+    example={},
+    next_step=(
+        "the leaderboard and heatmaps: `diffret summary -d {dataset} --system SYSTEM` (the summary "
+        "deployment); any table: `diffret sql`."
+    ),
+)
 
 
 stage = Evaluate()

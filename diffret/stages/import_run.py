@@ -29,6 +29,7 @@ from diffret.storage import ArtifactStore
 from diffret.storage.layout import IMPORTED_MODE, check_partition_value, dataset_dir, run_dir
 
 from .base import Context, Plan, Stage
+from .presentation import Presentation
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, write_run
 from .systems import SystemRecord, register, slug_base
@@ -79,22 +80,6 @@ def _sha256(path: Path) -> str:
 
 class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)", verb="imported"):
     """Store a run made elsewhere (TREC or Parquet) as a system of its own: evaluated, compared, fused, reranked."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Store a run made elsewhere (a TREC run file or a Parquet table: Pyserini, PLAID, an API) as a system of "
-        "its own, every id checked against the collection; it is then evaluated, compared, fused, reranked and "
-        "re-scored like any."
-    )
-    example = {
-        "dataset": "scifact",
-        "split": "test",
-        "path": "./runs/splade.trec",
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "evaluate it: `diffret evaluate -d {dataset}`; then `diffret compare -d {dataset} --baseline bm25 "
-        "--run {system}`."
-    )
 
     def plan(self, config: ImportRunConfig, ctx: Context) -> Plan:
         path = Path(config.path).expanduser()
@@ -149,6 +134,24 @@ class ImportRun(Stage, name="import-run", config=ImportRunConfig, noun="run(s)",
         return stats
 
 
+presentation = Presentation(
+    deployment=(
+        "Store a run made elsewhere (a TREC run file or a Parquet table: Pyserini, PLAID, an API) as a system of "
+        "its own, every id checked against the collection; it is then evaluated, compared, fused, reranked and "
+        "re-scored like any."
+    ),
+    example={
+        "dataset": "scifact",
+        "split": "test",
+        "path": "./runs/splade.trec",
+    },
+    next_step=(
+        "evaluate it: `diffret evaluate -d {dataset}`; then `diffret compare -d {dataset} --baseline bm25 "
+        "--run {system}`."
+    ),
+)
+
+
 def checked_rows(
     store: ArtifactStore, path: str, fmt: str, dataset: str, corpus: str, split: str
 ) -> tuple[list[tuple[str, str, float, int | None]], dict[str, Any]]:
@@ -178,7 +181,7 @@ def checked_rows(
         raise ValueError(f"{path}: no run lines (an empty file?)")
     answered = {q for q, _, _, _ in rows}
     if not answered & judged:
-        where = sorted(
+        splits = sorted(
             {
                 s
                 for q, s in zip(
@@ -189,7 +192,7 @@ def checked_rows(
         )
         raise ValueError(
             f"{path}: none of its {len(answered):,} queries is judged in split {split!r} (they are "
-            f"judged in {where or 'no split'}): give --split"
+            f"judged in {splits or 'no split'}): give --split"
         )
     return rows, {"queries": len(answered), "judged": len(answered & judged), "split_queries": len(judged)}
 

@@ -27,6 +27,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -43,6 +44,7 @@ from diffret.storage import ArtifactStore, FileEntry, IncompleteArtifactError, M
 from diffret.storage.layout import CODES_INDEX_FILE, encodings_dir, index_dir, summary_dir
 
 from .base import ClusterConfig, Context, Folder, KList, Plan, Stage, StageResult
+from .presentation import Presentation
 from .readers import (
     budgets,
     codec_for,
@@ -133,8 +135,7 @@ def check_against_exact(
     for kq, q in queries_by_kq.items():
         ex = [[doc_ids[i] for i in row if i >= 0] for row in exact[(kq, "multi_dense")].index]
         qv = [q.multi[i][q.mask[i]].cpu().numpy() for i in range(len(q))]
-        kwargs = {"overfetch": overfetch} if overfetch else {}
-        res = lance.search(db_path, qv, k, **kwargs)
+        res = lance.search(db_path, qv, k, overfetch=overfetch) if overfetch else lance.search(db_path, qv, k)
         approx = [[d for d, _ in hits] for hits in res]
         out[str(kq)] = {
             "recall_10": lance.recall_at(ex, approx, 10),
@@ -298,36 +299,19 @@ def check_codes(
     return out
 
 
+@dataclass
+class IndexPlan(Plan):
+    """An index run's plan: the recall checks of the indexes already current, by K_p (those built now come back as
+    results)."""
+
+    checks: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
 class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="built", distributed=True):
     """An index per K_p (a LanceDB multivector table, or a residual:B system's codes index), with recall against
     exact search."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Build an index per K_p (by default the operating point's) from stored passage encodings: a LanceDB "
-        "multivector table in the store's precision (+ IVF_PQ / IVF_HNSW_SQ index) for a float16 system, the codes "
-        "index (the passages of each centroid's cell) for a residual:B system; report recall@10 / @100 against "
-        "exact MaxSim and the latency in the index manifest. config.system names the encoder system: `{system: "
-        "<slug>}`, or `{model: <id or path>, where: {setting: value}}`."
-    )
-    example = {
-        "dataset": "scifact",
-        "split": "test",
-        "kq": [1, 2, 4, 8, 16],
-        "kp": [1, 2, 4, 8, 16],
-        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "index_type": "IVF_PQ",
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "the recall of each index against exact search is above; score the grid exactly with `diffret score "
-        "-d {dataset} --system {system}`."
-    )
-
-    def shown(self, result: StageResult) -> str:
-        """Each index's recall against exact search and its latency, as a markdown table."""
-        return index_checks(result.details["checks"]) + "\n"
-
-    def plan(self, config: IndexConfig, ctx: Context) -> Plan:
+    def plan(self, config: IndexConfig, ctx: Context) -> IndexPlan:
         store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         engine, dtype = index_engine(record, config.vectors)
@@ -338,11 +322,12 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
                 "kp": index_budgets(store, config.kp, record, corpus, [config.dataset, corpus], ctx.log),
             }
         )
+        assert config.kq is not None and config.kp is not None  # resolved above
         q_hashes = {
             str(kq): encoding_manifest(store, encodings_dir(record.system, config.dataset, "query", kq)).config_hash
             for kq in config.kq
         }
-        plan = Plan(system=record.system, details={"checks": {}})
+        plan = IndexPlan(system=record.system)
         for kp in config.kp:
             p_man = encoding_manifest(store, encodings_dir(record.system, corpus, "passage", kp), n_passages)
             check = {"dataset": config.dataset, "split": config.split, "kq": list(config.kq)}
@@ -375,7 +360,7 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             if plan.needs(ctx, folder, cfg, config.force):
                 plan.units.append(Folder(folder, cfg))
             else:
-                plan.details["checks"][kp] = store.require_manifest(folder).stats.get("check", {})
+                plan.checks[kp] = store.require_manifest(folder).stats.get("check", {})
         return plan
 
     def run(self, unit: Folder, ctx: Context) -> tuple[int, dict[str, Any]]:
@@ -430,17 +415,47 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             info = lance.create_index(w.work_dir, index_type) if index_type != "none" else None
             queries = {kq: query_encodings(store, st, ids) for kq, st in q_folders.items()}
             result = check_against_exact(w.work_dir, queries, iter_encodings(store, p_folder, p_man), 100, overfetch)
-            index = None if info is None else {"params": info.params, "seconds": info.seconds, "vectors": info.vectors}
-            m.stats = {"rows": rows, "index": index, "check": result}
+            built = None if info is None else {"params": info.params, "seconds": info.seconds, "vectors": info.vectors}
+            m.stats = {"rows": rows, "index": built, "check": result}
             m.files.update(_file_entries(w.work_dir))
         worst = min(r["recall_10"] for r in result.values())
         ctx.log(f"index K_p={kp} ({index_type}, {dtype}): {rows:,} passages; recall@10 vs exact >= {worst:.4f}")
         return kp, result
 
     def finish(self, config: IndexConfig, plan: Plan, results: list[tuple[int, dict]], ctx: Context) -> dict[str, Any]:
-        checks = dict(plan.details["checks"])
+        assert isinstance(plan, IndexPlan)
+        checks = dict(plan.checks)
         checks.update(dict(results))
         return {"checks": {kp: checks[kp] for kp in sorted(checks)}}
+
+
+def _shown(result: StageResult) -> str:
+    """Each index's recall against exact search and its latency, as a markdown table."""
+    return index_checks(result.details["checks"]) + "\n"
+
+
+presentation = Presentation(
+    deployment=(
+        "Build an index per K_p (by default the operating point's) from stored passage encodings: a LanceDB "
+        "multivector table in the store's precision (+ IVF_PQ / IVF_HNSW_SQ index) for a float16 system, the codes "
+        "index (the passages of each centroid's cell) for a residual:B system; report recall@10 / @100 against "
+        "exact MaxSim and the latency in the index manifest. config.system names the encoder system: `{system: "
+        "<slug>}`, or `{model: <id or path>, where: {setting: value}}`."
+    ),
+    example={
+        "dataset": "scifact",
+        "split": "test",
+        "kq": [1, 2, 4, 8, 16],
+        "kp": [1, 2, 4, 8, 16],
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "index_type": "IVF_PQ",
+    },
+    next_step=(
+        "the recall of each index against exact search is above; score the grid exactly with `diffret score "
+        "-d {dataset} --system {system}`."
+    ),
+    shown=_shown,
+)
 
 
 def index_checks(checks: dict[Any, dict[Any, dict]]) -> str:

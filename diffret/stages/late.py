@@ -34,12 +34,13 @@ from diffret.retrieval.search.late import QUERY_GRAIN, rescore
 from diffret.retrieval.search.modes import MODE_NAMES, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, topk_table
-from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
+from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash
 from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir, tokens_dir
 
-from .base import ClusterConfig, Context, Plan, Positive, check_device, shared_settings
+from .base import ClusterConfig, Context, Plan, Positive, Shared, check_device, read_shared
 from .encode import EncodeConfig, encodings_config, reader_for
 from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
+from .presentation import Presentation
 from .readers import (
     codec_for,
     corpus_size,
@@ -51,7 +52,7 @@ from .readers import (
 )
 from .rerank import RerankConfig, first_stage_mode, first_stage_run
 from .runs import Cell, QueriesConfig, RetrievalConfig, read_run, search_stats, write_run
-from .systems import EncodeSettings, SystemRef, find_system, settings_of
+from .systems import EncodeSettings, SystemRecord, SystemRef, find_system, settings_of
 
 PART = "part={:05d}.parquet"
 
@@ -182,63 +183,137 @@ class LateMerge:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+class LateShared(Shared):
+    """What every unit of a late pass shares: the corpus's tokens folder (its passage ids), the queries' folder and
+    ids, each split's first-stage run, the passages' encodings folder, what re-scores them, the depths m."""
+
+    dataset: str
+    tokens_folder: str
+    query_folder: str
+    query_ids: list[str]
+    first_runs: dict[str, str]  # split -> the first stage's run folder
+    passages: str  # the system's full encodings folder, or its candidates folder
+    rescore: str
+    kq: int
+    depths: list[int]
+    rules: ScoreRules
+    ignore: bool
+    sparse_factor: float
+
+
 @dataclass
-class LatePlan(PassPlan):
+class LatePlan(PassPlan[LateMerge]):
     repair: LateRepair | None = None
 
 
-class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
+@dataclass
+class LateInputs:
+    """What a late run's plan resolved once: the system and its settings, its query encodings, the corpus's tokens,
+    whether the full passage encodings are stored, each split's first-stage run (its slug and folder)."""
+
+    record: SystemRecord
+    settings: EncodeSettings
+    q_folder: str
+    q_man: Manifest
+    t_folder: str
+    t_man: Manifest
+    full: str
+    full_ok: bool
+    first: dict[str, tuple[str, str]]
+
+
+class Late(PassStage[LateMerge], name="late", config=LateConfig, noun="run(s)", verb="written", distributed=True):
     """Late-parametric re-scoring: a first stage's top m per query, re-scored by a system's mode; only the passages
     some query needs are encoded."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Late-parametric re-scoring (SIDR's beta(m)): each query's top m of a stored first-stage run (a beta run, "
-        "BM25, any encoder's) re-scored by a system's mode; only the passages some query needs are encoded (kept "
-        "under partial/ and reused by later runs). One run per m, mode `late_<mode>_m<m>`."
-    )
-    example = {
-        "dataset": "scifact",
-        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "mode": "multi_dense",
-        "depths": [10, 20, 100],
-        "first_stage": "bm25",
-    }  # the deployment's parameters, besides root
-
-    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
 
     def plan(self, config: LateConfig, ctx: Context) -> LatePlan:
         check_device(config.device, config)
         store, corpus = ctx.store, config.corpus_name()
+        inputs = self._inputs(config, ctx)
+        record = inputs.record
+        plan = LatePlan(system=record.system, work=0, work_unit="queries")
+        cells = self._cells(config, ctx, inputs, plan)
+        plan.count = len(cells)
+        partial = partial_encodings_dir(record.system, corpus, config.kp)
+        candidates = Candidates(
+            partial,
+            encodings_config(
+                inputs.settings,
+                inputs.q_man.config["tokens"],
+                inputs.t_man.config_hash,
+                config.kp,
+                batch_size=config.batch_size,
+            ),
+            inputs.t_folder,
+            record.system,
+            corpus,
+            inputs.settings.model_dump(),
+            config.batch_size,
+            config.verify,
+        )
+        if not cells:
+            damage = None if inputs.full_ok else store.shard_damage(partial, candidates.config, config.verify)
+            if damage:  # every run is current, but the passages they needed are not: encoded again
+                ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
+                capped = [
+                    capped_depths(
+                        config.depths, store.require_manifest(inputs.first[s][1]).config.get("topk"), lambda _: None
+                    )
+                    for s in config.splits
+                ]
+                candidates.verify = True
+                plan.repair = LateRepair(
+                    candidates, {s: inputs.first[s][1] for s in config.splits}, max(d for c in capped for d in c)
+                )
+            return plan
+        self._plan_pass(config, ctx, inputs, plan, cells, candidates)
+        return plan
+
+    def _inputs(self, config: LateConfig, ctx: Context) -> LateInputs:
+        """The system (whose readout must have the mode), its query encodings and the corpus's tokens, whether its
+        full passage encodings are stored, and each split's first-stage run."""
+        store, corpus = ctx.store, config.corpus_name()
         record = find_system(store, config.system)
         if config.mode not in modes_for([config.mode], record.has_sparse):
             raise ValueError(f"{record.system}: the {record.readout} readout has no sparse vectors for {config.mode}")
-        settings = settings_of(record, config.device)
         q_folder = encodings_dir(record.system, config.dataset, "query", config.kq)
         q_man = encoding_manifest(store, q_folder)
-        tokens = q_man.config["tokens"]
-        t_folder = tokens_dir(tokens, corpus, "passage")
+        t_folder = tokens_dir(q_man.config["tokens"], corpus, "passage")
         t_man = tokens_manifest(
             store, t_folder, f"run `diffret tokenize -d {corpus} --side passage --model {record.model}`"
         )
         full = encodings_dir(record.system, corpus, "passage", config.kp)
         f_man = store.read_manifest(full)
-        full_ok = f_man is not None and f_man.total_rows() == corpus_size(store, corpus)
         first = {
             s: first_stage_run(
                 store, config.dataset, s, config.first_stage, config.first_kq, config.first_kp, config.first_mode
             )
             for s in config.splits
         }
-        plan = LatePlan(system=record.system, work=0, work_unit="queries")
+        return LateInputs(
+            record=record,
+            settings=settings_of(record, config.device),
+            q_folder=q_folder,
+            q_man=q_man,
+            t_folder=t_folder,
+            t_man=t_man,
+            full=full,
+            full_ok=f_man is not None and f_man.total_rows() == corpus_size(store, corpus),
+            first=first,
+        )
+
+    def _cells(self, config: LateConfig, ctx: Context, inputs: LateInputs, plan: LatePlan) -> list[Cell]:
+        """One cell per (split, m) whose run is not current, each with its run folder's config."""
+        store, record = ctx.store, inputs.record
         cells = []
         for split in config.splits:
-            slug, src = first[split]
+            slug, src = inputs.first[split]
             for m in capped_depths(config.depths, store.require_manifest(src).config.get("topk"), ctx.log):
                 mode = f"late_{config.mode}_m{m}"
                 cfg = {
                     "system": record.system,
                     "dataset": config.dataset,
-                    "corpus": corpus,
+                    "corpus": config.corpus_name(),
                     "split": split,
                     "kq": config.kq,
                     "kp": config.kp,
@@ -253,66 +328,53 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
                     },
                     "ignore_identical_ids": config.ignore_ids(),
                     "rules": config.rules.model_dump(),
-                    "inputs": {"first": store.require_manifest(src).config_hash, "queries": q_man.config_hash},
+                    "inputs": {"first": store.require_manifest(src).config_hash, "queries": inputs.q_man.config_hash},
                 }
-                stage = run_dir(record.system, config.dataset, split, config.kq, config.kp, mode)
-                if plan.needs(ctx, stage, cfg, config.force):
-                    cells.append(Cell(split, config.kq, config.kp, mode, stage, cfg))
-        plan.count = len(cells)
-        partial = partial_encodings_dir(record.system, corpus, config.kp)
-        candidates = Candidates(
-            partial,
-            encodings_config(settings, tokens, t_man.config_hash, config.kp),
-            t_folder,
-            record.system,
-            corpus,
-            settings.model_dump(),
-            config.batch_size,
-            config.verify,
-        )
-        if not cells:
-            damage = None if full_ok else store.shard_damage(partial, candidates.config, config.verify)
-            if damage:  # every run is current, but the passages they needed are not: encoded again
-                ctx.log(f"{store.abspath(partial)}: {damage}; encoding its passages again")
-                capped = [
-                    capped_depths(config.depths, store.require_manifest(first[s][1]).config.get("topk"), lambda _: None)
-                    for s in config.splits
-                ]
-                candidates.verify = True
-                plan.repair = LateRepair(
-                    candidates, {s: first[s][1] for s in config.splits}, max(d for c in capped for d in c)
-                )
-            return plan
+                folder = run_dir(record.system, config.dataset, split, config.kq, config.kp, mode)
+                if plan.needs(ctx, folder, cfg, config.force):
+                    cells.append(Cell(split, config.kq, config.kp, mode, folder, cfg))
+        return cells
+
+    def _plan_pass(
+        self,
+        config: LateConfig,
+        ctx: Context,
+        inputs: LateInputs,
+        plan: LatePlan,
+        cells: list[Cell],
+        candidates: Candidates,
+    ) -> None:
+        """The one pass over slices of the queries for ``cells``: its shared record, its units and its merge."""
+        store, record = ctx.store, inputs.record
         splits = sorted({c.split for c in cells})
         query_ids = list(dict.fromkeys(q for s in splits for q in split_queries(store, config.dataset, s)))
-        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
-        shared = {
-            "dataset": config.dataset,
-            "tokens_stage": t_folder,
-            "query_stage": q_folder,
-            "query_ids": query_ids,
-            "first_runs": {s: first[s][1] for s in splits},
-            "passages": full if full_ok else partial,
-            "rescore": config.mode,
-            "kq": config.kq,
-            "depths": sorted({int(c.config["topk"]) for c in cells}),
-            "rules": config.rules.model_dump(mode="json"),
-            "ignore": config.ignore_ids(),
-            "sparse_factor": factor,
-        }
+        shared = LateShared(
+            dataset=config.dataset,
+            tokens_folder=inputs.t_folder,
+            query_folder=inputs.q_folder,
+            query_ids=query_ids,
+            first_runs={s: inputs.first[s][1] for s in splits},
+            passages=inputs.full if inputs.full_ok else candidates.folder,
+            rescore=config.mode,
+            kq=config.kq,
+            depths=sorted({int(c.config["topk"]) for c in cells}),
+            rules=config.rules,
+            ignore=config.ignore_ids(),
+            sparse_factor=config.rules.factor_for(record.readout, record.settings.get("readout")),
+        )
         pass_cfg = {
-            **{k: v for k, v in shared.items() if k != "query_ids"},
+            **shared.model_dump(mode="json", exclude={"query_ids"}),
             "query_ids": config_hash({"ids": query_ids}),
             "unit_queries": config.unit_queries,
             "inputs": {
-                "queries": q_man.config_hash,
-                "tokens": t_man.config_hash,
-                "first": {s: store.require_manifest(first[s][1]).config_hash for s in splits},
+                "queries": inputs.q_man.config_hash,
+                "tokens": inputs.t_man.config_hash,
+                "first": {s: store.require_manifest(inputs.first[s][1]).config_hash for s in splits},
             },
         }
         grain = -(-config.unit_queries // QUERY_GRAIN) * QUERY_GRAIN
         blocks = even_blocks(len(query_ids), grain, "queries")
-        merge = LateMerge(cells, query_ids, full_ok, candidates)
+        merge = LateMerge(cells, query_ids, inputs.full_ok, candidates)
         done = self.add_pass(
             ctx,
             plan,
@@ -326,7 +388,6 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             opened=[candidates.folder],
         )
         ctx.log(f"late: {len(cells)} run(s), {len(query_ids):,} queries in {len(blocks)} unit(s), {done} already done")
-        return plan
 
     def prepare(self, config: LateConfig, plan: Plan, ctx: Context) -> None:
         """The candidates' encodings, once for every unit: from the system's full encodings when stored, else from
@@ -336,17 +397,17 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
         if plan.repair is not None:  # only the candidates folder: its damaged parts dropped, their passages encoded
             repair = plan.repair
             corpus_ids = _corpus_ids(store, repair.candidates.tokens)
-            first = _first_tops(store, {"depths": [repair.depth], "first_runs": repair.first_runs}, corpus_ids)
+            first = _first_tops(store, [repair.depth], repair.first_runs, corpus_ids)
             needed = np.unique(
                 np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)])
             )
             encoded, _ = self._encode_missing(repair.candidates, ctx, needed, corpus_ids)
             ctx.log(f"{store.abspath(repair.candidates.folder)}: {encoded:,} passage(s) encoded again")
         for done in plan.passes.values():
-            info: LateMerge = done.merge
+            info = done.merge
             corpus_ids = _corpus_ids(store, info.candidates.tokens)
-            shared = store.read_plan(done.plan_key)
-            first = _first_tops(store, shared, corpus_ids)
+            shared = read_shared(ctx, done.plan_key, LateShared)
+            first = _first_tops(store, shared.depths, shared.first_runs, corpus_ids)
             needed = np.unique(
                 np.concatenate([v for f in first.values() for v in f.values()] + [np.zeros(0, np.int64)])
             )
@@ -361,7 +422,7 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
                 "encode_seconds": round(seconds, 4),
             }
             ctx.log(
-                f"late re-scoring ({shared['rescore']}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
+                f"late re-scoring ({shared.rescore}): {len(needed):,} of {len(corpus_ids):,} passages needed, "
                 f"{encoded:,} encoded now"
             )
 
@@ -396,10 +457,10 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             todo.column("id").to_pylist(),
             todo.column("token_ids").to_pylist(),
             todo.column("text").to_pylist(),
-            "passage",
-            int(candidates.config["k"]),
-            candidates.batch_size,
-            advance,
+            side="passage",
+            k=int(candidates.config["k"]),
+            batch_size=candidates.batch_size,
+            on_batch=advance,
         )
         seconds = time.perf_counter() - start
         name = next(PART.format(i) for i in range(len(done) + 1) if PART.format(i) not in done)  # a dropped part's
@@ -411,34 +472,34 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """A slice of the queries: each one's first-stage top m re-scored, for every m, to the pass's partials."""
         store = ctx.store
-        shared = shared_settings(ctx, unit.plan)
-        corpus_ids = _corpus_ids(store, shared["tokens_stage"])
-        first = _first_tops(store, shared, corpus_ids)
-        query_ids = shared["query_ids"][unit.start : unit.end]
-        depth = max(shared["depths"])
+        shared = read_shared(ctx, unit.plan, LateShared)
+        corpus_ids = _corpus_ids(store, shared.tokens_folder)
+        first = _first_tops(store, shared.depths, shared.first_runs, corpus_ids)
+        query_ids = shared.query_ids[unit.start : unit.end]
+        depth = max(shared.depths)
         cands = [_first_top(first, q, depth) for q in query_ids]
         needed = np.unique(np.concatenate(cands + [np.zeros(0, np.int64)]))
-        table = _encodings_of(store, shared["passages"], corpus_ids.take(pa.array(needed, pa.int64())))
-        rules = ScoreRules.model_validate(shared["rules"])
-        settings = SearchSettings(rules=rules, ignore_identical_ids=bool(shared["ignore"]))
+        table = _encodings_of(store, shared.passages, corpus_ids.take(pa.array(needed, pa.int64())))
+        rules = shared.rules
+        settings = SearchSettings(rules=rules, ignore_identical_ids=shared.ignore)
         codec = None  # a compressed system's full encodings are codes (late's own parts are float16)
         if "codes" in table.column_names:
-            codec = codec_for(store, shared["passages"], store.require_manifest(shared["passages"]))
-        passages = encodings_from_table(table, "cpu", rules, float(shared["sparse_factor"]), codec)
-        p_index = _positions(corpus_ids, pa.array(passages.ids, pa.string()), shared["passages"])
+            codec = codec_for(store, shared.passages, store.require_manifest(shared.passages))
+        passages = encodings_from_table(table, "cpu", rules, shared.sparse_factor, codec)
+        p_index = _positions(corpus_ids, pa.array(passages.ids, pa.string()), shared.passages)
         order = np.argsort(p_index, kind="stable")
         passages, p_index = take(passages, order), p_index[order]
-        queries = query_encodings(store, shared["query_stage"], query_ids, "cpu", rules, float(shared["sparse_factor"]))
-        mode, kq = shared["rescore"], int(shared["kq"])
+        queries = query_encodings(store, shared.query_folder, query_ids, "cpu", rules, shared.sparse_factor)
+        mode, kq = shared.rescore, shared.kq
         tops, start = {}, time.perf_counter()
-        for m in shared["depths"]:
+        for m in shared.depths:
             top = rescore(queries, [c[:m] for c in cands], passages, p_index, [mode], kq, settings, width=m)[mode]
             tops[(kq, f"late_{mode}_m{m}")] = top
         return write_unit(store, unit, topk_table(tops, unit.start), time.perf_counter() - start)
 
-    def merge(self, done: Pass, ctx: Context) -> None:
+    def merge(self, done: Pass[LateMerge], ctx: Context) -> None:
         """The slices' rows in place, one run per cell (its split's queries, cut at its m)."""
-        info: LateMerge = done.merge
+        info = done.merge
         store = ctx.store
         assert info.corpus_ids is not None  # read by prepare
         query_ids, first = info.query_ids, info.first
@@ -467,6 +528,23 @@ class Late(PassStage, name="late", config=LateConfig, noun="run(s)", verb="writt
             )
 
 
+presentation = Presentation(
+    deployment=(
+        "Late-parametric re-scoring (SIDR's beta(m)): each query's top m of a stored first-stage run (a beta run, "
+        "BM25, any encoder's) re-scored by a system's mode; only the passages some query needs are encoded (kept "
+        "under partial/ and reused by later runs). One run per m, mode `late_<mode>_m<m>`."
+    ),
+    example={
+        "dataset": "scifact",
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "mode": "multi_dense",
+        "depths": [10, 20, 100],
+        "first_stage": "bm25",
+    },
+    next_step="evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment).",
+)
+
+
 _CORPUS: KeyedCache[tuple[str, str], pa.Array] = KeyedCache()
 
 
@@ -486,10 +564,13 @@ def _positions(corpus_ids: pa.Array, ids: pa.Array, where: str) -> np.ndarray:
     return pos.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _first_tops(store: ArtifactStore, shared: dict[str, Any], corpus_ids: pa.Array) -> dict[str, dict[str, Any]]:
-    """Each split's first-stage top (the deepest m) per query, as corpus positions in rank order."""
-    depth = max(shared["depths"])
-    return {s: _top(read_run(store, src), depth, corpus_ids) for s, src in shared["first_runs"].items()}
+def _first_tops(
+    store: ArtifactStore, depths: list[int], first_runs: dict[str, str], corpus_ids: pa.Array
+) -> dict[str, dict[str, Any]]:
+    """Each split's first-stage run (``first_runs``: split -> its folder) as its top (the deepest of ``depths``) per
+    query, as corpus positions in rank order."""
+    depth = max(depths)
+    return {s: _top(read_run(store, src), depth, corpus_ids) for s, src in first_runs.items()}
 
 
 def _encodings_of(store: ArtifactStore, folder: str, ids: pa.Array) -> pa.Table:

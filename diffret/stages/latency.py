@@ -12,6 +12,7 @@ nothing. The views ``encode_latency`` and ``search_latency`` read every folder.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ from diffret.storage.manifest import config_hash
 
 from .base import Context, Folder, KList, Plan, Positive, Stage, StageConfig, StageResult
 from .encode import reader_for
+from .presentation import Presentation
 from .systems import EncodeSettings, encoder_slug
 from .tokenize import default_backbone
 
@@ -132,30 +134,23 @@ class LatencyConfig(StageConfig):
         return out
 
 
+@dataclass
+class LatencyPlan(Plan):
+    """A latency run's plan: the tables it writes, by ``system/kind``."""
+
+    folders: dict[str, str] = field(default_factory=dict)
+
+
 class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb="measured"):
     """Encoding latency against input length and search latency against index size (the paper's Figures 1, 3)."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "The paper's cost figures for one system: encoding latency per text against input length (synthetic "
-        "inputs, at each K or PromptReps cap N, batch size 1 by default) and exact search latency per query "
-        "against index size, single- and multi-vector; min / median / max of repeated runs after warm-up, with "
-        "the device, dtype, attention and library versions. Stored under `latency/` (views `encode_latency`, "
-        "`search_latency`); a changed setting or machine is a new folder, a repeated run does nothing."
-    )
-    example = {}  # the deployment's parameters, besides root
-
-    next_step = 'query them: `diffret sql "SELECT * FROM encode_latency"`; plot them: `diffret report`.'
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"latency rows measured: {result.details.get('rows')}"]
-
-    def plan(self, config: LatencyConfig, ctx: Context) -> Plan:
+    def plan(self, config: LatencyConfig, ctx: Context) -> LatencyPlan:
         every = config.settings()
         for settings in every:
             for k in config.k:  # each budget is its own encode (PromptReps' cap N too)
                 readout_class(settings.readout.readout).check_k([k])
         env = environment(device=_device(config.backbone))
-        plan = Plan(system=encoder_slug(every[0]), details={"folders": {}})
+        plan = LatencyPlan(system=encoder_slug(every[0]))
         for n, settings in enumerate(every):
             system = encoder_slug(settings)
             common = {
@@ -189,7 +184,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                 else:
                     continue
                 folder = latency_dir(system, kind, config_hash(cfg)[:12])
-                plan.details["folders"][f"{system}/{kind}"] = folder
+                plan.folders[f"{system}/{kind}"] = folder
                 plan.add_folder(ctx, folder, cfg, config.force)
         return plan
 
@@ -230,11 +225,11 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                         kp,
                         bb.hidden_size,
                         modes,
-                        c["queries"],
-                        c["topk"],
-                        c["repeats"],
-                        c["warmup"],
-                        bb.device,
+                        queries=c["queries"],
+                        topk=c["topk"],
+                        repeats=c["repeats"],
+                        warmup=c["warmup"],
+                        device=bb.device,
                     )
                 if "lance" in c["engines"]:
                     with tempfile.TemporaryDirectory(prefix="diffret-latency-") as work:
@@ -244,11 +239,11 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
                             kp,
                             bb.hidden_size,
                             work,
-                            c["queries"],
-                            c["topk"],
-                            c["lance_index"],
-                            c["repeats"],
-                            c["warmup"],
+                            queries=c["queries"],
+                            topk=c["topk"],
+                            index_type=c["lance_index"],
+                            repeats=c["repeats"],
+                            warmup=c["warmup"],
                         )
             extra = {"system": c["system"]}
             name, schema = SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA
@@ -261,7 +256,26 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
         return table.num_rows
 
     def finish(self, config: LatencyConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        return {**plan.details, "rows": sum(results)}
+        assert isinstance(plan, LatencyPlan)
+        return {"folders": dict(plan.folders), "rows": sum(results)}
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [f"latency rows measured: {result.details.get('rows')}"]
+
+
+presentation = Presentation(
+    deployment=(
+        "The paper's cost figures for one system: encoding latency per text against input length (synthetic "
+        "inputs, at each K or PromptReps cap N, batch size 1 by default) and exact search latency per query "
+        "against index size, single- and multi-vector; min / median / max of repeated runs after warm-up, with "
+        "the device, dtype, attention and library versions. Stored under `latency/` (views `encode_latency`, "
+        "`search_latency`); a changed setting or machine is a new folder, a repeated run does nothing."
+    ),
+    example={},
+    next_step='query them: `diffret sql "SELECT * FROM encode_latency"`; plot them: `diffret report`.',
+    printed=_printed,
+)
 
 
 def _device(backbone: BackboneConfig) -> str:

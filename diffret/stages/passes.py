@@ -20,7 +20,7 @@ import os
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import pyarrow as pa
 
@@ -32,7 +32,7 @@ from diffret.retrieval.search.scoring import TopK, merge_topk
 from diffret.storage import ArtifactStore, ChecksumError, FileEntry, StoreError, config_hash, remove_empty_sharded
 from diffret.storage.layout import pass_units_dir, unit_seconds_path
 
-from .base import Context, Plan, Stage
+from .base import Context, Plan, Shared, Stage, put_shared
 from .readers import query_encodings
 
 
@@ -49,6 +49,25 @@ class PassUnit:
     end: int
     shards: list[str] = field(default_factory=list)
     label: str = ""  # how a person reads it: "K_p=16 passages 0-99,999"
+
+
+class PassShared(Shared):
+    """What every unit of a pass shares, as its stage declares it (a subclass); the queries a score or beta pass
+    reads (:func:`pass_queries`) are named here. ``query_folders``: K_q -> its query encodings' folder."""
+
+    query_folders: dict[int, str] = {}
+    query_ids: list[str] = []
+    sparse_factor: float = 1.0
+
+    # fields that do not change a unit's result (a memory budget), as pydantic's ``exclude``: out of the pass's key
+    unkeyed: ClassVar[dict[str, Any]] = {}
+
+    def pass_config(self, **more: Any) -> dict[str, Any]:
+        """The config that names the pass's partials folder: these settings (the query ids by their hash, the
+        unkeyed fields left out) and ``more`` (its inputs' hashes, its cut): a pass planned with other settings
+        never reads another's units."""
+        cfg = self.model_dump(mode="json", exclude={"query_ids": True, **self.unkeyed})
+        return {**cfg, "query_ids": config_hash({"ids": self.query_ids}), **more}
 
 
 def unit_file(i: int) -> str:
@@ -231,30 +250,31 @@ _QUERIES: KeyedCache[tuple[str, str, str], dict[int, Encodings]] = KeyedCache() 
 
 
 def pass_queries(
-    ctx: Context, key: str, shared: dict[str, Any], device: str, rules: ScoreRules | None = None
+    ctx: Context, key: str, shared: PassShared, device: str, rules: ScoreRules | None = None
 ) -> dict[int, Encodings]:
-    """A pass's query encodings by K_q (``shared``: its ``query_stages``, ``query_ids`` and ``sparse_factor``) on
+    """A pass's query encodings by K_q (``shared``: its ``query_folders``, ``query_ids`` and ``sparse_factor``) on
     ``device``: every unit of the pass a process runs reads them once."""
     return _QUERIES.get(
         (ctx.store.root, key, device),
         lambda: {
-            int(kq): query_encodings(
-                ctx.store, folder, shared["query_ids"], device, rules, float(shared["sparse_factor"])
-            )
-            for kq, folder in shared["query_stages"].items()
+            kq: query_encodings(ctx.store, folder, shared.query_ids, device, rules, shared.sparse_factor)
+            for kq, folder in shared.query_folders.items()
         },
     )
 
 
+MergeT = TypeVar("MergeT")
+
+
 @dataclass
-class Pass:
-    """One cut pass of a run: its partials folder, the key of what its units share (``ArtifactStore.put_plan``),
+class Pass(Generic[MergeT]):
+    """One cut pass of a run: its partials folder, the key of what its units share (:func:`stages.base.put_shared`),
     what its stage's :meth:`PassStage.merge` needs, as the stage's own record, and the sharded folders it opens for
     its units to fill (removed by a failed run that left them empty)."""
 
     folder: str
     plan_key: str
-    merge: Any
+    merge: MergeT
     opened: list[str] = field(default_factory=list)
 
 
@@ -279,15 +299,15 @@ def even_blocks(n: int, size: int, noun: str, prefix: str = "") -> list[Block]:
 
 
 @dataclass
-class PassPlan(Plan):
+class PassPlan(Plan, Generic[MergeT]):
     """The plan of a pass stage: its units (:class:`PassUnit`) and, by partials folder, its passes and what each
     still waits for."""
 
-    passes: dict[str, Pass] = field(default_factory=dict)
+    passes: dict[str, Pass[MergeT]] = field(default_factory=dict)
     tracker: PassTracker = field(default_factory=PassTracker)
 
 
-class PassStage(Stage):
+class PassStage(Stage, Generic[MergeT]):
     """A stage whose work is one or more passes cut into units (score's and beta's passage blocks, late's and
     rerank's query slices), each unit writing a partial result of its pass. It owns the protocol: units named and
     counted, each one's file recorded as it completes (a unit computed twice is recorded once), a pass merged into
@@ -295,7 +315,8 @@ class PassStage(Stage):
     partials and shared settings removed then, and a failed run's finished units kept for the next one.
 
     A subclass plans its passes with :meth:`add_pass` on a :class:`PassPlan`, and implements :meth:`run` (one unit:
-    its partial result, through :func:`write_unit`) and :meth:`merge` (a complete pass: its runs).
+    its partial result, through :func:`write_unit`) and :meth:`merge` (a complete pass: its runs). ``MergeT`` is its
+    record of what a merge needs (``Score(PassStage[ScoreMerge])``), so a merge reads typed fields.
     """
 
     distributed: ClassVar[bool] = True
@@ -303,23 +324,23 @@ class PassStage(Stage):
     def add_pass(
         self,
         ctx: Context,
-        plan: PassPlan,
+        plan: PassPlan[MergeT],
         *,
         system: str,
         dataset: str,
         kp: int,
         config: dict[str, Any],
-        shared: dict[str, Any],
+        shared: Shared,
         blocks: list[Block],
-        merge: Any,
+        merge: MergeT,
         opened: list[str] | None = None,
     ) -> int:
         """Plan one pass: its partials folder (named by ``config``; the units a killed run finished are kept), its
-        ``shared`` settings stored once, a unit per block not yet done, ``merge``, what :meth:`merge` needs, and
+        ``shared`` record stored once, a unit per block not yet done, ``merge``, what :meth:`merge` needs, and
         ``opened``, sharded folders the pass opens for its units to fill. Returns how many blocks an earlier run
         finished."""
         folder, chash, done = open_pass(ctx, system, dataset, kp, config)
-        key = ctx.store.put_plan(shared)
+        key = put_shared(ctx, shared)
         waiting = []
         for i, block in enumerate(blocks):
             name = unit_file(i)
@@ -333,7 +354,7 @@ class PassStage(Stage):
         return len(blocks) - len(waiting)
 
     @abstractmethod
-    def merge(self, done: Pass, ctx: Context) -> None:
+    def merge(self, done: Pass[MergeT], ctx: Context) -> None:
         """Write the runs of a pass whose units are all recorded (read them with :func:`merged_blocks` or
         :func:`stacked_slices`)."""
 
@@ -348,7 +369,7 @@ class PassStage(Stage):
         if plan.tracker.done(ctx, unit, result):
             self._merged(plan, plan.passes[unit.folder], ctx)
 
-    def _merged(self, plan: PassPlan, done: Pass, ctx: Context) -> None:
+    def _merged(self, plan: PassPlan[MergeT], done: Pass[MergeT], ctx: Context) -> None:
         self.merge(done, ctx)
         merged_pass(ctx, done.folder, done.plan_key, plan.tracker)
 
@@ -367,7 +388,7 @@ class PassStage(Stage):
         close_passes(ctx, list(plan.passes), [p.plan_key for p in plan.passes.values()])
 
 
-def pass_plan(ctx: Context) -> PassPlan:
+def pass_plan(ctx: Context) -> PassPlan[Any]:
     """The plan of the pass stage ``ctx`` runs (in the planning process, where units are committed)."""
     if not isinstance(ctx.plan, PassPlan):
         raise TypeError(f"a pass stage's units are committed where it was planned, with its PassPlan, not {ctx.plan!r}")

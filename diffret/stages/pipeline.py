@@ -154,6 +154,7 @@ class PipelineConfig(StageConfig):
 
     @model_validator(mode="after")
     def _k_within_max_length(self) -> PipelineConfig:
+        assert self.kq is not None and self.kp is not None  # the preset's when not given (mode="before")
         check_k_within([*self.kq, *self.kp], self.max_length)
         check_head_stats(self.head_stats, self.readout)
         return self
@@ -213,6 +214,7 @@ class PipelineConfig(StageConfig):
             **self._cluster(),
             **self._common(),
         )
+        assert self.kq is not None and self.kp is not None
         if self.corpus() == self.name():  # one pass per K_q on the queries, one per K_p on the passages
             ks = sorted(set(self.kq) | set(self.kp))
             return [
@@ -256,6 +258,8 @@ class PipelineConfig(StageConfig):
         )
 
     def index_config(self, system: str) -> IndexConfig:
+        if self.index == "skip":
+            raise ValueError("--index skip: the pipeline builds no index")
         return IndexConfig(
             dataset=self.name(),
             corpus=self.corpus(),

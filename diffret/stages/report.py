@@ -20,6 +20,7 @@ from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Published, Stage, StageConfig, StageResult, inline_figures
 from .compare import CompareConfig
+from .presentation import Presentation
 from .systems import list_systems, random_weights_note
 
 REPORT_FORMAT = 2  # 2: significance corrected across the tables, the section of runs against the baseline
@@ -51,30 +52,6 @@ class ReportConfig(StageConfig):
 
 class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", verb="written"):
     """The paper's analyses and tables from the metrics (and latency rows) in the store."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "The paper's analyses from the metrics in the store: train-split budget selection, (K_q, K_p) landscapes, "
-        "per-query oracle, peak-K_q vs query length / entropy correlations with bootstrap CIs, D / S / H tables "
-        "with t-test markers, and the storage footprint with its MS MARCO projection. Written to "
-        "`reports/report=<name>/` and published as markdown artifacts."
-    )
-    example = {"name": "default"}  # the deployment's parameters, besides root
-
-    next_step = (
-        'query any number behind it: `diffret sql "select * from best_cells"`; `diffret views` lists the tables.'
-    )
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"report written: {result.details.get('folder')}/report.md"]
-
-    def published(self, result: StageResult, store: ArtifactStore) -> list[Published]:
-        """One page per section of the report, its figures embedded (their links point into the report's folder)."""
-        name, folder = str(result.details.get("name", "")), result.details["folder"]
-        pages = []
-        for title, body in result.details["sections"].items():
-            body = inline_figures(body.replace("](", f"]({folder}/").replace(f"]({folder}/#", "](#"), store)
-            pages.append(Published(("report", name, title), f"## {title}\n\n{body}", title))
-        return pages
 
     def plan(self, config: ReportConfig, ctx: Context) -> Plan:
         if config.out_dir:
@@ -121,16 +98,16 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         with StoreSQL(ctx.store, warn=lambda line: ctx.log(f"warning: {line}")) as db:
             rep = build_report(
                 db,
-                c["name"],
-                c["refs"],
-                c["finetuned"],
-                c["n_boot"],
-                c["hidden"],
-                c["backbones"],
-                c["settings"],
-                c.get("test", "t"),
-                c.get("correction", "holm"),
-                notes,
+                name=c["name"],
+                refs=c["refs"],
+                finetuned=c["finetuned"],
+                n_boot=c["n_boot"],
+                hidden=c["hidden"],
+                backbones=c["backbones"],
+                settings=c["settings"],
+                test=c.get("test", "t"),
+                correction=c.get("correction", "holm"),
+                random_weights=notes,
             )
         m = Manifest.new(
             "reports",
@@ -142,7 +119,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
             for fname, data in sorted(rep.files.items()):
                 w.write_file(fname, data)
             w.write_file("report.md", rep.markdown().encode())
-        ctx.log(f"report: {ctx.store.abspath(unit.stage)}/report.md ({len(rep.files)} files)")
+        ctx.log(f"report: {ctx.store.url(unit.stage)}/report.md ({len(rep.files)} files)")
         return rep
 
     def finish(self, config: ReportConfig, plan: Plan, results: list[Report], ctx: Context) -> dict[str, Any]:
@@ -158,11 +135,39 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
         sections = {t: body for t, body in results[0].sections} if results else {}
         return {
             "name": config.name,
-            "folder": ctx.store.abspath(folder),
+            "folder": ctx.store.url(folder),
             "files": sorted(m.files),
             "sections": sections,
             "warnings": m.stats.get("warnings", []),
         }
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [f"report written: {result.details.get('folder')}/report.md"]
+
+
+def _published(result: StageResult, store: ArtifactStore) -> list[Published]:
+    """One page per section of the report, its figures embedded (their links point into the report's folder)."""
+    name, folder = str(result.details.get("name", "")), result.details["folder"]
+    pages = []
+    for title, body in result.details["sections"].items():
+        body = inline_figures(body.replace("](", f"]({folder}/").replace(f"]({folder}/#", "](#"), store)
+        pages.append(Published(("report", name, title), f"## {title}\n\n{body}", title))
+    return pages
+
+
+presentation = Presentation(
+    deployment=(
+        "The paper's analyses from the metrics in the store: train-split budget selection, (K_q, K_p) landscapes, "
+        "per-query oracle, peak-K_q vs query length / entropy correlations with bootstrap CIs, D / S / H tables "
+        "with t-test markers, and the storage footprint with its MS MARCO projection. Written to "
+        "`reports/report=<name>/` and published as markdown artifacts."
+    ),
+    example={"name": "default"},
+    next_step='query any number behind it: `diffret sql "select * from best_cells"`; `diffret views` lists the tables.',
+    printed=_printed,
+    published=_published,
+)
 
 
 stage = ReportStage()

@@ -28,8 +28,9 @@ from diffret.schemas import RUN_SCHEMA
 from diffret.storage import ArtifactStore, FileEntry, StoreError, config_hash
 from diffret.storage.layout import FUSION_MODE, IMPORTED_MODE, dataset_dir, run_dir
 
-from .base import ClusterConfig, Context, check_device, shared_settings
+from .base import ClusterConfig, Context, Shared, check_device, read_shared
 from .passes import Block, Pass, PassPlan, PassStage, PassUnit, read_units, write_unit
+from .presentation import Presentation
 from .readers import dataset_manifest
 from .runs import Cell, QueriesConfig, read_run, write_run
 from .systems import SystemRecord, SystemRef, backbone_settings, find_system, model_name, register, slug_base
@@ -161,6 +162,15 @@ def first_stage_system(store: ArtifactStore, system: str) -> str:
     return first.system
 
 
+class RerankShared(Shared):
+    """What every unit of a split's rerank pass shares: the run's settings, the first stage's run folder, and the
+    reranker's system record (registered by the first unit that loads it)."""
+
+    config: RerankConfig
+    first: str
+    record: SystemRecord
+
+
 @dataclass
 class RerankMerge:
     """What writing a split's reranked run needs."""
@@ -169,7 +179,7 @@ class RerankMerge:
 
 
 class Rerank(
-    PassStage,
+    PassStage[RerankMerge],
     name="rerank",
     config=RerankConfig,
     noun="run(s)",
@@ -180,23 +190,7 @@ class Rerank(
 ):
     """Rerank a stored run's top candidates with a diffusion LM (DiffuRank's four methods)."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Rerank a stored run's top candidates (BM25 by default) with a diffusion LM, DiffuRank's four methods: "
-        "pointwise, logits_listwise, permutation_sampling, permutation_assignment. Writes a run like any other "
-        "system's."
-    )
-    example = {
-        "dataset": "scifact",
-        "splits": ["test"],
-        "first_stage": "bm25",
-        "depth": 100,
-        "method": "logits_listwise",
-        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
-    }  # the deployment's parameters, besides root
-
-    next_step = "evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
-
-    def plan(self, config: RerankConfig, ctx: Context) -> PassPlan:
+    def plan(self, config: RerankConfig, ctx: Context) -> PassPlan[RerankMerge]:
         check_device(config.backbone.device, config)  # a device this machine lacks: refused before any work
         store = ctx.store
         settings = config.settings()
@@ -214,7 +208,7 @@ class Rerank(
             "queries": dataset_manifest(store, config.dataset).config_hash,
             "corpus": dataset_manifest(store, corpus).config_hash,
         }
-        plan = PassPlan(system=slug, work=0, work_unit="queries")
+        plan: PassPlan[RerankMerge] = PassPlan(system=slug, work=0, work_unit="queries")
         record = SystemRecord(
             system=slug,
             kind="reranker",
@@ -223,70 +217,85 @@ class Rerank(
             settings={**settings, "first_stage": first_ref},
         )
         for split in config.splits:
-            _, src = first_stage_run(
-                store, config.dataset, split, config.first_stage, config.first_kq, config.first_kp, config.first_mode
-            )
-            m = store.require_manifest(src)
-            cfg = {
-                "system": slug,
-                "dataset": config.dataset,
-                "corpus": corpus,
-                "split": split,
-                "kq": 0,
-                "kp": 0,
-                "mode": RERANK_MODE,
-                "topk": config.depth,
-                "first_stage": {**first_ref, "run": m.config_hash},
-                "settings": settings,
-                "inputs": inputs,
-            }
-            folder = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
-            if not plan.needs(ctx, folder, cfg, config.force):
-                continue
-            cell = Cell(split, 0, 0, RERANK_MODE, folder, cfg)
-            sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
-            cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
-            shared = {"config": config.model_dump(mode="json"), "first": src, "record": record.model_dump(mode="json")}
-            blocks = [
-                Block(a, b, f"{split} queries {a:,}-{b - 1:,}")
-                for a, b in _slices(len(sizes), config.unit_queries, cuts)
-            ]
-            self.add_pass(
-                ctx,
-                plan,
-                system=slug,
-                dataset=config.dataset,
-                kp=0,
-                config={**cfg, "unit_queries": config.unit_queries},
-                shared=shared,
-                blocks=blocks,
-                merge=RerankMerge(cell),
-            )
+            self._plan_split(config, ctx, plan, record, split, settings, first_ref, inputs)
         plan.count = len(plan.passes)
         if plan.passes:
             register(store, record, write=False)  # refuses a slug registered with other settings, before any work
         return plan
 
+    def _plan_split(
+        self,
+        config: RerankConfig,
+        ctx: Context,
+        plan: PassPlan[RerankMerge],
+        record: SystemRecord,
+        split: str,
+        settings: dict[str, Any],
+        first_ref: dict[str, Any],
+        inputs: dict[str, str],
+    ) -> None:
+        """A split's pass over its first-stage run (unless its reranked run is current): slices of its queries cut
+        where the method's batches allow."""
+        store, slug, corpus = ctx.store, record.system, config.corpus_name()
+        _, src = first_stage_run(
+            store, config.dataset, split, config.first_stage, config.first_kq, config.first_kp, config.first_mode
+        )
+        m = store.require_manifest(src)
+        cfg = {
+            "system": slug,
+            "dataset": config.dataset,
+            "corpus": corpus,
+            "split": split,
+            "kq": 0,
+            "kp": 0,
+            "mode": RERANK_MODE,
+            "topk": config.depth,
+            "first_stage": {**first_ref, "run": m.config_hash},
+            "settings": settings,
+            "inputs": inputs,
+        }
+        folder = run_dir(slug, config.dataset, split, 0, 0, RERANK_MODE)
+        if not plan.needs(ctx, folder, cfg, config.force):
+            return
+        cell = Cell(split, 0, 0, RERANK_MODE, folder, cfg)
+        sizes = _candidates(read_run(store, src, columns=["query_id"]), config.depth)
+        cuts = set(batch_cuts(config.method, sizes, config.batch_size, config.window, config.step))
+        shared = RerankShared(config=config, first=src, record=record)
+        blocks = [
+            Block(a, b, f"{split} queries {a:,}-{b - 1:,}") for a, b in _slices(len(sizes), config.unit_queries, cuts)
+        ]
+        self.add_pass(
+            ctx,
+            plan,
+            system=slug,
+            dataset=config.dataset,
+            kp=0,
+            config={**cfg, "unit_queries": config.unit_queries},
+            shared=shared,
+            blocks=blocks,
+            merge=RerankMerge(cell),
+        )
+
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """A slice of a split's queries reranked (in the first stage's query order): its run rows to the partials."""
         store = ctx.store
-        shared = shared_settings(ctx, unit.plan)
-        cfg = RerankConfig.model_validate(shared["config"])
-        first = read_run(store, shared["first"])
+        shared = read_shared(ctx, unit.plan, RerankShared)
+        cfg = shared.config
+        first = read_run(store, shared.first)
         qids = list(dict.fromkeys(first.column("query_id").to_pylist()))[unit.start : unit.end]
         first = first.filter(pc.is_in(first.column("query_id"), value_set=pa.array(qids, pa.string())))
         top = first.filter(pc.less_equal(first.column("rank"), cfg.depth))
         text_of = _texts(store, cfg.corpus_name(), "passage", pc.unique(top.column("doc_id")))
         query_text = _texts(store, cfg.dataset, "query", pa.array(qids, pa.string()))
         reranker = _reranker(cfg)  # (single-token answers and the context are checked here: a refusal writes nothing)
-        register(store, SystemRecord.model_validate(shared["record"]))
+        register(store, shared.record)
         invalid = reranker.stats.invalid_without_constraint
         table, stats = rerank_run(reranker, first, query_text, text_of, cfg.depth, ctx.advance)
         stats["invalid_without_constraint"] -= invalid  # this unit's (the reranker is kept across units)
         meta = {b"stats": json.dumps(stats).encode()}
         return write_unit(store, unit, table.replace_schema_metadata(meta))
 
-    def merge(self, done: Pass, ctx: Context) -> None:
+    def merge(self, done: Pass[RerankMerge], ctx: Context) -> None:
         """A split's slices in order: its reranked run, with their stats summed."""
         store = ctx.store
         tables, stats = [], {"queries": 0, "rows": 0, "forward_passes": 0, "invalid_without_constraint": 0}
@@ -301,6 +310,24 @@ class Rerank(
             f"{stats['forward_passes']:,} forward passes"
         )
         write_run(store, cell, table, stats)
+
+
+presentation = Presentation(
+    deployment=(
+        "Rerank a stored run's top candidates (BM25 by default) with a diffusion LM, DiffuRank's four methods: "
+        "pointwise, logits_listwise, permutation_sampling, permutation_assignment. Writes a run like any other "
+        "system's."
+    ),
+    example={
+        "dataset": "scifact",
+        "splits": ["test"],
+        "first_stage": "bm25",
+        "depth": 100,
+        "method": "logits_listwise",
+        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
+    },
+    next_step="evaluate the reranked runs: `diffret evaluate -d {dataset}` (the evaluate deployment).",
+)
 
 
 def _candidates(first: pa.Table, depth: int) -> list[int]:
@@ -395,8 +422,8 @@ def rerank_run(
     before = reranker.stats.forward_passes
     out = reranker.rerank(items, progress=advance)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
-    for q, ranked in zip(qids, out, strict=True):
-        for rank, (d, s) in enumerate(ranked, start=1):
+    for q, reranked in zip(qids, out, strict=True):
+        for rank, (d, s) in enumerate(reranked, start=1):
             cols["query_id"].append(q)
             cols["doc_id"].append(d)
             cols["rank"].append(rank)

@@ -84,6 +84,7 @@ class Cell:
 
 
 def cell_config(
+    *,
     system: str,
     dataset: str,
     corpus: str,

@@ -15,11 +15,12 @@ all done is not planned (no encoding is read).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import cli, like
@@ -30,11 +31,23 @@ from diffret.retrieval.search.exact import DEFAULT_BLOCK_MB, SearchSettings, sea
 from diffret.retrieval.search.modes import MODE_NAMES, all_modes, base_modes_needed, cell_modes, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import retrieved_ids, topk_table
-from diffret.storage import FileEntry, StoreError, config_hash
+from diffret.storage import FileEntry, Manifest, StoreError
 from diffret.storage.layout import encodings_dir, index_dir, run_dir
 
-from .base import ClusterConfig, Context, KList, ModeList, check_device, shared_settings
-from .passes import Block, Pass, PassPlan, PassStage, PassUnit, cut, merged_blocks, pass_queries, write_unit
+from .base import ClusterConfig, Context, KList, ModeList, check_device, read_shared
+from .passes import (
+    Block,
+    Pass,
+    PassPlan,
+    PassShared,
+    PassStage,
+    PassUnit,
+    cut,
+    merged_blocks,
+    pass_queries,
+    write_unit,
+)
+from .presentation import Presentation
 from .readers import (
     budgets,
     coded_passages,
@@ -48,7 +61,7 @@ from .readers import (
     split_queries,
 )
 from .runs import Cell, RetrievalConfig, cell_config, search_depth, write_runs
-from .systems import SystemRef, find_system
+from .systems import SystemRecord, SystemRef, find_system
 
 DEFAULT_UNIT_PASSAGES = 1_000_000
 
@@ -127,163 +140,234 @@ class ScoreMerge:
     passage_folder: str
 
 
+class CodesSearch(BaseModel):
+    """``--search codes``: the settings a pass searches a residual system's codes with, and its codes index."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: Literal["codes"] = "codes"
+    probes: int
+    candidates: int
+    index_folder: str
+
+
+class ScoreShared(PassShared):
+    """What every unit of a K_p pass shares: the queries (:class:`PassShared`), the base modes, the passages'
+    folder, the search settings (depth, self hits, the scoring blocks' memory, the rules), the device, and a codes
+    search's settings."""
+
+    modes: list[str]
+    passage_folder: str
+    settings: SearchSettings
+    device: str
+    search: CodesSearch | None = None
+
+    unkeyed: ClassVar[dict[str, Any]] = {"settings": {"block_bytes"}}  # results do not depend on it
+
+
+@dataclass
+class ScorePlanned:
+    """What the plan of a score run resolved once for all its passes."""
+
+    system: SystemRecord
+    corpus: str
+    modes: list[str]
+    q_folders: dict[int, str]
+    p_folders: dict[int, str]
+    q_hashes: dict[int, str]
+    p_manifests: dict[int, Manifest]
+    passages: int
+    search: CodesSearch | None
+    index_hashes: dict[int, str]
+
+
 class Score(
-    PassStage, name="score", config=ScoreConfig, noun="cell(s)", verb="scored", distributed=True, task_tags=("gpu",)
+    PassStage[ScoreMerge],
+    name="score",
+    config=ScoreConfig,
+    noun="cell(s)",
+    verb="scored",
+    distributed=True,
+    task_tags=("gpu",),
 ):
     """Exact search for every (K_q, K_p, mode) cell of the grid."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Exact search (chunked, CPU or GPU) for every (K_q, K_p, mode) cell over stored encodings: one run folder "
-        "per cell under runs/. One pass over each K_p's passages scores every K_q and mode, cut into units of "
-        "unit_passages that run on Dask workers with workers (-1: one per GPU) or dask_address, and resume after a "
-        "kill. config.system names the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: "
-        "{setting: value}}`."
-    )
-    example = {
-        "dataset": "scifact",
-        "splits": ["test"],
-        "kq": [1, 2, 4, 8, 16],
-        "kp": [1, 2, 4, 8, 16],
-        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-        "device": "auto",
-        "workers": 0,
-        "dask_address": None,
-    }  # the deployment's parameters, besides root
-
-    next_step = "evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment)."
-
-    def plan(self, config: ScoreConfig, ctx: Context) -> PassPlan:
+    def plan(self, config: ScoreConfig, ctx: Context) -> PassPlan[ScoreMerge]:
         check_device(config.device, config)  # a device this machine lacks: refused before any work
+        config, planned = self._resolve(config, ctx)
+        plan: PassPlan[ScoreMerge] = PassPlan(system=planned.system.system, work=0, work_unit="passages")
+        todo = self._cells(config, ctx, planned, plan)
+        plan.count = len(todo)
+        split_ids = {s: split_queries(ctx.store, config.dataset, s) for s in config.splits}
+        query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
+        row = {q: i for i, q in enumerate(query_ids)}
+        split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
+        for kp in sorted({c.kp for c in todo}):
+            cells = [c for c in todo if c.kp == kp]
+            self._plan_pass(config, ctx, planned, plan, kp, cells, query_ids, split_rows)
+        return plan
+
+    def _resolve(self, config: ScoreConfig, ctx: Context) -> tuple[ScoreConfig, ScorePlanned]:
+        """The system, its modes, the budgets stored (K_q, K_p), their folders and manifests, a codes search's
+        settings: what every cell and pass of the run reads."""
         store = ctx.store
         record = find_system(store, config.system)
         # a representation without sparse vectors is scored in the dense modes only
         modes = modes_for(config.modes, record.has_sparse) or ["single_dense"]
-        corpus, ignore = config.corpus_name(), config.ignore_ids()
+        corpus = config.corpus_name()
         config = config.model_copy(
             update={
                 "kq": budgets(store, config.kq, record.system, config.dataset, "query", ctx.log),
                 "kp": budgets(store, config.kp, record.system, corpus, "passage", ctx.log),
             }
         )
-        search = None
+        assert config.kq is not None and config.kp is not None  # budgets() resolved them
+        search: CodesSearch | None = None
+        index_hashes: dict[int, str] = {}
         if config.search == "codes":
-            modes, search = self._codes_search(config, ctx, record, modes, corpus)
-        ds_hash = dataset_manifest(store, config.dataset).config_hash
+            modes, search, index_hashes = self._codes_search(config, ctx, record, modes, corpus)
         n_passages = corpus_size(store, corpus)
-        split_ids = {s: split_queries(store, config.dataset, s) for s in config.splits}
         q_folders = {kq: encodings_dir(record.system, config.dataset, "query", kq) for kq in config.kq}
         p_folders = {kp: encodings_dir(record.system, corpus, "passage", kp) for kp in config.kp}
-        q_man = {kq: encoding_manifest(store, s) for kq, s in q_folders.items()}
-        p_man = {kp: encoding_manifest(store, s, n_passages) for kp, s in p_folders.items()}
-        plan = PassPlan(system=record.system, work=0, work_unit="passages")
+        planned = ScorePlanned(
+            system=record,
+            corpus=corpus,
+            modes=modes,
+            q_folders=q_folders,
+            p_folders=p_folders,
+            q_hashes={kq: encoding_manifest(store, f).config_hash for kq, f in q_folders.items()},
+            p_manifests={kp: encoding_manifest(store, f, n_passages) for kp, f in p_folders.items()},
+            passages=n_passages,
+            search=search,
+            index_hashes=index_hashes,
+        )
+        return config, planned
+
+    def _cells(
+        self, config: ScoreConfig, ctx: Context, planned: ScorePlanned, plan: PassPlan[ScoreMerge]
+    ) -> list[Cell]:
+        """The (split, K_q, K_p, mode) cells whose run is not current, each with its run folder's config."""
+        assert config.kq is not None and config.kp is not None
+        ds_hash = dataset_manifest(ctx.store, config.dataset).config_hash
+        system, modes = planned.system.system, planned.modes
         todo: list[Cell] = []
-        for kp in config.kp:
-            for split in config.splits:
-                for kq in config.kq:
-                    inputs = {
-                        "queries": ds_hash,
-                        "query_encodings": q_man[kq].config_hash,
-                        "passage_encodings": p_man[kp].config_hash,
-                    }
-                    if search is not None:  # the run of a search over codes: its settings, and its index
-                        inputs = {**inputs, "index": search["index_hashes"][kp]}
-                    for mode in cell_modes(modes, kq, kp, config.q1p1_multi):
-                        cfg = cell_config(
-                            record.system,
-                            config.dataset,
-                            corpus,
-                            split,
-                            kq,
-                            kp,
-                            mode,
-                            config.depth(split),
-                            config.fusion_depth,
-                            ignore,
-                            inputs,
-                            config.rules,
-                        )
-                        if search is not None:
-                            cfg["search"] = search["settings"]
-                        folder = run_dir(record.system, config.dataset, split, kq, kp, mode)
-                        if plan.needs(ctx, folder, cfg, config.force):
-                            todo.append(Cell(split, kq, kp, mode, folder, cfg))
+        for kp, split, kq in itertools.product(config.kp, config.splits, config.kq):
+            inputs = {
+                "queries": ds_hash,
+                "query_encodings": planned.q_hashes[kq],
+                "passage_encodings": planned.p_manifests[kp].config_hash,
+            }
+            if planned.search is not None:  # the run of a search over codes: its settings, and its index
+                inputs["index"] = planned.index_hashes[kp]
+            for mode in cell_modes(modes, kq, kp, config.q1p1_multi):
+                cfg = cell_config(
+                    system=system,
+                    dataset=config.dataset,
+                    corpus=planned.corpus,
+                    split=split,
+                    kq=kq,
+                    kp=kp,
+                    mode=mode,
+                    topk=config.depth(split),
+                    fusion_depth=config.fusion_depth,
+                    ignore=config.ignore_ids(),
+                    inputs=inputs,
+                    rules=config.rules,
+                )
+                if planned.search is not None:
+                    cfg["search"] = planned.search.model_dump(mode="json", exclude={"index_folder"})
+                folder = run_dir(system, config.dataset, split, kq, kp, mode)
+                if plan.needs(ctx, folder, cfg, config.force):
+                    todo.append(Cell(split, kq, kp, mode, folder, cfg))
         skipped = [m for m in modes if m not in cell_modes(modes, 1, 1, config.q1p1_multi)]
         if skipped and 1 in config.kq and 1 in config.kp:
             ctx.log(
                 f"K_q = K_p = 1: {', '.join(skipped)} not scored, as the reference evaluator does (--q1p1-multi "
                 "keep scores them)"
             )
-        plan.count = len(todo)
-        query_ids = list(dict.fromkeys(q for s in config.splits for q in split_ids[s]))
-        row = {q: i for i, q in enumerate(query_ids)}
-        split_rows = {s: [row[q] for q in split_ids[s]] for s in config.splits}
-        factor = config.rules.factor_for(record.readout, record.settings.get("readout"))
-        for kp in sorted({c.kp for c in todo}):
-            cells = [c for c in todo if c.kp == kp]
-            kqs = sorted({c.kq for c in cells})
-            shared = {
-                "query_stages": {str(kq): q_folders[kq] for kq in kqs},
-                "query_ids": query_ids,
-                "modes": base_modes_needed({c.mode for c in cells}),
-                "passage_stage": p_folders[kp],
-                "topk": search_depth(cells),  # each cell's run is a prefix, cut to its depth
-                "ignore": ignore,
-                "block_bytes": int(config.block_mb * (1 << 20)),
-                "rules": config.rules.model_dump(mode="json"),
-                "sparse_factor": factor,
-                "device": config.device,
-            }
-            if search is not None:
-                shared["search"] = {**search["settings"], "index_stage": index_dir(record.system, corpus, kp)}
-            pass_cfg = {
-                **{k: v for k, v in shared.items() if k not in ("query_ids", "block_bytes")},
-                "query_ids": config_hash({"ids": query_ids}),
-                "unit_passages": config.unit_passages,
-                "inputs": {
-                    "query_encodings": {str(kq): q_man[kq].config_hash for kq in kqs},
-                    "passage_encodings": p_man[kp].config_hash,
-                },
-            }
-            shards = sorted(p_man[kp].files)
-            sizes = [int(p_man[kp].files[n].rows or 0) for n in shards]
-            blocks = []
-            cuts = cut(sizes, config.unit_passages) if search is None else [(0, len(shards))]  # codes: one unit
-            for a, b in cuts:
-                start = sum(sizes[:a])
-                end = start + sum(sizes[a:b])
-                blocks.append(Block(start, end, f"K_p={kp} passages {start:,}-{end - 1:,}", shards[a:b]))
-            merge = ScoreMerge(
-                cells,
-                n_passages,
-                query_ids,
-                split_rows,
-                shared["topk"],
-                config.fusion_depth,
-                config.rules,
-                p_folders[kp],
-            )
-            done = self.add_pass(
-                ctx,
-                plan,
-                system=record.system,
-                dataset=config.dataset,
-                kp=kp,
-                config=pass_cfg,
-                shared=shared,
-                blocks=blocks,
-                merge=merge,
-            )
-            ctx.log(
-                f"K_p={kp}: {len(cells)} cell(s) over {n_passages:,} passages in {len(blocks)} unit(s), "
-                f"{done} already done"
-            )
-        return plan
+        return todo
+
+    def _plan_pass(
+        self,
+        config: ScoreConfig,
+        ctx: Context,
+        planned: ScorePlanned,
+        plan: PassPlan[ScoreMerge],
+        kp: int,
+        cells: list[Cell],
+        query_ids: list[str],
+        split_rows: dict[str, list[int]],
+    ) -> None:
+        """One K_p pass over the passages for ``cells``: its shared record, its units (blocks of whole shards; a
+        codes search is one unit) and its merge."""
+        record = planned.system
+        kqs = sorted({c.kq for c in cells})
+        search = planned.search
+        if search is not None:
+            search = search.model_copy(update={"index_folder": index_dir(record.system, planned.corpus, kp)})
+        shared = ScoreShared(
+            query_folders={kq: planned.q_folders[kq] for kq in kqs},
+            query_ids=query_ids,
+            sparse_factor=config.rules.factor_for(record.readout, record.settings.get("readout")),
+            modes=base_modes_needed({c.mode for c in cells}),
+            passage_folder=planned.p_folders[kp],
+            settings=SearchSettings(
+                topk=search_depth(cells),  # each cell's run is a prefix, cut to its depth
+                ignore_identical_ids=config.ignore_ids(),
+                block_bytes=int(config.block_mb * (1 << 20)),
+                rules=config.rules,
+            ),
+            device=config.device,
+            search=search,
+        )
+        p_man = planned.p_manifests[kp]
+        pass_cfg = shared.pass_config(
+            unit_passages=config.unit_passages,
+            inputs={
+                "query_encodings": {str(kq): planned.q_hashes[kq] for kq in kqs},
+                "passage_encodings": p_man.config_hash,
+            },
+        )
+        shards = sorted(p_man.files)
+        sizes = [int(p_man.files[n].rows or 0) for n in shards]
+        blocks = []
+        cuts = cut(sizes, config.unit_passages) if search is None else [(0, len(shards))]  # codes: one unit
+        for a, b in cuts:
+            start = sum(sizes[:a])
+            end = start + sum(sizes[a:b])
+            blocks.append(Block(start, end, f"K_p={kp} passages {start:,}-{end - 1:,}", shards[a:b]))
+        merge = ScoreMerge(
+            cells=cells,
+            passages=planned.passages,
+            query_ids=query_ids,
+            split_rows=split_rows,
+            topk=shared.settings.topk,
+            fusion_depth=config.fusion_depth,
+            rules=config.rules,
+            passage_folder=planned.p_folders[kp],
+        )
+        done = self.add_pass(
+            ctx,
+            plan,
+            system=record.system,
+            dataset=config.dataset,
+            kp=kp,
+            config=pass_cfg,
+            shared=shared,
+            blocks=blocks,
+            merge=merge,
+        )
+        ctx.log(
+            f"K_p={kp}: {len(cells)} cell(s) over {planned.passages:,} passages in {len(blocks)} unit(s), "
+            f"{done} already done"
+        )
 
     def _codes_search(
-        self, config: ScoreConfig, ctx: Context, record: Any, modes: list[str], corpus: str
-    ) -> tuple[list[str], dict[str, Any]]:
-        """``--search codes``: the modes it scores (multi_dense) and its settings, with the codes index of each K_p
-        (its config hash: a rebuilt index makes the runs stale); refused for a system without residual codes."""
+        self, config: ScoreConfig, ctx: Context, record: SystemRecord, modes: list[str], corpus: str
+    ) -> tuple[list[str], CodesSearch, dict[int, str]]:
+        """``--search codes``: the modes it scores (multi_dense), its settings, and the config hash of each K_p's
+        codes index (a rebuilt index makes the runs stale); refused for a system without residual codes."""
+        assert config.kp is not None
         spec = record.flat_settings().get("store", FLOAT16)
         if spec == FLOAT16 or parse_store(spec).kind != "residual":
             raise StoreError(
@@ -304,31 +388,32 @@ class Score(
         hashes = {
             kp: codes_index_manifest(ctx.store, index_dir(record.system, corpus, kp)).config_hash for kp in config.kp
         }
-        settings = {"engine": "codes", "probes": config.probes, "candidates": config.candidates}
-        return ["multi_dense"], {"settings": settings, "index_hashes": hashes}
+        search = CodesSearch(probes=config.probes, candidates=config.candidates, index_folder="")
+        return ["multi_dense"], search, hashes
 
     def run(self, unit: PassUnit, ctx: Context) -> FileEntry:
         """One block of a pass's passages against every query set and base mode: its top-k, written to the pass's
         partials folder (indices: corpus positions)."""
         store = ctx.store
-        shared = shared_settings(ctx, unit.plan)
-        device = resolve_device(shared["device"])
-        rules, factor = ScoreRules.model_validate(shared["rules"]), float(shared["sparse_factor"])
-        if shared.get("search"):  # on the CPU: numpy over the codes
-            return self._run_codes(unit, ctx, shared, pass_queries(ctx, unit.plan, shared, "cpu", rules), rules)
+        shared = read_shared(ctx, unit.plan, ScoreShared)
+        rules = shared.settings.rules
+        if shared.search is not None:  # on the CPU: numpy over the codes
+            queries = pass_queries(ctx, unit.plan, shared, "cpu", rules)
+            return self._run_codes(unit, ctx, shared, shared.search, queries)
+        device = resolve_device(shared.device)
         queries = pass_queries(ctx, unit.plan, shared, str(device), rules)
-        p_folder = shared["passage_stage"]
+        p_folder = shared.passage_folder
         passages = iter_encodings(
-            store, p_folder, encoding_manifest(store, p_folder), str(device), rules, factor, names=unit.shards
-        )
-        settings = SearchSettings(
-            topk=int(shared["topk"]),
-            ignore_identical_ids=bool(shared["ignore"]),
-            block_bytes=int(shared["block_bytes"]),
-            rules=rules,
+            store,
+            p_folder,
+            encoding_manifest(store, p_folder),
+            str(device),
+            rules,
+            shared.sparse_factor,
+            names=unit.shards,
         )
         start = time.perf_counter()  # reading the passage shards included: it streams them
-        tops, doc_ids = search_pass(queries, passages, shared["modes"], settings)
+        tops, doc_ids = search_pass(queries, passages, shared.modes, shared.settings)
         seconds = time.perf_counter() - start
         if len(doc_ids) != unit.end - unit.start:
             raise StoreError(
@@ -341,11 +426,11 @@ class Score(
 
     @staticmethod
     def _run_codes(
-        unit: PassUnit, ctx: Context, shared: dict[str, Any], queries: dict[int, Any], rules: ScoreRules
+        unit: PassUnit, ctx: Context, shared: ScoreShared, search: CodesSearch, queries: dict[int, Any]
     ) -> FileEntry:
         """A whole K_p pass searched over its codes (retrieval/search/codes.py): multi_dense per K_q."""
-        store, search = ctx.store, shared["search"]
-        p_folder = shared["passage_stage"]
+        store = ctx.store
+        p_folder = shared.passage_folder
         start = time.perf_counter()  # reading the codes and the index included
         coded = coded_passages(store, p_folder, encoding_manifest(store, p_folder))
         if len(coded) != unit.end - unit.start:
@@ -353,18 +438,17 @@ class Score(
                 f"{store.abspath(p_folder)}: {len(coded):,} passages, planned {unit.end - unit.start:,} "
                 "(re-encoded while scoring?); run the score again"
             )
-        index = codes_index(store, search["index_stage"], len(coded))
+        index = codes_index(store, search.index_folder, len(coded))
+        topk, rules = shared.settings.topk, shared.settings.rules
         tops = {
-            (kq, "multi_dense"): search_codes(
-                q, coded, index, int(shared["topk"]), int(search["probes"]), int(search["candidates"]), rules
-            )
+            (kq, "multi_dense"): search_codes(q, coded, index, topk, search.probes, search.candidates, rules)
             for kq, q in queries.items()
         }
         return write_unit(store, unit, topk_table(tops), time.perf_counter() - start)
 
-    def merge(self, done: Pass, ctx: Context) -> None:
+    def merge(self, done: Pass[ScoreMerge], ctx: Context) -> None:
         """A complete pass: its units' top-k merged, the fusions built, the runs written."""
-        info: ScoreMerge = done.merge
+        info = done.merge
         store = ctx.store
         start = time.perf_counter()
         tops, seconds = merged_blocks(store, done.folder, info.topk, info.passages)
@@ -373,6 +457,28 @@ class Score(
         write_runs(
             store, info.cells, runs, info.query_ids, doc_ids, info.split_rows, seconds + time.perf_counter() - start
         )
+
+
+presentation = Presentation(
+    deployment=(
+        "Exact search (chunked, CPU or GPU) for every (K_q, K_p, mode) cell over stored encodings: one run folder "
+        "per cell under runs/. One pass over each K_p's passages scores every K_q and mode, cut into units of "
+        "unit_passages that run on Dask workers with workers (-1: one per GPU) or dask_address, and resume after a "
+        "kill. config.system names the encoder system: `{system: <slug>}`, or `{model: <id or path>, where: "
+        "{setting: value}}`."
+    ),
+    example={
+        "dataset": "scifact",
+        "splits": ["test"],
+        "kq": [1, 2, 4, 8, 16],
+        "kp": [1, 2, 4, 8, 16],
+        "system": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+        "device": "auto",
+        "workers": 0,
+        "dask_address": None,
+    },
+    next_step="evaluate the runs: `diffret evaluate -d {dataset}` (the evaluate deployment).",
+)
 
 
 stage = Score()

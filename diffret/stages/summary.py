@@ -20,6 +20,7 @@ from diffret.storage.layout import summary_dir
 from diffret.storage.sql import StoreSQL
 
 from .base import Context, Folder, Plan, Stage, StageConfig
+from .presentation import Presentation
 from .systems import SystemRef, find_system, list_systems, load, random_weights_note
 
 
@@ -44,17 +45,6 @@ class SummaryConfig(StageConfig):
 
 class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", verb="written"):
     """Leaderboard, heatmaps and summary markdown of one system on one dataset."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Leaderboard (best cell per mode, BM25, paired t-tests), a heatmap per mode and summary.md of one system "
-        "on one dataset, from the metrics in the store; rewritten only when those metrics change."
-    )
-    example = {"dataset": "scifact"}  # the deployment's parameters, besides root
-
-    next_step = (
-        "the paper's analyses over every stored system: `diffret report` (the report deployment); ad-hoc SQL: "
-        "`diffret sql`."
-    )
 
     def plan(self, config: SummaryConfig, ctx: Context) -> Plan:
         store = ctx.store
@@ -113,11 +103,24 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
             folder = summary_dir(plan.system, config.dataset, split)  # type: ignore[arg-type]
             m = ctx.store.require_manifest(folder)
             out["leaderboards"][split] = m.stats.get("leaderboard", [])
-            out["folders"][split] = ctx.store.abspath(folder)
+            out["folders"][split] = ctx.store.url(folder)
             out["warnings"] += m.stats.get("warnings", [])
             pages.append(summary_page(ctx.store, folder))
         out["markdown"] = "\n".join(pages)
         return out
+
+
+presentation = Presentation(
+    deployment=(
+        "Leaderboard (best cell per mode, BM25, paired t-tests), a heatmap per mode and summary.md of one system "
+        "on one dataset, from the metrics in the store; rewritten only when those metrics change."
+    ),
+    example={"dataset": "scifact"},
+    next_step=(
+        "the paper's analyses over every stored system: `diffret report` (the report deployment); ad-hoc SQL: "
+        "`diffret sql`."
+    ),
+)
 
 
 def _bm25(store: ArtifactStore, given: str | None, dataset: str) -> str | None:

@@ -186,7 +186,8 @@ def weights_label(record: SystemRecord) -> str:
     >>> weights_label(SystemRecord(system="s", kind="encoder", settings={"load_format": "random", "shape": None}))
     "RANDOM (the folder's shape)"
     """
-    settings = record.settings.get("backbone") if isinstance(record.settings.get("backbone"), dict) else record.settings
+    backbone = record.settings.get("backbone")
+    settings: dict[str, Any] = backbone if isinstance(backbone, dict) else record.settings
     if settings.get("load_format") == "random":
         shape = settings.get("shape") or "the folder's shape"
         return f"RANDOM ({shape})"
@@ -375,7 +376,7 @@ def register(
     if old is not None and old.config_hash == config_hash(config):
         before = (old.stats or {}).get("weights") or {}
         changed = sorted(k for k, v in (weights or {}).items() if k in before and before[k] != v)
-        if changed:
+        if changed and weights is not None:
             raise StoreError(
                 f"{record.model}: its weights are not the ones system {record.system} was built from ({changed[0]} "
                 f"{before[changed[0]]} in the registry, {weights[changed[0]]} now), so its stored artifacts are "

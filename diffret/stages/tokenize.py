@@ -22,10 +22,11 @@ from diffret.retrieval.models.backbones import BackboneConfig
 from diffret.retrieval.models.encoding import tokenize_texts
 from diffret.retrieval.models.readouts import DEFAULT_MAX_LENGTH
 from diffret.retrieval.models.sparse import make_filter, word_pool
-from diffret.storage import FileEntry, remove_empty_sharded
+from diffret.storage import FileEntry
 from diffret.storage.layout import FILTER_SCHEMA, TOKENS_SCHEMA, filters_dir, shard_name, tokens_dir
 
-from .base import Context, Plan, Stage, StageConfig
+from .base import Context, ShardedPlan, ShardedStage, StageConfig
+from .presentation import Presentation
 from .readers import TITLE_SEP, side_size, side_text_ranges
 from .systems import tokenizer_of, tokens_slug
 
@@ -124,26 +125,12 @@ class TokenizeUnit:
     filter_workers: int = 0  # processes splitting texts into words (word_pool)
 
 
-class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
+class Tokenize(ShardedStage, name="tokenize", config=TokenizeConfig, noun="shard(s)", verb="tokenized"):
     """Tokenize a dataset's queries and passages once per tokenizer."""
 
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Tokenize a stored dataset's queries and passages once per (tokenizer, max_length); the encode flow runs "
-        "it first, so this deployment is for tokenizing ahead of encoding."
-    )
-    example = {
-        "dataset": "scifact",
-        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "encode the tokens: `diffret encode -d {dataset}` (the encode deployment); SIDR's bag of tokens: "
-        "`diffret bot -d {dataset}`."
-    )
-
-    def plan(self, config: TokenizeConfig, ctx: Context) -> Plan:
+    def plan(self, config: TokenizeConfig, ctx: Context) -> ShardedPlan:
         slug = tokens_slug(config.backbone, config.max_length, config.title_sep)
-        plan = Plan(system=slug, details={"stages": {}})
+        plan = ShardedPlan(system=slug)
         for side in config.sides:
             n, ds_hash = side_size(ctx.store, config.dataset, side)
             folder = tokens_dir(slug, config.dataset, side)
@@ -153,7 +140,7 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             part = {"tokenizer": slug, "dataset": config.dataset, "side": side}
             ctx.hold(folder)  # another tokenize of this folder running now is refused, not raced
             m, done = ctx.store.open_sharded(folder, "tokens", part, cfg, force=config.force, verify=config.verify)
-            plan.details["stages"][side] = folder
+            plan.folders[side] = folder
             shards = [(shard_name(i), s, e) for i, (s, e) in enumerate(shard_ranges(n, config.shard_size))]
             todo = [sh for sh in shards if sh[0] not in done]
             plan.skipped += len(shards) - len(todo)
@@ -187,7 +174,7 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
                     force=config.force,
                     verify=config.verify,
                 )
-                plan.details["stages"][f"{side}/filter={config.content_filter}"] = f_folder
+                plan.folders[f"{side}/filter={config.content_filter}"] = f_folder
                 unit.filter_kind, unit.filter_folder, unit.filter_hash = config.content_filter, f_folder, fm.config_hash
                 unit.filter_workers = config.filter_workers
                 unit.filter_shards = [sh for sh in shards if sh[0] not in f_done]
@@ -240,15 +227,21 @@ class Tokenize(Stage, name="tokenize", config=TokenizeConfig, noun="shard(s)", v
             ctx.log(f"filtered {unit.dataset}/{unit.side} ({unit.filter_kind}): {len(unit.filter_shards)} shard(s)")
         return out
 
-    def finish(self, config: TokenizeConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        """Compact each folder's shard records into its manifest (one write per folder)."""
-        for stage in plan.details["stages"].values():
-            ctx.store.compact_shards(stage)
-        return plan.details
 
-    def abort(self, config: TokenizeConfig, plan: Plan, ctx: Context) -> None:
-        """A failed run keeps the shards it finished and removes the folders it opened that hold none."""
-        remove_empty_sharded(ctx.store, plan.details["stages"].values())
+presentation = Presentation(
+    deployment=(
+        "Tokenize a stored dataset's queries and passages once per (tokenizer, max_length); the encode flow runs "
+        "it first, so this deployment is for tokenizing ahead of encoding."
+    ),
+    example={
+        "dataset": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    },
+    next_step=(
+        "encode the tokens: `diffret encode -d {dataset}` (the encode deployment); SIDR's bag of tokens: "
+        "`diffret bot -d {dataset}`."
+    ),
+)
 
 
 stage = Tokenize()

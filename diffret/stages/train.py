@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +50,11 @@ from diffret.storage.layout import (
 )
 from diffret.storage.manifest import config_hash
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 from .base import Context, Plan, Stage, StageConfig, StageResult
+from .presentation import Presentation
 from .readers import bot_index
 from .systems import SystemRef, find_system, slug_base, tokenizer_of, vocab_hash
 from .tokenize import default_backbone
@@ -98,30 +102,57 @@ class TrainUnit:
     checkpoint_every: int
 
 
+@dataclass
+class TrainPlan(Plan):
+    """A training run's plan: its model folder (absolute), reported whether trained now or found current."""
+
+    model_dir: str = ""
+
+
+class ModelStage(Stage):
+    """A stage that trains and saves one model (train, train-reranker): one unit unless a current model is stored,
+    progress in optimizer steps, the loss curve as its result's page."""
+
+    @staticmethod
+    def model_plan(ctx: Context, config: Any, cfg: dict[str, Any], tag: str, n_items: int) -> TrainPlan:
+        """The plan of a training stage: the model's name (``config.name`` or ``<base>-<tag>-<hash of cfg>``), its
+        folder, and one unit unless a current model is stored. ``config`` has backbone, settings, name, force and
+        checkpoint_every."""
+        name = config.name or f"{slug_base(config.backbone.model)}-{tag}-{config_hash(cfg)[:10]}"
+        cfg["model"] = name
+        _, steps = planned_steps(n_items, config.settings, cfg["world_size"])
+        folder = model_dir(name)
+        plan = TrainPlan(system=name, work=0, work_unit="steps", model_dir=ctx.store.abspath(folder))
+        if plan.needs(ctx, folder, cfg, config.force):
+            plan.units.append(TrainUnit(folder, name, cfg, steps, config.checkpoint_every))
+            plan.work = steps
+        return plan
+
+    def work_of(self, unit: TrainUnit) -> int:
+        return unit.steps
+
+    def finish(self, config: Any, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
+        """The loss curve and a table of the log (the Prefect artifact of the run), once a model is trained."""
+        assert isinstance(plan, TrainPlan)
+        details: dict[str, Any] = {"model_dir": plan.model_dir}
+        for unit, stats in zip(plan.units, results, strict=True):
+            if stats.get("log"):
+                png_path = f"{unit.stage}/loss.png"
+                png = ctx.store.read_bytes(png_path) if ctx.store.exists(png_path) else b""
+                details["markdown"] = loss_markdown(unit.name, stats["log"], png)
+        return details
+
+
 class Train(
-    Stage, name="train", config=TrainConfig, noun="model(s)", verb="trained", reports_progress=True, task_tags=("gpu",)
+    ModelStage,
+    name="train",
+    config=TrainConfig,
+    noun="model(s)",
+    verb="trained",
+    reports_progress=True,
+    task_tags=("gpu",),
 ):
     """Fine-tune a backbone contrastively (InfoNCE, dense + sparse) on a stored training set."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Contrastive fine-tuning (InfoNCE, dense tau 0.01 + sparse) of a backbone on a stored training set, LoRA "
-        "(r 16, alpha 64) or full, at the budget the base model's zero-shot train split selected unless "
-        "settings.kq / settings.kp are given; checkpoints every N steps, so a re-run resumes. Writes "
-        "`models/model=<name>/` (the peft adapter, or the weights with --full / merge) that encode and run take "
-        "as --model; the loss curve is the run's artifact. Several GPUs: torchrun (docs/operations.md)."
-    )
-    example = {
-        "training_set": "scifact",
-        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
-    }  # the deployment's parameters, besides root
-
-    next_step = (
-        "encode and score with the fine-tuned model: `diffret run -d DATASET --model MODEL_FOLDER` (the "
-        "pipeline deployment)."
-    )
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"model: {result.details.get('model_dir')}"]
 
     def plan(self, config: TrainConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
@@ -150,7 +181,7 @@ class Train(
             )
             ctx.log(f"training budget (K_q, K_p) = ({config.settings.kq}, {config.settings.kp}): {budget_from}")
         check_memory(config)
-        cfg = {
+        cfg: dict[str, Any] = {
             "training_set": config.training_set,
             "backbone": config.backbone.model_dump(exclude={"device"}),
             "readout": config.readout.numbers(),
@@ -169,35 +200,6 @@ class Train(
             cfg["bot"] = corpus
         return self.model_plan(ctx, config, cfg, "ft", int(data.total_rows()))
 
-    @staticmethod
-    def model_plan(ctx: Context, config: Any, cfg: dict[str, Any], tag: str, n_items: int) -> Plan:
-        """The plan of a training stage: the model's name (``config.name`` or ``<base>-<tag>-<hash of cfg>``), its
-        folder, and one unit unless a current model is stored. ``config`` has backbone, settings, name, force and
-        checkpoint_every."""
-        name = config.name or f"{slug_base(config.backbone.model)}-{tag}-{config_hash(cfg)[:10]}"
-        cfg["model"] = name
-        _, steps = planned_steps(n_items, config.settings, cfg["world_size"])
-        plan = Plan(system=name, work=0, work_unit="steps")
-        folder = model_dir(name)
-        if plan.needs(ctx, folder, cfg, config.force):
-            plan.units.append(TrainUnit(folder, name, cfg, steps, config.checkpoint_every))
-            plan.work = steps
-        plan.details["model_dir"] = ctx.store.abspath(folder)
-        return plan
-
-    def work_of(self, unit: TrainUnit) -> int:
-        return unit.steps
-
-    def finish(self, config: TrainConfig, plan: Plan, results: list[Any], ctx: Context) -> dict[str, Any]:
-        """The loss curve and a table of the log (the Prefect artifact of the run), once a model is trained."""
-        details = dict(plan.details)
-        for unit, stats in zip(plan.units, results, strict=True):
-            if stats.get("log"):
-                png_path = f"{unit.stage}/loss.png"
-                png = ctx.store.read_bytes(png_path) if ctx.store.exists(png_path) else b""
-                details["markdown"] = loss_markdown(unit.name, stats["log"], png)
-        return details
-
     def run(self, unit: TrainUnit, ctx: Context) -> dict[str, Any]:
         store, cfg = ctx.store, unit.config
         groups = groups_from_table(store.read_table(training_dir(cfg["training_set"]), GROUPS_FILE))
@@ -212,6 +214,30 @@ class Train(
         trainer = Trainer(reader, groups, settings, negatives)
         stats: dict[str, Any] = {"groups": len(groups)}
         return fit_and_save(trainer, unit, cfg, bb.tokenizer, ctx, stats, extra=lambda: _negative_counts(negatives))
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [f"model: {result.details.get('model_dir')}"]
+
+
+presentation = Presentation(
+    deployment=(
+        "Contrastive fine-tuning (InfoNCE, dense tau 0.01 + sparse) of a backbone on a stored training set, LoRA "
+        "(r 16, alpha 64) or full, at the budget the base model's zero-shot train split selected unless "
+        "settings.kq / settings.kp are given; checkpoints every N steps, so a re-run resumes. Writes "
+        "`models/model=<name>/` (the peft adapter, or the weights with --full / merge) that encode and run take "
+        "as --model; the loss curve is the run's artifact. Several GPUs: torchrun (docs/operations.md)."
+    ),
+    example={
+        "training_set": "scifact",
+        "backbone": {"model": "dllm-hub/ModernBERT-base-chat-v0.1"},
+    },
+    next_step=(
+        "encode and score with the fine-tuned model: `diffret run -d DATASET --model MODEL_FOLDER` (the "
+        "pipeline deployment)."
+    ),
+    printed=_printed,
+)
 
 
 def _negative_counts(negatives: RetrievedNegatives | None) -> dict[str, Any]:
@@ -366,9 +392,9 @@ def _save(
                 Path(tmp, BASE_FILE).write_text(json.dumps({"gguf_file": gguf}))
         else:
             extra = trainer.extra_models()  # off the main model first: its folder holds its own weights only
-            trainer.merged_model().save_pretrained(tmp)
+            cast("PreTrainedModel", trainer.merged_model()).save_pretrained(tmp)  # a transformers model, or a peft one
             for sub, model in extra.items():
-                model.save_pretrained(Path(tmp, sub))
+                cast("PreTrainedModel", model).save_pretrained(Path(tmp, sub))
                 tokenizer.save_pretrained(Path(tmp, sub))
         tokenizer.save_pretrained(tmp)
         with ctx.store.stage_writer(unit.stage, m) as w:
@@ -477,7 +503,7 @@ def _loss_png(log: list[dict[str, Any]], title: str, ylabel: str = "InfoNCE") ->
     steps = [r["step"] for r in log]
     for key in ("loss", "dense", "sparse", "topk", "bot"):
         if any(r.get(key) is not None for r in log):
-            ax.plot(steps, [r.get(key) for r in log], label=key)
+            ax.plot(steps, [np.nan if r.get(key) is None else r[key] for r in log], label=key)  # None: a gap
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

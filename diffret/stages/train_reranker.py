@@ -36,10 +36,11 @@ from diffret.storage import StoreError
 from diffret.storage.store import sha256_file
 
 from .base import Context, Plan, StageConfig, StageResult
+from .presentation import Presentation
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries
 from .rerank import RerankConfig, first_stage_run
 from .runs import read_run
-from .train import Train, TrainConfig, TrainUnit, fit_and_save
+from .train import ModelStage, TrainConfig, TrainUnit, fit_and_save
 
 
 class TrainRerankerConfig(StageConfig):
@@ -82,7 +83,7 @@ class TrainRerankerConfig(StageConfig):
 
 
 class TrainReranker(
-    Train,
+    ModelStage,
     name="train-reranker",
     config=TrainRerankerConfig,
     noun="model(s)",
@@ -91,28 +92,6 @@ class TrainReranker(
     task_tags=("gpu",),
 ):
     """Fine-tune a backbone as a DiffuRank reranker (listwise CE / RankNet, or MDLM SFT) on ranked lists."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Fine-tune a DiffuRank reranker on ranked lists: RankZephyr-format data (source) or qrels-ordered lists "
-        "over a stored BM25 run (dataset). listwise_ce / ranknet for pointwise and logits_listwise, MDLM SFT "
-        "(DocID masking) for the permutation methods; LoRA r 16, alpha 32, constant lr 1e-4, 3 epochs, 64 lists a "
-        "step. Resumable."
-    )
-    example = {
-        "dataset": "scifact",
-        "split": "train",
-        "first_stage": "bm25",
-        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
-        "settings": {"method": "logits_listwise"},
-    }  # the deployment's parameters, besides root
-
-    next_step = "rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment)."
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [
-            f"model: {result.details.get('model_dir')} (rerank with it: diffret rerank --model <it> --method <the "
-            "same>)"
-        ]
 
     def plan(self, config: TrainRerankerConfig, ctx: Context) -> Plan:
         resolve_device(config.backbone.device)  # a device this machine lacks: refused before any work
@@ -198,6 +177,31 @@ class TrainReranker(
         for q, d, g in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "relevance")), strict=True):
             judged.setdefault(q, {})[d] = int(g)
         return qrels_lists(queries, judged, ranked, text_of, size)
+
+
+def _printed(result: StageResult) -> list[str]:
+    return [
+        f"model: {result.details.get('model_dir')} (rerank with it: diffret rerank --model <it> --method <the same>)"
+    ]
+
+
+presentation = Presentation(
+    deployment=(
+        "Fine-tune a DiffuRank reranker on ranked lists: RankZephyr-format data (source) or qrels-ordered lists "
+        "over a stored BM25 run (dataset). listwise_ce / ranknet for pointwise and logits_listwise, MDLM SFT "
+        "(DocID masking) for the permutation methods; LoRA r 16, alpha 32, constant lr 1e-4, 3 epochs, 64 lists a "
+        "step. Resumable."
+    ),
+    example={
+        "dataset": "scifact",
+        "split": "train",
+        "first_stage": "bm25",
+        "backbone": {"model": "GSAI-ML/LLaDA-8B-Instruct"},
+        "settings": {"method": "logits_listwise"},
+    },
+    next_step="rerank with it: `diffret rerank -d DATASET --model MODEL_FOLDER` (the rerank deployment).",
+    printed=_printed,
+)
 
 
 stage = TrainReranker()

@@ -31,6 +31,7 @@ from diffret.storage.layout import GROUPS_FILE, dataset_dir, training_dir
 from diffret.storage.store import sha256_file
 
 from .base import Context, Plan, Stage, StageConfig
+from .presentation import Presentation
 from .readers import dataset_manifest, qrels_table, side_texts, split_queries
 from .runs import read_run
 from .systems import SystemRef, find_system
@@ -105,19 +106,6 @@ class TrainingUnit:
 
 class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun="set(s)", verb="written"):
     """Training groups (query, positives, hard negatives) from a Tevatron file or mined from a stored run."""
-
-    deployment = (  # the Prefect deployment's description (flows/deployments.py)
-        "Contrastive training groups in Tevatron's format (query, positive and hard-negative passages) as "
-        "`training/set=<name>/groups.parquet`: from a Tevatron file (config.source) or mined from a stored run on "
-        "a dataset's train split (config.dataset; BM25 by default: top 30 minus the positives, 15 sampled)."
-    )
-    example = {
-        "dataset": "scifact",
-        "split": "train",
-        "negatives": "bm25",
-    }  # the deployment's parameters, besides root
-
-    next_step = "fine-tune on it: `diffret train` (the train deployment)."
 
     def plan(self, config: TrainingDataConfig, ctx: Context) -> Plan:
         store, name = ctx.store, config.set_name()
@@ -213,6 +201,7 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
 
     def _mine(self, unit: TrainingUnit, ctx: Context) -> tuple[list[Group], Any]:
         store, cfg = ctx.store, unit.config
+        assert unit.run is not None  # a unit that mines negatives names its run (run() reads the others' files)
         qrels = qrels_table(store, cfg["dataset"], cfg["split"])
         qrels = qrels.filter(pc.greater(qrels.column("relevance"), 0))
         positives: dict[str, list[str]] = {}
@@ -239,6 +228,21 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
             cfg["n_negatives"],
             cfg["seed"],
         )
+
+
+presentation = Presentation(
+    deployment=(
+        "Contrastive training groups in Tevatron's format (query, positive and hard-negative passages) as "
+        "`training/set=<name>/groups.parquet`: from a Tevatron file (config.source) or mined from a stored run on "
+        "a dataset's train split (config.dataset; BM25 by default: top 30 minus the positives, 15 sampled)."
+    ),
+    example={
+        "dataset": "scifact",
+        "split": "train",
+        "negatives": "bm25",
+    },
+    next_step="fine-tune on it: `diffret train` (the train deployment).",
+)
 
 
 stage = TrainingData()

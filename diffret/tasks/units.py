@@ -7,13 +7,9 @@ from typing import Any
 
 from prefect import task
 
-from diffret.storage import ArtifactStore
+from diffret.stages import run_unit
 
 
 @task(name="stage-unit", tags=["diffret"], retries=1, retry_delay_seconds=10)
 def run_unit_task(stage_name: str, root: str, unit: Any) -> Any:
-    from diffret import stages
-    from diffret.stages.base import Context
-
-    stage = stages.stages()[stage_name]
-    return stage.run(unit, Context(ArtifactStore(root)))
+    return run_unit(stage_name, root, unit)

@@ -182,9 +182,9 @@ def test_the_batch_readout_gives_splade_tiny_the_per_text_vectors_byte_for_byte(
     token_ids = bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
     for head, act in (("official", "elu1p"), ("lm", "log1p_relu")):
         reader = make_reader(bb, ReadoutConfig(readout="sidr", sidr_head=head, sidr_act=act), 256)
-        batched = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, "passage", 1, 8)
+        batched = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, side="passage", k=1, batch_size=8)
         reader.batch_weights = lambda hidden, att, side_bb=None, r=reader: torch.stack(  # the per-text product
             [r.weights(hidden[i][att[i].bool()], side_bb) for i in range(len(hidden))]
         )
-        per_text = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, "passage", 1, 8)
+        per_text = encode_rows(reader, [d["_id"] for d in docs], token_ids, texts, side="passage", k=1, batch_size=8)
         assert batched.equals(per_text), head

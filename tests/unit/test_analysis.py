@@ -254,7 +254,7 @@ def test_average_landscape_and_finetuned_column(store: ArtifactStore) -> None:
             )
     put_metrics(store, "toy-finetuned-0000000000", "toy", "test", 2, 4, H, {q: 0.9 for q in TEST_Q})
     with StoreSQL(store) as db:
-        rep = build_report(db, "toy", finetuned={MODEL: "toy-finetuned-0000000000"}, n_boot=50)
+        rep = build_report(db, name="toy", finetuned={MODEL: "toy-finetuned-0000000000"}, n_boot=50)
     avg = [n for n in rep.files if n.startswith(f"landscape_{MODEL}_avg_")]
     assert len(avg) == 3  # one per mode present (D, S, H)
     landscapes = next(body for title, body in rep.sections if title == "Landscapes")

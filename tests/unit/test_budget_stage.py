@@ -63,7 +63,7 @@ def test_adaptive_runs_per_selector_evaluated_like_any_run(world: dict, tmp_path
     from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(store) as db:
-        rep = build_report(db, "t", n_boot=10)
+        rep = build_report(db, name="t", n_boot=10)
         oracle = rows(
             db,
             "select value from metrics where system = ? and split = 'test' and mode = 'multi_dense' "
@@ -119,7 +119,7 @@ def test_cross_fitted_on_a_split_without_a_train_split(world: dict, tmp_path: Pa
 
     with StoreSQL(ArtifactStore(w["root"])) as db:
         runs = rows(db, "select mode, cross_fit, train_split from adaptive_runs order by mode")
-        rep = build_report(db, "t", n_boot=10)
+        rep = build_report(db, name="t", n_boot=10)
     assert [(r["mode"], r["cross_fit"], r["train_split"]) for r in runs] == [
         ("adaptive_multi_dense_fixed_joint_encoding_cf", True, "test"),
         ("adaptive_multi_dense_rule_joint_encoding_cf", True, "test"),

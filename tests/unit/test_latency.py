@@ -113,7 +113,7 @@ def test_the_stage_stores_rows_with_their_settings_and_a_new_setting_is_a_new_fo
     from diffret.retrieval.analysis.report import build_report
 
     with StoreSQL(ArtifactStore(cfg.root)) as db:
-        rep = build_report(db, "latency", n_boot=10)
+        rep = build_report(db, name="latency", n_boot=10)
     body = dict(rep.sections)["Latency (Figures 1 and 3)"]
     assert "fig3_encode_latency.png" in body and "fig3_search_latency.png" in body
     assert all(rep.files[f][:4] == b"\x89PNG" for f in ("fig3_encode_latency.png", "fig3_search_latency.png"))
@@ -225,7 +225,7 @@ def test_figure_1_and_the_ratio_table_from_hand_built_rows(tmp_path: Path) -> No
     )
     with StoreSQL(store) as db:
         points = cost_points(db)
-        rep = build_report(db, "latency", n_boot=10)
+        rep = build_report(db, name="latency", n_boot=10)
     # query encoding at length 16 (nearest 32) + exact search of the largest index (1000 documents)
     assert [(p["system"], p["kq"], p["kp"], p["ms"], p["ndcg_10"]) for p in points] == [
         (one, 1, 1, 8.0 + 16 + 1.0, 0.25),

@@ -20,7 +20,8 @@ TOY = '''
 from pydantic import Field
 
 from diffret.retrieval.models.backbones import BackboneConfig
-from diffret.stages.base import Context, Folder, Plan, Stage, StageConfig, StageResult
+from diffret.stages.base import Context, Folder, Plan, Stage, StageConfig
+from diffret.stages.presentation import Presentation
 from diffret.stages.tokenize import TokenizeConfig
 from diffret.storage import Manifest
 
@@ -37,14 +38,9 @@ class ToyConfig(StageConfig):
 class Toy(Stage, name="toy", config=ToyConfig, noun="greeting(s)", verb="written"):
     """Write a greeting into the store."""
 
-    example = {"name": "world"}
-
     def prerequisites(self, config: ToyConfig) -> list[tuple[str, StageConfig]]:
         return [("tokenize", TokenizeConfig(root=config.root, dataset=config.dataset, sides=["query"],
                                             backbone=config.backbone))]
-
-    def printed(self, result: StageResult) -> list[str]:
-        return [f"greeted {result.details['who']}, {result.details['dataset']} tokenized first"]
 
     def plan(self, config: ToyConfig, ctx: Context) -> Plan:
         plan = Plan(details={"who": config.name, "dataset": config.dataset})
@@ -58,6 +54,10 @@ class Toy(Stage, name="toy", config=ToyConfig, noun="greeting(s)", verb="written
 
 
 stage = Toy()
+presentation = Presentation(
+    example={"name": "world"},
+    printed=lambda result: [f"greeted {result.details['who']}, {result.details['dataset']} tokenized first"],
+)
 '''
 
 SCRIPT = """
@@ -90,7 +90,11 @@ print(json.dumps({
 
 def _sources() -> dict[str, bytes]:
     """The files adding a stage used to need edits in: the registry, the flows, the CLI and prefect.yaml."""
-    files = [*(REPO / "diffret" / "stages").glob("*.py"), *(REPO / "diffret" / "flows").glob("*.py"), REPO / "prefect.yaml"]
+    files = [
+        *(REPO / "diffret" / "stages").glob("*.py"),
+        *(REPO / "diffret" / "flows").glob("*.py"),
+        REPO / "prefect.yaml",
+    ]
     return {str(f.relative_to(REPO)): f.read_bytes() for f in files}
 
 

@@ -297,8 +297,8 @@ def test_head_stats_are_the_softmax_at_each_mask_and_change_no_other_column(back
     reader = make_reader(bb, ReadoutConfig(stop_cut=True, denoise_steps=steps))
     texts = [TEXTS["short"], TEXTS["query"], TEXTS["long"]]
     ids = [ids_of(tok, t) for t in texts]
-    plain = encode_rows(reader, ["a", "b", "c"], ids, texts, "query", 4, 2)
-    stats = encode_rows(reader, ["a", "b", "c"], ids, texts, "query", 4, 2, head_stats=True)
+    plain = encode_rows(reader, ["a", "b", "c"], ids, texts, side="query", k=4, batch_size=2)
+    stats = encode_rows(reader, ["a", "b", "c"], ids, texts, side="query", k=4, batch_size=2, head_stats=True)
     assert "slot_entropy" not in plain.column_names  # off: the shard is as before
     assert stats.select(plain.column_names).equals(plain)
     ent, top = stats.column("slot_entropy").to_pylist(), stats.column("slot_maxprob").to_pylist()

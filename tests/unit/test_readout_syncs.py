@@ -131,7 +131,7 @@ def test_encode_rows_asks_for_a_batch_after_queuing_the_next(tmp_path: Path, mon
         return pending
 
     monkeypatch.setattr(type(reader), "launch", traced)
-    encode_rows(reader, [str(i) for i in range(len(ids))], ids, texts, "passage", 4, 3)
+    encode_rows(reader, [str(i) for i in range(len(ids))], ids, texts, side="passage", k=4, batch_size=3)
     assert events == [
         "launch 0",
         "launch 1",

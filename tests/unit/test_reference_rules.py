@@ -124,7 +124,20 @@ def test_4_a_document_with_the_query_id_is_kept_by_default() -> None:
     assert list(top(q, p, "single_dense", ScoreRules())) == ["x1", "x2"]
     tops, ids = search_pass({1: q}, [p], ["single_dense"], SearchSettings(topk=5, ignore_identical_ids=True))
     assert [ids[i] for i in tops[(1, "single_dense")].index[0] if i >= 0] == ["x2"]
-    cfg = cell_config("s", "arguana", "arguana", "test", 1, 1, "single_dense", 10, 10, False, {}, ScoreRules())
+    cfg = cell_config(
+        system="s",
+        dataset="arguana",
+        corpus="arguana",
+        split="test",
+        kq=1,
+        kp=1,
+        mode="single_dense",
+        topk=10,
+        fusion_depth=10,
+        ignore=False,
+        inputs={},
+        rules=ScoreRules(),
+    )
     assert cfg["ignore_identical_ids"] is False and cfg["rules"] == {"single_renorm": False, "score_dtype": "float32"}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .figures import compression_png, cost_effect_png, encode_latency_png, search_latency_png
 from .footprint import footprint_projection, human_bytes
-from .markdown import Report, _dicts_csv, _md_table
+from .markdown import Report, dicts_csv, md_table
 from .views import Views, rows
 
 
@@ -25,7 +25,7 @@ def section_footprint(db: Views, rep: Report, hidden: int, backbones: int, setti
     for r in detail:
         r["bytes"] = int(r["bytes"] or 0)
         r["rows"] = None if r["rows"] is None else int(r["rows"])
-    rep.files["footprint.csv"] = _dicts_csv(detail)
+    rep.files["footprint.csv"] = dicts_csv(detail)
     proj = footprint_projection(hidden=hidden, backbones=backbones, settings=settings)
     fp32 = footprint_projection(hidden=hidden, backbones=backbones, settings=settings, bytes_per_value=4)
     a = proj["assumptions"]
@@ -33,7 +33,7 @@ def section_footprint(db: Views, rep: Report, hidden: int, backbones: int, setti
         r["size"] = human_bytes(r["bytes"])
     body = (
         "This store, per stage (view `footprint`, from the manifests):\n\n"
-        + _md_table(fp, ["stage", "folders", "files", "bytes", "size"])
+        + md_table(fp, ["stage", "folders", "files", "bytes", "size"])
         + "\nProjection of the encodings to MS MARCO scale. Assumptions: "
         f"{a['passages']:,} passages + {a['queries']:,} queries (dev + DL19 + DL20); hidden size {a['hidden']}; "
         f"one pass per K in {a['grid']} per side, so {a['vectors_per_text']} dense vectors per text; float16 "
@@ -45,7 +45,7 @@ def section_footprint(db: Views, rep: Report, hidden: int, backbones: int, setti
         f"- **total: {human_bytes(proj['total_bytes'])}** (float32 vectors: {human_bytes(fp32['total_bytes'])}); "
         "the paper reports ~20 TB of intermediate artifacts.\n"
     )
-    rep.files["footprint_projection.csv"] = _dicts_csv(
+    rep.files["footprint_projection.csv"] = dicts_csv(
         [
             {
                 "bytes_per_value": p["assumptions"]["bytes_per_value"],
@@ -101,9 +101,9 @@ def section_compression(db: Views, rep: Report, hidden: int, backbones: int, set
         )
         r["msmarco_projection"] = human_bytes(proj["total_bytes"]) if proj else "–"
         r["msmarco_bytes"] = proj["total_bytes"] if proj else None
-    rep.files["compression.csv"] = _dicts_csv(sizes)
+    rep.files["compression.csv"] = dicts_csv(sizes)
     effect = rows(db, "select * from compression_effect order by float16_system, store, dataset, split, mode, kq, kp")
-    rep.files["compression_effect.csv"] = _dicts_csv(effect)
+    rep.files["compression_effect.csv"] = dicts_csv(effect)
     means = rows(
         db,
         "select e.store, e.system, e.dataset, e.split, e.mode, count(*) cells, "
@@ -120,7 +120,7 @@ def section_compression(db: Views, rep: Report, hidden: int, backbones: int, set
         "measured bytes per vector to H = "
         f"{hidden} by its code width, keeps the queries in float16 and the rest as the Footprint section's "
         f"(float16: {human_bytes(base['total_bytes'])}).\n\n"
-        + _md_table(
+        + md_table(
             sizes,
             [
                 "store",
@@ -137,7 +137,7 @@ def section_compression(db: Views, rep: Report, hidden: int, backbones: int, set
         )
         + "\nThe change in mean NDCG@10 and MRR@10 against float16, over the cells scored with both (view "
         "`compression_effect`; per cell in `compression_effect.csv`):\n\n"
-        + _md_table(
+        + md_table(
             means,
             [
                 "store",
@@ -197,7 +197,7 @@ def section_latency(db: Views, rep: Report) -> None:
         return
     body = ""
     if enc:
-        rep.files["encode_latency.csv"] = _dicts_csv(enc)
+        rep.files["encode_latency.csv"] = dicts_csv(enc)
         title = f"{enc[0]['side']} side, batch size {enc[0]['batch_size']}, {enc[0]['device_name']}"
         rep.files["fig3_encode_latency.png"] = encode_latency_png(enc, title)
         body += (
@@ -217,16 +217,16 @@ def section_latency(db: Views, rep: Report) -> None:
             "a.length",
         )
         if ratios:
-            rep.files["ar_over_one_pass.csv"] = _dicts_csv(ratios)
+            rep.files["ar_over_one_pass.csv"] = dicts_csv(ratios)
             body += (
                 "\nAutoregressive against one pass at matched K: PromptReps (causal, decoding up to N = k slots "
                 "with a KV cache; ar_slots: decoded) over the mask readout (bidirectional, one pass, K = k) on "
                 "the same machine and width (Qwen2.5-7B and Dream-7B, LLaMA3-8B and LLaDA-8B); rows with one "
                 "model for both are one checkpoint read both ways (`--both-ways`), the ratio of decoding "
-                "alone:\n\n" + _md_table(ratios)
+                "alone:\n\n" + md_table(ratios)
             )
     if srch:
-        rep.files["search_latency.csv"] = _dicts_csv(srch)
+        rep.files["search_latency.csv"] = dicts_csv(srch)
         title = f"search, {srch[0]['device_name']}"
         rep.files["fig3_search_latency.png"] = search_latency_png(srch, title)
         body += (
@@ -236,14 +236,14 @@ def section_latency(db: Views, rep: Report) -> None:
         )
     points = cost_points(db)
     if points:
-        rep.files["fig1_cost_effect.csv"] = _dicts_csv(points)
+        rep.files["fig1_cost_effect.csv"] = dicts_csv(points)
         rep.files["fig1_cost_effect.png"] = cost_effect_png(points, "NDCG@10 against per-query latency")
         body += (
             f"\nEffectiveness against cost (Figure 1): mean test NDCG@10 of multi_dense over the datasets, "
             f"against a query's encoding (the measured length nearest {QUERY_LENGTH} tokens) plus exact search "
             "of the largest index measured; single: (1, 1) (single_dense where multi_dense is not scored "
             "there), multi: the train-selected budget where its latency was measured, else the largest "
-            "measured.\n\n![cost and effect](fig1_cost_effect.png)\n\n" + _md_table(points)
+            "measured.\n\n![cost and effect](fig1_cost_effect.png)\n\n" + md_table(points)
         )
     rep.sections.append(("Latency (Figures 1 and 3)", body))
 

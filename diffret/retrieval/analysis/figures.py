@@ -235,7 +235,7 @@ def compression_png(points: list[dict[str, Any]], title: str) -> bytes:
     for mode in modes:
         pts = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["bytes_per_passage"])
         ax.plot([p["bytes_per_passage"] for p in pts], [p["ndcg_10_change"] for p in pts], "o-", label=mode, ms=5)
-    low = {}  # each choice named once, at its lowest point
+    low: dict[str, dict[str, Any]] = {}  # each choice named once, at its lowest point
     for p in points:
         if p["store"] not in low or p["ndcg_10_change"] < low[p["store"]]["ndcg_10_change"]:
             low[p["store"]] = p

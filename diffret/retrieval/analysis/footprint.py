@@ -8,6 +8,7 @@ MSMARCO_PASSAGES = 8_841_823
 
 
 def footprint_projection(
+    *,
     hidden: int = 3584,
     passages: int = MSMARCO_PASSAGES,
     grid: tuple[int, ...] = (1, 2, 4, 8, 16),

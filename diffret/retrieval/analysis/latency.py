@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -163,9 +164,7 @@ def encode_latency(
             # the sparse filter reads the text, as it does for a query at search time
             texts = reader.bb.tokenizer.batch_decode(ids) if reader.filter is not None else None
             out = reader.encode(ids, texts, side, k)
-            timing = measure(
-                lambda ids=ids, texts=texts: reader.encode(ids, texts, side, k), repeats, warmup, reader.bb.device
-            )
+            timing = measure(partial(reader.encode, ids, texts, side, k), repeats, warmup, reader.bb.device)
             row = EncodeLatency(
                 side,
                 length,
@@ -229,6 +228,7 @@ def exact_search_latency(
     kp: int,
     hidden: int,
     modes: list[str],
+    *,
     queries: int = 16,
     topk: int = 100,
     repeats: int = 3,
@@ -244,9 +244,7 @@ def exact_search_latency(
         docs = synthetic_encodings(n, kp, hidden, seed=2 + n, device=device)
         for mode in modes:
             st = SearchSettings(topk=min(topk, n))
-            timing = measure(
-                lambda docs=docs, mode=mode, st=st: search_pass({kq: q}, [docs], [mode], st), repeats, warmup, device
-            )
+            timing = measure(partial(search_pass, {kq: q}, [docs], [mode], st), repeats, warmup, device)
             rows.append(
                 asdict(
                     SearchLatency(
@@ -263,6 +261,7 @@ def lance_search_latency(
     kp: int,
     hidden: int,
     workdir: str,
+    *,
     queries: int = 16,
     topk: int = 100,
     index_type: str = "auto",
@@ -290,7 +289,7 @@ def lance_search_latency(
             kind = "IVF_PQ" if n * kp >= need else "none"
         lance.create_index(db, kind)  # type: ignore[arg-type]
         k = min(topk, n)
-        timing = measure(lambda db=db, k=k: lance.search(db, qs, k), repeats, warmup)
+        timing = measure(partial(lance.search, db, qs, k), repeats, warmup)
         mode = "single_dense" if kq == kp == 1 else "multi_dense"
         rows.append(
             asdict(

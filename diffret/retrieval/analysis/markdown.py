@@ -32,19 +32,19 @@ def _anchor(title: str) -> str:
     return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
 
 
-def _csv(data: list[list[Any]]) -> bytes:
+def csv_bytes(data: list[list[Any]]) -> bytes:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(data)
     return buf.getvalue().encode()
 
 
-def _dicts_csv(data: list[dict[str, Any]], columns: list[str] | None = None) -> bytes:
+def dicts_csv(data: list[dict[str, Any]], columns: list[str] | None = None) -> bytes:
     """Rows as CSV with a header line, also without rows (``columns``, or a :class:`views.Rows`' own)."""
     cols = list(data[0]) if data else list(columns or getattr(data, "columns", []))
-    return _csv([cols] + [[r.get(c) for c in cols] for r in data])
+    return csv_bytes([cols] + [[r.get(c) for c in cols] for r in data])
 
 
-def _fmt(v: Any, nd: int = 4) -> str:
+def fmt(v: Any, nd: int = 4) -> str:
     if v is None:
         return "–"
     if isinstance(v, float):
@@ -52,14 +52,14 @@ def _fmt(v: Any, nd: int = 4) -> str:
     return str(v)
 
 
-def _md_table(data: list[dict[str, Any]], cols: list[str] | None = None) -> str:
+def md_table(data: list[dict[str, Any]], cols: list[str] | None = None) -> str:
     if not data:
         return "_(no rows)_\n"
     cols = cols or list(data[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in data]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in data]
     return "\n".join(lines) + "\n"
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", name)

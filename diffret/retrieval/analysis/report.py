@@ -18,7 +18,7 @@ from ..search.modes import MODE_NAMES
 from .correlation import feature_correlations
 from .costs import QUERY_LENGTH, cost_points, section_compression, section_footprint, section_latency
 from .figures import correlation_png, heatmap_png, oracle_png
-from .markdown import Report, _csv, _dicts_csv, _fmt, _md_table, _safe
+from .markdown import Report, csv_bytes, dicts_csv, fmt, md_table, safe_name
 from .tables import paper_table
 from .views import Views, per_query, rows
 
@@ -68,8 +68,8 @@ def section_selection(db: Views, rep: Report) -> None:
         "select system, dataset, split, kq, kp, mode, ndcg_10 from selected_cells "
         "where mode in ('multi_dense', 'sparse_max', 'fusion_multi_sparse_max') order by system, dataset, mode",
     )
-    rep.files["budget_selection.csv"] = _dicts_csv(sel)
-    rep.files["selected_cells.csv"] = _dicts_csv(test)
+    rep.files["budget_selection.csv"] = dicts_csv(sel)
+    rep.files["selected_cells.csv"] = dicts_csv(test)
     if not sel:
         body = (
             "No system has train-split metrics, so no budget is selected. Score a train split too, e.g. "
@@ -79,9 +79,9 @@ def section_selection(db: Views, rep: Report) -> None:
         body = (
             "(K_q*, K_p*) per system: the best mean H (fusion_multi_sparse_max) NDCG@10 over its train split(s), "
             "applied unchanged to every test split (views `budget_selection`, `selected_cells`).\n\n"
-            + _md_table(sel)
+            + md_table(sel)
             + "\nAt the selected budget on the other splits:\n\n"
-            + _md_table(test)
+            + md_table(test)
         )
     rep.sections.append(("Budget selection", body))
 
@@ -121,9 +121,9 @@ def section_landscapes(db: Views, rep: Report) -> None:
         marks = {"best on test": best}
         if system in sel:
             marks["train-selected"] = sel[system]
-        name = f"landscape_{_safe(system)}_{_safe(dataset)}_{mode}.png"
+        name = f"landscape_{safe_name(system)}_{safe_name(dataset)}_{mode}.png"
         rep.files[name] = heatmap_png(kqs, kps, arr, f"{dataset} test: {mode} NDCG@10\n{system}", marks)
-        lines.append(f"- {system} / {dataset} / {mode}: best ({best[0]}, {best[1]}) = {_fmt(grid[best])} — ![]({name})")
+        lines.append(f"- {system} / {dataset} / {mode}: best ({best[0]}, {best[1]}) = {fmt(grid[best])} — ![]({name})")
     if not by:
         lines.append("_(no grid metrics on a test split)_")
     rep.sections.append(("Landscapes", "\n".join(lines) + "\n"))
@@ -144,12 +144,12 @@ def section_oracle(db: Views, rep: Report, finetuned: dict[str, str]) -> None:
                 [ft, r["dataset"], r["split"], r["mode"], kq, kp],
             )
             r["finetuned"] = v[0]["ndcg_10"] if v else None
-    rep.files["oracle.csv"] = _dicts_csv(data, [*getattr(data, "columns", []), "finetuned"])
+    rep.files["oracle.csv"] = dicts_csv(data, [*getattr(data, "columns", []), "finetuned"])
     body = (
         "Mean NDCG@10 per query at the selected budget (fixed) and with a per-query oracle over K_q "
         "(K_p = K_p*), over K_p (K_q = K_q*) and over both (joint) (view `oracle`); `finetuned`: the "
         "fine-tuned model at the same budget when given with --finetuned BASE=FT.\n\n"
-        + _md_table(
+        + md_table(
             data,
             ["system", "dataset", "split", "mode", "fixed", "kq_oracle", "kp_oracle", "joint", "finetuned", "queries"],
         )
@@ -162,12 +162,12 @@ def section_oracle(db: Views, rep: Report, finetuned: dict[str, str]) -> None:
 
 def section_correlation(db: Views, rep: Report, n_boot: int) -> None:
     corr = feature_correlations(db, n_boot)
-    rep.files["feature_correlation.csv"] = _dicts_csv(corr, CORRELATION_COLUMNS)
+    rep.files["feature_correlation.csv"] = dicts_csv(corr, CORRELATION_COLUMNS)
     peaks = rows(db, "select * from query_peaks order by system, dataset, split, mode, query_id")
-    rep.files["query_peaks.csv"] = _dicts_csv(peaks)
+    rep.files["query_peaks.csv"] = dicts_csv(peaks)
     for r in corr:
-        r["rho [95% CI]"] = f"{_fmt(r['spearman'], 3)} [{_fmt(r['spearman_lo'], 3)}, {_fmt(r['spearman_hi'], 3)}]"
-        r["tau [95% CI]"] = f"{_fmt(r['kendall'], 3)} [{_fmt(r['kendall_lo'], 3)}, {_fmt(r['kendall_hi'], 3)}]"
+        r["rho [95% CI]"] = f"{fmt(r['spearman'], 3)} [{fmt(r['spearman_lo'], 3)}, {fmt(r['spearman_hi'], 3)}]"
+        r["tau [95% CI]"] = f"{fmt(r['kendall'], 3)} [{fmt(r['kendall_lo'], 3)}, {fmt(r['kendall_hi'], 3)}]"
     body = (
         "Per query, the peak K_q (argmax of NDCG@10 over K_q at K_p = K_p*; ties: the smallest) against the "
         "query's length in model-tokenizer subwords and the Shannon entropy (bits) of its token distribution "
@@ -175,7 +175,7 @@ def section_correlation(db: Views, rep: Report, n_boot: int) -> None:
         "resamples of queries). D = multi_dense, S = sparse_max. off_mode: queries whose peak is not the most "
         "common one; with few of them the interval only reflects resamples that contain them. nan: a constant "
         "variable (e.g. every query peaks at the same K_q).\n\n"
-        + _md_table(
+        + md_table(
             corr, ["system", "dataset", "split", "mode", "feature", "n", "off_mode", "rho [95% CI]", "tau [95% CI]"]
         )
     )
@@ -183,7 +183,7 @@ def section_correlation(db: Views, rep: Report, n_boot: int) -> None:
     for p in peaks:
         groups.setdefault((p["system"], p["dataset"], p["split"]), []).append(p)
     for (system, dataset, split), ps in sorted(groups.items()):
-        name = f"correlation_{_safe(system)}_{_safe(dataset)}_{split}.png"
+        name = f"correlation_{safe_name(system)}_{safe_name(dataset)}_{split}.png"
         rep.files[name] = correlation_png(ps, f"{dataset} {split}: peak K_q vs query features\n{system}")
         body += f"\n![{system} {dataset}]({name})\n"
     rep.sections.append(("Feature correlation", body))
@@ -199,7 +199,7 @@ def section_tables(
 ) -> None:
     resolved = [_resolve_system(db, r) for r in refs]
     t = paper_table(db, resolved, finetuned=finetuned, test=test, correction=correction)
-    rep.files["paper_table.csv"] = _csv(t.csv_rows())
+    rep.files["paper_table.csv"] = csv_bytes(t.csv_rows())
     rep.sections.append(("Paper tables (D / S / H)", t.markdown()))
 
 
@@ -239,8 +239,8 @@ def section_comparisons(
         except ValueError as exc:  # a run evaluated on other queries or measures: said, not hidden
             body.append(f"### {dataset}\n\nnot compared: {exc}\n")
             continue
-        rep.files[f"comparison_{_safe(dataset)}.csv"] = comp.csv().encode()
-        rep.files[f"comparison_{_safe(dataset)}.tex"] = comp.latex(f"tab:{_safe(dataset)}").encode()
+        rep.files[f"comparison_{safe_name(dataset)}.csv"] = comp.csv().encode()
+        rep.files[f"comparison_{safe_name(dataset)}.tex"] = comp.latex(f"tab:{safe_name(dataset)}").encode()
         body.append(f"### {dataset}\n\n{comp.markdown()}")
     if body:
         rep.sections.append((f"Runs against {ref}", "\n".join(body)))
@@ -266,10 +266,10 @@ def section_reranking(db: Views, rep: Report) -> None:
     )
     if not gains:
         return
-    rep.files["rerank_gains.csv"] = _dicts_csv(gains)
+    rep.files["rerank_gains.csv"] = dicts_csv(gains)
     body = (
         "NDCG@10 of each reranker (`diffret rerank`) and of the run it reordered, on the same queries "
-        "(view `rerank_gains`).\n\n" + _md_table(gains)
+        "(view `rerank_gains`).\n\n" + md_table(gains)
     )
     rep.sections.append(("Reranking", body))
 
@@ -285,7 +285,7 @@ def section_late(db: Views, rep: Report) -> None:
     )
     if not gains:
         return
-    rep.files["late_gains.csv"] = _dicts_csv(gains)
+    rep.files["late_gains.csv"] = dicts_csv(gains)
     bots = rows(
         db,
         "select index, name, dataset, bytes, round(build_seconds, 3) build_seconds from index_costs "
@@ -294,13 +294,13 @@ def section_late(db: Views, rep: Report) -> None:
     body = (
         "NDCG@10 of each first stage's top m re-scored (`diffret late`), beside the first stage (`beta`: SIDR_beta"
         " over the bag of tokens), the full-corpus run of the same mode (SIDR_full for a sidr system) and BM25; "
-        "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + _md_table(gains)
+        "passages_needed: the passages encoded for it, of corpus (view `late_gains`).\n\n" + md_table(gains)
     )
     if bots:
-        rep.files["index_costs.csv"] = _dicts_csv(bots)
+        rep.files["index_costs.csv"] = dicts_csv(bots)
         body += (
             "\nIndexes: the bag of tokens (`diffret bot`: no model), BM25's and SIDR systems' passage encodings "
-            "(view `index_costs`).\n\n" + _md_table(bots)
+            "(view `index_costs`).\n\n" + md_table(bots)
         )
     costs = rows(
         db,
@@ -312,12 +312,12 @@ def section_late(db: Views, rep: Report) -> None:
         "order by dataset, split, system, rescore, m",
     )
     if costs:
-        rep.files["late_costs.csv"] = _dicts_csv(costs)
+        rep.files["late_costs.csv"] = dicts_csv(costs)
         body += (
             "\nCost per query, measured on this store's runs (ms per query of a batched pass, query encoding "
             "excluded; view `late_costs`): the first stage's search, the re-scoring of its top m, encode_ms: "
             "one passage's encoding; on_the_fly: SIDR's way, the m passages encoded for each query; full: the "
-            "full-corpus search, after encoding the corpus once (full_index_encode_s).\n\n" + _md_table(costs)
+            "full-corpus search, after encoding the corpus once (full_index_encode_s).\n\n" + md_table(costs)
         )
     rep.sections.append(("Late-parametric re-scoring (SIDR)", body))
 
@@ -422,18 +422,19 @@ def section_adaptive(db: Views, rep: Report) -> None:
         "(oracle - fixed); p_value: paired t-test of the selector against fixed; chosen: queries per cell; "
         "top_features: importances; index_copies / query_passes: what the choice costs at query time.\n\n"
     )
-    body += _md_table(table) if table else ""
+    body += md_table(table) if table else ""
     if missing:
         body += (
             f"\n{len(missing)} adaptive run(s) without metrics (e.g. {missing[0]}): run `diffret evaluate` "
             "(and `diffret budget --selector fixed` for a cross-fitted baseline).\n"
         )
-    rep.files["adaptive_budgets.csv"] = _dicts_csv(table)
+    rep.files["adaptive_budgets.csv"] = dicts_csv(table)
     rep.sections.append(("Adaptive budgets", body))
 
 
 def build_report(
     db: Views,
+    *,
     name: str = "default",
     refs: list[str] | None = None,
     finetuned: dict[str, str] | None = None,

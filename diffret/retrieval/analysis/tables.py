@@ -140,12 +140,12 @@ def paper_table(
     table = PaperTable(datasets, list(refs or [])[:2])
     value: dict[tuple[str, str, str], float] = {}
     for c in cells:
-        b = budgets.get(c["system"])
-        if b is None or (c["kq"], c["kp"]) != b:
+        budget = budgets.get(c["system"])
+        if budget is None or (c["kq"], c["kp"]) != budget:
             continue
-        col = "S" if c["mode"] == "bm25" else next((k for k, m in TABLE_MODES.items() if m == c["mode"]), None)
-        if col is not None:
-            value[(c["system"], c["dataset"], col)] = c["ndcg_10"]
+        column = "S" if c["mode"] == "bm25" else next((k for k, m in TABLE_MODES.items() if m == c["mode"]), None)
+        if column is not None:
+            value[(c["system"], c["dataset"], column)] = c["ndcg_10"]
     tuned = set(finetuned.values())
     systems = sorted({m for m, _, _ in value}, key=lambda s: (not s.startswith("bm25"), s in tuned, s))
     for base, ft in finetuned.items():
@@ -159,8 +159,9 @@ def paper_table(
             for d, v in zip(datasets, per_ds, strict=True):
                 if v is not None:
                     row[(d, col)] = TableCell(v)
-            if per_ds and all(v is not None for v in per_ds):
-                row[("avg", col)] = TableCell(float(np.mean(per_ds)))
+            present = [v for v in per_ds if v is not None]
+            if per_ds and len(present) == len(per_ds):
+                row[("avg", col)] = TableCell(float(np.mean(present)))
         table.rows[system] = row
     # markers: paired tests against each named reference, same dataset and column, corrected across the table
     table.test, table.correction = test, correction
@@ -187,11 +188,11 @@ def paper_table(
         for (cell, _), p in zip(tested, correct([p for _, p in tested], correction, alpha), strict=True):
             if p < alpha:
                 cell.markers += mark
-    for col in table.columns():
-        vals = [(s, r[col].value) for s, r in table.rows.items() if col in r and r[col].value is not None]
+    for key in table.columns():
+        vals = [(s, v) for s, r in table.rows.items() if key in r and (v := r[key].value) is not None]
         if vals:
             top = max(v for _, v in vals)
             for s, v in vals:
                 if v == top:
-                    table.rows[s][col].best = True
+                    table.rows[s][key].best = True
     return table

@@ -395,14 +395,15 @@ def _official(entry: CatalogEntry, cache: Path, progress: Progress | None) -> So
         read_beir_folder(folder, files)
     elif entry.kind == "msmarco":
         folder = extract(got[0], cache / "extracted")
+        corpus = folder / "collection.tsv"
         files = SourceFiles(
             origin="official",
-            corpus=folder / "collection.tsv",
+            corpus=corpus,
             corpus_format="tsv",
             queries=[(folder / "queries.train.tsv", "tsv"), (folder / "queries.dev.small.tsv", "tsv")],
             qrels={"train": folder / "qrels.train.tsv", "dev": folder / "qrels.dev.small.tsv"},
         )
-        for p in [files.corpus, *(q for q, _ in files.queries), *files.qrels.values()]:
+        for p in [corpus, *(q for q, _ in files.queries), *files.qrels.values()]:
             if not p.exists():
                 raise DatasetError(f"{got[0]}: archive lacks {p.name}")
     else:  # trec-dl: queries (tsv.gz) + NIST qrels, judged against msmarco-passage

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from diffret.schemas import GROUPS_SCHEMA
 
-from .collections import DatasetError, _parse_json_object, iter_lines
+from .collections import DatasetError, iter_lines, parse_json_object
 
 Passage = dict[str, str]  # {"docid", "title", "text"}
 
@@ -116,7 +116,7 @@ def read_tevatron(path: Path) -> Iterator[Group]:
     if path.suffix == ".parquet":
         rows = ((f"row {i + 1}", r) for i, r in enumerate(pq.read_table(path).to_pylist()))
     else:
-        rows = ((str(n), _parse_json_object(path, n, line)) for n, line in iter_lines(path))
+        rows = ((str(n), parse_json_object(path, n, line)) for n, line in iter_lines(path))
     for where, obj in rows:
         g = parse_group(path, where, obj)
         if g.query_id in seen:

@@ -331,7 +331,7 @@ class _Run:
         if self.perm is not None and depth < self.counts.max():  # a moved row: count the kept rows before each
             kept = (self.perm - np.repeat(self.starts, self.counts)) < depth
             so_far = np.cumsum(kept)
-            before = so_far[self.starts] - kept[self.starts]
+            before: np.ndarray = so_far[self.starts] - kept[self.starts]
             place = so_far[found.at] - 1 - before[found.group]
         return _Ranking(found.query[keep], place[keep], found.grade[keep], np.minimum(num_ret, depth), judged.level)
 
@@ -439,6 +439,7 @@ def _measure(name: str, r: _Ranking, judged: _Judged) -> np.ndarray:
         return _map(r, judged)
     hits = np.bincount(r.top(r.rel, k)[0], minlength=r.n).astype(np.float64)
     if family == "P":
+        assert k is not None  # P is measured at a cut only (P_k)
         return hits / k
     if family == "recall":
         return np.divide(hits, n_rel, out=np.zeros(len(hits)), where=n_rel > 0)
@@ -483,14 +484,14 @@ def evaluate_tables(
     ...  for r in evaluate_tables(qrels, run, ["ndcg_cut_10", "mrr_10"]).to_pylist()]
     [('q1', 'ndcg_cut_10', 0.6309), ('q1', 'mrr_10', 0.5), ('q2', 'ndcg_cut_10', 0.0), ('q2', 'mrr_10', 0.0)]
     """
-    from .measures import _check_measure, evaluate
+    from .measures import check_measure, evaluate
     from .trec import qrels_from_table, run_from_table
 
     names = list(dict.fromkeys(measures))
     if not names:
         raise ValueError("no measures to evaluate")
     for name in names:
-        _check_measure(name)
+        check_measure(name)
     if ties not in ("rank", "trec", "score"):
         raise ValueError(f"ties must be 'rank', 'trec' or 'score', not {ties!r}")
     rows = _Run(run, ties)  # the run's checks first, whatever the qrels
@@ -510,7 +511,7 @@ def evaluate_tables(
                 rankings[depth] = rows.ranking(found, judged, depth)
             values[name] = _measure(name, rankings[depth], judged)
     if theirs:
-        order = "rank" if ties == "rank" else "score"
+        order: Literal["rank", "score"] = "rank" if ties == "rank" else "score"
         table = run.sort_by([("query_id", "ascending"), ("rank", "ascending")]) if ties == "trec" else run
         other = evaluate(
             qrels_from_table(qrels), run_from_table(table, order=order), theirs, relevance_level, ranked=ties == "trec"

@@ -303,7 +303,7 @@ def compare_runs(
                 ties=sum(x == y for x, y in zip(a, b, strict=True)),
                 losses=sum(x < y for x, y in zip(a, b, strict=True)),
             )
-    tested = [k for k, c in cells.items() if c.p_value is not None]
-    for k, p in zip(tested, correct([cells[k].p_value for k in tested], correction, alpha), strict=True):
+    tested = {k: c.p_value for k, c in cells.items() if c.p_value is not None}
+    for k, p in zip(tested, correct(list(tested.values()), correction, alpha), strict=True):
         cells[k].p_corrected = p
     return Comparison(baseline, rows, measures, cells, queries, test, correction, alpha, where)

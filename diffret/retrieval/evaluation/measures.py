@@ -23,7 +23,7 @@ import pytrec_eval
 
 from diffret.schemas import MEASURES, METRICS_SCHEMA
 
-from .trec import _rows
+from .trec import table_rows
 
 # What evaluate computes by default: the headline measures (storage.schemas.MEASURES).
 DEFAULT_MEASURES: tuple[str, ...] = tuple(m.pytrec for m in MEASURES)
@@ -41,7 +41,7 @@ def _mrr_cut(measure: str) -> int | None:
 
 
 @lru_cache(maxsize=256)
-def _check_measure(measure: str) -> None:
+def check_measure(measure: str) -> None:
     """Raise ValueError unless pytrec_eval reports ``measure`` under exactly that name, as one number."""
     if _mrr_cut(measure) is not None:
         return
@@ -73,7 +73,7 @@ def check_measures(measures: list[str]) -> list[str]:
     if not measures:
         raise ValueError("no measures: give one or more (--measure ndcg_cut_10)")
     for m in measures:
-        _check_measure(m)
+        check_measure(m)
     return measures
 
 
@@ -128,7 +128,7 @@ def evaluate(
     if not names:
         raise ValueError("no measures to evaluate")
     for name in names:
-        _check_measure(name)
+        check_measure(name)
     judged = {str(q): {d: int(r) for d, r in docs.items()} for q, docs in qrels.items() if docs}
     if not judged:
         return METRICS_SCHEMA.empty_table()
@@ -190,7 +190,7 @@ def mean_metrics(table: pa.Table, query_ids: Collection[str] | None = None) -> d
     """
     keep = None if query_ids is None else set(query_ids)
     values: dict[str, list[float]] = {}
-    for q, m, v in _rows(table, ("query_id", "measure", "value"), "metrics"):
+    for q, m, v in table_rows(table, ("query_id", "measure", "value"), "metrics"):
         if keep is None or q in keep:
             values.setdefault(m, []).append(float(v))
     return {m: pytrec_eval.compute_aggregated_measure(m, vs) for m, vs in values.items()}

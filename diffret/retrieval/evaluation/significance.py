@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 
-from .trec import _rows
+from .trec import table_rows
 
 # --------------------------------------------------------------------------------------- t-test
+
+Q = TypeVar("Q", str, int)  # a query's key: its id, or its position
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class TTest:
 
 
 def _per_query(table: pa.Table, measure: str | None, side: str) -> tuple[str, dict[str, float]]:
-    rows = list(_rows(table, ("query_id", "measure", "value"), f"metrics ({side})"))
+    rows = list(table_rows(table, ("query_id", "measure", "value"), f"metrics ({side})"))
     if measure is None:
         present = sorted({m for _, m, _ in rows})
         if len(present) != 1:
@@ -60,9 +63,9 @@ def paired_ttest(a: pa.Table, b: pa.Table, measure: str | None = None, *, allow_
 
 
 def paired_ttest_values(
-    sa: Mapping[str, float], sb: Mapping[str, float], measure: str = "value", *, allow_subset: bool = False
+    sa: Mapping[Q, float], sb: Mapping[Q, float], measure: str = "value", *, allow_subset: bool = False
 ) -> TTest:
-    """``paired_ttest`` on two {query_id: score} maps.
+    """``paired_ttest`` on two {query_id: score} maps (or {position: score}).
 
     >>> t = paired_ttest_values({"a": 0.5, "b": 0.7, "c": 0.9}, {"a": 0.4, "b": 0.5, "c": 0.6})
     >>> t.n, round(t.diff, 4), round(t.p_value, 3)

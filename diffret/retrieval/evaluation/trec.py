@@ -202,7 +202,7 @@ def write_trec_run(
         table = pa.Table.from_batches([run]) if isinstance(run, pa.RecordBatch) else run
         _require_columns(table, cols, "run")
         table = table.select(list(cols)).sort_by([("query_id", "ascending"), ("rank", "ascending")])
-        rows: Iterable[tuple] = _rows(table, cols, "run")
+        rows: Iterable[tuple] = table_rows(table, cols, "run")
     elif isinstance(run, Mapping):
         rows = (
             (qid, doc, rank, score) for qid in sorted(run) for rank, (doc, score) in enumerate(trec_order(run[qid]), 1)
@@ -238,7 +238,9 @@ def _require_columns(table: pa.Table | pa.RecordBatch, names: Sequence[str], wha
             raise ValueError(f"{what} table has {table.column(name).null_count} null(s) in column {name!r}")
 
 
-def _rows(table: pa.Table | pa.RecordBatch, names: Sequence[str], what: str, chunk: int = 65536) -> Iterator[tuple]:
+def table_rows(
+    table: pa.Table | pa.RecordBatch, names: Sequence[str], what: str, chunk: int = 65536
+) -> Iterator[tuple]:
     """The rows of some columns as Python tuples, converted a slice at a time (bounded memory on big runs)."""
     _require_columns(table, names, what)
 
@@ -254,7 +256,7 @@ def qrels_from_table(table: pa.Table | pa.RecordBatch) -> Qrels:
     """Qrels from a table with query_id, doc_id, relevance (other columns such as split are ignored: filter
     the split first). A repeated (query, doc) pair must carry the same grade."""
     qrels: Qrels = {}
-    for qid, doc, rel in _rows(table, ("query_id", "doc_id", "relevance"), "qrels"):
+    for qid, doc, rel in table_rows(table, ("query_id", "doc_id", "relevance"), "qrels"):
         docs = qrels.setdefault(qid, {})
         rel = int(rel)
         if docs.get(doc, rel) != rel:
@@ -274,7 +276,7 @@ def run_from_table(table: pa.Table | pa.RecordBatch, order: Literal["rank", "sco
         raise ValueError(f"order must be 'rank' or 'score', not {order!r}")
     run: Run = {}
     sign = -1.0 if order == "rank" else 1.0
-    for qid, doc, val in _rows(table, ("query_id", "doc_id", order), "run"):
+    for qid, doc, val in table_rows(table, ("query_id", "doc_id", order), "run"):
         docs = run.setdefault(qid, {})
         if doc in docs:
             raise ValueError(f"run: document {doc!r} appears twice for query {qid!r}")

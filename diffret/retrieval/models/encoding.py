@@ -66,14 +66,18 @@ def encoded_table(ids: list[str], encs: list[Encoded], hidden: int) -> pa.Table:
     offsets = pa.array(np.concatenate([[0], np.cumsum(n_reps)]).astype(np.int32))
     dense = pa.ListArray.from_arrays(offsets, inner).cast(dense_type)
     has_sparse = any(e.sparse_ids is not None for e in encs)
+    if has_sparse and any(e.sparse_ids is None or e.sparse_weights is None for e in encs):
+        raise ValueError("encoded texts: some have sparse vectors and some do not")
     return pa.table(
         {
             "id": pa.array(ids, pa.string()),
             "n_reps": pa.array(n_reps, pa.int16()),
             "dense": dense,
-            "sparse_ids": pa.array([e.sparse_ids.tolist() if has_sparse else None for e in encs], pa.list_(pa.int32())),
+            "sparse_ids": pa.array(
+                [None if e.sparse_ids is None else e.sparse_ids.tolist() for e in encs], pa.list_(pa.int32())
+            ),
             "sparse_weights": pa.array(
-                [e.sparse_weights.tolist() if has_sparse else None for e in encs], pa.list_(pa.float32())
+                [None if e.sparse_weights is None else e.sparse_weights.tolist() for e in encs], pa.list_(pa.float32())
             ),
             "n_tokens": pa.array([e.n_tokens for e in encs], pa.int32()),
             "stopped": pa.array([e.stopped for e in encs], pa.bool_()),
@@ -96,6 +100,7 @@ def encode_rows(
     ids: list[str],
     token_ids: list[list[int]],
     texts: list[str] | None,
+    *,
     side: str,
     k: int,
     batch_size: int,

@@ -253,10 +253,8 @@ def _parse(folder: str, _size: int, _mtime: int) -> ReleasedCheckpoint:
     if on:
         raise ReleasedError(f"{path}: {on[0]} is set; the K-router heads of the reference are not supported")
     k = cfg.get("n_gen_tokens")
-    kq, kp = cfg.get("n_gen_q_tokens") or k, cfg.get("n_gen_p_tokens") or k
-    for name, v in (("n_gen_q_tokens", kq), ("n_gen_p_tokens", kp)):
-        if not isinstance(v, int) or v < 1:
-            raise ReleasedError(f"{path}: {name} (or n_gen_tokens) must be a positive integer, got {v!r}")
+    kq = _slots(cfg.get("n_gen_q_tokens") or k, "n_gen_q_tokens", path)
+    kp = _slots(cfg.get("n_gen_p_tokens") or k, "n_gen_p_tokens", path)
     try:
         max_length, steps = int(cfg.get("max_length", 512)), int(cfg.get("num_denoise_steps") or 1)
         mask = int(cfg["mask_token_id"])
@@ -280,6 +278,13 @@ def _parse(folder: str, _size: int, _mtime: int) -> ReleasedCheckpoint:
         suffix={s: _ids(cfg, f"{s}_suffix_ids", path) for s in ("query", "passage")},
         n_tail=int(n_tail),
     )
+
+
+def _slots(v: Any, name: str, path: Path) -> int:
+    """``v``, a mask count of the config (``name``), when it is a positive integer (else ReleasedError)."""
+    if not isinstance(v, int) or v < 1:
+        raise ReleasedError(f"{path}: {name} (or n_gen_tokens) must be a positive integer, got {v!r}")
+    return v
 
 
 def _base(folder: Path, hub: str) -> str:

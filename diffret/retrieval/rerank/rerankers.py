@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -106,6 +106,8 @@ class PromptBuilder:
         self.mask_id = backbone.mask_id
         self.chat = backbone.has_chat_template
         eos = self.tok.eos_token_id
+        self.head: list[int]
+        self.tail: list[int]
         if self.chat:
             self.head, self.tail = [], chat_tail(self.tok, backbone.turn_end_id, eos)
         else:
@@ -288,7 +290,7 @@ class Pointwise(Reranker, name="pointwise", prompt_name="pointwise"):
     def longest_prompt(self, doc: str) -> Encoded:
         return self.builder.pointwise("a query", doc)
 
-    def rerank(self, items, progress=None):  # type: ignore[no-untyped-def]
+    def rerank(self, items, progress=None):
         pairs = [(qi, j) for qi, (_, docs) in enumerate(items) for j in range(len(docs))]
         scores = [np.zeros(len(d)) for _, d in items]
         for s in range(0, len(pairs), self.batch_size):
@@ -319,7 +321,7 @@ class _Windowed(Reranker):
     def longest_prompt(self, doc: str) -> Encoded:
         return self.builder.listwise("a query", [doc] * self.window, self.window_ids(self.window))
 
-    def rerank(self, items, progress=None):  # type: ignore[no-untyped-def]
+    def rerank(self, items, progress=None):
         orders = [list(range(len(docs))) for _, docs in items]
         plans = [window_starts(len(docs), self.window, self.step) for _, docs in items]
         for w in range(max((len(p) for p in plans), default=0)):
@@ -347,7 +349,7 @@ class LogitsListwise(_Windowed, name="logits_listwise", prompt_name="logits_list
         first_slot = self.builder.p.slot.format(n=1, slot=_SLOT)
         self.cols = self.builder.token_of(self.builder.p.answers, first_slot)
 
-    def rank_windows(self, windows):  # type: ignore[no-untyped-def]
+    def rank_windows(self, windows):
         rows = [self.builder.listwise(q, docs) for q, docs in windows]
         self.stats.forward_passes += 1
         logits = slot_logits(self.bb, rows, self.cols)
@@ -370,7 +372,7 @@ class _Permutation(_Windowed, prompt_name="permutation"):
 
 
 class PermutationAssignment(_Permutation, name="permutation_assignment"):
-    def rank_windows(self, windows):  # type: ignore[no-untyped-def]
+    def rank_windows(self, windows):
         self.stats.forward_passes += 1
         out = []
         for (_, docs), lg in zip(windows, slot_logits(self.bb, self.rows(windows), self.cols), strict=True):
@@ -382,7 +384,7 @@ class PermutationSampling(_Permutation, name="permutation_sampling"):
     """Every window of the batch decodes in lockstep, its constrained and its unconstrained decoding (the latter
     only counts the outputs the constraint repaired): one batched forward pass per denoising step."""
 
-    def rank_windows(self, windows):  # type: ignore[no-untyped-def]
+    def rank_windows(self, windows):
         rows = self.rows(windows)
         live = []  # [window, constrained, decoder, state]
         for w, (_, docs) in enumerate(windows):
@@ -411,7 +413,7 @@ class PermutationSampling(_Permutation, name="permutation_sampling"):
         out = []
         for w, (_, docs) in enumerate(windows):
             free = done[(w, False)]
-            self.stats.invalid_without_constraint += int(sorted(free) != list(range(len(docs))))  # type: ignore[type-var]
+            self.stats.invalid_without_constraint += int(sorted(free) != list(range(len(docs))))
             out.append([int(x) for x in done[(w, True)] if x is not None])
         return out
 
@@ -420,7 +422,7 @@ RERANKERS: dict[str, type[Reranker]] = {
     cls.name: cls for cls in (Pointwise, LogitsListwise, PermutationSampling, PermutationAssignment)
 }
 RerankerName = Literal["pointwise", "logits_listwise", "permutation_sampling", "permutation_assignment"]
-assert set(RerankerName.__args__) == set(RERANKERS)  # the config's choices are the registry's
+assert set(get_args(RerankerName)) == set(RERANKERS)  # the config's choices are the registry's
 
 
 def batch_cuts(method: str, sizes: Sequence[int], batch_size: int, window: int = 20, step: int = 10) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from ..data.collections import _parse_json_object, iter_lines
+from ..data.collections import iter_lines, parse_json_object
 from ..fields import like
 from ..models.backbones import Backbone
 from ..training.loop import Loop, LoopSettings
@@ -116,7 +116,7 @@ def read_ranked_lists(path: str | Path) -> Iterator[RankedList]:
     or plain objects, see :func:`parse_ranked_list`); a malformed line fails naming the file and line."""
     p = Path(path)
     for n, line in iter_lines(p):
-        yield parse_ranked_list(_parse_json_object(p, n, line), f"{p}:{n}")
+        yield parse_ranked_list(parse_json_object(p, n, line), f"{p}:{n}")
 
 
 def qrels_lists(
@@ -302,10 +302,10 @@ class RerankTrainer(Loop):
         self.tail = len(self.builder.tail)
 
     @staticmethod
-    def samples(prepared: RerankBatch) -> int:  # type: ignore[override]
+    def samples(prepared: RerankBatch) -> int:
         return prepared.n_lists
 
-    def prepare(self, lists: list[RankedList], step: int) -> RerankBatch:  # type: ignore[override]
+    def prepare(self, lists: list[RankedList], step: int) -> RerankBatch:
         s = self.s
         out = RerankBatch([], [], n_lists=len(lists))
         for ls in lists:
@@ -356,7 +356,7 @@ class RerankTrainer(Loop):
         out.targets.append([target[p] for p in masked])
         out.weights.append(1.0 / (t * len(span)))
 
-    def micro_loss(self, x: RerankBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:  # type: ignore[override]
+    def micro_loss(self, x: RerankBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.autocast(self.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             logits = position_logits(self.bb, x.rows, x.positions)
         lsm = torch.log_softmax(logits.float(), dim=-1)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -148,22 +149,22 @@ def encodings_from_table(
     n = table.num_rows
     ids = table.column("id").to_pylist()
     n_reps = table.column("n_reps").to_numpy().astype(np.int64)
-    flat = vectors_of(table, codec)  # one row per vector, in text order
-    hidden = flat.shape[1]
-    if flat.shape[0] != int(n_reps.sum()):
-        raise ValueError(f"encodings: {flat.shape[0]} vectors but n_reps sums to {int(n_reps.sum())}")
+    dense_rows = vectors_of(table, codec)  # one row per vector, in text order
+    hidden = dense_rows.shape[1]
+    if dense_rows.shape[0] != int(n_reps.sum()):
+        raise ValueError(f"encodings: {dense_rows.shape[0]} vectors but n_reps sums to {int(n_reps.sum())}")
     if n and int(n_reps.min()) < 1:
         bad = ids[int(np.argmin(n_reps))]
         raise ValueError(f"encodings: text {bad!r} has no vector (n_reps = 0)")
     kmax = int(n_reps.max()) if n else 1
-    vecs = normalised(torch.from_numpy(flat), rules)
+    vecs = normalised(torch.from_numpy(dense_rows), rules)
     mask = torch.arange(kmax)[None, :] < torch.from_numpy(n_reps)[:, None]
     if n and bool((n_reps == kmax).all()):  # every text has K vectors (no slot cut): a view, no second copy
         multi = vecs.view(n, kmax, hidden)
     else:
         multi = torch.zeros(n, kmax, hidden)
         multi[mask] = vecs
-    del vecs
+    del vecs, dense_rows
     single = multi.sum(1) / torch.from_numpy(n_reps).clamp_min(1)[:, None].float()
     if rules.single_renorm:
         single = normalise(single)
@@ -205,7 +206,7 @@ def select(enc: Encodings, ids: list[str]) -> Encodings:
     return take(enc, [pos[x] for x in ids])
 
 
-def take(enc: Encodings, rows: Sequence[int]) -> Encodings:
+def take(enc: Encodings, rows: Sequence[int] | npt.NDArray[np.integer]) -> Encodings:
     """The texts at positions ``rows``, in that order.
 
     >>> e = Encodings(["a", "b"], torch.zeros(2, 1, 2), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 2),

@@ -72,7 +72,10 @@ def search_pass(
     ctx = ScoreContext(Workspace(), vocab, rules=st.rules)
     tops = {(kq, m): RunningTopK(len(q), st.topk, device) for kq, q in queries.items() for m in modes}
     prepared = {
-        (kq, m): MODES[m].prepare(q, ctx, device) for kq, q in queries.items() for m in modes if MODES[m].prepare
+        (kq, m): prepare(q, ctx, device)
+        for kq, q in queries.items()
+        for m in modes
+        if (prepare := MODES[m].prepare) is not None
     }
     qpos = {kq: {x: i for i, x in enumerate(q.ids)} for kq, q in queries.items()} if st.ignore_identical_ids else {}
     n_queries = max(len(q) for q in queries.values())
@@ -91,13 +94,13 @@ def search_pass(
                     queries,
                     block.rows(start, min(start + plan.passages, len(block))),
                     offset + start,
-                    modes,
-                    plan,
-                    ctx,
-                    prepared,
-                    qpos,
-                    tops,
-                    device,
+                    modes=modes,
+                    plan=plan,
+                    ctx=ctx,
+                    prepared=prepared,
+                    qpos=qpos,
+                    tops=tops,
+                    device=device,
                 )
         del block  # before the stream reads the next one: one passage block in memory at a time
     return {key: tops.pop(key).result() for key in list(tops)}, doc_ids  # each state freed once decoded
@@ -107,6 +110,7 @@ def _score_block(
     queries: dict[int, Encodings],
     p: Encodings,
     offset: int,
+    *,
     modes: list[str],
     plan: BlockPlan,
     ctx: ScoreContext,
@@ -116,7 +120,7 @@ def _score_block(
     device: torch.device,
 ) -> None:
     """One passage sub-block against every query set, mode and query block."""
-    p_prep = {m: MODES[m].prepare_passages(p, ctx, device) for m in modes if MODES[m].prepare_passages}
+    p_prep = {m: prep(p, ctx, device) for m in modes if (prep := MODES[m].prepare_passages) is not None}
     for kq, q in queries.items():
         hits = _self_hits(qpos[kq], p.ids, device) if kq in qpos else None
         for a in range(0, len(q), plan.queries):
@@ -125,7 +129,9 @@ def _score_block(
                 sel = (hits[0] >= a) & (hits[0] < b)
                 rows, cols = hits[0][sel] - a, hits[1][sel]
             for mode in modes:
-                sc = MODES[mode].score(q, a, b, p, prepared.get((kq, mode)), p_prep.get(mode), ctx)
+                score = MODES[mode].score
+                assert score is not None  # a base mode (search_pass checked them)
+                sc = score(q, a, b, p, prepared.get((kq, mode)), p_prep.get(mode), ctx)
                 if hits is not None and rows.numel():
                     sc[rows, cols] = NEG
                 tops[(kq, mode)].update(sc, offset, row=a)

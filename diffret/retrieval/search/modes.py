@@ -61,12 +61,12 @@ def _multi(q: Encodings, start: int, end: int, p: Encodings, _qp: Any, _pp: Any,
             q.mask[s:e],
             p.multi,
             p.mask,
-            ctx.workspace,
-            out[s - start : e - start],
-            ctx.tile_elems,
-            ctx.rules.maxsim_clamp,
-            ctx.rules.maxsim_reduce,
-            ctx.rules.bf16,
+            workspace=ctx.workspace,
+            out=out[s - start : e - start],
+            tile_elems=ctx.tile_elems,
+            clamp=ctx.rules.maxsim_clamp,
+            reduce=ctx.rules.maxsim_reduce,
+            bf16=ctx.rules.bf16,
         )
     return out
 
@@ -170,7 +170,7 @@ def cell_modes(modes: Iterable[str], kq: int, kp: int, q1p1_multi: str = "skip")
 
 def base_modes_needed(modes: Iterable[str]) -> list[str]:
     """The base modes to score so that every requested mode (fusions included) can be built, in table order."""
-    need = set()
+    need: set[str] = set()
     for name in modes:
         need.update(MODES[name].fuses or (name,))
     return [n for n in BASE_MODES if n in need]

@@ -74,7 +74,10 @@ def run_table(
     elif len(lex) != len(doc_ids):
         raise ValueError(f"doc order of {len(lex)} docs for {len(doc_ids)} doc ids")
     rows = range(len(query_ids)) if query_rows is None else query_rows
-    qcol, dcol, rcol, scol = [], [], [], []
+    qcol: list[str] = []
+    dcol: list[str] = []
+    rcol: list[int] = []
+    scol: list[float] = []
     for qi in rows:
         s, ix = top.scores[qi], top.index[qi]
         keep = ix >= 0
@@ -112,7 +115,7 @@ def run_file_bytes(table: pa.Table) -> bytes:
             raise ValueError(f"not a run table: columns {table.schema.names}, expected {RUN_SCHEMA.names}")
         table = table.cast(RUN_SCHEMA)
     buf = io.BytesIO()
-    pq.write_table(table, buf, **RUN_PARQUET_OPTIONS)  # type: ignore[arg-type]
+    pq.write_table(table, buf, **RUN_PARQUET_OPTIONS)
     return buf.getvalue()
 
 

@@ -239,6 +239,7 @@ def maxsim(
     q_mask: torch.Tensor,
     p_multi: torch.Tensor,
     p_mask: torch.Tensor,
+    *,
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     tile_elems: int | None = None,

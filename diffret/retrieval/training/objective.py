@@ -55,6 +55,7 @@ def contrastive_loss(
     p_dense: torch.Tensor,
     p_mask: torch.Tensor,
     group: int,
+    *,
     tau: float = 0.01,
     q_sparse: torch.Tensor | None = None,
     p_sparse: torch.Tensor | None = None,

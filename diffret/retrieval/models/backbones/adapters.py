@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .config import BackboneConfig
-from .errors import BackboneError, _load_error
+from .errors import BackboneError, load_error
 from .families import FamilySpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -76,7 +76,7 @@ def with_adapter(cfg: BackboneConfig) -> BackboneConfig:
     return cfg
 
 
-def _apply_adapter(
+def apply_adapter(
     model: torch.nn.Module, cfg: BackboneConfig, raw: dict[str, Any], spec: FamilySpec | None = None
 ) -> torch.nn.Module:
     """The peft adapter ``cfg.adapter`` injected into ``model`` (in place), or merged into its weights."""
@@ -86,7 +86,7 @@ def _apply_adapter(
     try:
         peft = _remapped_adapter(model, folder, cfg, spec) or PeftModel.from_pretrained(model, str(folder))
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-        raise _load_error(
+        raise load_error(
             cfg,
             f"the adapter {cfg.adapter!r} onto it",
             exc,

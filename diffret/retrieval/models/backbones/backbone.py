@@ -9,13 +9,58 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
 from .config import BackboneConfig
 from .errors import BackboneError
 from .families import FAMILIES, TURN_END_CANDIDATES, mask_token_id
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+Projection = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None]  # Backbone.projection
+
+
+class _Pretrained(Protocol):
+    """What a backbone reads from a Hugging Face model beyond ``torch.nn.Module``'s own methods."""
+
+    config: PretrainedConfig
+
+    def get_input_embeddings(self) -> torch.nn.Module: ...
+
+    def get_output_embeddings(self) -> torch.nn.Module | None: ...
+
+
+def pretrained(model: torch.nn.Module) -> _Pretrained:
+    """``model`` typed as the Hugging Face model it is (torch types ``Module.__getattr__`` as ``Tensor | Module``).
+
+    >>> import transformers
+    >>> cfg = transformers.BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+    ...                               intermediate_size=8)
+    >>> pretrained(transformers.BertForMaskedLM(cfg)).config.vocab_size
+    50
+    """
+    return cast(_Pretrained, model)
+
+
+def submodule(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``module``'s child module ``name`` (torch types ``Module.__getattr__`` as ``Tensor | Module``).
+
+    >>> submodule(torch.nn.Sequential(torch.nn.Identity()), "0")
+    Identity()
+    """
+    return cast(torch.nn.Module, getattr(module, name))
+
+
+def weight_of(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` (a linear map's or an embedding's matrix).
+
+    >>> tuple(weight_of(torch.nn.Embedding(5, 3)).shape)
+    (5, 3)
+    """
+    return cast(torch.Tensor, module.weight)
 
 
 def softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +94,13 @@ class Backbone:
         self.spec = FAMILIES[family]
         self.family = family
         self.loader = loader
-        self.name = name or getattr(model.config, "_name_or_path", "") or model.__class__.__name__
+        self.name = name or getattr(pretrained(model).config, "_name_or_path", "") or model.__class__.__name__
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._mask_token = mask_token
         self._turn_end = turn_end
         self.trunk, self.head = _split_head(model)
-        self._projection: Any = False  # not looked for yet (projection())
+        self._projection: Projection | Literal[False] | None = False  # False: not looked for yet (projection())
         self.source: BackboneConfig | None = None  # the config it was loaded from (load_backbone)
         self.pad_id = _pad_id(tokenizer)
         # a causal architecture (or Dream's remote code) takes a 4D mask: every real token sees every real token
@@ -107,15 +152,24 @@ class Backbone:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     @property
+    def config(self) -> PretrainedConfig:
+        """The model's Hugging Face config."""
+        return pretrained(self.model).config
+
+    @property
     def hidden_size(self) -> int:
-        cfg = self.model.config
+        cfg = self.config
         return int(getattr(cfg, "hidden_size", None) or cfg.d_model)
 
     @property
     def vocab_size(self) -> int:
         """The LM head's output size (logits per position)."""
-        out = self.model.get_output_embeddings()
-        return int(out.weight.shape[0]) if out is not None else int(self.model.config.vocab_size)
+        out = pretrained(self.model).get_output_embeddings()
+        return int(weight_of(out).shape[0]) if out is not None else int(self.config.vocab_size)
+
+    def input_embeddings(self) -> torch.Tensor:
+        """The input embedding matrix [V, H]."""
+        return weight_of(pretrained(self.model).get_input_embeddings())
 
     # ------------------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, bidirectional: bool) -> torch.Tensor:
@@ -187,13 +241,13 @@ class Backbone:
         sorted_cols, order = torch.sort(columns)
         # with stats: sum exp(l - best) and sum exp(l - best) * l over the blocks so far, rescaled as best grows
         s0 = torch.zeros(flat.shape[0], dtype=torch.float64, device=x.device) if stats else None
-        s1 = torch.zeros_like(s0) if stats else None
+        s1 = None if s0 is None else torch.zeros_like(s0)
         for s in range(0, vocab, block):
             e = min(vocab, s + block)
             lg = torch.nn.functional.linear(flat, weight[s:e], None if bias is None else bias[s:e]).float()
             m, i = lg.max(-1)
             better = m > best  # strictly: the first of equal maxima wins, as argmax's
-            if stats:
+            if s0 is not None and s1 is not None:  # with stats
                 new_best = torch.maximum(m, best).double()
                 scale = torch.exp(best.double() - new_best)
                 w = torch.exp(lg.double() - new_best[:, None])
@@ -205,19 +259,19 @@ class Backbone:
             if hi > lo:
                 picked[:, order[lo:hi]] = lg[:, sorted_cols[lo:hi] - s]
         lead = x.shape[:-1]
-        if not stats:
+        if s0 is None or s1 is None:  # without stats
             return top.reshape(lead), picked.reshape(*lead, columns.numel())
         lse = best.double() + torch.log(s0)  # log of the softmax's normaliser
         entropy = (lse - s1 / s0).float()  # H = lse - E[l]
         maxprob = torch.exp(best.double() - lse).float()
         return top.reshape(lead), picked.reshape(*lead, columns.numel()), entropy.reshape(lead), maxprob.reshape(lead)
 
-    def projection(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
+    def projection(self) -> Projection | None:
         """(transform, weight [V, H], bias) with ``logits(h) == linear(transform(h), weight, bias)`` bit for bit
         (checked once on random states), or None when the head is not of that shape (a wrapped or custom head)."""
         if self._projection is False:
             self._projection = _find_projection(self)
-        return self._projection  # type: ignore[return-value]
+        return self._projection
 
     def rebind_head(self) -> None:
         """Bind the trunk and head again from the model (after peft wrapped some of its modules in place)."""
@@ -234,7 +288,7 @@ def bidirectional_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def _is_causal_arch(model: torch.nn.Module) -> bool:
-    cfg = model.config
+    cfg = pretrained(model).config
     return (
         bool(getattr(cfg, "is_decoder", False))
         or any(a.endswith("ForCausalLM") for a in (getattr(cfg, "architectures", None) or [model.__class__.__name__]))
@@ -253,21 +307,23 @@ def _split_head(model: torch.nn.Module) -> tuple[Callable[..., Any], Callable[[t
     """(trunk, head) such that head(trunk(x).last_hidden_state) == model(x).logits."""
     name = model.__class__.__name__
     if hasattr(model, "cls") and hasattr(model, "bert"):  # BertForMaskedLM and relatives
-        return model.bert, model.cls
+        return submodule(model, "bert"), submodule(model, "cls")
     if hasattr(model, "head") and hasattr(model, "decoder") and hasattr(model, "model"):  # ModernBertForMaskedLM
-        return model.model, lambda h: model.decoder(model.head(h))
+        return submodule(model, "model"), lambda h: submodule(model, "decoder")(submodule(model, "head")(h))
     if hasattr(model, "lm_head") and hasattr(model, "model"):  # Llama, Qwen2, Dream, ...
-        return model.model, model.lm_head
+        return submodule(model, "model"), submodule(model, "lm_head")
     transformer = getattr(getattr(model, "model", None), "transformer", None)
     if transformer is not None and "ln_f" in transformer and "blocks" in transformer:  # LLaDA's own code
-        return _llada_trunk(model.model), _llada_head(model.model)
+        return _llada_trunk(submodule(model, "model")), _llada_head(submodule(model, "model"))
     for prefix, head_name in (("roberta", "lm_head"), ("distilbert", "vocab_projector")):
         if hasattr(model, prefix) and hasattr(model, head_name):
             if prefix == "distilbert":
-                return model.distilbert, lambda h: model.vocab_projector(
-                    model.vocab_layer_norm(model.activation(model.vocab_transform(h)))
+                return submodule(model, "distilbert"), lambda h: submodule(model, "vocab_projector")(
+                    submodule(model, "vocab_layer_norm")(
+                        submodule(model, "activation")(submodule(model, "vocab_transform")(h))
+                    )
                 )
-            return getattr(model, prefix), getattr(model, head_name)
+            return submodule(model, prefix), submodule(model, head_name)
     raise BackboneError(
         f"{name}: do not know how to apply its LM head to selected positions only; "
         "add the family to retrieval.models.backbones.backbone._split_head"
@@ -279,20 +335,20 @@ VOCAB_BLOCK_BYTES = 4 << 20  # float32 logits of one vocabulary block (read_head
 
 def _find_projection(
     bb: Backbone,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
+) -> Projection | None:
     """The head as a transform and one linear map (Backbone.projection): a decoder after BERT's prediction
     transform or ModernBERT's head, an lm_head (LLaDA's ff_out) alone, or LLaDA's tied input embeddings."""
     head, model = bb.head, bb.model
-    candidates: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None]] = []
+    candidates: list[Projection] = []
     if type(head) is torch.nn.Linear:
         candidates.append((lambda h: h, head.weight, head.bias))
     predictions = getattr(head, "predictions", None)  # BERT's MLM head: transform, then decoder
     decoder = getattr(predictions, "decoder", None)
-    if type(decoder) is torch.nn.Linear:
+    if type(decoder) is torch.nn.Linear and predictions is not None:
         candidates.append((predictions.transform, decoder.weight, decoder.bias))
     decoder = getattr(model, "decoder", None)  # ModernBERT's: head, then decoder
     if type(decoder) is torch.nn.Linear and isinstance(getattr(model, "head", None), torch.nn.Module):
-        candidates.append((model.head, decoder.weight, decoder.bias))
+        candidates.append((submodule(model, "head"), decoder.weight, decoder.bias))
     transformer = getattr(getattr(model, "model", None), "transformer", None)
     if transformer is not None and "wte" in transformer and "ff_out" not in transformer:
         candidates.append((lambda h: h, transformer["wte"].weight, None))
@@ -323,11 +379,11 @@ def _llada_trunk(llada: torch.nn.Module) -> Callable[..., Any]:
     """LLaDA's own model without its output projection: its "logits" are the final hidden states."""
     trunk = copy.copy(llada)
     trunk._modules = dict(llada._modules)
-    transformer = torch.nn.ModuleDict(dict(llada.transformer.items()))
+    transformer = torch.nn.ModuleDict(dict(_llada_blocks(llada).items()))
     if "ff_out" in transformer:
         transformer["ff_out"] = torch.nn.Identity()
     trunk._modules["transformer"] = transformer
-    tied = bool(getattr(llada.config, "weight_tying", False))
+    tied = bool(getattr(pretrained(llada).config, "weight_tying", False))
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
         out = trunk(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=tied)
@@ -337,7 +393,12 @@ def _llada_trunk(llada: torch.nn.Module) -> Callable[..., Any]:
 
 
 def _llada_head(llada: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    t = llada.transformer
+    t = _llada_blocks(llada)
     if "ff_out" in t:
-        return t.ff_out
-    return lambda h: torch.nn.functional.linear(h, t.wte.weight)
+        return t["ff_out"]
+    return lambda h: torch.nn.functional.linear(h, weight_of(t["wte"]))
+
+
+def _llada_blocks(llada: torch.nn.Module) -> torch.nn.ModuleDict:
+    """LLaDA's own ``transformer``: a ModuleDict of its embeddings, blocks, final norm and output projection."""
+    return cast(torch.nn.ModuleDict, llada.transformer)

@@ -14,7 +14,7 @@ class BackboneError(ValueError):
     """A backbone that cannot be loaded or used as asked; the message says why and what to do."""
 
 
-def _load_error(
+def load_error(
     cfg: BackboneConfig, what: str, exc: Exception, hint: str, raw: dict[str, Any] | None = None
 ) -> BackboneError:
     """One paragraph: the model, its architecture, the transformers version, the cause and what to do."""

@@ -57,7 +57,8 @@ def _llama_config(raw: dict[str, Any]) -> Any:
             f"this LLaDA config has features the native loader does not map ({unsupported or raw.get('block_type')}); "
             "use loader='remote' with trust_remote_code"
         )
-    return LlamaConfig(
+    # rope_theta: transformers 5 takes it through **kwargs its typed signature omits (4.x names it)
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=raw.get("embedding_size") or raw["vocab_size"],
         hidden_size=raw["d_model"],
         intermediate_size=raw["mlp_hidden_size"],

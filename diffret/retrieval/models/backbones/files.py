@@ -187,7 +187,7 @@ TOKENIZER_FILES = (
 )
 
 
-def _check_tokenizer_files(cfg: BackboneConfig) -> None:
+def check_tokenizer_files(cfg: BackboneConfig) -> None:
     """A local model folder must hold its tokenizer's vocabulary: without it transformers builds an empty
     tokenizer and every word becomes [UNK] (a run that succeeds on garbage)."""
     folder = Path(cfg.model).expanduser()

@@ -21,6 +21,8 @@ this package (a private helper from the module that defines it).
 
 from __future__ import annotations
 
+from typing import get_args
+
 from ..backbones import Backbone
 from .base import (
     DEFAULT_MAX_LENGTH,
@@ -67,7 +69,7 @@ __all__ = [
 READOUTS: dict[str, type[Readout]] = {
     cls.name: cls for cls in (DiffRetrieverReadout, PromptRepsReadout, DiffEmbedReadout, RepLlamaReadout, SidrReadout)
 }
-assert set(ReadoutName.__args__) == set(READOUTS)  # the config's choices are the registry's
+assert set(get_args(ReadoutName)) == set(READOUTS)  # the config's choices are the registry's
 
 
 def readout_class(name: str) -> type[Readout]:

@@ -21,7 +21,7 @@ from ..sparse import (
     pooled_weights,
     topk_sparse,
 )
-from .config import ReadoutConfig
+from .config import ContentFilter, ReadoutConfig
 
 # Tokens per input, the prompt counted (truncation="prompt"): run_encode.sh's 256, which produced the paper's
 # encodings; scripts/encode.py's own default (and the reference-parity fixtures') is 512.
@@ -50,7 +50,7 @@ class TrainReps:
     logits: torch.Tensor | None = None  # [B, n, V]
 
 
-def _all_real(h: torch.Tensor) -> torch.Tensor:
+def all_real(h: torch.Tensor) -> torch.Tensor:
     return torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
 
 
@@ -62,7 +62,7 @@ class _Batch:
     lengths: list[int] = field(default_factory=list)
 
 
-def _pad(
+def pad_rows(
     rows: list[list[int]], pad_id: int, side: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     width = max(len(r) for r in rows)
@@ -146,7 +146,7 @@ HEAD_CHUNK_BYTES = 256 << 20  # float32 logits of the candidate ids held at once
 SIDR_BLOCK_BYTES = 64 << 20  # float32 SIDR head scores held at once ([positions, vocabulary block])
 
 
-def _f16(x: torch.Tensor) -> np.ndarray:
+def to_float16(x: torch.Tensor) -> np.ndarray:
     """Vectors as stored (float16), brought to the host in one copy."""
     return x.float().cpu().numpy().astype(np.float16)
 
@@ -179,7 +179,7 @@ class Readout(Declared):
     reads_filter: ClassVar[bool] = True  # its sparse vector keeps the content words' ids only (when it has one)
 
     @classmethod
-    def filter_kind(cls, config: ReadoutConfig) -> str:
+    def filter_kind(cls, config: ReadoutConfig) -> ContentFilter:
         """The content filter this readout applies with ``config`` (``none``: none), known before any model loads:
         the tokenize stage computes it once per text for the encode stage to read."""
         return config.content_filter if cls.has_sparse and cls.reads_filter else "none"

@@ -9,6 +9,7 @@ from pydantic import Field
 from ...fields import Settings
 
 ReadoutName = Literal["diffretriever", "promptreps", "diffembed", "repllama", "sidr"]
+ContentFilter = Literal["nltk", "regex", "none"]  # the sparse readouts' content-word filter (none: none)
 SIDR_TOPK = 768  # SIDR's top-k at index and search time
 SIDR_ONLY = ("sidr_head", "sidr_act")  # settings only the sidr readout reads (not in other systems' slugs)
 
@@ -72,7 +73,7 @@ class ReadoutConfig(Settings):
         description="Sparse weights as x100 integers, truncated (zero-shot mask readout) or rounded "
         "(fine-tuned), or unquantised (zero-shot PromptReps); auto: the reference's.",
     )
-    content_filter: Literal["nltk", "regex", "none"] = Field(
+    content_filter: ContentFilter = Field(
         default="nltk", description="Sparse: keep the text's content words (nltk: the reference's choice; or regex)."
     )
     padding_side: Literal["left", "right"] = Field(default="left", description="left | right")

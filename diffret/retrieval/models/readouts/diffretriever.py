@@ -25,9 +25,9 @@ from .base import (
     Prepared,
     Readout,
     TrainReps,
-    _all_real,
     _Batch,
-    _pad,
+    all_real,
+    pad_rows,
     staged,
     to_device,
 )
@@ -69,7 +69,7 @@ class DiffRetrieverReadout(
         p = self.pieces(side, k)
         masks = [self._mask_id] * k
         rows = [list(p.prefix) + list(t) + list(p.suffix) + masks + list(p.closing) for t in token_ids]
-        ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, device)
+        ids, att, offs = pad_rows(rows, self.bb.pad_id, self.cfg.padding_side, device)
         starts = [off + len(p.prefix) + len(t) + len(p.suffix) for off, t in zip(offs, token_ids, strict=True)]
         positions = to_device(torch.as_tensor([[s + j for j in range(k)] for s in starts]), device)
         return _Batch(ids, att, positions, [len(r) for r in rows])
@@ -81,10 +81,10 @@ class DiffRetrieverReadout(
         b = self._mask_batch(self._fit(token_ids, side, k), side, k)
         if self.cfg.denoise_steps > 1:
             h, logits, _ = self._denoise(b, k, self.cfg.denoise_steps, grad_final=True)
-            return TrainReps(h, _all_real(h), logits)
+            return TrainReps(h, all_real(h), logits)
         hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
         h = hidden[torch.arange(len(token_ids), device=hidden.device)[:, None], b.positions]
-        return TrainReps(h, _all_real(h), self.bb.logits(h))
+        return TrainReps(h, all_real(h), self.bb.logits(h))
 
     def prepare(
         self, token_ids: list[list[int]], texts: Sequence[str | Sequence[int]] | None, side: str, k: int
@@ -130,11 +130,13 @@ class DiffRetrieverReadout(
         b = _Batch(
             to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev), b.lengths
         )
+        logits: torch.Tensor | None = None
+        decoded: torch.Tensor | None = None
         if self.cfg.denoise_steps == 1:
             hidden = self.bb.hidden_states(b.input_ids, b.attention_mask, bidirectional=True)
             rows = torch.arange(n_texts, device=dev)[:, None]
             h = hidden[rows, b.positions]  # [B, K, H]
-            logits, decoded = None, None  # the head below: the argmax and the candidates' logits only
+            # logits and decoded stay None: the head below reads the argmax and the candidates' logits only
         else:
             h, logits, decoded = self._denoise(b, k, self.cfg.denoise_steps)
         # float16 as stored: on a GPU cast there (one copy of half the bytes); on a CPU by numpy, as it always was
@@ -150,6 +152,7 @@ class DiffRetrieverReadout(
             elif logits is None:
                 toks, at = self.bb.read_head(h[s:e], union)  # [b, K], [b, K, U]
             else:
+                assert decoded is not None  # the denoising loop gives both
                 toks, at = decoded[s:e], logits[s:e][..., union].float()
                 if batch.head_stats:
                     ent, top_p = softmax_stats(logits[s:e])
@@ -159,7 +162,7 @@ class DiffRetrieverReadout(
             sparse = self._sparse_batch(ids, cand_logits, slots, k)
             parts.append((s, len(sent), ent is not None, None if isinstance(sparse, tuple) else sparse))
             sent += [slots, toks.to(torch.int32), *(sparse if isinstance(sparse, tuple) else ())]
-            sent += [] if ent is None else [ent.float(), top_p.float()]
+            sent += [] if ent is None or top_p is None else [ent.float(), top_p.float()]
         copy = HostCopy(sent)
 
         def finish() -> list[Encoded]:

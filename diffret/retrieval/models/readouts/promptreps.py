@@ -9,8 +9,8 @@ from .base import (
     Encoded,
     Readout,
     TrainReps,
-    _f16,
-    _pad,
+    pad_rows,
+    to_float16,
 )
 
 
@@ -57,7 +57,7 @@ class PromptRepsReadout(
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         """Greedy decoding with a KV cache (left padding); at most K steps (the cap N: 20 zero-shot, 4 fine-tuned)."""
         rows, H, L, G, n_reps, stopped = self._decode(token_ids, side, k)
-        dense, tokens = _f16(H), G.cpu().numpy().astype(np.int32)  # the batch's in one copy each, not a text's
+        dense, tokens = to_float16(H), G.cpu().numpy().astype(np.int32)  # the batch's in one copy each, not a text's
         out_list = []
         for i, (n, stop) in enumerate(zip(n_reps.tolist(), stopped.tolist(), strict=True)):
             sp_ids, sp_w = self.sparse_from(L[i, :n].float(), texts[i] if texts else None, k)
@@ -75,7 +75,7 @@ class PromptRepsReadout(
             rows, _, _, G, n_reps, _ = self._decode(token_ids, side, k, stop)
         t = G.shape[1]
         full = [r + G[i, : t - 1].tolist() for i, r in enumerate(rows)]  # the last decoded word is never read
-        ids, att, offs = _pad(full, self.bb.pad_id, "left", self.bb.device)
+        ids, att, offs = pad_rows(full, self.bb.pad_id, "left", self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
         pos = torch.as_tensor(
             [[o + len(r) - 1 + j for j in range(t)] for o, r in zip(offs, rows, strict=True)], device=ids.device
@@ -91,9 +91,9 @@ class PromptRepsReadout(
         ``stop_rule`` overrides ``promptreps_stop``."""
         p = self.pieces(side, k)
         rows = [list(p.prefix) + list(t) + list(p.suffix) for t in token_ids]
-        ids, att, _ = _pad(rows, self.bb.pad_id, "left", self.bb.device)
+        ids, att, _ = pad_rows(rows, self.bb.pad_id, "left", self.bb.device)
         bsz = len(rows)
-        stop = torch.zeros(self.bb.model.config.vocab_size, dtype=torch.bool, device=ids.device)
+        stop = torch.zeros(self.bb.config.vocab_size, dtype=torch.bool, device=ids.device)
         stop[[i for i in self.stop_tokens(stop_rule) if i < stop.numel()]] = True
         reference = (stop_rule or self.cfg.promptreps_stop) != "quote_in_token"
         pos = (att.cumsum(-1) - 1).clamp(min=0)

@@ -17,8 +17,8 @@ from .base import (
     SIDR_BLOCK_BYTES,
     Encoded,
     Readout,
-    _f16,
-    _pad,
+    pad_rows,
+    to_float16,
 )
 from .config import SIDR_TOPK, ReadoutConfig
 
@@ -91,7 +91,7 @@ class SidrReadout(
         rows, hidden, att = self._forward(token_ids, bb)
         mean = (hidden * att[..., None]).sum(1) / att.sum(1, keepdim=True).clamp(min=1.0)
         pooled = self.batch_weights(hidden, att, bb)
-        dense = _f16(mean)  # the batch's vectors in one copy to the host
+        dense = to_float16(mean)  # the batch's vectors in one copy to the host
         out = []
         for i in range(len(rows)):  # each text's top k on the device, as it always was (its ties decided there)
             ids, vals = topk_sparse(pooled[i], None, int(self.cfg.sparse_topk or SIDR_TOPK), "none")
@@ -115,7 +115,7 @@ class SidrReadout(
     def _forward(self, token_ids: list[list[int]], bb: Backbone) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
         head, tail = special_wrapping(bb.tokenizer)
         rows = [head + list(t) + tail for t in token_ids]
-        ids, att, _ = _pad(rows, bb.pad_id, self.cfg.padding_side, bb.device)
+        ids, att, _ = pad_rows(rows, bb.pad_id, self.cfg.padding_side, bb.device)
         return rows, bb.hidden_states(ids, att, bidirectional=True).float(), att.float()
 
     def weights(self, hidden: torch.Tensor, bb: Backbone | None = None) -> torch.Tensor:
@@ -143,7 +143,7 @@ class SidrReadout(
         flat = hidden[real]  # [N, H]: text after text
         official = self.cfg.sidr_head == "official"
         if official:
-            width = self._vocab_cut(bb.model.get_input_embeddings().weight.shape[0])
+            width = self._vocab_cut(bb.input_embeddings().shape[0])
             # on a CPU a core's cache sizes the blocks, so each block's scores are max-pooled before they leave the
             # cache; on a GPU cache-sized blocks would be many small kernels, so it takes few large products
             cache = SIDR_BLOCK_BYTES if hidden.is_cuda else SIDR_CACHE_BYTES
@@ -178,7 +178,7 @@ class SidrReadout(
     def _official(self, normed: torch.Tensor, bb: Backbone, cols: slice = slice(None)) -> torch.Tensor:
         """[L, C] the official head's scores of positions already layer-normalised [L, H]: their products with the
         input embeddings of the vocabulary columns ``cols``."""
-        emb = bb.model.get_input_embeddings().weight.float()
+        emb = bb.input_embeddings().float()
         return normed @ emb[: self._vocab_cut(emb.shape[0])][cols].T
 
     def _activate(self, top: torch.Tensor) -> torch.Tensor:

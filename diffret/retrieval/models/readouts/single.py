@@ -12,9 +12,9 @@ from .base import (
     Prepared,
     Readout,
     TrainReps,
-    _all_real,
-    _f16,
-    _pad,
+    all_real,
+    pad_rows,
+    to_float16,
 )
 
 
@@ -40,7 +40,7 @@ class _SingleVector(
 
     def _encode(self, token_ids: list[list[int]], texts: list[str] | None, side: str, k: int) -> list[Encoded]:
         rows, h = self._vectors(token_ids, side, texts)
-        dense = _f16(h)  # the batch's vectors in one copy to the host
+        dense = to_float16(h)  # the batch's vectors in one copy to the host
         return [Encoded(dense[i : i + 1], n_tokens=len(rows[i])) for i in range(len(rows))]
 
     def _vectors(
@@ -54,7 +54,7 @@ class _SingleVector(
         tokenizes its prefix with them)."""
         self._one(k)
         _, h = self._vectors(self._fit(token_ids, side, k), side, texts)
-        return TrainReps(h[:, None], _all_real(h[:, None]))
+        return TrainReps(h[:, None], all_real(h[:, None]))
 
 
 class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
@@ -66,7 +66,7 @@ class DiffEmbedReadout(_SingleVector, name="diffembed", needs_causal_lm=False):
     ) -> tuple[list[list[int]], torch.Tensor]:
         head, tail = special_wrapping(self.bb.tokenizer)
         rows = [head + list(t) + tail for t in token_ids]
-        ids, att, _ = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
+        ids, att, _ = pad_rows(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=True).float()
         m = att[..., None].float()
         return rows, (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
@@ -98,7 +98,7 @@ class RepLlamaReadout(_SingleVector, name="repllama", needs_causal_lm=True):
         else:
             body = [prefix + list(t) for t in token_ids]
         rows = [head + b + eos for b in body]
-        ids, att, offs = _pad(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
+        ids, att, offs = pad_rows(rows, self.bb.pad_id, self.cfg.padding_side, self.bb.device)
         hidden = self.bb.hidden_states(ids, att, bidirectional=False)
         last = torch.as_tensor([o + len(r) - 1 for o, r in zip(offs, rows, strict=True)], device=ids.device)
         return rows, hidden[torch.arange(len(rows), device=ids.device), last]

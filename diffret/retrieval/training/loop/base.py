@@ -86,8 +86,9 @@ class Loop:
             self.peft = None
             for p in bb.model.parameters():
                 p.requires_grad_(True)
-        if settings.gradient_checkpointing and hasattr(bb.model, "gradient_checkpointing_enable"):
-            bb.model.gradient_checkpointing_enable()
+        enable_checkpointing = getattr(bb.model, "gradient_checkpointing_enable", None)
+        if settings.gradient_checkpointing and enable_checkpointing is not None:
+            enable_checkpointing()
         self.params = [p for p in bb.model.parameters() if p.requires_grad]
         self.trainable, self.total = trainable_count(bb.model)
         self.rank, self.world = join_process_group(bb.device)

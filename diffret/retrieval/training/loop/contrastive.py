@@ -8,7 +8,7 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from . import gradcache
 from .base import Loop
 from .distributed import gather
 from .settings import BASELINES, TrainSettings
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,14 +46,17 @@ class Prepared:
         """Groups ``start:end`` (their queries and their passages)."""
         g = self.group
 
-        def cut(xs: list | None, n: int = 1) -> list | None:
-            return None if xs is None else xs[start * n : end * n]
+        def rows(xs: list[T], n: int = 1) -> list[T]:
+            return xs[start * n : end * n]
+
+        def cut(xs: list[T] | None, n: int = 1) -> list[T] | None:
+            return None if xs is None else rows(xs, n)
 
         return Prepared(
-            cut(self.query_ids),
-            cut(self.passage_ids, g),
+            rows(self.query_ids),
+            rows(self.passage_ids, g),
             g,
-            cut(self.query_allowed),  # type: ignore[arg-type]
+            cut(self.query_allowed),
             cut(self.passage_allowed, g),
             cut(self.query_texts),
             cut(self.passage_texts, g),
@@ -111,7 +116,7 @@ class Trainer(Loop):
             reader.pieces(side, k)  # the prompt's tokens, before the prefetch thread shares the tokenizer
 
     @staticmethod
-    def samples(prepared: Prepared) -> int:  # type: ignore[override]
+    def samples(prepared: Prepared) -> int:
         return len(prepared.query_ids)
 
     def extra_models(self) -> dict[str, torch.nn.Module]:
@@ -155,7 +160,7 @@ class Trainer(Loop):
             out[i, [j for j in ids if j < vocab]] = True
         return out
 
-    def prepare(self, groups: list[Group], step: int) -> Prepared:  # type: ignore[override]
+    def prepare(self, groups: list[Group], step: int) -> Prepared:
         """A micro-batch's inputs (CPU work only: sampling, tokenisation, the content filter); a function of
         the groups and the step, so :meth:`train_step` prepares the next step's on a thread meanwhile."""
         s = self.s
@@ -181,7 +186,7 @@ class Trainer(Loop):
             kw["texts"] = texts
         return self.r.train_forward(ids, side, k, **kw)
 
-    def _reps(self, x: Prepared) -> tuple[torch.Tensor, ...]:
+    def _reps(self, x: Prepared) -> tuple[torch.Tensor | None, ...]:
         """(query dense, mask, sparse, passage dense, mask, sparse) of a micro-batch, with gradients; SIDR: (query
         vector, its bag of tokens, None, passage vector, its bag of tokens, None)."""
         s = self.s
@@ -189,7 +194,7 @@ class Trainer(Loop):
             with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 qv, qb = self.r.train_vectors(x.query_ids, "query")  # type: ignore[attr-defined]
                 pv, pb = self.r.train_vectors(x.passage_ids, "passage")  # type: ignore[attr-defined]
-            return qv, qb, None, pv, pb, None  # type: ignore[return-value]
+            return qv, qb, None, pv, pb, None
         with torch.autocast(self.r.bb.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             q = self._forward(x.query_ids, x.query_texts, "query", s.kq)  # type: ignore[arg-type]
             p = self._forward(x.passage_ids, x.passage_texts, "passage", s.kp)  # type: ignore[arg-type]
@@ -199,22 +204,21 @@ class Trainer(Loop):
             ps = sparse_vectors(p.logits, self._allowed(x.passage_allowed, p.logits.shape[-1]), p.mask)
         return q.dense, q.mask, qs, p.dense, p.mask, ps
 
-    def _loss(self, reps: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, reps: tuple[torch.Tensor | None, ...], group: int) -> tuple[torch.Tensor, dict[str, float]]:
         """InfoNCE of this rank's queries against the pool (every rank's passages when ``gather``)."""
         qd, qm, qs, pd, pm, ps = reps
+        assert qd is not None and qm is not None and pd is not None and pm is not None  # only the sparse may be None
         pool = self.world if self.s.gather == "yes" else 1
         if self.sidr:  # qm / pm: the bags of tokens
             offset = self.rank * qd.shape[0] if pool > 1 else 0
             topk = int(self.r.cfg.sparse_topk or 768)
-            return sidr_loss(qd, qm, gather(pd, pool), gather(pm, pool), group, topk, offset)  # type: ignore[arg-type]
+            return sidr_loss(qd, qm, gather(pd, pool), gather(pm, pool), group, topk, offset)
         ph, ps = gather(pd, pool), gather(ps, pool)
         pm = pm if pool == 1 else gather(pm.float(), pool) > 0.5
         offset = self.rank * qd.shape[0] if pool > 1 else 0
-        return contrastive_loss(qd, qm, ph, pm, group, float(self.s.tau), qs, ps, offset=offset)  # type: ignore[arg-type]
+        return contrastive_loss(qd, qm, ph, pm, group, tau=float(self.s.tau), q_sparse=qs, p_sparse=ps, offset=offset)  # type: ignore[arg-type]
 
-    def micro_loss(  # type: ignore[override]
-        self, groups: list[Group] | Prepared, step: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_loss(self, groups: list[Group] | Prepared, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x = self._ready(groups if isinstance(groups, Prepared) else self.prepare(groups, step), step)
         return self._loss(self._reps(x), x.group)
 
@@ -249,7 +253,7 @@ class Trainer(Loop):
                 ids[a:b], texts[a:b] = self._ids(new, limit), new
         return replace(x, passage_ids=ids, passage_texts=texts or None, retrieved=True)
 
-    def micro_backward(self, prepared: Any, step: int, n: int) -> dict[str, float]:  # type: ignore[override]
+    def micro_backward(self, prepared: Any, step: int, n: int) -> dict[str, float]:
         """One pool's loss / n backpropagated: in one pass when this process's share fits ``batch_size`` groups,
         else by gradient caching (:meth:`cached_backward`)."""
         x = self._ready(prepared if isinstance(prepared, Prepared) else self.prepare(prepared, step), step)

@@ -4,7 +4,7 @@ CUDA), a differentiable all-gather of the pool, and the per-step average of the 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -39,7 +39,7 @@ class _Gather(torch.autograd.Function):
     2-process test's second-step loss was off by 1.8)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         dist = torch.distributed
         ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
@@ -47,12 +47,16 @@ class _Gather(torch.autograd.Function):
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad)
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
+@overload
+def gather(x: torch.Tensor, size: int) -> torch.Tensor: ...
+@overload
+def gather(x: torch.Tensor | None, size: int) -> torch.Tensor | None: ...
 def gather(x: torch.Tensor | None, size: int) -> torch.Tensor | None:
     """``x`` from every process concatenated along dim 0, differentiable (itself when ``size`` is 1)."""
     return x if x is None or size == 1 else _Gather.apply(x)

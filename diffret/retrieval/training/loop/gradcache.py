@@ -57,10 +57,15 @@ def cached_backward(
         for c in chunks:
             states.append(RandContext(device))
             first.append(reps(c))
-    leaves = []
+    leaves: list[torch.Tensor | None] = []
     for j in range(len(first[0])):  # every representation of the pool, a leaf that collects its gradient
         got = [r[j] for r in first]
-        leaves.append(None if got[0] is None else torch.cat(got).detach().requires_grad_(j not in constant))
+        present = [r for r in got if r is not None]
+        if not present:
+            leaves.append(None)
+            continue
+        assert len(present) == len(got), f"representation {j} is None in some chunks only"
+        leaves.append(torch.cat(present).detach().requires_grad_(j not in constant))
     value, parts = loss(tuple(leaves))
     (value / n).backward()
     start = [0] * len(leaves)  # each representation's first row of the chunk
@@ -71,7 +76,9 @@ def cached_backward(
         for j, rep in enumerate(again):
             if rep is None or j in constant:
                 continue
-            grad = leaves[j].grad[start[j] : start[j] + rep.shape[0]]  # type: ignore[union-attr]
+            leaf = leaves[j]
+            assert leaf is not None and leaf.grad is not None  # present in every chunk, and the loss read it
+            grad = leaf.grad[start[j] : start[j] + rep.shape[0]]
             surrogate = surrogate + (rep.float() * grad.float()).sum()
             start[j] += rep.shape[0]
         surrogate.backward()

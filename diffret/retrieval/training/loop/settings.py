@@ -100,25 +100,27 @@ class TrainSettings(LoopSettings):
     ``lora_head false``.
     """
 
-    adapter: Literal["lora", "full"] | None = like(
+    # The six settings below are None until resolved() picks the readout's reference value: wider than LoopSettings'
+    # by design (a TrainSettings reaches a Loop resolved), hence the one ignore each.
+    adapter: Literal["lora", "full"] | None = like(  # type: ignore[assignment]
         LoopSettings,
         "adapter",
         default=None,
         description="Train LoRA adapters (peft) or every weight (full); default: lora (sidr: full).",
     )
-    lr: float | None = like(
+    lr: float | None = like(  # type: ignore[assignment]
         LoopSettings, "lr", default=None, description="Peak learning rate (AdamW; default: 1e-4; sidr: 2e-5)."
     )
-    warmup_ratio: float | None = like(
+    warmup_ratio: float | None = like(  # type: ignore[assignment]
         LoopSettings,
         "warmup_ratio",
         default=None,
         description="Share of the steps spent warming up (default: 0.06; sidr: one epoch).",
     )
-    grad_clip: float | None = like(
+    grad_clip: float | None = like(  # type: ignore[assignment]
         LoopSettings, "grad_clip", default=None, description="Gradient norm clipping (default: 1.0; sidr: 2.0)."
     )
-    epochs: float | None = like(
+    epochs: float | None = like(  # type: ignore[assignment]
         LoopSettings,
         "epochs",
         default=None,
@@ -148,7 +150,7 @@ class TrainSettings(LoopSettings):
         "the reference; a multiple of the pool). None with grad_accum: batch_size x "
         "grad_accum x processes.",
     )
-    weight_decay: float | None = Field(
+    weight_decay: float | None = Field(  # type: ignore[assignment]
         default=None, ge=0.0, description="AdamW weight decay (default: 0.01; the baselines' scripts: 0)."
     )
     schedule: Schedule = Field(
@@ -267,7 +269,7 @@ class TrainSettings(LoopSettings):
                 "tau": 1.0,
                 "encoders": "separate",
             }
-            update = {k: v for k, v in pick.items() if getattr(self, k) is None}
+            update: dict[str, Any] = {k: v for k, v in pick.items() if getattr(self, k) is None}
             update.update(
                 schedule="hf_linear" if self.schedule == "auto" else self.schedule,
                 gather="yes" if self.gather == "auto" else self.gather,
@@ -290,7 +292,7 @@ class TrainSettings(LoopSettings):
             "p_max_len": 256 if readout == "diffembed" else 156,
             "train_title_sep": " ",
         }
-        update: dict[str, Any] = {k: v for k, v in pick.items() if getattr(self, k) is None}
+        update = {k: v for k, v in pick.items() if getattr(self, k) is None}
         if self.schedule == "auto":
             update["schedule"] = "hf_linear" if base else "cosine"
         if self.gather == "auto":
@@ -302,6 +304,7 @@ class TrainSettings(LoopSettings):
         kind = "cosine" if self.schedule == "auto" else self.schedule
         if kind == "linear":
             return super().lr_factor(step, steps)
+        assert self.warmup_ratio is not None, "lr_factor needs resolved settings (TrainSettings.resolved)"
         return hf_lr_factor(step, steps, self.warmup_ratio, kind)
 
     def step_items(self, world: int = 1) -> int:
