@@ -19,7 +19,7 @@ def _info_stat(info: dict[str, Any]) -> tuple[int, int | None]:
     """(size, mtime in ns or None) from an fsspec ``info`` / ``ls(detail=True)`` entry."""
     size = int(info.get("size") or 0)
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-    if hasattr(mtime, "timestamp"):
+    if mtime is not None and hasattr(mtime, "timestamp"):  # a datetime (object stores)
         mtime = mtime.timestamp()
     try:
         return size, int(round(float(mtime) * 1e9)) if mtime else None

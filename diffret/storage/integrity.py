@@ -12,7 +12,8 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from . import layout
-from .files import _info_stat, sha256_file
+from .base import StoreBase
+from .files import sha256_file
 from .manifest import (
     ChecksumError,
     ConfigDriftError,
@@ -38,9 +39,9 @@ class StageState(enum.StrEnum):
 DRIFT_HINT = "Pass --force to replace it, or use another store root."
 
 
-class IntegrityMixin:
-    """:class:`storage.store.ArtifactStore`'s checks and repair hints (its ``fs``, ``is_local``, paths and manifest
-    reads)."""
+class IntegrityMixin(StoreBase):
+    """:class:`storage.store.ArtifactStore`'s checks and repair hints (over :class:`storage.base.StoreBase`: its
+    ``fs``, ``is_local``, paths and manifest reads)."""
 
     def repair(self, rel: str) -> Repair:
         """What rebuilds the stage folder holding ``rel`` (:func:`storage.repairs.repair_of`): the command that made
@@ -185,53 +186,6 @@ class IntegrityMixin:
             return found[0].get("bm25")
         rows = self.read_bytes(f"{stage_dir}/leaderboard.csv").decode().splitlines()
         return next((r.split(",")[0] for r in rows[1:] if r.split(",")[1:2] == ["bm25"]), None)
-
-    def file_stat(self, rel: str) -> tuple[int, int | None] | None:
-        """(size, mtime in ns) of a file, ``None`` when it is missing (mtime ``None`` where the filesystem
-        gives none we can read).
-
-        >>> import tempfile
-        >>> from diffret.storage import ArtifactStore
-        >>> with tempfile.TemporaryDirectory() as root:
-        ...     store = ArtifactStore(root)
-        ...     store.write_bytes("a/b.bin", b"abc")
-        ...     store.file_stat("a/b.bin")[0], store.file_stat("a/missing")
-        (3, None)
-        """
-        path = self.abspath(rel)
-        if self.is_local:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                return None
-            return st.st_size, st.st_mtime_ns
-        try:
-            return _info_stat(self.fs.info(path))
-        except FileNotFoundError:
-            return None
-
-    def _listing(self, stage_dir: str) -> dict[str, tuple[int, int | None]]:
-        """Name -> (size, mtime ns) of the files directly in a folder: one listing, not one call per file."""
-        path = self.abspath(stage_dir)
-        out: dict[str, tuple[int, int | None]] = {}
-        if self.is_local:
-            try:
-                with os.scandir(path) as it:
-                    for e in it:
-                        if e.is_file():
-                            st = e.stat()
-                            out[e.name] = (st.st_size, st.st_mtime_ns)
-            except FileNotFoundError:
-                pass
-            return out
-        try:
-            entries = self.fs.ls(path, detail=True)
-        except FileNotFoundError:
-            return out
-        for e in entries:
-            if e.get("type") == "file":
-                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = _info_stat(e)
-        return out
 
     def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
         """Check one file's size and sha256 against its entry (``cached``: skip a file this store already

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout
+from .base import StoreBase
 from .files import PARQUET_COMPRESSION, _fsync_dir
 from .integrity import StageState
 from .manifest import ChecksumError, FileEntry, Manifest, ShardRecord, StoreError, config_hash
@@ -33,9 +34,9 @@ def shard_record_path(stage_dir: str, name: str) -> str:
     return f"{stage_dir}/{layout.SHARD_RECORDS_DIR}/{name}.json"
 
 
-class ShardsMixin:
-    """:class:`storage.store.ArtifactStore`'s sharded folders (its ``fs``, ``is_local``, paths, manifest reads,
-    checks and locks)."""
+class ShardsMixin(StoreBase):
+    """:class:`storage.store.ArtifactStore`'s sharded folders (over :class:`storage.base.StoreBase`: its ``fs``,
+    ``is_local``, paths, manifest reads, checks and locks)."""
 
     # A sharded folder (tokens, encodings) is filled shard by shard. Each finished shard gets one record (its
     # entry and the config hash it was planned against): a line of ``_shards.jsonl`` (local stores: an append log,

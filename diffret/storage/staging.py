@@ -12,21 +12,19 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout
+from .base import StoreBase
 from .files import PARQUET_COMPRESSION, ROW_GROUP_ROWS, _fsync_dir, sha256_file
 from .manifest import FileEntry, Manifest, StoreError
 
-if TYPE_CHECKING:
-    from .store import ArtifactStore
 
-
-class StagingMixin:
-    """:class:`storage.store.ArtifactStore`'s locks and staged stage folders (its ``fs``, ``is_local`` and paths)."""
+class StagingMixin(StoreBase):
+    """:class:`storage.store.ArtifactStore`'s locks and staged stage folders (over :class:`storage.base.StoreBase`:
+    its ``fs``, ``is_local`` and paths)."""
 
     # ------------------------------------------------------------------------------------ locks
     @contextlib.contextmanager
@@ -118,7 +116,7 @@ class StagingMixin:
 class StageWriter:
     """Writes the files of one stage folder; see ``ArtifactStore.stage_writer``."""
 
-    def __init__(self, store: ArtifactStore, stage_dir: str, manifest: Manifest):
+    def __init__(self, store: StagingMixin, stage_dir: str, manifest: Manifest):
         self.store = store
         self.stage_dir = stage_dir
         self.manifest = manifest

@@ -12,11 +12,12 @@ Whole stage folders (a dataset's three tables) are built in ``_staging/`` and re
 one step on local filesystems, so a killed run leaves nothing under the stage's glob that DuckDB or a
 reader would pick up.
 
-:class:`ArtifactStore` is this module's paths, atomic writes, plans, manifest and table reads and listings, with
-its other parts mixed in from beside it: ``storage/files.py`` (checksums, file modes, Parquet settings),
-``storage/integrity.py`` (verification, stage states, repair hints), ``storage/shards.py`` (sharded folders and
-their shard records) and ``storage/staging.py`` (locks, whole folders built in ``_staging/``). Every name of those
-parts that was importable from here still is.
+:class:`ArtifactStore` is this module's URLs, plans, manifest and table reads and listings, over
+:class:`storage.base.StoreBase` (``storage/base.py``: the root, paths, file stats, whole-file reads and atomic writes
+every part uses), with its other parts mixed in from beside it: ``storage/files.py`` (checksums, file modes, Parquet
+settings), ``storage/integrity.py`` (verification, stage states, repair hints), ``storage/shards.py`` (sharded
+folders and their shard records) and ``storage/staging.py`` (locks, whole folders built in ``_staging/``). Every
+name of those parts that was importable from here still is.
 """
 
 from __future__ import annotations
@@ -25,19 +26,16 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
 from diffret.caching import KeyedCache
 
 from . import layout
-from .files import FILE_MODE, PARQUET_COMPRESSION, ROW_GROUP_ROWS, _fsync_dir, sha256_file
+from .files import FILE_MODE, PARQUET_COMPRESSION, ROW_GROUP_ROWS, sha256_file
 from .integrity import DRIFT_HINT, IntegrityMixin, StageState
 from .manifest import (
     ChecksumError,
@@ -86,30 +84,10 @@ _MANIFEST_CACHE: KeyedCache[str, tuple[tuple[int, int, int], Manifest]] = KeyedC
 class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
     """All artifact I/O of diffret goes through one of these."""
 
-    def __init__(self, root: str | os.PathLike[str]):
-        root = os.fspath(root)
-        if not root:
-            raise StoreError("store root is empty")
-        self.root = root
-        try:
-            self.fs, base = fsspec.core.url_to_fs(root)
-        except ImportError as exc:  # an object store whose filesystem package is not installed
-            raise StoreError(f"store root {root}: {exc} (pip install it, or use a local --root)") from None
-        except ValueError as exc:
-            raise StoreError(f"store root {root}: {exc}") from None
-        self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
-        if self.is_local and os.path.exists(self.base) and not os.path.isdir(self.base):
-            raise StoreError(f"store root {root} is a file, not a folder: check --root")
-        self._verified: dict[tuple[str, int, int], str] = {}
-
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root!r})"
 
     # ----------------------------------------------------------------------------------- paths
-    def abspath(self, rel: str) -> str:
-        return f"{self.base}/{rel}" if rel else self.base
-
     def url(self, rel: str = "") -> str:
         """Where ``rel`` is, as a user gives it back: a local path, or the object store's URL with its protocol
         (``s3://bucket/store/runs/x``; :meth:`abspath` is the filesystem's own path, without it).
@@ -119,24 +97,6 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         """
         path = self.abspath(rel)
         return path if self.is_local else self.fs.unstrip_protocol(path)
-
-    def relpath(self, path: str) -> str:
-        """``path`` relative to the root when it lies inside the store (an absolute path, as a glob returns), else
-        as it is.
-
-        >>> store = ArtifactStore("/data/store")
-        >>> store.relpath(store.abspath("runs/x")), store.relpath("runs/x")
-        ('runs/x', 'runs/x')
-        """
-        return path[len(self.base) :].lstrip("/") if path.startswith(self.base) else path
-
-    def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.abspath(rel))
-
-    def read_bytes(self, rel: str) -> bytes:
-        """A whole (small) file's bytes: a checkpoint, a figure."""
-        with self.fs.open(self.abspath(rel), "rb") as f:
-            return f.read()
 
     def refuse_inside(self, path: str, flag: str = "--out") -> str:
         """``path`` (a file or folder a command writes its result to) made absolute, or :class:`StoreError` when it
@@ -165,29 +125,6 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         if not self.is_local:
             raise StoreError(f"{self.root} is not a local store; DuckDB views need a local root")
         return self.abspath(rel)
-
-    # ----------------------------------------------------------------------------- atomic writes
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write a small file atomically (temporary name in the same folder, then rename)."""
-        path = self.abspath(rel)
-        if self.is_local:
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-            try:
-                os.fchmod(fd, FILE_MODE)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(folder)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        else:  # one PUT: the object appears whole or not at all
-            self.fs.pipe_file(path, data)
 
     def put_plan(self, payload: dict[str, Any]) -> str:
         """Store what every unit of a stage run shares (its settings) once; the key its units carry instead.
@@ -234,9 +171,6 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         if hashlib.sha256(data).hexdigest()[:24] != key:
             raise StoreError(f"{self.abspath(rel)}: changed since it was written; run the stage again")
         return json.loads(data)
-
-    def write_manifest(self, stage_dir: str, manifest: Manifest) -> None:
-        self.write_bytes(layout.manifest_path(stage_dir), manifest.to_json().encode())
 
     # ------------------------------------------------------------------------------------ reads
     def read_manifest(self, stage_dir: str, trusted: bool = True) -> Manifest | None:
@@ -356,7 +290,7 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         manifest is unreadable or edited by hand counts as damaged (the views leave it out), so that its repair changes
         the hash too.
         """
-        parts = []
+        parts: list[list[object]] = []
         for pattern in patterns:
             for folder in self.stage_dirs(pattern):
                 try:

@@ -50,7 +50,7 @@ def test_a_number_that_is_not_finite_in_a_manifest_s_stats_is_damage_verify_name
     code, out = invoke("verify", "--root", root)
     assert code == 1, out
     assert "manifest edited by hand (its stats (stats.by_hand.value is" in out and "not finite" in out, out
-    assert f"repair: run `diffret download --root {root} c` again with the settings that made it" in out, out
+    assert f"repair: run `diffret download c --root {root}` again with the settings that made it" in out, out
     code, out = invoke("sql", "--root", root, "select count(*) as n from corpus")
     assert code == 0 and "warning: view corpus leaves out a damaged folder" in out, out
     assert invoke("download", "--root", root, "c", "--source", str(beir))[0] == 0  # the repair, with its source

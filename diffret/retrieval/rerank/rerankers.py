@@ -15,7 +15,7 @@ Prompts are YAML files in ``retrieval/rerank/prompts/`` rendered through the mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -384,13 +384,14 @@ class PermutationSampling(_Permutation, name="permutation_sampling"):
     """Every window of the batch decodes in lockstep, its constrained and its unconstrained decoding (the latter
     only counts the outputs the constraint repaired): one batched forward pass per denoising step."""
 
-    def rank_windows(self, windows):
+    def rank_windows(self, windows: list[tuple[str, list[str]]]) -> list[list[int]]:
         rows = self.rows(windows)
-        live = []  # [window, constrained, decoder, state]
+        # (window, constrained, decoder, its state before the next step)
+        live: list[tuple[int, bool, Generator[list[int | None], np.ndarray, list[int | None]], list[int | None]]] = []
         for w, (_, docs) in enumerate(windows):
             for constrained in (True, False):
                 decoder = permutation_decoder(len(docs), self.steps, constrained)
-                live.append([w, constrained, decoder, next(decoder)])
+                live.append((w, constrained, decoder, next(decoder)))
         done: dict[tuple[int, bool], list[int | None]] = {}
         while live:
             filled = []
@@ -402,17 +403,16 @@ class PermutationSampling(_Permutation, name="permutation_sampling"):
                 filled.append(Encoded(ids, rows[w].slots))
             self.stats.forward_passes += 1
             still = []
-            for d, lg in zip(live, slot_logits(self.bb, filled, self.cols), strict=True):
-                n = len(windows[d[0]][1])
+            for (w, constrained, decoder, _), lg in zip(live, slot_logits(self.bb, filled, self.cols), strict=True):
+                n = len(windows[w][1])
                 try:
-                    d[3] = d[2].send(lg[:, :n])
-                    still.append(d)
+                    still.append((w, constrained, decoder, decoder.send(lg[:, :n])))
                 except StopIteration as end:
-                    done[(d[0], d[1])] = end.value
+                    done[(w, constrained)] = end.value
             live = still
         out = []
         for w, (_, docs) in enumerate(windows):
-            free = done[(w, False)]
+            free = [x for x in done[(w, False)] if x is not None]  # a finished decoding has filled every slot
             self.stats.invalid_without_constraint += int(sorted(free) != list(range(len(docs))))
             out.append([int(x) for x in done[(w, True)] if x is not None])
         return out
