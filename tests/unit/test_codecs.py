@@ -65,6 +65,20 @@ def test_residual_packs_every_bucket_and_more_bits_lose_less(bits: int) -> None:
     assert cosine(out, x).mean() > quality
 
 
+@pytest.mark.parametrize(("bits", "dim"), [(1, 24), (2, 20), (4, 18), (4, 16)])
+def test_residual_decodes_each_dimension_to_its_bucket_value(bits: int, dim: int) -> None:
+    """Decoding reads the packed bytes two at a time (an odd count: one at a time); each dimension gets the value of
+    the bucket encode chose, added to its centroid, unit-normalised."""
+    x = clustered(600, dim)
+    cb = train_codebook(x, f"residual:{bits}", seed=0)
+    codes = encode(x, f"residual:{bits}", cb)
+    ids = codes[:, :4].copy().view("<u4")[:, 0]
+    buckets = np.searchsorted(cb.arrays["cutoffs"], x - cb.arrays["centroids"][ids], side="right")
+    want = cb.arrays["centroids"][ids] + cb.arrays["values"][buckets]
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(decode(codes, f"residual:{bits}", cb), want, rtol=0, atol=1e-6)
+
+
 def test_residual_centroids_follow_colbertv2_or_the_spec() -> None:
     x = clustered(2000, 16)
     assert train_codebook(x, "residual:2").arrays["centroids"].shape == (512, 16)  # 2^floor(log2(16 sqrt 2000))

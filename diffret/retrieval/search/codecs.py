@@ -145,7 +145,8 @@ class Codebook:
         """The npz bytes (no pickles; the same codebook gives the same bytes)."""
         buf = io.BytesIO()
         info = json.dumps({"spec": self.spec, "dim": self.dim, **self.meta}, sort_keys=True)
-        np.savez(buf, info=np.frombuffer(info.encode(), np.uint8), **self.arrays)
+        arrays: dict[str, Any] = {"info": np.frombuffer(info.encode(), np.uint8), **self.arrays}
+        np.savez(buf, **arrays)
         return buf.getvalue()
 
     @classmethod
@@ -244,6 +245,7 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
         verbose=False,
     )
     km.train(np.ascontiguousarray(train))
+    assert km.centroids is not None  # set by train
     cents = _unit(km.centroids)
     residual = heldout - cents[_nearest(cents, heldout)]
     levels = 2**s.bits
@@ -311,11 +313,33 @@ def decode(codes: np.ndarray, spec: str, codebook: Codebook | None = None, dim: 
     if s.kind == "pq":
         return _pq(codebook).decode(c)
     ids = c[:, :ID_BYTES].copy().view("<u4")[:, 0]
-    if "bytes" not in codebook._cache:  # each table row as one element: a gather of whole rows is a plain take
+    if "pairs" not in codebook._cache:  # the values of each byte, and of each pair of bytes (a little-endian uint16)
         table = byte_table(codebook.arrays["values"], s.bits)
-        codebook._cache["bytes"] = table.view(f"V{table.shape[1] * 4}").ravel()
-    residual = np.take(codebook._cache["bytes"], c[:, ID_BYTES:]).view(np.float32).reshape(n, -1)[:, : codebook.dim]
-    return _unit(np.take(codebook.arrays["centroids"], ids, axis=0) + residual)
+        v = np.arange(2**16)
+        codebook._cache["bytes"] = table
+        codebook._cache["pairs"] = np.ascontiguousarray(np.concatenate([table[v & 255], table[v >> 8]], axis=1))
+    body = c[:, ID_BYTES:]
+    if body.shape[1] % 2 == 0:  # one row gather per two bytes
+        residual = np.take(codebook._cache["pairs"], body.view("<u2"), axis=0)
+    else:
+        residual = np.take(codebook._cache["bytes"], body, axis=0)
+    residual = residual.reshape(n, -1)[:, : codebook.dim]
+    out = np.take(codebook.arrays["centroids"], ids, axis=0)
+    out += residual
+    return _unit_rows(out)
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    """The rows of a float32 array L2-normalised in place (torch's row norm: several times numpy's speed).
+
+    >>> _unit_rows(np.array([[3.0, 4.0], [0.0, 0.0]], np.float32)).tolist()
+    [[0.6000000238418579, 0.800000011920929], [0.0, 0.0]]
+    """
+    import torch
+
+    t = torch.from_numpy(x)
+    t.div_(torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min_(1e-12))
+    return x
 
 
 def byte_table(values: np.ndarray, bits: int) -> np.ndarray:

@@ -21,6 +21,7 @@ candidate). Memory: the pass's codes (:class:`CodedPassages`, held as stored) an
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,7 +75,7 @@ class CodesIndex:
         return self.passages[self.offsets[c] : self.offsets[c + 1]]
 
     @classmethod
-    def build(cls, shards: list[tuple[np.ndarray, np.ndarray]] | object, n_centroids: int) -> CodesIndex:
+    def build(cls, shards: Iterable[tuple[np.ndarray, np.ndarray]], n_centroids: int) -> CodesIndex:
         """From (centroid ids of a block's vectors in text order, the block's vectors per passage) blocks in corpus
         order (a shard at a time: only the (cell, passage) pairs are held)."""
         keys, at = [], 0
@@ -151,6 +152,41 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return out + np.arange(int(lengths.sum()))
 
 
+def _interaction(s_t: np.ndarray, cells: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Centroid interaction: each candidate's ``sum_i max_j s[i, c(p_j)]`` from the query's centroid scores
+    (``s_t``: [C, kq], a cell's scores in a row) and its vectors' cells, summed over i in order.
+
+    >>> s_t = np.array([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]], np.float32)     # 3 cells x 2 query vectors
+    >>> _interaction(s_t, np.array([0, 1, 2, 2]), np.array([0, 2]), np.array([2, 4])).tolist()
+    [3.0, 1.0]
+    """
+    lengths = ends - starts
+    rows = s_t[cells[_ranges(starts, ends)]]  # [vectors of the candidates, kq]
+    kp = int(lengths[0]) if len(lengths) else 0
+    if kp and (lengths == kp).all():  # every candidate has K_p vectors
+        best = rows.reshape(len(starts), kp, -1).max(axis=1)
+    else:
+        best = np.maximum.reduceat(rows, np.concatenate([[0], np.cumsum(lengths)[:-1]]), axis=0)
+    out = best[:, 0].copy()
+    for i in range(1, best.shape[1]):
+        out += best[:, i]
+    return out
+
+
+def _best(scores: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the ``n`` largest ``scores`` (ties: the earlier), ascending.
+
+    >>> _best(np.array([0.5, 0.9, 0.5, 0.1, 0.5]), 3).tolist()
+    [0, 1, 2]
+    """
+    if n >= len(scores):
+        return np.arange(len(scores))
+    cut = -np.partition(-scores, n - 1)[n - 1]  # the n-th largest score
+    above = np.flatnonzero(scores > cut)
+    tied = np.flatnonzero(scores == cut)[: n - len(above)]
+    return np.sort(np.concatenate([above, tied]))
+
+
 @dataclass
 class CodesSearchStats:
     """Per query: milliseconds, the passages the probed cells held, the candidates decoded."""
@@ -202,28 +238,29 @@ def search_codes(
     out_s = np.full((len(queries), width), NEG, np.float32)
     out_i = np.full((len(queries), width), -1, np.int64)
     cells = passages.cells
+    seen = np.zeros(len(passages), bool)  # the candidates of the query being searched
     kq_max = queries.multi.shape[1] if len(queries) else 1
     step = max(1, CENTROID_SCORES // max(1, kq_max * index.n_centroids))  # queries whose centroid scores are held
     for a in range(0, len(queries), step):
         t0 = time.perf_counter()
         b = min(a + step, len(queries))
-        scores = torch.matmul(queries.multi[a:b].float(), cents.T)  # [queries, K_q, C]: every centroid's score
-        nearest = torch.topk(scores, probes, dim=2).indices.numpy() if probes < index.n_centroids else None
-        scores = scores.numpy()
+        product = torch.matmul(queries.multi[a:b].float(), cents.T)  # [queries, K_q, C]: every centroid's score
+        nearest = torch.topk(product, probes, dim=2).indices.numpy() if probes < index.n_centroids else None
+        scores = product.numpy()
         shared = (time.perf_counter() - t0) / (b - a)  # the block's product, shared by its queries
         for qi in range(a, b):
             t0 = time.perf_counter()
             real = queries.mask[qi].numpy()
             s = scores[qi - a][real]  # [kq, C]: the real query vectors
             probed = np.unique(nearest[qi - a][real]) if nearest is not None else np.arange(index.n_centroids)
-            cand = np.unique(index.passages[_ranges(index.offsets[probed], index.offsets[probed + 1])]).astype(np.int64)
+            seen[index.passages[_ranges(index.offsets[probed], index.offsets[probed + 1])]] = True
+            cand = np.flatnonzero(seen)  # the probed cells' passages, ascending, each once
+            seen[cand] = False
             n_probed = len(cand)
             if len(cand) > candidates:  # centroid interaction: MaxSim against the candidates' vectors' centroids
                 starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
-                vals = s[:, cells[_ranges(starts, ends)]]  # [kq, vectors of the candidates]
-                seg = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
-                approx = np.maximum.reduceat(vals, seg, axis=1).sum(axis=0)
-                cand = np.sort(cand[np.lexsort((cand, -approx))[:candidates]])
+                approx = _interaction(np.ascontiguousarray(s.T), cells, starts, ends)
+                cand = cand[_best(approx, candidates)]
             if len(cand):
                 starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
                 vecs = normalised(
