@@ -35,7 +35,7 @@ Every part records the peak GPU memory its own process allocated (``torch.cuda.m
 part starts; per case for the encode benchmark) and the device's peak memory in use while it ran (NVML, which counts
 the subprocesses: the CLI's and pytest's); both None on a CPU.
 
-Failure injection, for the tests of this script (tests/e2e/test_device_check.py): ``--fail-part NAME`` raises an
+Failure injection, for the tests of this script (tests/e2e/test_device_check_runs.py): ``--fail-part NAME`` raises an
 error in that part right after its first figure is recorded; ``--hang-part NAME`` makes a process of that part hang
 until its timeout kills it: in ``stages`` the command after the first (tokenize, once download's figure is recorded),
 in ``tests`` the pytest run, in the others (which start no subprocess) the part's own process, as it starts.

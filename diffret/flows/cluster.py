@@ -216,7 +216,7 @@ def _on_dask(
     for unit in plan.units:
         fut = client.submit(
             run_unit,
-            stage.name,
+            stage,  # whole: a stage registered in this process only is known to the worker too
             config.root,
             unit,
             resources=resources,

@@ -118,8 +118,9 @@ def presentation_of(stage: Stage) -> Presentation:
     return found if found.deployment else replace(found, deployment=stage.description)
 
 
-def run_unit(stage_name: str, root: str, unit: Any) -> Any:
-    """Run one unit of the stage named ``stage_name`` over the store at ``root``, wherever a runner put it (a Dask
-    worker, a Prefect task); the process that planned it commits the result (:func:`diffret.stages.base.run_units`).
-    """
-    return stages()[stage_name].run(unit, Context(ArtifactStore(root)))
+def run_unit(stage: Stage | str, root: str, unit: Any) -> Any:
+    """Run one unit of ``stage`` (the stage, sent whole to a Dask worker, or its registered name, as a Prefect task
+    records it) over the store at ``root``, wherever a runner put it; the process that planned it commits the result
+    (:func:`diffret.stages.base.run_units`)."""
+    found = stages()[stage] if isinstance(stage, str) else stage
+    return found.run(unit, Context(ArtifactStore(root)))

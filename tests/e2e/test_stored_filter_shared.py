@@ -74,10 +74,13 @@ RECORDED = Path(__file__).parent / "data" / "scifact_mini_encodings_sha256.json"
 
 
 def platform() -> str:
-    """What decides float rounding here: the torch build and the CPU instructions its kernels dispatch to."""
+    """What decides float rounding here: the torch build, the transformers release (its model code: a new release
+    may compute the same layers in another order) and the CPU instructions torch's kernels dispatch to."""
     import torch
+    import transformers
 
-    return f"torch {torch.__version__}, cpu {torch.backends.cpu.get_cpu_capability()}"
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return f"torch {torch.__version__}, transformers {transformers.__version__}, cpu {cpu}"
 
 
 def digests(code: Path, out: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The device check's plan and the docs it renders, without running it (tests/e2e/test_device_check.py runs it):
+"""The device check's plan and the docs it renders, without running it (tests/e2e/test_device_check_runs.py runs it):
 the plan fits one call of the lent GPU at the rates measured on an H100, docs/operations.md shows the plan the script
 makes, and docs/scale.md's GPU section and MS MARCO projection are rendered between their markers from the device
 check's JSON (a fixture shaped as the script writes it; its figures are made up, not measurements), leaving the rest

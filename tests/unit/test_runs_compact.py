@@ -162,8 +162,17 @@ def test_train_runs_are_cut_to_their_depth_and_equal_the_deeper_runs_prefix(tiny
             assert m.config["topk"] == 10 and table.equals(deep[stage])
             assert max(counts, default=0) <= 10
     assert {"fusion_multi_sparse_max", "fusion_single_sparse_max", "bm25"} <= modes
-    alone = _runs(tiny["alone"])  # a pass of train cells alone still searches to the fusion depth
-    assert alone and all(alone[stage].equals(shallow[stage]) for stage in alone)
+    # a pass of train cells alone still searches to the fusion depth: the same documents in the same order; the
+    # scores equal up to float32's last bits (CPU GEMM kernels may round a product of fewer query rows otherwise),
+    # which a fusion's min-max normalisation magnifies where a query's scores lie within a few ulps of each other
+    alone = _runs(tiny["alone"])
+    assert alone and alone.keys() <= shallow.keys()
+    for stage, table in alone.items():
+        ids = ("query_id", "doc_id", "rank")
+        assert table.select(ids).equals(shallow[stage].select(ids)), stage
+        a, b = (t.column("score").to_numpy() for t in (table, shallow[stage]))
+        fused = "/mode=fusion_" in stage
+        assert np.allclose(a, b, rtol=0 if fused else 4 * np.finfo(np.float32).eps, atol=1e-3 if fused else 0), stage
 
 
 def test_train_runs_feed_training_groups_and_a_deeper_request_is_refused(tiny: dict) -> None:

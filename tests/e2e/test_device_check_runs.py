@@ -142,6 +142,7 @@ INJECTED = {
 def test_a_part_that_fails_or_hangs_never_takes_the_others_down(dev: Path, tmp_path: Path, injected: str) -> None:
     faults, budgets = INJECTED[injected]
     fail, hang = faults[1].split(","), faults[3].split(",")
+    before = set(hung_processes(tmp_path))  # another run's, on this machine: not this run's to answer for
     result, _, _ = check(dev, tmp_path, *faults, *budgets)
     assert list(result["parts"]) == list(PARTS), result["parts"].keys()  # every part ran, in order
     for name, part in result["parts"].items():
@@ -165,6 +166,12 @@ def test_a_part_that_fails_or_hangs_never_takes_the_others_down(dev: Path, tmp_p
             assert_measured(name, part)
     if "score" not in hang:  # the stages failed or hung and left no encodings: score ran on random ones
         assert result["parts"]["score"]["encodings"].startswith("random"), result["parts"]["score"]
-    strays = subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True, text=True).stdout.split()
-    strays += subprocess.run(["pgrep", "-f", "time.sleep.60"], capture_output=True, text=True).stdout.split()
+    strays = set(hung_processes(tmp_path)) - before
     assert not strays, "a hung process outlived its timeout"
+
+
+def hung_processes(tmp: Path) -> list[str]:
+    """The PIDs of processes of a device check writing under ``tmp``, and of the hang it injects (``time.sleep(60)``
+    in a loop)."""
+    found = subprocess.run(["pgrep", "-f", str(tmp / "out")], capture_output=True, text=True).stdout.split()
+    return found + subprocess.run(["pgrep", "-f", "time.sleep.60"], capture_output=True, text=True).stdout.split()
