@@ -149,13 +149,21 @@ class PrefectUI:
         p = self.page
         p.goto(f"{self.root}/artifacts/artifact/{artifact_id}")
         imgs = "main img[src]:not([src=''])"  # the page's own placeholders have no source
-        p.locator(imgs).first.wait_for()
-        p.wait_for_function(f'() => [...document.querySelectorAll("{imgs}")].every(i => i.complete)')
+        ready = (
+            f'() => {{ const i = [...document.querySelectorAll("{imgs}")]; '
+            "return i.length > 0 && i.every(x => x.complete) }"
+        )
+        found: list[dict] = []
+        for _ in range(3):  # the page may render its markdown again (hydration) between the wait and the read
+            p.wait_for_function(ready)
+            found = p.locator(imgs).evaluate_all(
+                "els => els.map(e => ({alt: e.alt, width: e.naturalWidth, src: e.src.slice(0, 30)}))"
+            )
+            if found:
+                break
         if shot:
             self.shot(shot)
-        return p.locator(imgs).evaluate_all(
-            "els => els.map(e => ({alt: e.alt, width: e.naturalWidth, src: e.src.slice(0, 30)}))"
-        )
+        return found
 
     def text(self) -> str:
         return self.page.locator("main").inner_text()
