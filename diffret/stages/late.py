@@ -34,12 +34,12 @@ from diffret.retrieval.search.late import QUERY_GRAIN, rescore
 from diffret.retrieval.search.modes import MODE_NAMES, modes_for
 from diffret.retrieval.search.rules import ScoreRules
 from diffret.retrieval.search.runs import doc_order, retrieved_ids, run_table, topk_table
-from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError, config_hash
+from diffret.storage import ArtifactStore, FileEntry, Manifest, StoreError
 from diffret.storage.layout import encodings_dir, partial_encodings_dir, run_dir, tokens_dir
 
-from .base import ClusterConfig, Context, Plan, Positive, Shared, check_device, read_shared
+from .base import ClusterConfig, Context, Plan, Positive, check_device, read_shared
 from .encode import EncodeConfig, encodings_config, reader_for
-from .passes import Pass, PassPlan, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
+from .passes import Pass, PassPlan, PassShared, PassStage, PassUnit, even_blocks, stacked_slices, write_unit
 from .presentation import Presentation
 from .readers import (
     codec_for,
@@ -183,7 +183,7 @@ class LateMerge:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class LateShared(Shared):
+class LateShared(PassShared):
     """What every unit of a late pass shares: the corpus's tokens folder (its passage ids), the queries' folder and
     ids, each split's first-stage run, the passages' encodings folder, what re-scores them, the depths m."""
 
@@ -362,16 +362,14 @@ class Late(PassStage[LateMerge], name="late", config=LateConfig, noun="run(s)", 
             ignore=config.ignore_ids(),
             sparse_factor=config.rules.factor_for(record.readout, record.settings.get("readout")),
         )
-        pass_cfg = {
-            **shared.model_dump(mode="json", exclude={"query_ids"}),
-            "query_ids": config_hash({"ids": query_ids}),
-            "unit_queries": config.unit_queries,
-            "inputs": {
+        pass_cfg = shared.pass_config(
+            unit_queries=config.unit_queries,
+            inputs={
                 "queries": inputs.q_man.config_hash,
                 "tokens": inputs.t_man.config_hash,
                 "first": {s: store.require_manifest(inputs.first[s][1]).config_hash for s in splits},
             },
-        }
+        )
         grain = -(-config.unit_queries // QUERY_GRAIN) * QUERY_GRAIN
         blocks = even_blocks(len(query_ids), grain, "queries")
         merge = LateMerge(cells, query_ids, inputs.full_ok, candidates)
