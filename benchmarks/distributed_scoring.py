@@ -117,7 +117,9 @@ def build_store(root: str, passages: int, queries: int, kp: int, kq: int, hidden
             schema=DATASET_TABLES["qrels"],
         ),
     }
-    with store.stage_writer(dataset_dir("synth"), Manifest.new("datasets", {"dataset": "synth"}, {"n": passages})) as w:
+    with store.folder_writer(
+        dataset_dir("synth"), Manifest.new("datasets", {"dataset": "synth"}, {"n": passages})
+    ) as w:
         for name, t in tables.items():
             w.write_parquet(f"{name}.parquet", t.schema, [t])
     register(

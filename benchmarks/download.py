@@ -46,7 +46,7 @@ def bare(path: Path, out: Path) -> None:
 def diffret(path: Path, root: Path) -> None:
     store = ArtifactStore(root)
     m = Manifest.new("datasets", {"dataset": "bench"}, {"bench": True})
-    with store.stage_writer("datasets/dataset=bench", m) as w:
+    with store.folder_writer("datasets/dataset=bench", m) as w:
         w.write_parquet("corpus.parquet", CORPUS_SCHEMA, read_corpus(path, "jsonl", DatasetReport("bench"), DocIds()))
 
 

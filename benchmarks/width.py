@@ -74,7 +74,7 @@ class Peak:
 def folder_bytes(store: Any, pattern: str) -> tuple[int, int]:
     """(bytes, files) that the manifests of the folders matching ``pattern`` list."""
     total, files = 0, 0
-    for folder in store.stage_dirs(pattern):
+    for folder in store.folders(pattern):
         m = store.read_manifest(folder)
         total += sum(int(e.bytes or 0) for e in m.files.values())
         files += len(m.files)
@@ -349,7 +349,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     # search latency per query of each choice, from the runs' manifests (the pass's seconds over its queries)
     out["search"] = []
-    for stage in store.stage_dirs(f"runs/system=*/dataset=synth/split=test/kq={args.kq}/kp={top}/*"):
+    for stage in store.folders(f"runs/system=*/dataset=synth/split=test/kq={args.kq}/kp={top}/*"):
         m = store.read_manifest(stage)
         spec = next((s for s, v in systems.items() if v == m.config["system"]), "?")
         out["search"].append(

@@ -70,6 +70,25 @@ def _strip_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+def _count_or_word(annotation: Any) -> tuple[str, ...]:
+    """The words of an ``int | Literal[...]`` field (empty for any other type)."""
+    args = typing.get_args(annotation)
+    if int not in args or len(args) != 2:
+        return ()
+    (lit,) = [a for a in args if a is not int]
+    return tuple(typing.get_args(lit)) if typing.get_origin(lit) is Literal else ()
+
+
+def _int_or_word(v: Any, words: tuple[str, ...]) -> Any:
+    """An option's text as a whole number, or one of ``words`` as is (the config checks it)."""
+    if v is None or v in words:
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v  # the config's validation names it
+
+
 def _is_model(t: Any) -> bool:
     return inspect.isclass(t) and issubclass(t, BaseModel)
 
@@ -194,6 +213,10 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
             fallback = None if default is PydanticUndefined else default
             convert = functools.partial(_given_or, fallback=fallback)
             default = None if not required else default
+    elif origin in (typing.Union, types.UnionType) and _count_or_word(annotation):
+        words = _count_or_word(annotation)  # int | Literal["colbert"]: a count or one of the words
+        typ, convert = str | None if optional else str, functools.partial(_int_or_word, words=words)
+        default = None if default is None else str(default)
     elif origin is dict:
         fallback = None if default is PydanticUndefined else default
         typ, convert = list[str] | None, functools.partial(_pairs_or, fallback=fallback)

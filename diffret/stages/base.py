@@ -26,7 +26,7 @@ from diffret.retrieval.devices import resolve_device
 from diffret.retrieval.fields import Settings, cli
 from diffret.retrieval.search.modes import MODE_NAMES, check_modes
 from diffret.retrieval.traits import Declared
-from diffret.storage import ArtifactStore, StageState, StoreError, remove_empty_sharded
+from diffret.storage import ArtifactStore, FolderState, StoreError, remove_empty_sharded
 from diffret.storage.layout import DEFAULT_ROOT
 
 GRID_K = (1, 2, 4, 8, 16)  # the paper's budgets: K_q, K_p in {1, 2, 4, 8, 16}
@@ -203,13 +203,13 @@ class Context:
 
         return advance
 
-    def state(self, stage_dir: str, config: dict[str, Any], force: bool, **kwargs: Any) -> StageState:
+    def state(self, stage_dir: str, config: dict[str, Any], force: bool, **kwargs: Any) -> FolderState:
         """:meth:`ArtifactStore.state`, logging why an existing folder is rebuilt (stale ones together, once
         planned: :meth:`log_stale`)."""
         st = self.store.state(stage_dir, config, force=force, **kwargs)
-        if st is StageState.STALE:
+        if st is FolderState.STALE:
             self.stale.append(stage_dir)
-        elif st is StageState.DAMAGED:
+        elif st is FolderState.DAMAGED:
             self.log(
                 f"{stage_dir}: damaged (a file fails its checksum, or its manifest is unreadable or edited by "
                 "hand); rebuilding it"
@@ -255,7 +255,7 @@ class Plan:
 
     def needs_folder(self, ctx: Context, stage_dir: str, config: dict[str, Any], force: bool, hint: str = "") -> bool:
         """:meth:`needs`, with the drift error's ``hint`` (what to do instead of --force)."""
-        if ctx.state(stage_dir, config, force, hint=hint) is StageState.CURRENT:
+        if ctx.state(stage_dir, config, force, hint=hint) is FolderState.CURRENT:
             self.skipped += 1
             return False
         return True

@@ -113,7 +113,7 @@ class Bot(Stage, name="bot", config=BotConfig, noun="index(es)", verb="built"):
                 yield pa.table({"id": t.column("id"), "token_ids": bags}, schema=BOT_SCHEMA)
 
         m = Manifest.new("bot", {"tokenizer": c["tokenizer"], "dataset": c["dataset"]}, c)
-        with store.stage_writer(unit.stage, m) as w:
+        with store.folder_writer(unit.stage, m) as w:
             entry = w.write_parquet(BOT_FILE, BOT_SCHEMA, batches())
             vocab = int(c["vocab_size"])
             seconds = time.perf_counter() - start

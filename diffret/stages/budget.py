@@ -127,9 +127,7 @@ def feature_set(features: str, mode: str) -> str:
 def grid_cells(ctx: Context, system: str, dataset: str, split: str, mode: str) -> dict[tuple[int, int], str]:
     """The evaluated cells of a system's grid on a split, in one mode: (K_q, K_p) -> metrics folder."""
     out = {}
-    for folder in ctx.store.stage_dirs(
-        f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"
-    ):
+    for folder in ctx.store.folders(f"metrics/system={system}/dataset={dataset}/split={split}/kq=*/kp=*/mode={mode}"):
         parts = dict(p.split("=", 1) for p in folder.split("/")[1:])
         if int(parts["kq"]) > 0:
             out[(int(parts["kq"]), int(parts["kp"]))] = folder
@@ -329,7 +327,7 @@ class Budget(Stage, name="budget", config=BudgetConfig, noun="run(s)", verb="cho
         table = pa.Table.from_pylist(rows, schema=FEATURES_SCHEMA)
         part = {"system": c["system"], "dataset": c["dataset"], "split": c["split"], "set": c["set"]}
         m = Manifest.new("features", part, c, stats={"rows": table.num_rows})
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             w.write_parquet(FEATURES_FILE, FEATURES_SCHEMA, [table])
         return table.num_rows
 

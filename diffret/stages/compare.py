@@ -84,9 +84,7 @@ def all_runs(store: ArtifactStore, dataset: str, split: str, damaged: dict[str, 
     """``SYSTEM:MODE:KQ:KP`` of every run of ``dataset``/``split`` in the store; a run folder whose manifest is damaged
     is left out and named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
-    for folder in store.stage_dirs(
-        "runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"
-    ):
+    for folder in store.folders("runs/*/" + partition("x", dataset=dataset, split=split).split("/", 1)[1] + "/*/*/*"):
         try:
             m = store.read_manifest(folder)
         except StoreError as exc:
@@ -213,7 +211,7 @@ class Compare(Stage, name="compare", config=CompareConfig, noun="table(s)", verb
             c,
             stats={"runs": len(comp.rows), "comparisons": comp.comparisons, "queries": comp.queries},
         )
-        with store.stage_writer(unit.stage, m) as w:
+        with store.folder_writer(unit.stage, m) as w:
             w.write_file(FILES["markdown"], comp.markdown().encode())
             w.write_file(FILES["csv"], comp.csv().encode())
             w.write_file(FILES["latex"], comp.latex().encode())

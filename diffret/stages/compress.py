@@ -25,7 +25,7 @@ from diffret.storage import FileEntry, IncompleteArtifactError, StoreError
 from diffret.storage.layout import codebook_dir, encodings_dir
 
 from .base import ClusterConfig, Context, KList, Plan, ShardedPlan, ShardedStage, StageConfig
-from .codebooks import codebook_config, compressed_config, ensure_codebook, make_codec
+from .codebooks import SampleSize, codebook_config, compressed_config, ensure_codebook, make_codec, sample_vectors
 from .encode import EncodeConfig
 from .presentation import Presentation
 from .readers import dataset_manifest, encoding_manifest, read_codebook, side_size, stored_budgets
@@ -62,7 +62,7 @@ class CompressConfig(StageConfig, ClusterConfig):
         description="Budgets K to compress (default: every K stored for the "
         "dataset; its queries are copied as they are).",
     )
-    codebook_sample: int = like(EncodeConfig, "codebook_sample")
+    codebook_sample: SampleSize = like(EncodeConfig, "codebook_sample")
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Compress(
             cb_cfg = codebook_config(
                 config.store,
                 config.store_seed,
-                config.codebook_sample,
+                sample_vectors(config.codebook_sample, m.total_rows(), k),
                 config.dataset,
                 k,
                 m.config_hash,

@@ -26,7 +26,7 @@ from diffret.retrieval.data.collections import (
 from diffret.retrieval.data.sources import BEIR_BASE_URL, SourceFiles, resolve_source, stored_name
 from diffret.retrieval.fields import cli
 from diffret.schemas import CORPUS_SCHEMA, QRELS_SCHEMA, QUERIES_SCHEMA
-from diffret.storage import ArtifactStore, Manifest, StageState, StoreError
+from diffret.storage import ArtifactStore, FolderState, Manifest, StoreError
 from diffret.storage.layout import dataset_dir
 
 from .base import Context, Plan, Stage, StageConfig, StageResult
@@ -125,7 +125,7 @@ def materialise(
     name: str,
     files: SourceFiles,
     force: bool = False,
-    state: StageState | None = None,
+    state: FolderState | None = None,
     unknown_judgments: str = "error",
 ) -> DownloadResult:
     """Validate and store a collection's files (unless the same source is already stored)."""
@@ -133,16 +133,16 @@ def materialise(
     config = artifact_config(name, files, unknown_judgments)
     if state is None:
         state = store.state(folder, config, force=force, hint=DRIFT_HINT.format(name=name))
-    if state is StageState.CURRENT:
+    if state is FolderState.CURRENT:
         m = store.require_manifest(folder)
         return DownloadResult(
             name, "unchanged", m, [f"{name}: already in the store with the same source; nothing to do"]
         )
     report = DatasetReport(dataset=name, notes=list(files.notes))
-    if state is StageState.DAMAGED:
+    if state is FolderState.DAMAGED:
         report.notes.append("the stored copy failed its checksums and was rebuilt")
     manifest = Manifest.new("datasets", {"dataset": name}, config)
-    with store.stage_writer(folder, manifest) as w:
+    with store.folder_writer(folder, manifest) as w:
         doc_ids: DocIds | None
         if files.corpus is not None:
             doc_ids = DocIds()
@@ -183,7 +183,7 @@ def materialise(
 class DownloadUnit:
     name: str
     files: SourceFiles
-    state: StageState
+    state: FolderState
     unknown_judgments: str = "error"
 
 
@@ -211,7 +211,7 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
             force=config.force,
             hint=DRIFT_HINT.format(name=name),
         )
-        if st is StageState.CURRENT:
+        if st is FolderState.CURRENT:
             lines = [f"{name}: already in the store with the same source; nothing to do"]
             return Plan(skipped=1, details={"dataset": name, "status": "unchanged", "report": lines})
         return Plan(units=[DownloadUnit(name, files, st, config.unknown_judgments)])
@@ -229,7 +229,7 @@ class Download(Stage, name="download", config=DownloadConfig, noun="collection(s
             return None
         origin = str(m.config.get("source") or "")
         state = ctx.store.state(folder, m.config)
-        if state is StageState.CURRENT:
+        if state is FolderState.CURRENT:
             lines = [f"{config.dataset}: already in the store (from {origin}); nothing to do"]
             return Plan(skipped=1, details={"dataset": config.dataset, "status": "unchanged", "report": lines})
         if origin in ("", "official"):

@@ -53,7 +53,15 @@ from .base import (
     put_shared,
     read_shared,
 )
-from .codebooks import DEFAULT_SAMPLE, codebook_config, compressed_config, ensure_codebook, make_codec
+from .codebooks import (
+    DEFAULT_SAMPLE,
+    SampleSize,
+    codebook_config,
+    compressed_config,
+    ensure_codebook,
+    make_codec,
+    sample_vectors,
+)
 from .presentation import Presentation
 from .readers import read_codebook, tokens_manifest
 from .systems import (
@@ -115,11 +123,10 @@ class EncodeConfig(StageConfig, ClusterConfig):
     )
     store: str = like(EncodeSettings, "store")
     store_seed: int = like(EncodeSettings, "store_seed")
-    codebook_sample: int = Field(
+    codebook_sample: SampleSize = Field(
         default=DEFAULT_SAMPLE,
-        ge=256,
-        description="Vectors a compressed store's codebook "
-        "is trained on: a seeded sample of the corpus's own, drawn shard by shard.",
+        description="Vectors a compressed store's codebook is trained on (a seeded sample, shard by shard), or "
+        "'colbert': ColBERTv2's, every vector of min(1 + 16 sqrt(120 N), N) passages (for large collections).",
     )
 
     @model_validator(mode="after")
@@ -502,7 +509,7 @@ class Encode(
         cb_cfg = codebook_config(
             config.store,
             config.store_seed,
-            config.codebook_sample,
+            sample_vectors(config.codebook_sample, texts.t_man.total_rows(), k),
             config.dataset,
             k,
             config_hash(source_cfg),

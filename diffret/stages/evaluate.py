@@ -101,7 +101,7 @@ def list_runs(
     hand, its run file missing or changed: the cheap checks of :meth:`ArtifactStore.check_file`) is left out and
     named in ``damaged`` (folder -> the line with its repair) when given, else its error is raised."""
     out = []
-    for folder in store.stage_dirs("runs/*/*/*/*/*/*"):
+    for folder in store.folders("runs/*/*/*/*/*/*"):
         p = dict(part.split("=", 1) for part in folder.split("/")[1:])  # the folder's partition, as it was written
         if systems and p.get("system") not in systems:
             continue
@@ -246,7 +246,7 @@ class Evaluate(Stage, name="evaluate", config=EvaluateConfig, noun="run(s)", ver
             for j, name in enumerate(measures):  # the mean as Python sums it, query by query
                 means[name] = sum(values[:, j].tolist()) / n_queries
         m = Manifest.new("metrics", dict(p), unit.config, stats={"queries": n_queries, "means": means})
-        with store.stage_writer(unit.stage, m) as w:
+        with store.folder_writer(unit.stage, m) as w:
             w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 
 

@@ -376,7 +376,7 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
                 f"index K_p={kp}: the codes index of {p_man.total_rows():,} passages ({c['store']}: the cells of "
                 "its codebook's centroids; no vector copied), read a shard at a time"
             )
-            with store.stage_writer(unit.stage, m) as w:
+            with store.folder_writer(unit.stage, m) as w:
                 start = time.perf_counter()
                 index = build_codes_index(store, p_folder, p_man)
                 table = index.to_table()
@@ -410,7 +410,7 @@ class Index(Stage, name="index", config=IndexConfig, noun="index(es)", verb="bui
             f"index K_p={kp}: streaming {p_man.total_rows():,} passages into LanceDB ({dtype}) one shard at a time "
             f"({len(p_man.files)} shard(s); memory: one shard), then one {index_type} build"
         )
-        with store.stage_writer(unit.stage, m) as w:
+        with store.folder_writer(unit.stage, m) as w:
             rows = lance.build_table(w.work_dir, itertools.chain([first], batches), hidden, dtype=dtype)
             info = lance.create_index(w.work_dir, index_type) if index_type != "none" else None
             queries = {kq: query_encodings(store, st, ids) for kq, st in q_folders.items()}

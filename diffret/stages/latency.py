@@ -251,7 +251,7 @@ class Latency(Stage, name="latency", config=LatencyConfig, noun="table(s)", verb
         table = pa.Table.from_pylist([{**r, **extra, **env, **when} for r in rows], schema=schema)
         part = {"system": c["system"], "kind": c["kind"], "setting": unit.stage.rsplit("=", 1)[-1]}
         m = Manifest.new("latency", part, c, stats={"rows": table.num_rows, "environment": env})
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             w.write_parquet(name, schema, [table])
         return table.num_rows
 

@@ -126,7 +126,7 @@ def merged_pass(ctx: Context, folder: str, plan_key: str, tracker: PassTracker) 
     """A pass whose runs are written: its partials folder removed with the folders above it that it leaves empty
     (up to ``partials/``: a finished run leaves nothing there), its shared settings removed, and the run's tracker
     told."""
-    ctx.store.remove_stage(folder)
+    ctx.store.remove_folder(folder)
     prune_partials(ctx.store, folder)
     ctx.store.remove_plan(plan_key)
     tracker.merged.add(folder)
@@ -145,7 +145,7 @@ def prune_partials(store: ArtifactStore, folder: str) -> None:
 
 def _remove_unheld(store: ArtifactStore, folder: str) -> None:
     with contextlib.suppress(StoreError), store.lock(folder + "/_run"):
-        store.remove_stage(folder)
+        store.remove_folder(folder)
 
 
 def write_unit(store: ArtifactStore, unit: PassUnit, table: pa.Table, seconds: float | None = None) -> FileEntry:

@@ -28,6 +28,7 @@ from . import bm25, download, evaluate, index, score, summary
 from . import encode as encode_stage
 from .base import GRID_K, KList, ModeList, Stage, StageConfig, StageResult
 from .bm25 import BM25Config
+from .codebooks import SampleSize
 from .download import DownloadConfig
 from .encode import EncodeConfig, check_head_stats, check_k_within
 from .evaluate import EvaluateConfig
@@ -129,7 +130,7 @@ class PipelineConfig(StageConfig):
     head_stats: bool = like(EncodeConfig, "head_stats")
     store: str = like(EncodeConfig, "store")
     store_seed: int = like(EncodeConfig, "store_seed")
-    codebook_sample: int = like(EncodeConfig, "codebook_sample")
+    codebook_sample: SampleSize = like(EncodeConfig, "codebook_sample")
     rules: ScoreRules = like(ScoreConfig, "rules")
     self_hits: Literal["keep", "drop"] = like(ScoreConfig, "self_hits")
     ties: Literal["trec", "rank"] = like(EvaluateConfig, "ties")

@@ -174,7 +174,7 @@ def bot_index(store: ArtifactStore, folder: str) -> tuple[list[str], SparseFlat]
     >>> from diffret.storage.layout import BOT_FILE, BOT_SCHEMA
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = ArtifactStore(root)
-    ...     with store.stage_writer("bot/x", Manifest.new("bot", {}, {})) as w:
+    ...     with store.folder_writer("bot/x", Manifest.new("bot", {}, {})) as w:
     ...         _ = w.write_parquet(BOT_FILE, BOT_SCHEMA, [pa.table({"id": ["a"], "token_ids": [[3, 7]]}, BOT_SCHEMA)])
     ...     ids, bags = bot_index(store, "bot/x")
     >>> ids, bags.ids.tolist()

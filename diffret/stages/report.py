@@ -59,7 +59,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
             if os.path.exists(out) and not os.path.isdir(out):
                 raise StoreError(f"--out {config.out_dir} is a file: give a folder to copy the report into")
         ctx.store.require_root()
-        if not ctx.store.stage_dirs("metrics/*/*/*/*/*/*") and not ctx.store.stage_dirs("latency/*/*/*"):
+        if not ctx.store.folders("metrics/*/*/*/*/*/*") and not ctx.store.folders("latency/*/*/*"):
             raise StoreError(
                 f"no metrics in the store {ctx.store.root} yet: run `diffret evaluate` (or `diffret run`) "
                 "first, or `diffret latency` for the latency figures alone"
@@ -115,7 +115,7 @@ class ReportStage(Stage, name="report", config=ReportConfig, noun="report(s)", v
             c,
             stats={"sections": [t for t, _ in rep.sections], "warnings": rep.warnings},
         )
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             for fname, data in sorted(rep.files.items()):
                 w.write_file(fname, data)
             w.write_file("report.md", rep.markdown().encode())

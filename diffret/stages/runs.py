@@ -136,7 +136,7 @@ def write_run(store: ArtifactStore, cell: Cell, table: pa.Table, stats: dict[str
     part = {"system": cell.config["system"], "dataset": cell.config["dataset"], "split": cell.split}
     part.update({"kq": str(cell.kq), "kp": str(cell.kp), "mode": cell.mode})
     m = Manifest.new("runs", part, cell.config, stats=stats)
-    with store.stage_writer(cell.stage, m) as w:
+    with store.folder_writer(cell.stage, m) as w:
         entry = w.write_file(RUN_FILE, run_file_bytes(table))
         w.manifest.files[RUN_FILE] = entry.model_copy(update={"rows": table.num_rows})
 
@@ -229,7 +229,7 @@ def pick_run(store: ArtifactStore, ref: str, dataset: str, split: str) -> Picked
         else find_system(store, SystemRef(system=parts[0]))
     )
     found = []
-    for folder in store.stage_dirs(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
+    for folder in store.folders(partition("runs", system=record.system, dataset=dataset, split=split) + "/*/*/*"):
         p = dict(part.split("=", 1) for part in folder.split("/")[1:])  # the folder's partition, as it was written
         if not ((mode is None or p["mode"] == mode) and (kq is None or (int(p["kq"]), int(p["kp"])) == (kq, kp))):
             continue  # another cell of the system: not read (a damaged one does not stand in the way)

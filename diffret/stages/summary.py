@@ -53,11 +53,11 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
         plan = Plan(system=system, details={"bm25": bm25})
         systems = [system] + ([bm25] if bm25 else [])
         for split in config.splits:  # a summary of nothing is never written
-            if not store.stage_dirs(f"metrics/system={system}/dataset={config.dataset}/split={split}/*/*/*"):
+            if not store.folders(f"metrics/system={system}/dataset={config.dataset}/split={split}/*/*/*"):
                 have = sorted(
                     {
                         d.split("/")[2].split("=", 1)[1] + "/" + d.split("/")[3].split("=", 1)[1]
-                        for d in store.stage_dirs(f"metrics/system={system}/*/*/*/*/*")
+                        for d in store.folders(f"metrics/system={system}/*/*/*/*/*")
                     }
                 )
                 raise StoreError(
@@ -91,7 +91,7 @@ class Summary(Stage, name="summary", config=SummaryConfig, noun="summary(ies)", 
         m = Manifest.new(
             "summaries", part, c, stats={"rows": len(s.rows), "leaderboard": board, "warnings": s.warnings()}
         )
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             for name, data in s.files().items():
                 w.write_file(name, data)
 
@@ -133,7 +133,7 @@ def _bm25(store: ArtifactStore, given: str | None, dataset: str) -> str | None:
     found = [
         r.system
         for r, _ in list_systems(store)
-        if r.kind == "bm25" and store.stage_dirs(f"metrics/system={r.system}/dataset={dataset}/*/*/*/*")
+        if r.kind == "bm25" and store.folders(f"metrics/system={r.system}/dataset={dataset}/*/*/*/*")
     ]
     if len(found) > 1:
         raise StoreError(

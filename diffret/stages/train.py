@@ -250,7 +250,7 @@ def _bot_index(store: Any, config: TrainConfig, corpus: str) -> tuple[str, Manif
     """The bag-of-tokens index retrieved negatives search: ``config.bot``, else the corpus's one index built with
     the model's vocabulary; refused, naming what there is, when there is none or another vocabulary's."""
     mine = vocab_hash(tokenizer_of(config.backbone))
-    stages = [bot_dir(config.bot, corpus)] if config.bot else store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}")
+    stages = [bot_dir(config.bot, corpus)] if config.bot else store.folders(f"bot/tokenizer=*/dataset={corpus}")
     found = []
     for stage in stages:
         m = store.read_manifest(stage)
@@ -279,7 +279,7 @@ def _bot_index(store: Any, config: TrainConfig, corpus: str) -> tuple[str, Manif
 
 def _bot_with(store: Any, corpus: str, sha256: str) -> str:
     """The bag-of-tokens folder of ``corpus`` whose bags file is ``sha256`` (the one a training planned with)."""
-    for folder in store.stage_dirs(f"bot/tokenizer=*/dataset={corpus}"):
+    for folder in store.folders(f"bot/tokenizer=*/dataset={corpus}"):
         m = store.read_manifest(folder)
         if m is not None and BOT_FILE in m.files and m.files[BOT_FILE].sha256 == sha256:
             return folder
@@ -397,7 +397,7 @@ def _save(
                 cast("PreTrainedModel", model).save_pretrained(Path(tmp, sub))
                 tokenizer.save_pretrained(Path(tmp, sub))
         tokenizer.save_pretrained(tmp)
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             for f in sorted(Path(tmp).rglob("*")):
                 if f.is_file():
                     w.write_file(str(f.relative_to(tmp)), f.read_bytes())

@@ -151,7 +151,7 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
             f"kp={config.kp}" if config.kp is not None else "kp=*",
             f"mode={config.mode}" if config.mode else "mode=*",
         ]
-        found = store.stage_dirs(f"runs/system={system}/dataset={dataset}/split={config.split}/{'/'.join(parts)}")
+        found = store.folders(f"runs/system={system}/dataset={dataset}/split={config.split}/{'/'.join(parts)}")
         if len(found) == 1:
             return found[0]
         if not found:
@@ -178,7 +178,7 @@ class TrainingData(Stage, name="training-data", config=TrainingDataConfig, noun=
         stats["negatives_per_group"] = sum(len(g.negatives) for g in groups) / len(groups)
         stats["max_negatives"] = max(len(g.negatives) for g in groups)
         m = Manifest.new("training", {"set": cfg["set"]}, cfg, stats=stats)
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             w.write_parquet(GROUPS_FILE, GROUPS_SCHEMA, [groups_table(groups)])
         counted = {
             k: v

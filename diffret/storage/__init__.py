@@ -10,7 +10,7 @@ from .manifest import (
     config_hash,
     diff_configs,
 )
-from .store import ArtifactStore, StageState, StageWriter, remove_empty_sharded
+from .store import ArtifactStore, FolderState, FolderWriter, remove_empty_sharded
 
 __all__ = [
     "ArtifactStore",
@@ -19,8 +19,8 @@ __all__ = [
     "FileEntry",
     "IncompleteArtifactError",
     "Manifest",
-    "StageState",
-    "StageWriter",
+    "FolderState",
+    "FolderWriter",
     "StoreError",
     "config_hash",
     "diff_configs",

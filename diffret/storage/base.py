@@ -14,11 +14,11 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import layout
-from .files import FILE_MODE, _fsync_dir, _info_stat
+from .files import FILE_MODE, fsync_dir, info_stat
 from .manifest import FileEntry, Manifest, ShardRecord, StoreError
 
 if TYPE_CHECKING:  # integrity.py derives from this module's class
-    from .integrity import StageState
+    from .integrity import FolderState
 
 
 class StoreBase:
@@ -93,13 +93,13 @@ class StoreBase:
                 return None
             return st.st_size, st.st_mtime_ns
         try:
-            return _info_stat(self.fs.info(path))
+            return info_stat(self.fs.info(path))
         except FileNotFoundError:
             return None
 
-    def _listing(self, stage_dir: str) -> dict[str, tuple[int, int | None]]:
+    def _listing(self, folder: str) -> dict[str, tuple[int, int | None]]:
         """Name -> (size, mtime ns) of the files directly in a folder: one listing, not one call per file."""
-        path = self.abspath(stage_dir)
+        path = self.abspath(folder)
         out: dict[str, tuple[int, int | None]] = {}
         if self.is_local:
             try:
@@ -117,7 +117,7 @@ class StoreBase:
             return out
         for e in entries:
             if e.get("type") == "file":
-                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = _info_stat(e)
+                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = info_stat(e)
         return out
 
     def read_bytes(self, rel: str) -> bytes:
@@ -140,7 +140,7 @@ class StoreBase:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-                _fsync_dir(folder)
+                fsync_dir(folder)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -148,40 +148,40 @@ class StoreBase:
         else:  # one PUT: the object appears whole or not at all
             self.fs.pipe_file(path, data)
 
-    def write_manifest(self, stage_dir: str, manifest: Manifest) -> None:
-        self.write_bytes(layout.manifest_path(stage_dir), manifest.to_json().encode())
+    def write_manifest(self, folder: str, manifest: Manifest) -> None:
+        self.write_bytes(layout.manifest_path(folder), manifest.to_json().encode())
 
     # ------------------------------------------------------------------- provided by the parts
-    def read_manifest(self, stage_dir: str, trusted: bool = True) -> Manifest | None:
+    def read_manifest(self, folder: str, trusted: bool = True) -> Manifest | None:
         """The folder's manifest, or None (:meth:`storage.store.ArtifactStore.read_manifest`)."""
         raise NotImplementedError("read_manifest is ArtifactStore's (storage/store.py)")
 
-    def require_manifest(self, stage_dir: str) -> Manifest:
+    def require_manifest(self, folder: str) -> Manifest:
         """The folder's manifest, or IncompleteArtifactError (:meth:`storage.store.ArtifactStore.require_manifest`)."""
         raise NotImplementedError("require_manifest is ArtifactStore's (storage/store.py)")
 
-    def _manifest_for_read(self, stage_dir: str) -> Manifest:
+    def _manifest_for_read(self, folder: str) -> Manifest:
         """The folder's manifest, parsed once per version (:meth:`storage.store.ArtifactStore._manifest_for_read`)."""
         raise NotImplementedError("_manifest_for_read is ArtifactStore's (storage/store.py)")
 
     def state(
-        self, stage_dir: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
-    ) -> StageState:
-        """The state of ``stage_dir`` for ``config`` (:meth:`storage.integrity.IntegrityMixin.state`)."""
+        self, folder: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
+    ) -> FolderState:
+        """The state of ``folder`` for ``config`` (:meth:`storage.integrity.IntegrityMixin.state`)."""
         raise NotImplementedError("state is IntegrityMixin's (storage/integrity.py)")
 
-    def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
+    def verify_file(self, folder: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
         """Check one file against its entry (:meth:`storage.integrity.IntegrityMixin.verify_file`)."""
         raise NotImplementedError("verify_file is IntegrityMixin's (storage/integrity.py)")
 
-    def lock(self, stage_dir: str) -> contextlib.AbstractContextManager[None]:
-        """Exclusive lock for one stage folder (:meth:`storage.staging.StagingMixin.lock`)."""
+    def lock(self, folder: str) -> contextlib.AbstractContextManager[None]:
+        """Exclusive lock for one folder (:meth:`storage.staging.StagingMixin.lock`)."""
         raise NotImplementedError("lock is StagingMixin's (storage/staging.py)")
 
-    def remove_stage(self, stage_dir: str) -> None:
-        """Remove a stage folder, its manifest first (:meth:`storage.staging.StagingMixin.remove_stage`)."""
-        raise NotImplementedError("remove_stage is StagingMixin's (storage/staging.py)")
+    def remove_folder(self, folder: str) -> None:
+        """Remove a folder, its manifest first (:meth:`storage.staging.StagingMixin.remove_folder`)."""
+        raise NotImplementedError("remove_folder is StagingMixin's (storage/staging.py)")
 
-    def _pending_records(self, stage_dir: str) -> tuple[list[str], list[ShardRecord | StoreError]]:
+    def _pending_records(self, folder: str) -> tuple[list[str], list[ShardRecord | StoreError]]:
         """The shard records not yet compacted (:meth:`storage.shards.ShardsMixin._pending_records`)."""
         raise NotImplementedError("_pending_records is ShardsMixin's (storage/shards.py)")

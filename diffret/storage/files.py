@@ -1,5 +1,5 @@
 """The store's file-level helpers: checksums, file stats from fsspec listings, the mode of new files, directory
-fsyncs and the Parquet settings every stage file is written with (shared by :mod:`storage.store` and its parts)."""
+fsyncs and the Parquet settings every store file is written with (shared by :mod:`storage.store` and its parts)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ ROW_GROUP_ROWS = 100_000
 _HASH_CHUNK = 8 << 20
 
 
-def _info_stat(info: dict[str, Any]) -> tuple[int, int | None]:
-    """(size, mtime in ns or None) from an fsspec ``info`` / ``ls(detail=True)`` entry."""
+def info_stat(info: dict[str, Any]) -> tuple[int, int | None]:
+    """(size, mtime in ns or None) from an fsspec ``info`` / ``ls(detail=True)`` entry.
+
+    >>> info_stat({"size": 3, "mtime": 1.5}), info_stat({"size": 3, "mtime": "?"})
+    ((3, 1500000000), (3, None))
+    """
     size = int(info.get("size") or 0)
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
     if mtime is not None and hasattr(mtime, "timestamp"):  # a datetime (object stores)
@@ -47,7 +51,12 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp gives 0600)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Flush a local folder's entries (a rename or a new file in it) to disk; a no-op where that is not possible.
+
+    >>> import tempfile
+    >>> fsync_dir(tempfile.gettempdir())
+    """
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:

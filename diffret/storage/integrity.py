@@ -1,4 +1,4 @@
-"""Verification and repair: files checked against their manifest entries (size, mtime, sha256), a stage
+"""Verification and repair: files checked against their manifest entries (size, mtime, sha256), a
 folder's state for a config (the one drift policy of every stage), the whole store verified, and the repair each
 problem names. Mixed into :class:`storage.store.ArtifactStore`."""
 
@@ -27,8 +27,8 @@ from .manifest import (
 from .repairs import Damage, Repair, repair_of
 
 
-class StageState(enum.StrEnum):
-    """What a stage folder holds for a config (see :meth:`ArtifactStore.state`)."""
+class FolderState(enum.StrEnum):
+    """What a folder holds for a config (see :meth:`ArtifactStore.state`)."""
 
     ABSENT = "absent"  # nothing complete there: build it
     CURRENT = "current"  # the same config and every listed file verifies: nothing to do
@@ -44,7 +44,7 @@ class IntegrityMixin(StoreBase):
     ``fs``, ``is_local``, paths and manifest reads)."""
 
     def repair(self, rel: str) -> Repair:
-        """What rebuilds the stage folder holding ``rel`` (:func:`storage.repairs.repair_of`): the command that made
+        """What rebuilds the folder holding ``rel`` (:func:`storage.repairs.repair_of`): the command that made
         it, with the settings that made it as the store holds them (the folder's manifest config; where the manifest
         is gone, its system's registry record; a tokens folder's tokenizer, from the encodings that read it), and
         which command made a compressed system's folders, whether a model is a reranker, a summary's BM25 system.
@@ -107,21 +107,21 @@ class IntegrityMixin(StoreBase):
             return "" if os.path.abspath(os.path.expanduser(default)) == self.base else self.base
         return "" if default.rstrip("/") == self.root.rstrip("/") else self.root
 
-    def removal(self, stage_dir: str) -> Repair:
+    def removal(self, folder: str) -> Repair:
         """The repair of a folder no command can build again as it was: remove it.
 
         >>> from diffret.storage import ArtifactStore
         >>> str(ArtifactStore("/data/s").removal("runs/system=a b"))
         "repair: remove the folder: `rm -r '/data/s/runs/system=a b'`"
         """
-        return Repair(remove=self.abspath(stage_dir), local=self.is_local)
+        return Repair(remove=self.abspath(folder), local=self.is_local)
 
-    def edited_problem(self, stage_dir: str, m: Manifest, subject: str = "") -> str | None:
+    def edited_problem(self, folder: str, m: Manifest, subject: str = "") -> str | None:
         """The damage line of a manifest edited by hand (:meth:`edited_damage`); ``None`` when it is as written."""
-        damage = self.edited_damage(stage_dir, m, subject)
+        damage = self.edited_damage(folder, m, subject)
         return None if damage is None else str(damage)
 
-    def edited_damage(self, stage_dir: str, m: Manifest, subject: str = "") -> Damage | None:
+    def edited_damage(self, folder: str, m: Manifest, subject: str = "") -> Damage | None:
         """The damage of a manifest edited by hand (``subject``: what it names first; default its folder), with its
         repair; ``None`` when it is as written. A config that holds a number that is not finite (written as null,
         :meth:`Manifest.non_finite`) was no edit: its settings are refused now, so no command builds the folder again
@@ -129,21 +129,19 @@ class IntegrityMixin(StoreBase):
         what = m.edited()
         if what is None:
             return None
-        subject = subject or self.abspath(stage_dir)
+        subject = subject or self.abspath(folder)
         if what == "its config" and (fields := m.non_finite()):
             problem = (
                 f"its config holds a number that is not finite ({', '.join(fields)}: NaN or infinity, written as "
                 "null), which every setting refuses now, so no command builds the folder again as it was"
             )
-            return Damage(subject, problem, self.removal(stage_dir))
-        return Damage(
-            subject, f"manifest edited by hand ({what}), so the folder is not trusted", self.repair(stage_dir)
-        )
+            return Damage(subject, problem, self.removal(folder))
+        return Damage(subject, f"manifest edited by hand ({what}), so the folder is not trusted", self.repair(folder))
 
-    def _raw_config(self, stage_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def _raw_config(self, folder: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(config, stats) of a folder's manifest as written, or None (missing, unreadable): no checks, no hints."""
         try:
-            with self.fs.open(self.abspath(layout.manifest_path(stage_dir)), "rb") as f:
+            with self.fs.open(self.abspath(layout.manifest_path(folder)), "rb") as f:
                 data = json.loads(f.read())
         except (OSError, ValueError):
             return None
@@ -169,52 +167,52 @@ class IntegrityMixin(StoreBase):
             }
         }
 
-    def _model_task(self, stage_dir: str) -> str:
+    def _model_task(self, folder: str) -> str:
         """A stored model's task: its manifest's (``reranker`` for train-reranker's), else its train log's."""
-        found = self._raw_config(stage_dir)
+        found = self._raw_config(folder)
         if found is not None and found[0].get("task"):
             return str(found[0]["task"])
-        with self.fs.open(self.abspath(f"{stage_dir}/{layout.TRAIN_LOG_FILE}"), "rb") as f:
+        with self.fs.open(self.abspath(f"{folder}/{layout.TRAIN_LOG_FILE}"), "rb") as f:
             meta = pq.read_schema(f).metadata or {}
         return meta.get(layout.MODEL_TASK_KEY, b"encoder").decode()
 
-    def _summary_bm25(self, stage_dir: str) -> str | None:
+    def _summary_bm25(self, folder: str) -> str | None:
         """A summary's BM25 system: its manifest's, else its leaderboard's BM25 row (None: it has none; unreadable
         both: FileNotFoundError)."""
-        found = self._raw_config(stage_dir)
+        found = self._raw_config(folder)
         if found is not None:
             return found[0].get("bm25")
-        rows = self.read_bytes(f"{stage_dir}/leaderboard.csv").decode().splitlines()
+        rows = self.read_bytes(f"{folder}/leaderboard.csv").decode().splitlines()
         return next((r.split(",")[0] for r in rows[1:] if r.split(",")[1:2] == ["bm25"]), None)
 
-    def verify_file(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
+    def verify_file(self, folder: str, name: str, entry: FileEntry, *, cached: bool = True) -> None:
         """Check one file's size and sha256 against its entry (``cached``: skip a file this store already
         hashed with the same size and mtime); :class:`ChecksumError` names what differs and its repair."""
-        damage = self.file_damage(stage_dir, name, entry, cached=cached)
+        damage = self.file_damage(folder, name, entry, cached=cached)
         if damage is not None:
             raise ChecksumError(str(damage))
 
-    def file_damage(self, stage_dir: str, name: str, entry: FileEntry, *, cached: bool = True) -> Damage | None:
+    def file_damage(self, folder: str, name: str, entry: FileEntry, *, cached: bool = True) -> Damage | None:
         """What differs between one file and its entry, with its repair (:meth:`verify_file`); ``None`` when it
         matches."""
-        path = self.abspath(f"{stage_dir}/{name}")
-        stat = self.file_stat(f"{stage_dir}/{name}")
+        path = self.abspath(f"{folder}/{name}")
+        stat = self.file_stat(f"{folder}/{name}")
         if stat is None:
-            return Damage(path, "listed in the manifest but missing", self.repair(stage_dir))
+            return Damage(path, "listed in the manifest but missing", self.repair(folder))
         size = stat[0]
         key = (path, size, stat[1] or 0)
         if cached and stat[1] is not None and self._verified.get(key) == entry.sha256:
             return None
         if size != entry.bytes:
-            return Damage(path, f"{size} bytes, manifest says {entry.bytes}", self.repair(stage_dir))
+            return Damage(path, f"{size} bytes, manifest says {entry.bytes}", self.repair(folder))
         digest, _ = sha256_file(path, self.fs)
         if digest != entry.sha256:
             problem = f"sha256 {digest[:12]}… does not match the manifest ({entry.sha256[:12]}…)"
-            return Damage(path, problem, self.repair(stage_dir))
+            return Damage(path, problem, self.repair(folder))
         self._verified[key] = digest
         return None
 
-    def check_file(self, stage_dir: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
+    def check_file(self, folder: str, name: str, entry: FileEntry, since_ns: int | None = None) -> None:
         """The cheap check re-run planning trusts (:meth:`open_sharded`), for a reader: the file is there with its
         recorded size, and its mtime is the one recorded (``entry.mtime_ns``) or, where none was, not later than
         ``since_ns`` (its manifest's, written after its files). A file touched since is checked by sha256
@@ -234,20 +232,20 @@ class IntegrityMixin(StoreBase):
         ...         print("bytes, manifest says" in str(e))
         True
         """
-        stat = self.file_stat(f"{stage_dir}/{name}")
+        stat = self.file_stat(f"{folder}/{name}")
         if stat is not None and stat[0] == entry.bytes:
             recorded = entry.mtime_ns if entry.mtime_ns is not None else since_ns
             if stat[1] is None or recorded is None:  # no mtimes to compare: the size decides
                 return
             if stat[1] == entry.mtime_ns or (entry.mtime_ns is None and stat[1] <= recorded):
                 return
-        self.verify_file(stage_dir, name, entry)  # missing, resized or touched: the sha256 decides
+        self.verify_file(folder, name, entry)  # missing, resized or touched: the sha256 decides
 
-    def verify(self, stage_dir: str) -> Manifest:
-        """The stage's manifest after checking every file it lists."""
-        m = self.require_manifest(stage_dir)
+    def verify(self, folder: str) -> Manifest:
+        """The folder's manifest after checking every file it lists."""
+        m = self.require_manifest(folder)
         for name, entry in m.files.items():
-            self.verify_file(stage_dir, name, entry)
+            self.verify_file(folder, name, entry)
         return m
 
     def require_root(self) -> None:
@@ -282,7 +280,7 @@ class IntegrityMixin(StoreBase):
             )
 
     def verify_all(self) -> tuple[int, list[str]]:
-        """Check every file of every stage folder against its manifest (full sha256, no cache): the number
+        """Check every file of every folder against its manifest (full sha256, no cache): the number
         of files checked and one line per problem (:meth:`damage_all`, each as its line).
 
         Examples
@@ -297,7 +295,7 @@ class IntegrityMixin(StoreBase):
         return checked, [str(d) for d in damage]
 
     def damage_all(self) -> tuple[int, list[Damage]]:
-        """Check every file of every stage folder against its manifest (full sha256, no cache): the number of files
+        """Check every file of every folder against its manifest (full sha256, no cache): the number of files
         checked and what is damaged (a changed or missing file, a manifest edited by hand or deleted), each with
         what repairs it (:class:`storage.repairs.Damage`)."""
         self.require_root()
@@ -331,7 +329,7 @@ class IntegrityMixin(StoreBase):
         return checked, problems
 
     def orphan_folders(self) -> list[Damage]:
-        """Stage folders holding files but no manifest (a deleted one): damage, since SQL and the stages would
+        """Folders holding files but no manifest (a deleted one): damage, since SQL and the stages would
         silently leave their files out. One each, with the repair."""
         out = []
         base = self.abspath("")
@@ -349,9 +347,9 @@ class IntegrityMixin(StoreBase):
         return out
 
     def state(
-        self, stage_dir: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
-    ) -> StageState:
-        """The one drift policy of every stage: the state of ``stage_dir`` for ``config``.
+        self, folder: str, config: dict[str, Any], *, force: bool = False, verify: bool = True, hint: str = ""
+    ) -> FolderState:
+        """The one drift policy of every stage: the state of ``folder`` for ``config``.
 
         A folder built from different settings raises :class:`ConfigDriftError` naming the fields, unless
         ``force`` (then it is ``STALE``: the caller replaces it). Different ``inputs`` alone (upstream
@@ -359,23 +357,23 @@ class IntegrityMixin(StoreBase):
         checksums (sharded folders verify shard by shard).
         """
         try:
-            m = self.read_manifest(stage_dir, trusted=False)
+            m = self.read_manifest(folder, trusted=False)
         except StoreError:  # unreadable: nothing in the folder is trusted, it is rebuilt
-            return StageState.DAMAGED
+            return FolderState.DAMAGED
         if m is None:
-            return StageState.ABSENT
+            return FolderState.ABSENT
         stored = config_hash(m.config)  # the config itself, not the hash recorded beside it
         if stored != config_hash(config):
             settings = [d for d in diff_configs(m.config, config) if not is_input_field(d[0])]
             if settings and not force:
-                raise ConfigDriftError(self.abspath(stage_dir), settings, hint or DRIFT_HINT)
-            return StageState.STALE
+                raise ConfigDriftError(self.abspath(folder), settings, hint or DRIFT_HINT)
+            return FolderState.STALE
         if m.edited():  # a manifest edited by hand: nothing in the folder is trusted
-            return StageState.DAMAGED
+            return FolderState.DAMAGED
         if verify:
             try:
                 for name, entry in m.files.items():
-                    self.verify_file(stage_dir, name, entry)
+                    self.verify_file(folder, name, entry)
             except ChecksumError:
-                return StageState.DAMAGED
-        return StageState.CURRENT
+                return FolderState.DAMAGED
+        return FolderState.CURRENT

@@ -66,12 +66,12 @@ def dataset_file(dataset: str, table: str) -> str:
     return f"{dataset_dir(dataset)}/{table}.parquet"
 
 
-def manifest_path(stage_dir: str) -> str:
-    return f"{stage_dir}/{MANIFEST_NAME}"
+def manifest_path(folder: str) -> str:
+    return f"{folder}/{MANIFEST_NAME}"
 
 
-def lock_name(stage_dir: str) -> str:
-    return stage_dir.replace("/", "__").replace("=", "-")
+def lock_name(folder: str) -> str:
+    return folder.replace("/", "__").replace("=", "-")
 
 
 TOKENS_SCHEMA = pa.schema(
@@ -131,14 +131,14 @@ def pass_units_dir(system: str, dataset: str, kp: int, key: str) -> str:
     return partition("partials", system=system, dataset=dataset, kp=kp, key=key)
 
 
-def unit_seconds_path(stage_dir: str, name: str) -> str:
+def unit_seconds_path(folder: str, name: str) -> str:
     """Where a cut pass's unit records what its search cost (JSON ``{"seconds": ...}``), beside its file: the unit's
     file holds only what its inputs decide, so a unit computed twice (a Dask worker died) writes the same bytes.
 
     >>> unit_seconds_path("partials/system=s/dataset=d/kp=1/key=k", "block=00003.parquet")
     'partials/system=s/dataset=d/kp=1/key=k/_seconds-block=00003.json'
     """
-    return f"{stage_dir}/{UNIT_SECONDS_PREFIX}{name.rsplit('.', 1)[0]}.json"
+    return f"{folder}/{UNIT_SECONDS_PREFIX}{name.rsplit('.', 1)[0]}.json"
 
 
 def bot_dir(tokenizer: str, dataset: str) -> str:
@@ -342,7 +342,7 @@ def schema_for_pattern(pattern: str) -> pa.Schema | None:
     return FILE_SCHEMAS.get(pattern.rsplit("/", 1)[-1])
 
 
-# Every kind of stage folder: its glob (relative to the root) and the command whose next run rebuilds a damaged one
+# Every kind of folder: its glob (relative to the root) and the command whose next run rebuilds a damaged one
 # (storage.repairs.repair_of names it with the settings that made the folder, where the store holds them).
 STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "datasets": ("datasets/*", "download"),
@@ -365,7 +365,7 @@ STAGE_FOLDERS: dict[str, tuple[str, str]] = {
     "latency": ("latency/*/*/*", "latency"),
     "features": ("features/*/*/*/*", "budget"),
 }
-# The names a store root holds (every stage folder, and the store's own bookkeeping): a folder holding none of them
+# The names a store root holds (every folder, and the store's own bookkeeping): a folder holding none of them
 # (beside hidden entries) is not a store (:meth:`storage.ArtifactStore.require_root`)
 STORE_TOP_FOLDERS = frozenset([*STAGE_FOLDERS, STAGING_DIR, LOCKS_DIR, PLANS_DIR, "checkpoints"])
 MODEL_TASK_KEY = b"diffret.task"  # train_log.parquet's schema metadata: "reranker" (train-reranker) or "encoder"

@@ -23,11 +23,11 @@ class StoreError(RuntimeError):
 
 
 class ChecksumError(StoreError):
-    """A file's bytes differ from the sha256 recorded in its stage manifest."""
+    """A file's bytes differ from the sha256 recorded in its folder's manifest."""
 
 
 class IncompleteArtifactError(StoreError):
-    """A stage folder without a manifest (or a file without a manifest entry): never read."""
+    """A folder without a manifest (or a file without a manifest entry): never read."""
 
 
 class ConfigDriftError(StoreError):
@@ -61,7 +61,7 @@ def is_input_field(name: str) -> bool:
 
 
 class FileEntry(BaseModel):
-    """One file of a stage folder: its checksum, size, rows (tables) and, for shards, the modification time
+    """One file of a folder: its checksum, size, rows (tables) and, for shards, the modification time
     seen when it was written (``mtime_ns``; absent in manifests written before it existed).
 
     Re-run planning trusts a shard whose size and mtime still match (``open_sharded``); anything else,

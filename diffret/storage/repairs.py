@@ -191,7 +191,7 @@ def _root(root: str) -> list[tuple[str, Value]]:
 
 
 def repair_of(rel: str, facts: dict[str, Any] | None = None, root: str = "") -> Repair:
-    """What rebuilds the stage folder holding ``rel`` (a path relative to the root): the command that made it, with
+    """What rebuilds the folder holding ``rel`` (a path relative to the root): the command that made it, with
     the settings that made it where the store holds them. ``facts`` are what the store tells beyond the path
     (:meth:`storage.ArtifactStore.repair`): ``config`` (the folder's manifest config), ``system`` (its system's
     registry settings, where its manifest is gone), ``tokenizer`` (a tokens folder's tokenizer settings: those of an

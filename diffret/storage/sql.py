@@ -105,7 +105,7 @@ def listed_files(store: ArtifactStore, pattern: str, verify: bool = False) -> tu
     ...     store = ArtifactStore(root)
     ...     for d in ("a", "b"):
     ...         m = Manifest.new("t", {}, {"d": d})
-    ...         with store.stage_writer(f"t/d={d}", m) as w:
+    ...         with store.folder_writer(f"t/d={d}", m) as w:
     ...             _ = w.write_parquet("x.parquet", pa.schema([("x", pa.int64())]), [pa.table({"x": [1]})])
     ...     os.remove(store.abspath("t/d=b/x.parquet"))
     ...     files, left_out = listed_files(store, "t/d=*/x.parquet")

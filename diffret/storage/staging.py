@@ -1,5 +1,5 @@
-"""Writers of a stage folder: the per-folder lock (local stores) and whole folders built in ``_staging/`` and
-renamed into place in one step (:class:`StageWriter`), so a killed run leaves nothing under the stage's glob that
+"""Writers of a folder: the per-folder lock (local stores) and whole folders built in ``_staging/`` and
+renamed into place in one step (:class:`FolderWriter`), so a killed run leaves nothing under the stage's glob that
 DuckDB or a reader would pick up. Mixed into :class:`storage.store.ArtifactStore`."""
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ import pyarrow.parquet as pq
 
 from . import layout
 from .base import StoreBase
-from .files import PARQUET_COMPRESSION, ROW_GROUP_ROWS, _fsync_dir, sha256_file
+from .files import PARQUET_COMPRESSION, ROW_GROUP_ROWS, fsync_dir, sha256_file
 from .manifest import FileEntry, Manifest, StoreError
 
 
 class StagingMixin(StoreBase):
-    """:class:`storage.store.ArtifactStore`'s locks and staged stage folders (over :class:`storage.base.StoreBase`:
+    """:class:`storage.store.ArtifactStore`'s locks and staged folders (over :class:`storage.base.StoreBase`:
     its ``fs``, ``is_local`` and paths)."""
 
     # ------------------------------------------------------------------------------------ locks
     @contextlib.contextmanager
-    def lock(self, stage_dir: str) -> Iterator[None]:
-        """Exclusive lock for one stage folder (local stores; released by the OS if the process dies). The lock
+    def lock(self, folder: str) -> Iterator[None]:
+        """Exclusive lock for one folder (local stores; released by the OS if the process dies). The lock
         file is removed on release (the holder unlinks it before unlocking; a process that opened the old file
         finds it gone and takes a new one), so a finished run leaves no lock files.
 
@@ -38,20 +38,23 @@ class StagingMixin(StoreBase):
         if not self.is_local:
             yield
             return
-        folder = self.abspath(layout.LOCKS_DIR)
-        path = os.path.join(folder, layout.lock_name(stage_dir) + ".lock")
+        locks = self.abspath(layout.LOCKS_DIR)
+        path = os.path.join(locks, layout.lock_name(folder) + ".lock")
         while True:
             try:
-                os.makedirs(folder, exist_ok=True)
+                os.makedirs(locks, exist_ok=True)
                 fh = open(path, "a")  # noqa: SIM115 - held across the yield
-            except (FileNotFoundError, FileExistsError):  # the folder was removed (or made and removed) in between
+            except (
+                FileNotFoundError,
+                FileExistsError,
+            ):  # the locks folder was removed (or made and removed) in between
                 continue
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fh.close()
                 raise StoreError(
-                    f"{self.abspath(stage_dir)} is being written by another process; wait for it to finish"
+                    f"{self.abspath(folder)} is being written by another process; wait for it to finish"
                 ) from None
             try:
                 same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
@@ -68,62 +71,62 @@ class StagingMixin(StoreBase):
             fcntl.flock(fh, fcntl.LOCK_UN)
             fh.close()
             with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only when no other lock is held
+                os.rmdir(locks)  # only when no other lock is held
 
     # --------------------------------------------------------------------------- staged stages
     @contextlib.contextmanager
-    def stage_writer(self, stage_dir: str, manifest: Manifest) -> Iterator[StageWriter]:
-        """Build a whole stage folder; it replaces ``stage_dir`` only when the block finishes cleanly.
+    def folder_writer(self, folder: str, manifest: Manifest) -> Iterator[FolderWriter]:
+        """Build a whole folder; it replaces ``folder`` only when the block finishes cleanly.
 
         Holds the stage lock for the whole build and clears what an earlier killed run left behind.
         """
-        with self.lock(stage_dir):
-            writer = StageWriter(self, stage_dir, manifest)
+        with self.lock(folder):
+            writer = FolderWriter(self, folder, manifest)
             try:
                 yield writer
                 writer._commit()
             finally:
                 writer._cleanup()
 
-    def clear_stale_staging(self, stage_dir: str) -> int:
-        """Remove staging folders of ``stage_dir`` left by killed runs (call with the lock held)."""
+    def clear_stale_staging(self, folder: str) -> int:
+        """Remove staging folders of ``folder`` left by killed runs (call with the lock held)."""
         if not self.is_local:
             return 0
-        folder = self.abspath(layout.STAGING_DIR)
-        if not os.path.isdir(folder):
+        staging = self.abspath(layout.STAGING_DIR)
+        if not os.path.isdir(staging):
             return 0
-        prefix = layout.lock_name(stage_dir) + "."
+        prefix = layout.lock_name(folder) + "."
         n = 0
         try:
-            entries = os.listdir(folder)
+            entries = os.listdir(staging)
         except FileNotFoundError:  # another writer's cleanup removed it, empty, since the check
             return 0
         for entry in entries:
             if entry.startswith(prefix):
-                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+                shutil.rmtree(os.path.join(staging, entry), ignore_errors=True)
                 n += 1
         return n
 
-    def remove_stage(self, stage_dir: str) -> None:
-        path = self.abspath(stage_dir)
+    def remove_folder(self, folder: str) -> None:
+        path = self.abspath(folder)
         if self.fs.exists(path):
             # manifest first: from this instant nothing in the folder is accepted
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.abspath(layout.manifest_path(stage_dir)))
+                self.fs.rm(self.abspath(layout.manifest_path(folder)))
             self.fs.rm(path, recursive=True)
 
 
-class StageWriter:
-    """Writes the files of one stage folder; see ``ArtifactStore.stage_writer``."""
+class FolderWriter:
+    """Writes the files of one folder; see ``ArtifactStore.folder_writer``."""
 
-    def __init__(self, store: StagingMixin, stage_dir: str, manifest: Manifest):
+    def __init__(self, store: StagingMixin, folder: str, manifest: Manifest):
         self.store = store
-        self.stage_dir = stage_dir
+        self.folder = folder
         self.manifest = manifest
         self._token = uuid.uuid4().hex[:12]
         if store.is_local:
-            store.clear_stale_staging(stage_dir)
-            self.work_dir = store.abspath(f"{layout.STAGING_DIR}/{layout.lock_name(stage_dir)}.{self._token}")
+            store.clear_stale_staging(folder)
+            self.work_dir = store.abspath(f"{layout.STAGING_DIR}/{layout.lock_name(folder)}.{self._token}")
             for attempt in range(20):  # writers of other folders (units on Dask workers) share _staging/
                 try:
                     os.makedirs(self.work_dir)
@@ -134,7 +137,7 @@ class StageWriter:
         else:
             self.work_dir = tempfile.mkdtemp(prefix="diffret-stage-")
             # the old manifest goes first, so the old files are never mistaken for the new ones
-            store.remove_stage(stage_dir)
+            store.remove_folder(folder)
         self._done = False
         self._uploaded: set[str] = set()  # the files already on an object store (the rest go up at commit)
 
@@ -154,7 +157,7 @@ class StageWriter:
         entry = FileEntry(sha256=digest, bytes=size, rows=rows)
         self.manifest.files[name] = entry
         if not self.store.is_local:
-            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+            self.store.fs.put_file(path, self.store.abspath(f"{self.folder}/{name}"))
             self._uploaded.add(name)
         return entry
 
@@ -167,7 +170,7 @@ class StageWriter:
         entry = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
         self.manifest.files[name] = entry
         if not self.store.is_local:
-            self.store.fs.put_file(path, self.store.abspath(f"{self.stage_dir}/{name}"))
+            self.store.fs.put_file(path, self.store.abspath(f"{self.folder}/{name}"))
             self._uploaded.add(name)
         return entry
 
@@ -178,14 +181,14 @@ class StageWriter:
                 f.write(self.manifest.to_json())
                 f.flush()
                 os.fsync(f.fileno())
-            final = store.abspath(self.stage_dir)
+            final = store.abspath(self.folder)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             old = None
             if os.path.exists(final):
                 old = f"{self.work_dir}.old"
                 os.rename(final, old)
             os.rename(self.work_dir, final)
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
             if old:
                 shutil.rmtree(old, ignore_errors=True)
         else:
@@ -194,8 +197,8 @@ class StageWriter:
             for name in sorted(set(self.manifest.files) - self._uploaded):
                 path = os.path.join(self.work_dir, name)
                 if os.path.isfile(path):
-                    store.fs.put_file(path, store.abspath(f"{self.stage_dir}/{name}"))
-            store.write_manifest(self.stage_dir, self.manifest)
+                    store.fs.put_file(path, store.abspath(f"{self.folder}/{name}"))
+            store.write_manifest(self.folder, self.manifest)
         self._done = True
 
     def _cleanup(self) -> None:

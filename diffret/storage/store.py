@@ -3,12 +3,12 @@
 Rules (docs/ARCHITECTURE.md, "The store"):
 - every write is atomic: a file is written under a temporary name and renamed into place (on object
   stores, where a single PUT is already atomic, the object is uploaded whole);
-- a stage folder is trusted only through its ``_manifest.json``: the producing config and its hash,
+- a folder is trusted only through its ``_manifest.json``: the producing config and its hash,
   row counts, sha256 and size of every file, library versions. The manifest is written last;
 - a reader verifies checksums and refuses artifacts whose config differs from the one it expects,
   naming the differing fields.
 
-Whole stage folders (a dataset's three tables) are built in ``_staging/`` and renamed into place in
+Whole folders (a dataset's three tables) are built in ``_staging/`` and renamed into place in
 one step on local filesystems, so a killed run leaves nothing under the stage's glob that DuckDB or a
 reader would pick up.
 
@@ -36,7 +36,7 @@ from diffret.caching import KeyedCache
 
 from . import layout
 from .files import FILE_MODE, PARQUET_COMPRESSION, ROW_GROUP_ROWS, sha256_file
-from .integrity import DRIFT_HINT, IntegrityMixin, StageState
+from .integrity import DRIFT_HINT, FolderState, IntegrityMixin
 from .manifest import (
     ChecksumError,
     ConfigDriftError,
@@ -50,7 +50,7 @@ from .manifest import (
     is_input_field,
 )
 from .shards import ShardsMixin, remove_empty_sharded, shard_record_path
-from .staging import StageWriter, StagingMixin
+from .staging import FolderWriter, StagingMixin
 
 __all__ = [
     "DRIFT_HINT",
@@ -64,8 +64,8 @@ __all__ = [
     "IncompleteArtifactError",
     "Manifest",
     "ShardRecord",
-    "StageState",
-    "StageWriter",
+    "FolderState",
+    "FolderWriter",
     "StoreError",
     "config_hash",
     "diff_configs",
@@ -173,56 +173,56 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         return json.loads(data)
 
     # ------------------------------------------------------------------------------------ reads
-    def read_manifest(self, stage_dir: str, trusted: bool = True) -> Manifest | None:
+    def read_manifest(self, folder: str, trusted: bool = True) -> Manifest | None:
         """The folder's manifest (None when it has none). An unreadable one, or (``trusted``) one edited by hand, is
         a :class:`StoreError` naming the repair; writers deciding what to rebuild pass ``trusted=False``."""
-        path = self.abspath(layout.manifest_path(stage_dir))
+        path = self.abspath(layout.manifest_path(folder))
         try:
             with self.fs.open(path, "rb") as f:
                 text = f.read().decode(errors="replace")
         except FileNotFoundError:
             return None
         except (NotADirectoryError, IsADirectoryError):
-            raise StoreError(f"{path}: not a manifest file; {self.repair(stage_dir)}") from None
+            raise StoreError(f"{path}: not a manifest file; {self.repair(folder)}") from None
         try:
             m = Manifest.from_json(text, where=path)
         except StoreError as exc:
-            raise StoreError(f"{exc}; {self.repair(stage_dir)}") from None
-        if trusted and (line := self.edited_problem(stage_dir, m, subject=path)):
+            raise StoreError(f"{exc}; {self.repair(folder)}") from None
+        if trusted and (line := self.edited_problem(folder, m, subject=path)):
             raise StoreError(line)
         return m
 
-    def require_manifest(self, stage_dir: str) -> Manifest:
-        m = self.read_manifest(stage_dir)
+    def require_manifest(self, folder: str) -> Manifest:
+        m = self.read_manifest(folder)
         if m is None:
             hint = ""
-            if self.exists(stage_dir):
+            if self.exists(folder):
                 hint = (
                     f" (the folder exists but has no manifest: an interrupted run or a deleted manifest; "
-                    f"{self.repair(stage_dir)})"
+                    f"{self.repair(folder)})"
                 )
-            raise IncompleteArtifactError(f"{self.abspath(stage_dir)}: no complete artifact here{hint}")
+            raise IncompleteArtifactError(f"{self.abspath(folder)}: no complete artifact here{hint}")
         return m
 
-    def _manifest_for_read(self, stage_dir: str) -> Manifest:
+    def _manifest_for_read(self, folder: str) -> Manifest:
         """The folder's manifest, parsed once per version of the file (local stores); never mutate it."""
         if not self.is_local:
-            return self.require_manifest(stage_dir)
-        path = self.abspath(layout.manifest_path(stage_dir))
+            return self.require_manifest(folder)
+        path = self.abspath(layout.manifest_path(folder))
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return self.require_manifest(stage_dir)  # its error says why
+            return self.require_manifest(folder)  # its error says why
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(stage_dir)))
+        hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(folder)))
         if hit[0] != key:  # rewritten since it was parsed: parse it again
             _MANIFEST_CACHE.pop(path)
-            hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(stage_dir)))
+            hit = _MANIFEST_CACHE.get(path, lambda: (key, self.require_manifest(folder)))
         return hit[1]
 
     def read_table(
         self,
-        stage_dir: str,
+        folder: str,
         name: str,
         columns: list[str] | None = None,
         batch_rows: int | None = None,
@@ -234,8 +234,8 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         Parquet's decoding scratch for nested columns (an encodings shard's vectors) is then that many rows', not the
         file's (162 MB for a 5,000 x 16 x 128 float16 shard read whole, 72 MB by 250 rows).
         """
-        self.read_table_entry(stage_dir, name)
-        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+        self.read_table_entry(folder, name)
+        with self.fs.open(self.abspath(f"{folder}/{name}"), "rb") as f:
             if batch_rows is None:
                 return pq.read_table(f, columns=columns)
             pf = pq.ParquetFile(f)
@@ -244,47 +244,47 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
             return pa.Table.from_batches(batches, schema=schema)
 
     def iter_batches(
-        self, stage_dir: str, name: str, columns: list[str] | None = None, batch_size: int = 65_536
+        self, folder: str, name: str, columns: list[str] | None = None, batch_size: int = 65_536
     ) -> Iterator[pa.RecordBatch]:
         """:meth:`read_table`'s file (verified the same way) as record batches of at most ``batch_size`` rows, so
         that memory holds one row group and not the file: a corpus of millions of passages read a slice at a time."""
-        self.read_table_entry(stage_dir, name)
-        with self.fs.open(self.abspath(f"{stage_dir}/{name}"), "rb") as f:
+        self.read_table_entry(folder, name)
+        with self.fs.open(self.abspath(f"{folder}/{name}"), "rb") as f:
             pf = pq.ParquetFile(f)
             # a row group at a time: ParquetFile.iter_batches keeps memory it read (RSS grew ~200 B a row over a
             # 1M-row corpus, pyarrow 26); read_row_group's is released with the group
             for group in range(pf.metadata.num_row_groups):
                 yield from pf.read_row_group(group, columns=columns).to_batches(max_chunksize=batch_size)
 
-    def read_table_entry(self, stage_dir: str, name: str) -> FileEntry:
+    def read_table_entry(self, folder: str, name: str) -> FileEntry:
         """The verified manifest entry of one file of a complete stage folder (a shard recorded but not yet
         compacted into the manifest through its record), as :meth:`read_table` checks it."""
-        m = self._manifest_for_read(stage_dir)
+        m = self._manifest_for_read(folder)
         entry = m.files.get(name)
         try:
             if entry is None:
-                raise IncompleteArtifactError(f"{self.abspath(stage_dir)}/{name}: not in the stage manifest")
-            self.verify_file(stage_dir, name, entry)
+                raise IncompleteArtifactError(f"{self.abspath(folder)}/{name}: not in the stage manifest")
+            self.verify_file(folder, name, entry)
             return entry
         except (IncompleteArtifactError, ChecksumError):
-            pending = self._pending_entry(stage_dir, name, m.config_hash)  # redone, or not compacted yet
+            pending = self._pending_entry(folder, name, m.config_hash)  # redone, or not compacted yet
             if pending is None:
                 raise
-            self.verify_file(stage_dir, name, pending)
+            self.verify_file(folder, name, pending)
             return pending
 
     # ---------------------------------------------------------------------------------- listings
-    def stage_dirs(self, pattern: str) -> list[str]:
-        """Stage folders (relative to the root) matching a glob of folders that have a manifest, sorted.
+    def folders(self, pattern: str) -> list[str]:
+        """Folders (relative to the root) matching a glob of folders that have a manifest, sorted.
 
-        ``store.stage_dirs("runs/*/*/*/*/*/*")`` lists every run folder.
+        ``store.folders("runs/*/*/*/*/*/*")`` lists every run folder.
         """
         base = self.abspath("")
         paths = self.fs.glob(self.abspath(f"{pattern}/{layout.MANIFEST_NAME}"))
         return sorted(p[len(base) :].lstrip("/").rsplit("/", 1)[0] for p in paths)
 
     def fingerprint(self, *patterns: str) -> str:
-        """A hash of every stage folder matching ``patterns``: their config hashes and file checksums.
+        """A hash of every folder matching ``patterns``: their config hashes and file checksums.
 
         A stage built from those folders records it among its inputs, so it is rebuilt when they change. A folder whose
         manifest is unreadable or edited by hand counts as damaged (the views leave it out), so that its repair changes
@@ -292,7 +292,7 @@ class ArtifactStore(ShardsMixin, IntegrityMixin, StagingMixin):
         """
         parts: list[list[object]] = []
         for pattern in patterns:
-            for folder in self.stage_dirs(pattern):
+            for folder in self.folders(pattern):
                 try:
                     m = self.read_manifest(folder)
                 except StoreError:

@@ -140,8 +140,8 @@ def test_run_takes_the_checkpoints_budget_prompt_and_records_its_fingerprint(rel
     assert stats["weights"]["adapter_weights"] == released_fingerprint(str(folder))
     cells = {
         (p["kq"], p["kp"])
-        for p in (store.read_manifest(s).partition for s in store.stage_dirs(f"runs/system={record.system}/*/*/*/*/*"))
+        for p in (store.read_manifest(s).partition for s in store.folders(f"runs/system={record.system}/*/*/*/*/*"))
     }
     assert cells == {("4", "2")}
-    encoded = {tuple(s.split("/")[3:5]) for s in store.stage_dirs(f"encodings/system={record.system}/*/*/*")}
+    encoded = {tuple(s.split("/")[3:5]) for s in store.folders(f"encodings/system={record.system}/*/*/*")}
     assert encoded == {("side=passage", "k=2"), ("side=query", "k=4")}

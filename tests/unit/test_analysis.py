@@ -42,7 +42,7 @@ def put_metrics(store: ArtifactStore, system, dataset, split, kq, kp, mode, valu
         schema=METRICS_SCHEMA,
     )
     part = {"system": system, "dataset": dataset, "split": split, "kq": str(kq), "kp": str(kp), "mode": mode}
-    with store.stage_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
+    with store.folder_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
         w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 
 
@@ -59,7 +59,7 @@ def put_query_tokens(store: ArtifactStore, dataset: str, tokens: dict[str, list[
         },
         schema=TOKENS_SCHEMA,
     )
-    with store.stage_writer(folder, Manifest.new("tokens", {"dataset": dataset}, {"synthetic": True})) as w:
+    with store.folder_writer(folder, Manifest.new("tokens", {"dataset": dataset}, {"synthetic": True})) as w:
         w.write_parquet("shard=00000.parquet", TOKENS_SCHEMA, [table])
     enc = encodings_dir(MODEL, dataset, "query", 1)
     store.write_manifest(enc, Manifest.new("encodings", {"system": MODEL, "dataset": dataset}, {"tokens": "toktok"}))

@@ -158,7 +158,7 @@ def test_compress_then_score_equals_encode_with_the_store_from_the_start(world: 
     # b: the float16 passages are gone, so encode --store encodes its codebook's sample itself
     b = _copy(world, tmp_path / "b")
     for k in K:
-        ArtifactStore(b).remove_stage(encodings_dir(world["f16"], "tiny", "passage", k))
+        ArtifactStore(b).remove_folder(encodings_dir(world["f16"], "tiny", "passage", k))
     enc = world["encode"].model_copy(update={"root": b, "store": "residual:2", "store_seed": 3})
     direct = _run("encode", enc)
     assert direct.system == res.system
@@ -200,7 +200,7 @@ def test_a_damaged_or_missing_codebook_is_named_and_rebuilt(world: dict, tmp_pat
     assert any(CODEBOOK_FILE in p and "diffret compress" in p for p in problems)
     res = _run("compress", cfg)  # retrained from the same seeded sample: the same codebook, no shard redone
     assert res.done == 0 and read_codebook(store, folder)[1] == digest
-    store.remove_stage(folder)
+    store.remove_folder(folder)
     with pytest.raises(IncompleteArtifactError, match="diffret compress"):
         _run("score", _score(root, system))
     assert _run("compress", cfg).done == 0 and read_codebook(store, folder)[1] == digest
@@ -250,6 +250,46 @@ def test_codebook_sample_is_seeded_and_reads_only_the_shards_it_needs() -> None:
     a = codebook_sample(sorted(data), vectors, 15, seed=1)
     assert len(a) == 15 and len(read) == 2
     assert np.array_equal(a, codebook_sample(sorted(data), data.__getitem__, 15, seed=1))
+
+
+def test_a_colbert_codebook_sample_is_colbert_v2s_and_below_256_is_refused(world: dict, tmp_path: Path) -> None:
+    """``--codebook-sample colbert``: every vector of min(1 + 16 sqrt(120 N), N) passages (all 60 here), recorded
+    in the codebook folder's config as the count it resolved to; the default stays 65,536; the CLI takes both."""
+    from typer.testing import CliRunner
+
+    from diffret.flows.cli import app
+    from diffret.stages.codebooks import DEFAULT_SAMPLE, sample_vectors
+
+    root = _copy(world, tmp_path)
+    ref = SystemRef(system=world["f16"])
+    cfg = CompressConfig(root=root, dataset="tiny", system=ref, store="residual:1", k=[4], codebook_sample="colbert")
+    system = _run("compress", cfg).system
+    m = ArtifactStore(root).require_manifest(codebook_dir(system, "tiny", 4))
+    assert m.config["sample"] == sample_vectors("colbert", 60, 4) == 240 == m.stats["vectors"]
+    assert sample_vectors(DEFAULT_SAMPLE, 60, 4) == 65536 and sample_vectors("colbert", 10**6, 16) == 2_804_352
+    with pytest.raises(ValueError, match="at least 256 vectors or 'colbert', got 100"):
+        CompressConfig(root=root, dataset="tiny", system=ref, store="residual:1", codebook_sample=100)
+    with pytest.raises(ValueError):
+        CompressConfig(root=root, dataset="tiny", system=ref, store="residual:1", codebook_sample="colbertv3")
+    res = CliRunner().invoke(
+        app,
+        [
+            "compress",
+            "-d",
+            "tiny",
+            "--system",
+            world["f16"],
+            "--store",
+            "residual:1",
+            "--k",
+            "4",
+            "--codebook-sample",
+            "colbert",
+            "--root",
+            root,
+        ],  # fmt: skip
+    )
+    assert res.exit_code == 0, res.output  # the same sample (240 vectors): the stored codebook is current
 
 
 def test_a_queries_only_dataset_has_its_queries_copied_and_is_scored_on_its_compressed_corpus(

@@ -52,7 +52,7 @@ def cli(root: str, *args: str) -> tuple[int, str]:
 
 
 def runs(root: str) -> list[str]:
-    return ArtifactStore(root).stage_dirs("runs/*/*/*/*/*/*")
+    return ArtifactStore(root).folders("runs/*/*/*/*/*/*")
 
 
 def test_an_imported_run_is_a_system_ranked_by_score_then_the_files_rank(store, tmp_path):

@@ -148,7 +148,7 @@ def test_the_index_builds_the_operating_point_s_kp_and_says_why(world: dict, tmp
     _run("index", IndexConfig(root=root, dataset="synth", system=SystemRef(system=world["r2"])), logs.append)
     line = next(x for x in logs if x.startswith("index: K_p = "))
     assert "summary of synth/test" in line and world["f16"] in line
-    assert len(store.stage_dirs(f"index/system={world['r2']}/*/*")) == 1
+    assert len(store.folders(f"index/system={world['r2']}/*/*")) == 1
     # a selected K_p that is not encoded is refused, naming what to do
     shutil.rmtree(Path(root) / encodings_dir(world["r2"], "synth", "passage", int(line.split()[3].rstrip(","))))
     with pytest.raises(IncompleteArtifactError, match="give --kp"):

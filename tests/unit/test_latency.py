@@ -179,7 +179,7 @@ def test_figure_1_and_the_ratio_table_from_hand_built_rows(tmp_path: Path) -> No
             else (SEARCH_LATENCY_FILE, SEARCH_LATENCY_SCHEMA)
         )
         table = pa.Table.from_pylist([{**r, **machine, "system": system} for r in rows], schema=schema)
-        with store.stage_writer(latency_dir(system, kind, "s"), Manifest.new("latency", {}, {})) as w:
+        with store.folder_writer(latency_dir(system, kind, "s"), Manifest.new("latency", {}, {})) as w:
             w.write_parquet(name, schema, [table])
 
     ar, one = "m-promptreps-0000000000", "m-diffretriever-0000000000"

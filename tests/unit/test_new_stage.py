@@ -49,7 +49,7 @@ class Toy(Stage, name="toy", config=ToyConfig, noun="greeting(s)", verb="written
 
     def run(self, unit: Folder, ctx: Context) -> None:
         m = Manifest.new("toy", {"name": unit.config["name"]}, unit.config)
-        with ctx.store.stage_writer(unit.stage, m) as w:
+        with ctx.store.folder_writer(unit.stage, m) as w:
             w.write_file("greeting.txt", ("hello " * unit.config["times"]).encode())
 
 

@@ -143,7 +143,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _runs(root: str) -> dict[str, pa.Table]:
     store = ArtifactStore(root)
-    return {stage: read_run(store, stage) for stage in store.stage_dirs("runs/*/*/*/*/*/*")}
+    return {stage: read_run(store, stage) for stage in store.folders("runs/*/*/*/*/*/*")}
 
 
 def test_train_runs_are_cut_to_their_depth_and_equal_the_deeper_runs_prefix(tiny: dict) -> None:
@@ -182,7 +182,7 @@ def test_train_runs_feed_training_groups_and_a_deeper_request_is_refused(tiny: d
         _, judged = db.query("select query_id, doc_id from qrels where split = 'train'")
     assert [r[0] for r in rows] == ["q3", "q4"]
     # each group: the BM25 train run's top 3 minus the positives, distinct (no duplicate fills a short group)
-    bm25 = next(s for s in store.stage_dirs("runs/*/*/*/*/*/*") if "/split=train/" in s and s.endswith("mode=bm25"))
+    bm25 = next(s for s in store.folders("runs/*/*/*/*/*/*") if "/split=train/" in s and s.endswith("mode=bm25"))
     run = read_run(store, bm25).to_pylist()
     for q, negatives in rows:
         positives = {d for qq, d in judged if qq == q}
@@ -228,13 +228,13 @@ def test_old_run_files_still_read_and_evaluate_the_same(tiny: dict, tmp_path: Pa
     root = tmp_path / "store"
     shutil.copytree(tiny["root"], root)
     store = ArtifactStore(str(root))
-    stages_ = [s for s in store.stage_dirs("runs/*/*/*/*/*/*") if "/split=test/" in s]
+    stages_ = [s for s in store.folders("runs/*/*/*/*/*/*") if "/split=test/" in s]
     with StoreSQL(store) as db:
         _, before = db.query("select * from metrics order by all")
     for stage in stages_:  # rewrite every test run as the code before compact runs wrote it
         table, old = read_run(store, stage), store.require_manifest(stage)
         m = Manifest.new("runs", old.partition, old.config, stats=old.stats)
-        with store.stage_writer(stage, m) as w:
+        with store.folder_writer(stage, m) as w:
             w.write_parquet(RUN_FILE, RUN_SCHEMA, [table])
         assert read_run(store, stage).equals(table)
         enc = pq.ParquetFile(str(root / stage / RUN_FILE)).metadata.row_group(0).column(3).encodings
@@ -256,7 +256,7 @@ def test_old_run_files_still_read_and_evaluate_the_same(tiny: dict, tmp_path: Pa
             pa.field("score", pa.float32()),
         ]
     )
-    with store.stage_writer(bad, m) as w:
+    with store.folder_writer(bad, m) as w:
         w.write_parquet(
             RUN_FILE, ints, [pa.table({"query_id": ["q0"], "doc_id": [3], "rank": [1], "score": [1.0]}, schema=ints)]
         )

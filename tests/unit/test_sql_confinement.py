@@ -27,7 +27,7 @@ def put_metrics(store: ArtifactStore, system: str = "sys-0123456789", value: flo
         {"query_id": ["q1", "q2"], "measure": ["ndcg_cut_10"] * 2, "value": [value, value]}, schema=METRICS_SCHEMA
     )
     part = {"system": system, "dataset": "toy", "split": "test", "kq": "1", "kp": "1", "mode": "multi_dense"}
-    with store.stage_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
+    with store.folder_writer(folder, Manifest.new("metrics", part, {"synthetic": True})) as w:
         w.write_parquet(METRICS_FILE, METRICS_SCHEMA, [table])
 
 
@@ -152,7 +152,7 @@ def test_every_folder_the_layout_names_marks_a_store() -> None:
         if not inspect.isfunction(fn) or not name.endswith(("_dir", "_path")) or fn.__module__ != layout.__name__:
             continue
         params = inspect.signature(fn).parameters
-        if "stage_dir" in params:
+        if "folder" in params:
             continue
         path = fn(*[1 if p.annotation in ("int", int) else "x" for p in params.values()])
         assert path.split("/")[0] in layout.STORE_TOP_FOLDERS, (name, path)

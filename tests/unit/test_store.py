@@ -13,9 +13,9 @@ from diffret.storage import (
     ArtifactStore,
     ChecksumError,
     ConfigDriftError,
+    FolderState,
     IncompleteArtifactError,
     Manifest,
-    StageState,
     StoreError,
     config_hash,
     diff_configs,
@@ -39,7 +39,7 @@ def _corpus(n: int) -> pa.Table:
 
 def _write(store: ArtifactStore, config: dict, n: int = 3) -> Manifest:
     m = Manifest.new("datasets", {"dataset": "toy"}, config)
-    with store.stage_writer(STAGE, m) as w:
+    with store.folder_writer(STAGE, m) as w:
         w.write_parquet("corpus.parquet", CORPUS_SCHEMA, [_corpus(n)])
     return m
 
@@ -71,7 +71,7 @@ def test_iter_batches_reads_every_row_in_order_a_row_group_at_a_time(tmp_path):
 
     store = ArtifactStore(tmp_path)
     t = _corpus(11)
-    with store.stage_writer(STAGE, Manifest.new("datasets", {"dataset": "toy"}, {"a": 1})) as w:
+    with store.folder_writer(STAGE, Manifest.new("datasets", {"dataset": "toy"}, {"a": 1})) as w:
         w.write_parquet("corpus.parquet", CORPUS_SCHEMA, [t.slice(0, 4), t.slice(4, 5), t.slice(9, 2)])
     assert pq.ParquetFile(tmp_path / STAGE / "corpus.parquet").metadata.num_row_groups == 3
     batches = list(store.iter_batches(STAGE, "corpus.parquet", columns=["doc_id", "text"], batch_size=3))
@@ -105,7 +105,7 @@ def test_config_drift_refused_naming_fields(tmp_path):
     assert fields == ["max_length", "prompt.variant"]
     assert "max_length: 512 stored, 256 now" in str(err.value) and "--force" in str(err.value)
     # the same config is accepted
-    assert store.state(STAGE, {"model": "m1", "max_length": 512, "prompt": {"variant": "few"}}) is StageState.CURRENT
+    assert store.state(STAGE, {"model": "m1", "max_length": 512, "prompt": {"variant": "few"}}) is FolderState.CURRENT
 
 
 def test_verify_all_reports_a_changed_file_and_a_hand_edited_manifest(tmp_path):
@@ -127,13 +127,13 @@ def test_verify_all_reports_a_changed_file_and_a_hand_edited_manifest(tmp_path):
 def test_stage_state_absent_stale_damaged(tmp_path):
     store = ArtifactStore(tmp_path)
     cfg = {"model": "m1", "inputs": {"upstream": "aaa"}}
-    assert store.state(STAGE, cfg) is StageState.ABSENT
+    assert store.state(STAGE, cfg) is FolderState.ABSENT
     _write(store, cfg)
-    assert store.state(STAGE, cfg) is StageState.CURRENT
+    assert store.state(STAGE, cfg) is FolderState.CURRENT
     # only the inputs differ: stale (recomputed), not drift
-    assert store.state(STAGE, {**cfg, "inputs": {"upstream": "bbb"}}) is StageState.STALE
+    assert store.state(STAGE, {**cfg, "inputs": {"upstream": "bbb"}}) is FolderState.STALE
     # a setting differs: drift, unless forced
-    assert store.state(STAGE, {**cfg, "model": "m2"}, force=True) is StageState.STALE
+    assert store.state(STAGE, {**cfg, "model": "m2"}, force=True) is FolderState.STALE
     # a file fails its checksum, or the manifest was edited by hand: damaged
     manifest = tmp_path / STAGE / "_manifest.json"
     text = manifest.read_text()
@@ -141,10 +141,10 @@ def test_stage_state_absent_stale_damaged(tmp_path):
     with pytest.raises(ConfigDriftError):
         store.state(STAGE, cfg)  # the stored config is what counts, not the hash recorded beside it
     manifest.write_text(text.replace(json.loads(text)["config_hash"], "0" * 64))
-    assert store.state(STAGE, cfg) is StageState.DAMAGED
+    assert store.state(STAGE, cfg) is FolderState.DAMAGED
     manifest.write_text(text)
     (tmp_path / STAGE / "corpus.parquet").write_bytes(b"broken")
-    assert store.state(STAGE, cfg) is StageState.DAMAGED
+    assert store.state(STAGE, cfg) is FolderState.DAMAGED
 
 
 def test_diff_configs_reports_added_and_removed_fields():
@@ -170,7 +170,7 @@ def test_failed_build_leaves_previous_version_intact(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        with store.stage_writer(STAGE, Manifest.new("datasets", {"dataset": "toy"}, {"v": 2})) as w:
+        with store.folder_writer(STAGE, Manifest.new("datasets", {"dataset": "toy"}, {"v": 2})) as w:
             w.write_parquet("corpus.parquet", CORPUS_SCHEMA, exploding())
     assert (tmp_path / STAGE / "_manifest.json").read_bytes() == before
     assert store.read_table(STAGE, "corpus.parquet").num_rows == 3
@@ -217,7 +217,7 @@ def test_fsspec_memory_store_round_trip():
     _write(store, {"v": 1}, n=4)
     assert store.read_table(STAGE, "corpus.parquet").num_rows == 4
     assert store.list_partitions("datasets", "dataset") == ["toy"]
-    store.remove_stage(STAGE)
+    store.remove_folder(STAGE)
     assert store.read_manifest(STAGE) is None
 
 
@@ -231,7 +231,7 @@ def test_files_a_stage_writes_into_its_work_folder_reach_an_object_store():
 
     store = ArtifactStore(f"memory://diffret-work-{uuid.uuid4().hex}")
     m = Manifest.new("index", {"kp": "1"}, {"v": 1})
-    with store.stage_writer("index/kp=1", m) as w:
+    with store.folder_writer("index/kp=1", m) as w:
         os.makedirs(os.path.join(w.work_dir, "docs.lance", "data"))
         with open(os.path.join(w.work_dir, "docs.lance", "data", "0.lance"), "wb") as f:
             f.write(b"rows")
@@ -447,13 +447,13 @@ def test_record_shard_refuses_a_name_outside_the_folder(tmp_path):
 
 def test_sharded_folder_on_a_memory_store():
     store = ArtifactStore("memory://diffret-test-sharded")
-    store.remove_stage(SHARDED)
+    store.remove_folder(SHARDED)
     m = _fill(store, _names(2))
     assert store.read_table(SHARDED, _names(2)[1]).num_rows == 2  # through its record
     _, done = ArtifactStore(store.root).open_sharded(SHARDED, "tokens", PART, CFG)
     assert done == set(_names(2)) and store.read_manifest(SHARDED).config_hash == m.config_hash
     assert not store.fs.exists(store.abspath(f"{SHARDED}/_records/{_names(2)[0]}.json"))
-    store.remove_stage(SHARDED)
+    store.remove_folder(SHARDED)
 
 
 def test_cleanup_of_a_stopping_run_skips_a_folder_being_written(tmp_path) -> None:
@@ -482,7 +482,7 @@ def test_writers_of_other_folders_share_staging_at_once(tmp_path) -> None:
         for j in range(40):
             try:
                 stage = partition("things", i=i, j=j)
-                with store.stage_writer(stage, Manifest.new("things", {"i": str(i), "j": str(j)}, {})) as w:
+                with store.folder_writer(stage, Manifest.new("things", {"i": str(i), "j": str(j)}, {})) as w:
                     w.write_parquet("t.parquet", table.schema, [table])
             except Exception as e:  # noqa: BLE001 - every failure is collected, then shown
                 errors.append(repr(e))

@@ -225,9 +225,9 @@ class _Run:
     ``counts``: each query's first position and number of rows; ``query``: each query's index in ``ids``."""
 
     def __init__(self, run: pa.Table, ties: Ties):
-        from .trec import _require_columns
+        from .trec import require_columns
 
-        _require_columns(run, ("query_id", "doc_id", "rank", "score"), "run")
+        require_columns(run, ("query_id", "doc_id", "rank", "score"), "run")
         self.table = run
         self.n = n = run.num_rows
         column = run.column("query_id")

@@ -200,7 +200,7 @@ def write_trec_run(
     if isinstance(run, pa.Table | pa.RecordBatch):
         cols = ("query_id", "doc_id", "rank", "score")
         table = pa.Table.from_batches([run]) if isinstance(run, pa.RecordBatch) else run
-        _require_columns(table, cols, "run")
+        require_columns(table, cols, "run")
         table = table.select(list(cols)).sort_by([("query_id", "ascending"), ("rank", "ascending")])
         rows: Iterable[tuple] = table_rows(table, cols, "run")
     elif isinstance(run, Mapping):
@@ -229,7 +229,14 @@ def write_trec_run(
 # ---------------------------------------------------------------------------------- Arrow converters
 
 
-def _require_columns(table: pa.Table | pa.RecordBatch, names: Sequence[str], what: str) -> None:
+def require_columns(table: pa.Table | pa.RecordBatch, names: Sequence[str], what: str) -> None:
+    """Refuse ``table`` (a ``what`` table) unless it has the columns ``names``, none of them with nulls.
+
+    >>> require_columns(pa.table({"qid": ["q1"]}), ["qid", "docid"], "run")
+    Traceback (most recent call last):
+    ...
+    ValueError: run table lacks column(s) ['docid']; it has ['qid']
+    """
     missing = [c for c in names if c not in table.schema.names]
     if missing:
         raise ValueError(f"{what} table lacks column(s) {missing}; it has {table.schema.names}")
@@ -242,7 +249,7 @@ def table_rows(
     table: pa.Table | pa.RecordBatch, names: Sequence[str], what: str, chunk: int = 65536
 ) -> Iterator[tuple]:
     """The rows of some columns as Python tuples, converted a slice at a time (bounded memory on big runs)."""
-    _require_columns(table, names, what)
+    require_columns(table, names, what)
 
     def gen() -> Iterator[tuple]:
         for start in range(0, table.num_rows, chunk):

@@ -55,7 +55,9 @@ def all_real(h: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Batch:
+class Batch:
+    """One forward pass's inputs: padded token ids, their mask, and the K readout slots of each row."""
+
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     positions: torch.Tensor  # [B, K] indices of the K slots (masks / last token)
@@ -135,7 +137,7 @@ class Prepared:
     texts: Sequence[str | Sequence[int]] | None  # raw texts, or their filter ids
     side: str
     k: int
-    mask_batch: _Batch | None = None  # the mask readout's padded inputs (on the host, staged for the device)
+    mask_batch: Batch | None = None  # the mask readout's padded inputs (on the host, staged for the device)
     # and its texts' candidate vocabulary ids, a chunk of texts at a time: (first text, the chunk's union of ids,
     # sorted [U], each text's ids padded with -1 [b, C]), on the host, staged for the device
     chunks: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None

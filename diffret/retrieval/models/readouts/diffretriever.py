@@ -19,13 +19,13 @@ from ..sparse import (
 from .base import (
     DEFAULT_MAX_LENGTH,
     HEAD_CHUNK_BYTES,
+    Batch,
     Encoded,
     HostCopy,
     Pending,
     Prepared,
     Readout,
     TrainReps,
-    _Batch,
     all_real,
     pad_rows,
     staged,
@@ -63,7 +63,7 @@ class DiffRetrieverReadout(
         p = self.pieces(side, k)
         return len(p.prefix) + len(p.suffix), k + len(p.closing)
 
-    def _mask_batch(self, token_ids: list[list[int]], side: str, k: int, device: torch.device | None = None) -> _Batch:
+    def _mask_batch(self, token_ids: list[list[int]], side: str, k: int, device: torch.device | None = None) -> Batch:
         """The padded inputs with K masks after each text, on ``device`` (default: the model's)."""
         device = self.bb.device if device is None else device
         p = self.pieces(side, k)
@@ -72,7 +72,7 @@ class DiffRetrieverReadout(
         ids, att, offs = pad_rows(rows, self.bb.pad_id, self.cfg.padding_side, device)
         starts = [off + len(p.prefix) + len(t) + len(p.suffix) for off, t in zip(offs, token_ids, strict=True)]
         positions = to_device(torch.as_tensor([[s + j for j in range(k)] for s in starts]), device)
-        return _Batch(ids, att, positions, [len(r) for r in rows])
+        return Batch(ids, att, positions, [len(r) for r in rows])
 
     def train_forward(self, token_ids: list[list[int]], side: str, k: int) -> TrainReps:
         """With gradients, for training: the hidden states and logits at the K masks (all K slots, no stop cut,
@@ -95,7 +95,7 @@ class DiffRetrieverReadout(
         if out.token_ids:
             host, dev = torch.device("cpu"), self.bb.device
             b = self._mask_batch(out.token_ids, side, k, host)
-            out.mask_batch = _Batch(
+            out.mask_batch = Batch(
                 staged(b.input_ids, dev), staged(b.attention_mask, dev), staged(b.positions, dev), b.lengths
             )
             # numpy, not torch, in this thread: torch's intra-op threads would contend with the model's
@@ -127,9 +127,7 @@ class DiffRetrieverReadout(
         dev, k, n_texts = self.bb.device, batch.k, len(batch.token_ids)
         b, chunks = batch.mask_batch, batch.chunks
         assert b is not None and chunks is not None
-        b = _Batch(
-            to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev), b.lengths
-        )
+        b = Batch(to_device(b.input_ids, dev), to_device(b.attention_mask, dev), to_device(b.positions, dev), b.lengths)
         logits: torch.Tensor | None = None
         decoded: torch.Tensor | None = None
         if self.cfg.denoise_steps == 1:
@@ -221,7 +219,7 @@ class DiffRetrieverReadout(
         return torch.where(first > 0, first, k)
 
     def _denoise(
-        self, b: _Batch, k: int, steps: int, grad_final: bool = False
+        self, b: Batch, k: int, steps: int, grad_final: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's S-step unmasking: at each step the most confident masked slots (negative entropy of the
         prediction) take their argmax token, ``max(1, int(n_masked * (1 - s / t)))`` of them on the timesteps
