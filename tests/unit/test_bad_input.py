@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import cli_fork
 import duckdb
 import pytest
 from conftest import REPO, write_beir
@@ -40,6 +41,8 @@ def cli(*argv: str, prelude: str = "", timeout: int = 300, **kw) -> subprocess.C
             start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
+    if not prelude:  # forked from a process that has the CLI's imports (tests/cli_fork.py): the same, faster
+        return cli_fork.run(list(argv), env=env, cwd=REPO, timeout=timeout)
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
