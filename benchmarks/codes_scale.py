@@ -9,7 +9,8 @@ float16 (a memory map). The reference is diffret's exact search (``search_pass``
 its top-10 and top-100 of each query. Then, in one process per size, with the engines alternating setting by setting:
 
 - **diffret**: the codebook trained as `diffret compress` trains it (residual:4, ColBERTv2's count of centroids,
-  2^floor(log2(16 sqrt(vectors))), on the default seeded sample of 65,536 vectors), every vector coded, the codes
+  2^floor(log2(16 sqrt(vectors))), on ``--sample`` vectors: by default ColBERTv2's sample, as fast-plaid draws it and
+  ``--codebook-sample colbert`` does; a number gives a fixed sample), every vector coded, the codes
   index built as `diffret index` builds it; then `search_codes` (what `score --search codes` runs) at each
   ``PROBESxCANDIDATES``. Its 4-bit ceiling: exact search over the decoded codes.
 - **fast-plaid** (``--fastplaid-python``: a separate environment with fast-plaid and the torch its wheel pins; a
@@ -20,7 +21,8 @@ its top-10 and top-100 of each query. Then, in one process per size, with the en
 
 Per row: recall@10 and recall@100 of the exact top-10 / top-100, ms a query (the whole query batch's wall time over
 the queries, one thread, best of ``--repeats``), bytes a passage (codes and index in memory for diffret, the index
-folder for fast-plaid and LanceDB), build seconds (all threads). Results: ``benchmarks/results/codes_scale.json``
+folder for fast-plaid and LanceDB), build seconds (on ``--build-threads``, recorded with them). Results:
+``benchmarks/results/codes_scale.json``
 (merged by size: a long run keeps every size it finished).
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,7 +121,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     from diffret.retrieval.search.encodings import Encodings
     from diffret.retrieval.search.exact import SearchSettings, search_pass
     from diffret.retrieval.search.rules import ScoreRules
-    from diffret.stages.codebooks import DEFAULT_SAMPLE, codebook_sample
+    from diffret.stages.codebooks import codebook_sample, sample_vectors
 
     spec = f"residual:{BITS}"
     work = Path(args.work) / f"n{n}"
@@ -174,12 +177,19 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
             np.load(work / "diffret_codes.npy"),
         )
         t_codebook, t_codes = b["codebook_s"], b["codes_s"]
+        b_threads = b.get("build_threads", args.build_threads)
+        out["sample"] = b.get("sample", 65536)
     else:
         t0 = time.perf_counter()
         chunks = [str(a) for a in range(0, n, CHUNK)]
         sample = codebook_sample(
-            chunks, lambda s: np.asarray(x[int(s) : int(s) + CHUNK], np.float32).reshape(-1, HIDDEN), DEFAULT_SAMPLE, 0
+            chunks,
+            lambda s: np.asarray(x[int(s) : int(s) + CHUNK], np.float32).reshape(-1, HIDDEN),
+            sample_vectors(args.sample, n, KP),
+            0,
         )
+        out["sample"] = len(sample)
+        b_threads = args.build_threads
         cb = train_codebook(sample, spec, 0, n * KP)
         t_codebook = time.perf_counter() - t0
         codes = np.concatenate(
@@ -188,7 +198,16 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         t_codes = time.perf_counter() - t0 - t_codebook
         (work / "diffret_codebook.bin").write_bytes(cb.to_bytes())
         np.save(work / "diffret_codes.npy", codes)
-        built.write_text(json.dumps({"codebook_s": t_codebook, "codes_s": t_codes}))
+        built.write_text(
+            json.dumps(
+                {
+                    "codebook_s": t_codebook,
+                    "codes_s": t_codes,
+                    "sample": len(sample),
+                    "build_threads": args.build_threads,
+                }
+            )
+        )
     t0 = time.perf_counter()
     codec = Codec(spec, HIDDEN, cb)
     coded = CodedPassages.from_blocks([(codes, np.full(n, KP))], codec)
@@ -218,7 +237,9 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
             )
             if res.returncode:
                 raise RuntimeError(f"fast-plaid build failed: {res.stderr[-2000:]}")
-            fp_built.write_text(res.stdout.strip().splitlines()[-1])
+            fp_built.write_text(
+                json.dumps({**json.loads(res.stdout.strip().splitlines()[-1]), "build_threads": args.build_threads})
+            )
         fp_build = json.loads(fp_built.read_text())
         log(f"fast-plaid: built in {fp_build['build_s']:.0f} s, {fp_build['bytes'] / n:,.0f} B a passage")
         one = {k: str(args.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")}
@@ -270,6 +291,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
                 "ms_per_query": best[engine],
                 "bytes_per_passage": d_bytes if engine == "diffret" else fp_build["bytes"] / n,
                 "build_s": round(build_s if engine == "diffret" else fp_build["build_s"], 1),
+                "build_threads": (b_threads if engine == "diffret" else fp_build.get("build_threads", 1)),
             }
             if engine == "diffret":
                 row["probed_mean"] = float(np.mean(st.probed))
@@ -287,6 +309,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         from diffret.retrieval.search import lance
 
         db = str(work / "lance")
+        shutil.rmtree(db, ignore_errors=True)  # an earlier run's table versions would count in its bytes
         t0 = time.perf_counter()
         lance.build_table(
             db,
@@ -361,7 +384,7 @@ def render(data: dict[str, Any]) -> str:
     sizes = [{**d, "rows": [r for r in d["rows"] if r.get("threads", 1) == 1]} for d in sizes]
     out = [BEGIN, "", "Each engine's index, per size:", ""]
     out.append(
-        "| N | vectors | centroids | engine | B a passage | build s (one thread) | 4-bit ceiling recall@10 / @100 |"
+        "| N | vectors | centroids | engine | B a passage | build s (threads) | 4-bit ceiling recall@10 / @100 |"
     )
     out.append("|---:|---:|---:|---|---:|---:|---|")
     for d in sizes:
@@ -376,7 +399,8 @@ def render(data: dict[str, Any]) -> str:
             )
             out.append(
                 f"| {d['n']:,} | {d['n'] * d['kp']:,} | {d['centroids']:,} | {e} | "
-                f"{mine[0]['bytes_per_passage']:,.0f} | {mine[0]['build_s']:,.0f} | {ceiling} |"
+                f"{mine[0]['bytes_per_passage']:,.0f} | {mine[0]['build_s']:,.0f} "
+                f"({mine[0].get('build_threads', 1)}) | {ceiling} |"
             )
     out += ["", "Recall of the exact top-10 / top-100 and ms a query (one thread), per setting:", ""]
     out.append("| N | probes x candidates | diffret R@10 | R@100 | ms | fast-plaid R@10 | R@100 | ms |")
@@ -499,6 +523,12 @@ def main() -> None:
         default=[f"{p}x{c}" for c in (256, 1024, 4096) for p in (1, 2, 4, 8, 16, 32, 64, 128)],
     )
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--sample",
+        type=lambda v: v if v == "colbert" else int(v),
+        default="colbert",
+        help="diffret's codebook sample: 'colbert' (ColBERTv2's, as fast-plaid's) or a number of vectors",
+    )
     ap.add_argument("--threads", type=int, default=1, help="threads a search runs on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-threads", type=int, default=os.cpu_count() or 1)
