@@ -34,21 +34,33 @@ def _groups(shared_data, n: int = 6):
     ]
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("readout", ["promptreps", "diffretriever"])
-def test_lora_training_lowers_the_loss(shared_data, readout):
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2 loaded from its GGUF file once (de-quantising it and converting its tokenizer is most of the time)."""
     if not (SMOL / GGUF).exists():
         pytest.skip("../shared/models/smollm2-135m-instruct-gguf is absent")
     pytest.importorskip("gguf")
     import transformers
 
     from diffret.retrieval.models.backbones import BackboneConfig, load_backbone
+
+    transformers.utils.logging.disable_progress_bar()
+    return load_backbone(BackboneConfig(model=str(SMOL), gguf_file=GGUF))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("readout", ["promptreps", "diffretriever"])
+def test_lora_training_lowers_the_loss(shared_data, smol, readout):
+    import copy
+
+    from diffret.retrieval.models.backbones import Backbone
     from diffret.retrieval.models.readouts import ReadoutConfig, make_reader
     from diffret.retrieval.training.loop import Trainer, TrainSettings
 
-    transformers.utils.logging.disable_progress_bar()
-    mask = {"mask_token": "<empty_output>"} if readout == "diffretriever" else {}
-    bb = load_backbone(BackboneConfig(model=str(SMOL), gguf_file=GGUF, **mask))
+    mask = "<empty_output>" if readout == "diffretriever" else None
+    # a copy of the loaded weights each time (LoRA wraps them in place), with the readout's mask token
+    bb = Backbone(copy.deepcopy(smol.model), smol.tokenizer, smol.family, mask, None, smol.name, smol.loader)
+    bb.source = smol.source.model_copy(update={"mask_token": mask})
     reader = make_reader(bb, ReadoutConfig(readout=readout, content_filter="regex"), 128)
     settings = TrainSettings(
         kq=2,
