@@ -121,7 +121,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     from diffret.retrieval.search.encodings import Encodings
     from diffret.retrieval.search.exact import SearchSettings, search_pass
     from diffret.retrieval.search.rules import ScoreRules
-    from diffret.stages.codebooks import codebook_sample, sample_vectors
+    from diffret.stages.codebooks import DEFAULT_SAMPLE, codebook_sample, sample_vectors
 
     spec = f"residual:{BITS}"
     work = Path(args.work) / f"n{n}"
@@ -168,28 +168,25 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     log(f"exact top-100 in {out['exact_s']} s")
 
     # diffret: codebook as `compress` trains it, codes, the codes index as `index` builds it (the codebook and
-    # codes are kept in the work folder with their build seconds: a rerun searches them again)
+    # codes are kept in the work folder with their sample and build seconds: a rerun with the same sample searches
+    # them again; another sample builds them anew)
     built = work / "diffret_build.json"
-    if built.exists():
-        b = json.loads(built.read_text())
+    out["sample"] = min(sample_vectors(args.sample, n, KP), n * KP)
+    b = json.loads(built.read_text()) if built.exists() else {}
+    if b.get("sample", DEFAULT_SAMPLE) == out["sample"]:  # a build without its sample recorded: the old default's
         cb, codes = (
             Codebook.from_bytes((work / "diffret_codebook.bin").read_bytes()),
             np.load(work / "diffret_codes.npy"),
         )
-        t_codebook, t_codes = b["codebook_s"], b["codes_s"]
-        b_threads = b.get("build_threads", args.build_threads)
-        out["sample"] = b.get("sample", 65536)
     else:
         t0 = time.perf_counter()
         chunks = [str(a) for a in range(0, n, CHUNK)]
         sample = codebook_sample(
             chunks,
             lambda s: np.asarray(x[int(s) : int(s) + CHUNK], np.float32).reshape(-1, HIDDEN),
-            sample_vectors(args.sample, n, KP),
+            out["sample"],
             0,
         )
-        out["sample"] = len(sample)
-        b_threads = args.build_threads
         cb = train_codebook(sample, spec, 0, n * KP)
         t_codebook = time.perf_counter() - t0
         codes = np.concatenate(
@@ -198,16 +195,9 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         t_codes = time.perf_counter() - t0 - t_codebook
         (work / "diffret_codebook.bin").write_bytes(cb.to_bytes())
         np.save(work / "diffret_codes.npy", codes)
-        built.write_text(
-            json.dumps(
-                {
-                    "codebook_s": t_codebook,
-                    "codes_s": t_codes,
-                    "sample": len(sample),
-                    "build_threads": args.build_threads,
-                }
-            )
-        )
+        b = {"codebook_s": t_codebook, "codes_s": t_codes, "sample": len(sample), "build_threads": args.build_threads}
+        built.write_text(json.dumps(b))
+    t_codebook, t_codes, b_threads = b["codebook_s"], b["codes_s"], b.get("build_threads", args.build_threads)
     t0 = time.perf_counter()
     codec = Codec(spec, HIDDEN, cb)
     coded = CodedPassages.from_blocks([(codes, np.full(n, KP))], codec)

@@ -213,8 +213,8 @@ def leaf_opt(path: tuple[str, ...], info: Any, default: Any, filter_mode: bool =
             fallback = None if default is PydanticUndefined else default
             convert = functools.partial(_given_or, fallback=fallback)
             default = None if not required else default
-    elif origin in (typing.Union, types.UnionType) and _count_or_word(annotation):
-        words = _count_or_word(annotation)  # int | Literal["colbert"]: a count or one of the words
+    elif origin in (typing.Union, types.UnionType) and (words := _count_or_word(annotation)):
+        # int | Literal["colbert"]: a count or one of the words
         typ, convert = str | None if optional else str, functools.partial(_int_or_word, words=words)
         default = None if default is None else str(default)
     elif origin is dict:

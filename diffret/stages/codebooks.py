@@ -25,8 +25,9 @@ DEFAULT_SAMPLE = 65536  # vectors a codebook is trained on, by default
 
 
 def check_sample(v: int | str) -> int | str:
-    """A codebook sample: a count of at least 256 vectors, or ``"colbert"`` (:func:`sample_vectors`)."""
-    if v != "colbert" and (isinstance(v, str) or v < 256):
+    """A codebook sample: a count of at least 256 vectors, or ``"colbert"`` (:func:`sample_vectors`; the type
+    admits no other word)."""
+    if v != "colbert" and int(v) < 256:
         raise ValueError(f"codebook_sample must be at least 256 vectors or 'colbert', got {v}")
     return v
 

@@ -20,9 +20,8 @@ ENV = {**os.environ, "PREFECT_API_URL": "", "COLUMNS": "200"}
     ids=["no store here", "help", "refused", "a command's help"],
 )
 def test_a_forked_command_gives_what_a_subprocess_gives(argv: list[str], tmp_path: Path) -> None:
-    env = ENV
-    forked = cli_fork.run(argv, env=env, cwd=tmp_path, timeout=120)
-    plain = cli_fork._plain(argv, env=env, cwd=tmp_path, timeout=120)
+    forked = cli_fork.run(argv, env=ENV, cwd=tmp_path, timeout=120)
+    plain = cli_fork._plain(argv, env=ENV, cwd=tmp_path, timeout=120)
     assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert cli_fork._server is not None and cli_fork._server.alive()  # it was forked, not run plainly
 
