@@ -100,6 +100,27 @@ def test_fewer_candidates_keep_most_of_the_top_10_and_score_them_exactly(world: 
     assert recalls[-1] >= 0.9 and recalls[-1] >= recalls[0], recalls
 
 
+def test_the_decode_block_and_the_slot_by_slot_max_change_no_bit(world: dict, monkeypatch) -> None:
+    from diffret.retrieval.search import codes as codes_module
+
+    args = (world["queries"], world["coded"], world["index"], 20)
+    whole = search_codes(*args, probes=16, candidates=200)
+    monkeypatch.setattr(codes_module, "DECODE_BLOCK", 7)  # blocks of 7 candidates, a short last one joined
+    blocks = search_codes(*args, probes=16, candidates=200)
+    assert np.array_equal(whole.index, blocks.index) and np.array_equal(whole.scores, blocks.scores)
+    # centroid interaction: passages of K_p vectors each (the slot-by-slot max) against numpy's max over slots
+    rng = np.random.default_rng(3)
+    s_t = rng.normal(size=(50, 3)).astype(np.float32)
+    cells = rng.integers(0, 50, 30 * KP)
+    starts = np.array([0, 8, 20, 100]) * 1  # passages 0, 2, 5, 25 of 30 x K_p vectors
+    starts = starts - starts % KP
+    got = codes_module._interaction(s_t, cells, starts, starts + KP)
+    best = s_t[cells[(starts[:, None] + np.arange(KP)).ravel()]].reshape(len(starts), KP, 3).max(axis=1)
+    assert np.array_equal(got, best[:, 0] + best[:, 1] + best[:, 2])
+    mixed = codes_module._interaction(s_t, cells, starts, starts + np.array([KP, 1, KP, 2]))  # the other path
+    assert mixed[0] == got[0] and mixed[2] == got[2]
+
+
 def test_what_it_cannot_search_is_refused(world: dict) -> None:
     coded, index, queries = world["coded"], world["index"], world["queries"]
     int8 = CodedPassages(coded.codes, coded.offsets, Codec("int8", H))

@@ -33,6 +33,7 @@ RESIDUAL_BITS = (1, 2, 4)
 PQ_BITS = 8
 ID_BYTES = 4  # a residual code's centroid id (uint32, as ColBERTv2 stores its codes)
 HELDOUT = 0.05, 50_000  # residual: the share of the sample (and its cap) held out of k-means for the buckets
+KMEANS_ITERATIONS = 20  # residual: k-means iterations of a codebook (`compress`'s)
 
 
 class CodebookError(ValueError):
@@ -194,12 +195,20 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int | None = None, **meta: Any) -> Codebook:
+def train_codebook(
+    vectors: np.ndarray,
+    spec: str,
+    seed: int = 0,
+    n_corpus: int | None = None,
+    iterations: int = KMEANS_ITERATIONS,
+    **meta: Any,
+) -> Codebook:
     """Train a storage choice's codebook on a sample of vectors ([n, H]; unit vectors for residual), seeded.
 
     ``n_corpus``: vectors in the whole corpus (ColBERTv2's centroid count; default: the sample's). ``meta`` is
-    recorded (what the codebook is for: :meth:`Codebook.check`). residual: k-means sees all but a seeded 5% of the
-    sample (at most 50,000 vectors), whose residuals set the buckets.
+    recorded (what the codebook is for: :meth:`Codebook.check`). residual: k-means (``iterations`` of them; ColBERTv2
+    and fast-plaid run 4) sees all but a seeded 5% of the sample (at most 50,000 vectors), whose residuals set the
+    buckets.
 
     >>> rng = np.random.default_rng(0)
     >>> x = rng.normal(size=(600, 16)).astype(np.float32)
@@ -237,7 +246,7 @@ def train_codebook(vectors: np.ndarray, spec: str, seed: int = 0, n_corpus: int 
     km = faiss.Kmeans(
         dim,
         c,
-        niter=20,
+        niter=iterations,
         seed=seed,
         spherical=True,
         min_points_per_centroid=1,

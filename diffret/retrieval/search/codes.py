@@ -11,7 +11,10 @@ cell, corpus positions ascending: at most 4 bytes a vector, no vector). A query 
    (``sum_i max_j <q_i, c(p_j)>``, read from the codes' centroid ids without decoding), and the best ``candidates``
    are kept (ties: the earlier passage);
 3. those are decoded and scored by exact MaxSim under the search's rules (:func:`retrieval.search.scoring.maxsim`,
-   the exact search's), so a passage both find has the same score as in exact search over the decoded codes.
+   the exact search's), so a passage both find has the same score as in exact search over the decoded codes. They
+   are decoded :data:`DECODE_BLOCK` at a time, so that a block's vectors stay in the CPU's cache between the decode,
+   the norms and the scoring (1.4-1.6x faster than decoding them all at once at 8,192 candidates); every score is
+   bit for bit the same as decoding them at once.
 
 ``probes`` and ``candidates`` are the quality / speed knob; with every cell probed and every passage a candidate the
 result is exact search's. PLAID's centroid-pruning threshold is not applied (step 2 reads every centroid of a
@@ -36,6 +39,8 @@ from .scoring import NEG, TopK, maxsim
 
 DEFAULT_PROBES = 2  # PLAID's nprobe for k = 100 (ColBERTv2's PLAID settings: 1 / 2 / 4 for k = 10 / 100 / 1000)
 DEFAULT_CANDIDATES = 1024  # PLAID's candidates re-ranked for k = 100
+DECODE_BLOCK = 512  # candidates decoded and scored at a time (at K_p = 16, H = 128: 4 MiB of vectors)
+MIN_BLOCK = 16  # the fewest candidates a block scores when the query has more
 CENTROID_SCORES = 16 << 20  # the most (query vector, centroid) scores held at once (64 MiB of float32)
 IVF_SCHEMA = pa.schema(
     [pa.field("centroid", pa.int32(), nullable=False), pa.field("passages", pa.list_(pa.int32()), nullable=False)]
@@ -161,11 +166,16 @@ def _interaction(s_t: np.ndarray, cells: np.ndarray, starts: np.ndarray, ends: n
     [3.0, 1.0]
     """
     lengths = ends - starts
-    rows = s_t[cells[_ranges(starts, ends)]]  # [vectors of the candidates, kq]
     kp = int(lengths[0]) if len(lengths) else 0
-    if kp and (lengths == kp).all():  # every candidate has K_p vectors
-        best = rows.reshape(len(starts), kp, -1).max(axis=1)
+    if kp and (lengths == kp).all():  # every candidate has K_p vectors: the max taken slot by slot (numpy's
+        # reduction over a short middle axis is several times slower)
+        rows = np.take(s_t, np.take(cells, (starts[:, None] + np.arange(kp)).ravel()), axis=0)
+        rows = rows.reshape(len(starts), kp, -1)
+        best = rows[:, 0].copy()
+        for j in range(1, kp):
+            np.maximum(best, rows[:, j], out=best)
     else:
+        rows = np.take(s_t, np.take(cells, _ranges(starts, ends)), axis=0)  # [vectors of the candidates, kq]
         best = np.maximum.reduceat(rows, np.concatenate([[0], np.cumsum(lengths)[:-1]]), axis=0)
     out = best[:, 0].copy()
     for i in range(1, best.shape[1]):
@@ -185,6 +195,41 @@ def _best(scores: np.ndarray, n: int) -> np.ndarray:
     above = np.flatnonzero(scores > cut)
     tied = np.flatnonzero(scores == cut)[: n - len(above)]
     return np.sort(np.concatenate([above, tied]))
+
+
+def _exact_scores(
+    queries: Encodings, qi: int, passages: CodedPassages, cand: np.ndarray, kp: int, rules: ScoreRules
+) -> np.ndarray:
+    """Query ``qi``'s MaxSim against the decoded codes of the passages ``cand`` (padded to ``kp`` vectors: the
+    widest of all the query's candidates, so a block scores as the whole would), as exact search scores them."""
+    starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
+    vecs = normalised(
+        torch.from_numpy(
+            decode(
+                passages.codes[_ranges(starts, ends)],
+                passages.codec.spec,
+                passages.codec.codebook,
+                passages.codec.dim,
+            )
+        ),
+        rules,
+    )
+    lengths = ends - starts
+    if (lengths == kp).all():  # every candidate has K_p vectors: a view, as exact search reads them
+        multi, mask = vecs.view(len(cand), kp, -1), torch.ones(len(cand), kp, dtype=torch.bool)
+    else:
+        mask = torch.arange(kp)[None, :] < torch.from_numpy(lengths)[:, None]
+        multi = torch.zeros(len(cand), kp, vecs.shape[1])
+        multi[mask] = vecs
+    return maxsim(
+        queries.multi[qi : qi + 1].float(),
+        queries.mask[qi : qi + 1],
+        multi,
+        mask,
+        clamp=rules.maxsim_clamp,
+        reduce=rules.maxsim_reduce,
+        bf16=rules.bf16,
+    )[0].numpy()
 
 
 @dataclass
@@ -262,35 +307,15 @@ def search_codes(
                 approx = _interaction(np.ascontiguousarray(s.T), cells, starts, ends)
                 cand = cand[_best(approx, candidates)]
             if len(cand):
-                starts, ends = passages.offsets[cand], passages.offsets[cand + 1]
-                vecs = normalised(
-                    torch.from_numpy(
-                        decode(
-                            passages.codes[_ranges(starts, ends)],
-                            passages.codec.spec,
-                            passages.codec.codebook,
-                            passages.codec.dim,
-                        )
-                    ),
-                    rules,
-                )
-                lengths = ends - starts
-                kp = int(lengths.max())
-                if (lengths == kp).all():  # every candidate has K_p vectors: a view, as exact search reads them
-                    multi, mask = vecs.view(len(cand), kp, -1), torch.ones(len(cand), kp, dtype=torch.bool)
-                else:
-                    mask = torch.arange(kp)[None, :] < torch.from_numpy(lengths)[:, None]
-                    multi = torch.zeros(len(cand), kp, vecs.shape[1])
-                    multi[mask] = vecs
-                sc = maxsim(
-                    queries.multi[qi : qi + 1].float(),
-                    queries.mask[qi : qi + 1],
-                    multi,
-                    mask,
-                    clamp=rules.maxsim_clamp,
-                    reduce=rules.maxsim_reduce,
-                    bf16=rules.bf16,
-                )[0].numpy()
+                sc = np.empty(len(cand), np.float32)
+                kp = int((passages.offsets[cand + 1] - passages.offsets[cand]).max())  # every block padded to it
+                # decoded and scored a cache-sized block at a time; a short last block joins the one before (BLAS
+                # scores a handful of columns another way, which would change a score's last bit)
+                cuts = list(range(0, len(cand), DECODE_BLOCK))[1:]
+                if cuts and len(cand) - cuts[-1] < MIN_BLOCK:
+                    cuts.pop()
+                for c0, c1 in zip([0, *cuts], [*cuts, len(cand)], strict=True):
+                    sc[c0:c1] = _exact_scores(queries, qi, passages, cand[c0:c1], kp, rules)
                 order = np.lexsort((cand, -sc))[:width]
                 out_s[qi, : len(order)], out_i[qi, : len(order)] = sc[order], cand[order]
             if stats is not None:
