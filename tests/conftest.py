@@ -257,3 +257,12 @@ def tiny_beir(tmp_path: Path) -> Path:
     ]
     qrels = {"test": [("q1", "d1", 1), ("q2", "d2", 2)], "train": [("q2", "d1", 0)]}
     return write_beir(tmp_path / "tiny", corpus, queries, qrels)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _repairs_named_as_commands() -> None:
+    """The store's messages render a repair with the renderer installed; importing ``diffret.flows`` installs the
+    command line's (``diffret <command> ...``). Some tests import it and some do not, so without this a test's
+    messages would depend on which tests its worker ran before it (a test run alone got the bare ``<command> ...``).
+    """
+    import diffret.flows.repairs  # noqa: F401
