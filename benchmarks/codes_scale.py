@@ -2,6 +2,8 @@
 
     python benchmarks/codes_scale.py --n 10000 100000 --work /tmp/codes_scale      # the measurement
     python benchmarks/codes_scale.py --n 2000 --queries 20 --work /tmp/cs_small     # a quick one
+    python benchmarks/codes_scale.py --n 1000000 --kmeans-iterations 4 --fastplaid-codes diffret \
+        --fastplaid-python /path/to/fastplaid-env/bin/python --repeats 1 --setting 32x8192 32x32768 128x65536
 
 Per size N: N passages x K_p 16 and ``--queries`` queries x K_q 8 at H = 128 from the width benchmark's low-rank plus
 noise model (tests/synthetic_store.py, imported: query i is about passage i N / queries), unit vectors stored as
@@ -16,6 +18,9 @@ its top-10 and top-100 of each query. Then, in one process per size, with the en
 - **fast-plaid** (``--fastplaid-python``: a separate environment with fast-plaid and the torch its wheel pins; a
   benchmark-only dependency): ``FastPlaid.create(nbits=4)`` (its own k-means, the same count of centroids) and
   ``search(n_ivf_probe=PROBES, n_full_scores=CANDIDATES)``, run as a subprocess that reads the same .npy files.
+  ``--fastplaid-codes diffret``: instead of its own build, it searches diffret's codebook and codes written in its
+  index layout (:func:`fastplaid_from_codes`; rows of engine ``fast-plaid/diffret-codes``), where its own build would
+  take hours (1M on 2 cores).
 - **LanceDB** (sizes up to ``--lance-max``): the float16 multivector table and IVF_PQ index `diffret index` builds,
   searched with exact MaxSim re-ranking (retrieval/search/lance.py) at a few probe counts.
 
@@ -23,7 +28,9 @@ Per row: recall@10 and recall@100 of the exact top-10 / top-100, ms a query (the
 the queries, one thread, best of ``--repeats``), bytes a passage (codes and index in memory for diffret, the index
 folder for fast-plaid and LanceDB), build seconds (on ``--build-threads``, recorded with them). Results:
 ``benchmarks/results/codes_scale.json``
-(merged by size: a long run keeps every size it finished).
+(merged by size: a long run keeps every size it finished). The work folder keeps each size's vectors, their exact
+top-100, diffret's build (reused for the same sample and k-means iterations) and fast-plaid's, so a rerun searches
+again without building.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "codes_scale.json"
 KP, KQ, HIDDEN, BITS = 16, 8, 128, 4
 CHUNK = 5000  # passages generated (and streamed to exact search) at a time
+FASTPLAID, FASTPLAID_ON_DIFFRET = "fast-plaid", "fast-plaid/diffret-codes"  # its own build; diffret's codes
 
 
 def log(msg: str) -> None:
@@ -55,14 +63,14 @@ def folder_bytes(path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------ fast-plaid worker
-def fastplaid_worker(work: Path, mode: str) -> None:
+def fastplaid_worker(work: Path, mode: str, folder: str = "fastplaid") -> None:
     """Runs in fast-plaid's environment (no diffret import). ``build``: create the index, print its seconds and
     bytes. ``search``: read ``{"probes", "candidates"}`` lines on stdin, write ``fp_PxC.npy`` (top-100 ids), print
     the batch's ms a query."""
     import torch
     from fast_plaid.search import FastPlaid
 
-    index = work / "fastplaid"
+    index = work / folder
     if mode == "build":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         x = torch.from_numpy(np.load(work / "passages.npy"))  # [N, K_p, H] float16
@@ -84,8 +92,56 @@ def fastplaid_worker(work: Path, mode: str) -> None:
         ids = np.full((len(q), 100), -1, np.int64)
         for i, r in enumerate(res):
             ids[i, : len(r)] = [d for d, _ in r]
-        np.save(work / f"fp_{cmd['probes']}x{cmd['candidates']}.npy", ids)
+        np.save(index / f"top100_{cmd['probes']}x{cmd['candidates']}.npy", ids)
         print(json.dumps({"ms": ms}), flush=True)
+
+
+def fastplaid_from_codes(folder: Path, codes: np.ndarray, cb: Any, index: Any, n: int) -> None:
+    """Write diffret's residual:4 codebook, codes and codes index as a fast-plaid index folder (its 1.7 layout), so
+    fast-plaid searches the very codes diffret searches. fast-plaid packs a byte as diffret does (the even dimension
+    in the high nibble) but each 4-bit bucket index with its bits reversed; its centroids are float16. Checked
+    against a fast-plaid build: its ``get_embeddings`` of a written folder equals diffret's ``decode`` to float16
+    rounding (``--check-fastplaid``)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rev = np.array([int(f"{v:04b}"[::-1], 2) for v in range(16)], np.uint8)
+    lut = (rev[np.arange(256) >> 4] << 4 | rev[np.arange(256) & 15]).astype(np.uint8)
+    cents = cb.arrays["centroids"]
+    ids = np.ascontiguousarray(codes[:, :4]).view("<u4")[:, 0].astype(np.int64)
+    np.save(folder / "0.codes.npy", ids)  # one chunk: fast-plaid merges it into its own files at the first load
+    np.save(folder / "0.residuals.npy", lut[codes[:, 4:]])
+    np.save(folder / "centroids.npy", cents.astype(np.float16))
+    np.save(folder / "bucket_cutoffs.npy", cb.arrays["cutoffs"].astype(np.float32))
+    np.save(folder / "bucket_weights.npy", cb.arrays["values"].astype(np.float32))
+    # not read by search (update's): the mean absolute residual of each dimension, and a cell radius
+    sample = codes[:: max(1, len(codes) // 100_000)]
+    from diffret.retrieval.search.codecs import byte_table
+
+    resid = byte_table(cb.arrays["values"], BITS)[sample[:, 4:]].reshape(len(sample), -1)
+    np.save(folder / "avg_residual.npy", np.abs(resid).mean(0).astype(np.float32))
+    np.save(
+        folder / "cluster_threshold.npy",
+        np.array([float(np.quantile(np.linalg.norm(resid, axis=1), 0.75))], np.float32),
+    )
+    np.save(folder / "ivf.npy", index.passages.astype(np.int64))
+    np.save(folder / "ivf_lengths.npy", np.diff(index.offsets).astype(np.int32))
+    (folder / "doclens.0.json").write_text(json.dumps([KP] * n))
+    (folder / "0.metadata.json").write_text(
+        json.dumps({"embedding_offset": 0, "num_documents": n, "num_embeddings": len(codes)}, indent=2)
+    )
+    (folder / "plan.json").write_text(json.dumps({"nbits": BITS, "num_chunks": 1}, indent=2))
+    meta = {
+        "avg_doclen": float(KP),
+        "compress_only": False,
+        "nbits": BITS,
+        "num_chunks": 1,
+        "num_documents": n,
+        "num_embeddings": len(codes),
+        "num_partitions": len(cents),
+        "frozen": True,
+        "mutable": True,
+    }
+    (folder / "metadata.json").write_text(json.dumps(meta, indent=2))
 
 
 # ------------------------------------------------------------------------------------------ the measurement
@@ -132,13 +188,20 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     # another thread count or setting
     before = json.loads(RESULTS.read_text()).get(str(n), {}) if RESULTS.exists() else {}
     again = {(args.threads, *(int(v) for v in setting.split("x"))) for setting in args.setting}
+    measured = {"diffret"} | (
+        {FASTPLAID_ON_DIFFRET if args.fastplaid_codes == "diffret" else FASTPLAID} if args.fastplaid_python else set()
+    )
     kept = [
         r
         for r in before.get("rows", [])
         if (r["engine"] == "lancedb" and n > args.lance_max)
         or (r["engine"] != "lancedb" and (r.get("threads", 1), r["probes"], r["candidates"]) not in again)
+        or (r["engine"] not in measured and r["engine"] != "lancedb")
     ]
     rows += kept
+    for key in ("fastplaid_build_s",):  # an earlier run's fast-plaid build, when this one does not measure it
+        if key in before:
+            out[key] = before[key]
     t0 = time.perf_counter()
     if not (work / "passages.npy").exists():
         make_vectors(work, n, args.queries, args.seed)
@@ -163,8 +226,13 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     torch.set_num_threads(args.build_threads)
     faiss.omp_set_num_threads(args.build_threads)
     t0 = time.perf_counter()
-    ref = exact(lambda a, b: np.asarray(x[a:b], np.float32))
-    out["exact_s"] = round(time.perf_counter() - t0, 1)
+    if (work / "exact_top100.npy").exists():  # the vectors' exact top-100 (the vectors are never rewritten)
+        ref = np.load(work / "exact_top100.npy")
+        out["exact_s"] = before.get("exact_s")  # the run that searched them
+    else:
+        ref = exact(lambda a, b: np.asarray(x[a:b], np.float32))
+        np.save(work / "exact_top100.npy", ref)
+        out["exact_s"] = round(time.perf_counter() - t0, 1)
     log(f"exact top-100 in {out['exact_s']} s")
 
     # diffret: codebook as `compress` trains it, codes, the codes index as `index` builds it (the codebook and
@@ -172,8 +240,10 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
     # them again; another sample builds them anew)
     built = work / "diffret_build.json"
     out["sample"] = min(sample_vectors(args.sample, n, KP), n * KP)
+    out["kmeans_iterations"] = args.kmeans_iterations
     b = json.loads(built.read_text()) if built.exists() else {}
-    if b.get("sample", DEFAULT_SAMPLE) == out["sample"]:  # a build without its sample recorded: the old default's
+    # a build without its sample recorded: the old default's; without its iterations: 20
+    if (b.get("sample", DEFAULT_SAMPLE), b.get("kmeans_iterations", 20)) == (out["sample"], args.kmeans_iterations):
         cb, codes = (
             Codebook.from_bytes((work / "diffret_codebook.bin").read_bytes()),
             np.load(work / "diffret_codes.npy"),
@@ -187,7 +257,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
             out["sample"],
             0,
         )
-        cb = train_codebook(sample, spec, 0, n * KP)
+        cb = train_codebook(sample, spec, 0, n * KP, iterations=args.kmeans_iterations)
         t_codebook = time.perf_counter() - t0
         codes = np.concatenate(
             [encode(np.asarray(x[a : a + CHUNK], np.float32).reshape(-1, HIDDEN), spec, cb) for a in range(0, n, CHUNK)]
@@ -195,7 +265,14 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         t_codes = time.perf_counter() - t0 - t_codebook
         (work / "diffret_codebook.bin").write_bytes(cb.to_bytes())
         np.save(work / "diffret_codes.npy", codes)
-        b = {"codebook_s": t_codebook, "codes_s": t_codes, "sample": len(sample), "build_threads": args.build_threads}
+        b = {
+            "codebook_s": t_codebook,
+            "codes_s": t_codes,
+            "sample": len(sample),
+            "kmeans_iterations": args.kmeans_iterations,
+            "build_threads": args.build_threads,
+        }
+        (work / "ceiling_top100.npy").unlink(missing_ok=True)
         built.write_text(json.dumps(b))
     t_codebook, t_codes, b_threads = b["codebook_s"], b["codes_s"], b.get("build_threads", args.build_threads)
     t0 = time.perf_counter()
@@ -209,16 +286,29 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         f"diffret: {index.n_centroids:,} centroids, codebook {t_codebook:.0f} s, built in {build_s:.0f} s, "
         f"{d_bytes:,.0f} B a passage"
     )
-    ceiling = exact(lambda a, b: decode(codes[a * KP : b * KP], spec, cb, HIDDEN).reshape(b - a, KP, HIDDEN))
+    if (work / "ceiling_top100.npy").exists():  # of this build (removed when it is rebuilt)
+        ceiling = np.load(work / "ceiling_top100.npy")
+    else:
+        ceiling = exact(lambda a, b: decode(codes[a * KP : b * KP], spec, cb, HIDDEN).reshape(b - a, KP, HIDDEN))
+        np.save(work / "ceiling_top100.npy", ceiling)
     out["ceiling"] = {"recall_10": recall(ceiling, ref, 10), "recall_100": recall(ceiling, ref, 100)}
     log(f"4-bit ceiling (exact over diffret's decoded codes): {out['ceiling']}")
 
-    fp_search = None
+    fp_search, fp_engine, fp_folder = None, FASTPLAID, "fastplaid"
+    if args.fastplaid_python and args.fastplaid_codes == "diffret":
+        # fast-plaid searches diffret's codes (written in its layout): no fast-plaid build to measure
+        fp_engine, fp_folder = FASTPLAID_ON_DIFFRET, "fastplaid_diffret_codes"
+        t0 = time.perf_counter()
+        fastplaid_from_codes(work / fp_folder, codes, cb, index, n)
+        fp_build = {"build_s": None, "bytes": folder_bytes(work / fp_folder), "build_threads": None}
+        log(f"fast-plaid's folder written from diffret's codes in {time.perf_counter() - t0:.0f} s")
     if args.fastplaid_python:
         env = dict(os.environ)
         threads = {k: str(args.build_threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")}
         fp_built = work / "fastplaid_build.json"
-        if not fp_built.exists():
+        if fp_engine == FASTPLAID_ON_DIFFRET:
+            pass
+        elif not fp_built.exists():
             res = subprocess.run(
                 [args.fastplaid_python, __file__, "--fastplaid-worker", "build", "--work", str(work)],
                 capture_output=True,
@@ -230,18 +320,31 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
             fp_built.write_text(
                 json.dumps({**json.loads(res.stdout.strip().splitlines()[-1]), "build_threads": args.build_threads})
             )
-        fp_build = json.loads(fp_built.read_text())
-        log(f"fast-plaid: built in {fp_build['build_s']:.0f} s, {fp_build['bytes'] / n:,.0f} B a passage")
+        if fp_engine == FASTPLAID:
+            fp_build = json.loads(fp_built.read_text())
+            log(f"fast-plaid: built in {fp_build['build_s']:.0f} s, {fp_build['bytes'] / n:,.0f} B a passage")
         one = {k: str(args.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")}
         fp_search = subprocess.Popen(
-            [args.fastplaid_python, __file__, "--fastplaid-worker", "search", "--work", str(work)],
+            [
+                args.fastplaid_python,
+                __file__,
+                "--fastplaid-worker",
+                "search",
+                "--work",
+                str(work),
+                "--fastplaid-folder",
+                fp_folder,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**env, **one},
         )
         json.loads(fp_search.stdout.readline())
-        out["fastplaid_build_s"] = round(fp_build["build_s"], 1)
+        if fp_build["build_s"] is not None:
+            out["fastplaid_build_s"] = round(fp_build["build_s"], 1)
+        if fp_engine == FASTPLAID_ON_DIFFRET:  # after the search loaded it: fast-plaid's own merged files counted
+            fp_build["bytes"] = folder_bytes(work / fp_folder)
 
     torch.set_num_threads(args.threads)
     search_codes(queries.rows(0, 2), coded, index, 10, 1, 64, rules)  # warm
@@ -256,19 +359,19 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         fp_search.stdin.write(json.dumps({"probes": p, "candidates": c}) + "\n")
         fp_search.stdin.flush()
         ms = json.loads(fp_search.stdout.readline())["ms"]
-        return ms, np.load(work / f"fp_{p}x{c}.npy")
+        return ms, np.load(work / fp_folder / f"top100_{p}x{c}.npy")
 
     for setting in args.setting:
         p, c = (int(v) for v in setting.split("x"))
-        best = {"diffret": float("inf"), "fast-plaid": float("inf")}
+        best = {"diffret": float("inf"), fp_engine: float("inf")}
         got: dict[str, np.ndarray] = {}
         st = None
         for _ in range(args.repeats):  # engines alternating
             ms, got["diffret"], st = d_run(p, c)
             best["diffret"] = min(best["diffret"], ms)
             if fp_search is not None:
-                ms, got["fast-plaid"] = f_run(p, c)
-                best["fast-plaid"] = min(best["fast-plaid"], ms)
+                ms, got[fp_engine] = f_run(p, c)
+                best[fp_engine] = min(best[fp_engine], ms)
         for engine, ids in got.items():
             row = {
                 "engine": engine,
@@ -280,7 +383,9 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
                 "recall_100": recall(ids, ref, 100),
                 "ms_per_query": best[engine],
                 "bytes_per_passage": d_bytes if engine == "diffret" else fp_build["bytes"] / n,
-                "build_s": round(build_s if engine == "diffret" else fp_build["build_s"], 1),
+                "build_s": round(build_s, 1)
+                if engine == "diffret"
+                else fp_build["build_s"] and round(fp_build["build_s"], 1),
                 "build_threads": (b_threads if engine == "diffret" else fp_build.get("build_threads", 1)),
             }
             if engine == "diffret":
@@ -368,6 +473,11 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
 
+def fp_of(d: dict[str, Any]) -> str:
+    """The fast-plaid rows a size compares diffret with: its own build's, else those on diffret's codes."""
+    return FASTPLAID if any(r["engine"] == FASTPLAID for r in d["rows"]) else FASTPLAID_ON_DIFFRET
+
+
 def render(data: dict[str, Any]) -> str:
     sizes = sorted(data.values(), key=lambda d: d["n"])
     many = [r for d in sizes for r in d["rows"] if r.get("threads", 1) != 1]
@@ -378,7 +488,7 @@ def render(data: dict[str, Any]) -> str:
     )
     out.append("|---:|---:|---:|---|---:|---:|---|")
     for d in sizes:
-        for e in ("diffret", "fast-plaid", "lancedb"):
+        for e in ("diffret", FASTPLAID, FASTPLAID_ON_DIFFRET, "lancedb"):
             mine = [r for r in d["rows"] if r["engine"] == e]
             if not mine:
                 continue
@@ -387,28 +497,59 @@ def render(data: dict[str, Any]) -> str:
                 if e == "diffret"
                 else ""
             )
+            built = (
+                "diffret's codes"
+                if mine[0]["build_s"] is None
+                else f"{mine[0]['build_s']:,.0f} ({mine[0].get('build_threads', 1)})"
+            )
+            iters = (
+                f", k-means {d['kmeans_iterations']} iterations" if e == "diffret" and "kmeans_iterations" in d else ""
+            )
             out.append(
                 f"| {d['n']:,} | {d['n'] * d['kp']:,} | {d['centroids']:,} | {e} | "
-                f"{mine[0]['bytes_per_passage']:,.0f} | {mine[0]['build_s']:,.0f} "
-                f"({mine[0].get('build_threads', 1)}) | {ceiling} |"
+                f"{mine[0]['bytes_per_passage']:,.0f} | {built}{iters} | {ceiling} |"
             )
     out += ["", "Recall of the exact top-10 / top-100 and ms a query (one thread), per setting:", ""]
     out.append("| N | probes x candidates | diffret R@10 | R@100 | ms | fast-plaid R@10 | R@100 | ms |")
     out.append("|---:|---|---:|---:|---:|---:|---:|---:|")
     for d in sizes:
         by = {(r["engine"], r["probes"], r["candidates"]): r for r in d["rows"]}
+        mark = "" if fp_of(d) == FASTPLAID else " *"
         for p, c in sorted(
-            {(r["probes"], r["candidates"]) for r in d["rows"] if r["engine"] != "lancedb"}, key=lambda k: (k[1], k[0])
+            {(r["probes"], r["candidates"]) for r in d["rows"] if r["engine"] in ("diffret", fp_of(d))},
+            key=lambda k: (k[1], k[0]),
         ):
             cells = []
-            for e in ("diffret", "fast-plaid"):
+            for e in ("diffret", fp_of(d)):
                 r = by.get((e, p, c))
                 cells += (
                     [f"{r['recall_10']:.3f}", f"{r['recall_100']:.3f}", f"{r['ms_per_query']:.1f}"]
                     if r
                     else ["", "", ""]
                 )
-            out.append(f"| {d['n']:,} | {p} x {c:,} | " + " | ".join(cells) + " |")
+            out.append(f"| {d['n']:,}{mark} | {p} x {c:,} | " + " | ".join(cells) + " |")
+    if any(fp_of(d) == FASTPLAID_ON_DIFFRET for d in sizes):
+        out += [
+            "",
+            "\\* fast-plaid searching diffret's codebook and codes, written in its index layout (no build of its own).",
+        ]
+    both = [d for d in sizes if {FASTPLAID, FASTPLAID_ON_DIFFRET} <= {r["engine"] for r in d["rows"]}]
+    for d in both:
+        by = {(r["engine"], r["probes"], r["candidates"]): r for r in d["rows"]}
+        keys = sorted({(p, c) for e, p, c in by if e == FASTPLAID_ON_DIFFRET}, key=lambda k: (k[1], k[0]))
+        out += [
+            "",
+            f"fast-plaid at N = {d['n']:,} on its own build and on diffret's codes (same settings, same run):",
+            "",
+            "| probes x candidates | own R@10 | ms | on diffret's codes R@10 | ms | diffret R@10 | ms |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p, c in keys:
+            cells = []
+            for e in (FASTPLAID, FASTPLAID_ON_DIFFRET, "diffret"):
+                r = by.get((e, p, c))
+                cells += [f"{r['recall_10']:.3f}", f"{r['ms_per_query']:.1f}"] if r else ["", ""]
+            out.append(f"| {p} x {c:,} | " + " | ".join(cells) + " |")
     lance = [r for d in sizes for r in d["rows"] if r["engine"] == "lancedb"]
     if lance:
         out += ["", "LanceDB (IVF_PQ, nprobes x the candidates it fetches, re-ranked exactly):", ""]
@@ -429,7 +570,7 @@ def render(data: dict[str, Any]) -> str:
     out.append("|---:|---:|---|---:|---|---:|---:|")
     law: dict[str, list[tuple[int, float, int, int]]] = {}
     for d in sizes:
-        for e in ("diffret", "fast-plaid"):
+        for e in ("diffret", fp_of(d)):
             mine = [r["recall_10"] for r in d["rows"] if r["engine"] == e]
             if not mine:
                 continue
@@ -438,7 +579,9 @@ def render(data: dict[str, Any]) -> str:
             if r is None:
                 out.append(f"| {d['n']:,} | {d['centroids']:,} | {e} | {ceiling:.3f} | none reaches it | | |")
                 continue
-            law.setdefault(e, []).append((d["n"], r["ms_per_query"], r["probes"], r["candidates"]))
+            law.setdefault(e if e == "diffret" else FASTPLAID, []).append(
+                (d["n"], r["ms_per_query"], r["probes"], r["candidates"])
+            )
             out.append(
                 f"| {d['n']:,} | {d['centroids']:,} | {e} | {ceiling:.3f} | {r['probes']} x {r['candidates']:,} | "
                 f"{r['recall_10']:.3f} | {r['ms_per_query']:.1f} |"
@@ -447,11 +590,11 @@ def render(data: dict[str, Any]) -> str:
     reach = [
         t
         for t in (0.6, 0.65, 0.7, 0.75, 0.8)
-        if all(cheapest(d["rows"], e, t) for d in sizes for e in ("diffret", "fast-plaid"))
+        if all(cheapest(d["rows"], e, t) for d in sizes for e in ("diffret", fp_of(d)))
     ]
     for t in reach[-1:]:
-        for e in ("diffret", "fast-plaid"):
-            pts = [(d["n"], cheapest(d["rows"], e, t)) for d in sizes]
+        for e in ("diffret", FASTPLAID):
+            pts = [(d["n"], cheapest(d["rows"], e if e == "diffret" else fp_of(d), t)) for d in sizes]
             b = slope([p[0] for p in pts], [p[1]["ms_per_query"] for p in pts])
             steps = ", ".join(f"{p[1]['ms_per_query']:.1f} ms ({p[1]['probes']} x {p[1]['candidates']:,})" for p in pts)
             out.append(
@@ -471,9 +614,9 @@ def render(data: dict[str, Any]) -> str:
                 "candidates a query on one thread."
             )
     top = sizes[-1]
-    fp_best = max((r["recall_10"] for r in top["rows"] if r["engine"] == "fast-plaid"), default=0.0)
+    fp_best = max((r["recall_10"] for r in top["rows"] if r["engine"] == fp_of(top)), default=0.0)
     for target in sorted({0.6, 0.7, 0.8, round(fp_best, 3)}):
-        a, b = cheapest(top["rows"], "diffret", target), cheapest(top["rows"], "fast-plaid", target)
+        a, b = cheapest(top["rows"], "diffret", target), cheapest(top["rows"], fp_of(top), target)
         if a and b:
             out.append(
                 f"- At N = {top['n']:,}, recall@10 >= {target:.3f}: diffret {a['ms_per_query']:.1f} ms "
@@ -519,13 +662,26 @@ def main() -> None:
         default="colbert",
         help="diffret's codebook sample: 'colbert' (ColBERTv2's, as fast-plaid's) or a number of vectors",
     )
+    ap.add_argument(
+        "--kmeans-iterations",
+        type=int,
+        default=20,
+        help="diffret's k-means iterations (20, compress's; ColBERTv2 and fast-plaid run 4)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="threads a search runs on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--fastplaid-python", default="", help="python of the environment holding fast-plaid")
     ap.add_argument("--lance-max", type=int, default=10_000, help="the largest N LanceDB is measured at")
     ap.add_argument("--lance-nprobes", type=int, nargs="+", default=[20, 80, 320])
+    ap.add_argument(
+        "--fastplaid-codes",
+        choices=["own", "diffret"],
+        default="own",
+        help="fast-plaid searches its own build ('own') or diffret's codebook and codes written in its layout",
+    )
     ap.add_argument("--fastplaid-worker", choices=["build", "search"], help=argparse.SUPPRESS)
+    ap.add_argument("--fastplaid-folder", default="fastplaid", help=argparse.SUPPRESS)
     ap.add_argument("--docs", action="store_true", help="render docs/scale.md's table from the stored results")
     ap.add_argument("--results", default=str(RESULTS), help="the results file (merged by size)")
     args = ap.parse_args()
@@ -534,7 +690,7 @@ def main() -> None:
         write_docs()
         return
     if args.fastplaid_worker:
-        fastplaid_worker(Path(args.work), args.fastplaid_worker)
+        fastplaid_worker(Path(args.work), args.fastplaid_worker, args.fastplaid_folder)
         return
     for n in args.n:
         run_size(args, n)

@@ -13,8 +13,8 @@ cell, corpus positions ascending: at most 4 bytes a vector, no vector). A query 
 3. those are decoded and scored by exact MaxSim under the search's rules (:func:`retrieval.search.scoring.maxsim`,
    the exact search's), so a passage both find has the same score as in exact search over the decoded codes. They
    are decoded :data:`DECODE_BLOCK` at a time, so that a block's vectors stay in the CPU's cache between the decode,
-   the norms and the scoring (1.4-1.6x faster than decoding them all at once at 8,192 candidates); every score is
-   bit for bit the same as decoding them at once.
+   the norms and the scoring (1.4-1.8x faster than decoding them all at once, at 100k passages and 2,048-16,384
+   candidates: docs/scale.md); every score is bit for bit the same as decoding them at once.
 
 ``probes`` and ``candidates`` are the quality / speed knob; with every cell probed and every passage a candidate the
 result is exact search's. PLAID's centroid-pruning threshold is not applied (step 2 reads every centroid of a
