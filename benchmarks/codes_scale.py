@@ -64,9 +64,9 @@ def folder_bytes(path: Path) -> int:
 
 # ------------------------------------------------------------------------------------------ fast-plaid worker
 def fastplaid_worker(work: Path, mode: str, folder: str = "fastplaid") -> None:
-    """Runs in fast-plaid's environment (no diffret import). ``build``: create the index, print its seconds and
-    bytes. ``search``: read ``{"probes", "candidates"}`` lines on stdin, write ``fp_PxC.npy`` (top-100 ids), print
-    the batch's ms a query."""
+    """Runs in fast-plaid's environment (no diffret import), on the index in ``work / folder``. ``build``: create
+    the index, print its seconds and bytes. ``search``: read ``{"probes", "candidates"}`` lines on stdin, write
+    ``top100_PxC.npy`` (top-100 ids) into the index folder, print the batch's ms a query."""
     import torch
     from fast_plaid.search import FastPlaid
 
@@ -101,23 +101,24 @@ def fastplaid_from_codes(folder: Path, codes: np.ndarray, cb: Any, index: Any, n
     fast-plaid searches the very codes diffret searches. fast-plaid packs a byte as diffret does (the even dimension
     in the high nibble) but each 4-bit bucket index with its bits reversed; its centroids are float16. Checked
     against a fast-plaid build: its ``get_embeddings`` of a written folder equals diffret's ``decode`` to float16
-    rounding (``--check-fastplaid``)."""
+    rounding (2.7e-4 at 10k; docs/scale.md)."""
+    from diffret.retrieval.search.codecs import ID_BYTES, byte_table
+    from diffret.retrieval.search.codes import centroid_ids
+
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     rev = np.array([int(f"{v:04b}"[::-1], 2) for v in range(16)], np.uint8)
     lut = (rev[np.arange(256) >> 4] << 4 | rev[np.arange(256) & 15]).astype(np.uint8)
     cents = cb.arrays["centroids"]
-    ids = np.ascontiguousarray(codes[:, :4]).view("<u4")[:, 0].astype(np.int64)
-    np.save(folder / "0.codes.npy", ids)  # one chunk: fast-plaid merges it into its own files at the first load
-    np.save(folder / "0.residuals.npy", lut[codes[:, 4:]])
+    # one chunk: fast-plaid merges it into its own files at the first load
+    np.save(folder / "0.codes.npy", centroid_ids(codes))
+    np.save(folder / "0.residuals.npy", lut[codes[:, ID_BYTES:]])
     np.save(folder / "centroids.npy", cents.astype(np.float16))
     np.save(folder / "bucket_cutoffs.npy", cb.arrays["cutoffs"].astype(np.float32))
     np.save(folder / "bucket_weights.npy", cb.arrays["values"].astype(np.float32))
     # not read by search (update's): the mean absolute residual of each dimension, and a cell radius
     sample = codes[:: max(1, len(codes) // 100_000)]
-    from diffret.retrieval.search.codecs import byte_table
-
-    resid = byte_table(cb.arrays["values"], BITS)[sample[:, 4:]].reshape(len(sample), -1)
+    resid = byte_table(cb.arrays["values"], BITS)[sample[:, ID_BYTES:]].reshape(len(sample), -1)
     np.save(folder / "avg_residual.npy", np.abs(resid).mean(0).astype(np.float32))
     np.save(
         folder / "cluster_threshold.npy",
@@ -195,13 +196,14 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         r
         for r in before.get("rows", [])
         if (r["engine"] == "lancedb" and n > args.lance_max)
-        or (r["engine"] != "lancedb" and (r.get("threads", 1), r["probes"], r["candidates"]) not in again)
-        or (r["engine"] not in measured and r["engine"] != "lancedb")
+        or (
+            r["engine"] != "lancedb"
+            and (r["engine"] not in measured or (r.get("threads", 1), r["probes"], r["candidates"]) not in again)
+        )
     ]
     rows += kept
-    for key in ("fastplaid_build_s",):  # an earlier run's fast-plaid build, when this one does not measure it
-        if key in before:
-            out[key] = before[key]
+    if "fastplaid_build_s" in before:  # an earlier run's fast-plaid build, when this one does not measure it
+        out["fastplaid_build_s"] = before["fastplaid_build_s"]
     t0 = time.perf_counter()
     if not (work / "passages.npy").exists():
         make_vectors(work, n, args.queries, args.seed)
@@ -300,15 +302,13 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         fp_engine, fp_folder = FASTPLAID_ON_DIFFRET, "fastplaid_diffret_codes"
         t0 = time.perf_counter()
         fastplaid_from_codes(work / fp_folder, codes, cb, index, n)
-        fp_build = {"build_s": None, "bytes": folder_bytes(work / fp_folder), "build_threads": None}
+        fp_build = {"build_s": None, "bytes": 0, "build_threads": None}  # its bytes: once fast-plaid has loaded it
         log(f"fast-plaid's folder written from diffret's codes in {time.perf_counter() - t0:.0f} s")
     if args.fastplaid_python:
         env = dict(os.environ)
         threads = {k: str(args.build_threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")}
         fp_built = work / "fastplaid_build.json"
-        if fp_engine == FASTPLAID_ON_DIFFRET:
-            pass
-        elif not fp_built.exists():
+        if fp_engine == FASTPLAID and not fp_built.exists():
             res = subprocess.run(
                 [args.fastplaid_python, __file__, "--fastplaid-worker", "build", "--work", str(work)],
                 capture_output=True,
@@ -322,6 +322,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
             )
         if fp_engine == FASTPLAID:
             fp_build = json.loads(fp_built.read_text())
+            fp_build["build_s"] = round(fp_build["build_s"], 1)
             log(f"fast-plaid: built in {fp_build['build_s']:.0f} s, {fp_build['bytes'] / n:,.0f} B a passage")
         one = {k: str(args.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")}
         fp_search = subprocess.Popen(
@@ -342,7 +343,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
         )
         json.loads(fp_search.stdout.readline())
         if fp_build["build_s"] is not None:
-            out["fastplaid_build_s"] = round(fp_build["build_s"], 1)
+            out["fastplaid_build_s"] = fp_build["build_s"]
         if fp_engine == FASTPLAID_ON_DIFFRET:  # after the search loaded it: fast-plaid's own merged files counted
             fp_build["bytes"] = folder_bytes(work / fp_folder)
 
@@ -383,9 +384,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict[str, Any]:
                 "recall_100": recall(ids, ref, 100),
                 "ms_per_query": best[engine],
                 "bytes_per_passage": d_bytes if engine == "diffret" else fp_build["bytes"] / n,
-                "build_s": round(build_s, 1)
-                if engine == "diffret"
-                else fp_build["build_s"] and round(fp_build["build_s"], 1),
+                "build_s": round(build_s, 1) if engine == "diffret" else fp_build["build_s"],
                 "build_threads": (b_threads if engine == "diffret" else fp_build.get("build_threads", 1)),
             }
             if engine == "diffret":
